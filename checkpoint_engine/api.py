@@ -1,0 +1,85 @@
+"""Client side of "tell the engine to connect": req_func helpers over HTTP (no pickle).
+
+Engines expose vLLM's `POST /collective_rpc` shape: {"method", "args", "kwargs", "timeout"}.
+`request_inference_to_update` is call-compatible with the anchor project's helper.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket
+import urllib.parse
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+ReqFunc = Callable[[list[tuple[str, str]]], None]
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, uds: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._uds = uds
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._uds)
+
+
+def post_json(url: str, body: dict, *, timeout_s: float, uds: str | None = None) -> dict:
+    """POST JSON, return the decoded JSON answer; RuntimeError names the URL and the problem."""
+    parts = urllib.parse.urlsplit(url)
+    if uds:
+        conn: http.client.HTTPConnection = _UnixHTTPConnection(uds, timeout_s)
+    elif parts.scheme == "http":
+        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    else:
+        raise ValueError(f"only http:// URLs are supported, got {url!r}")
+    path = parts.path or "/"
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException) as e:
+        raise RuntimeError(f"POST {url} failed: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+    if resp.status >= 400:
+        raise RuntimeError(f"POST {url} answered HTTP {resp.status}: {text[:2000]}")
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        raise RuntimeError(f"POST {url} answered non-JSON: {text[:500]!r}") from None
+
+
+def request_inference_to_update(url: str, socket_paths: dict[str, str], timeout: float = 300.0,
+                                uds: str | None = None) -> dict:
+    """Ask an engine (vLLM dev server or plain engine) to run `update_weights_from_ipc` now."""
+    return post_json(url, {"method": "update_weights_from_ipc", "args": [socket_paths], "timeout": timeout},
+                     timeout_s=timeout + 10.0, uds=uds)
+
+
+def http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engine: int = 1,
+                  timeout_s: float = 300.0, uds: str | None = None) -> ReqFunc:
+    """req_func for rank `rank` whose engine (serving `ranks_per_engine` devices) is at `endpoint`.
+
+    Only the first rank of each engine sends the request, carrying its devices' socket paths.
+    """
+    if rank is None:
+        rank = int(os.environ["RANK"])
+    if ranks_per_engine < 1:
+        raise ValueError(f"ranks_per_engine must be >= 1, got {ranks_per_engine}")
+    first = rank // ranks_per_engine * ranks_per_engine
+    url = endpoint.rstrip("/") + "/collective_rpc"
+
+    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+        if rank != first:
+            return
+        mine = dict(socket_paths[first: first + ranks_per_engine])
+        request_inference_to_update(url, mine, timeout=timeout_s, uds=uds)
+
+    return req_func

@@ -1,0 +1,53 @@
+"""Frozen, validated configuration of the parameter server and of one update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    bucket_size_bytes: int | None = None  # None: default, raised to the largest tensor, capped by the budget
+    default_bucket_size_bytes: int = 128 * MiB
+    memory_budget_bytes: int | None = None  # for the two shared buffers; None: what /dev/shm or the GPU has free
+    engine_connect_timeout_s: float = 120.0
+    engine_timeout_s: float = 300.0  # per bucket ack
+    req_func_timeout_s: float = 600.0
+    verify_checksums: bool = False
+    progress: bool = False
+    metrics_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_size_bytes", "memory_budget_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if self.default_bucket_size_bytes <= 0:
+            raise ValueError(f"default_bucket_size_bytes must be positive, got {self.default_bucket_size_bytes}")
+        for name in ("engine_connect_timeout_s", "engine_timeout_s", "req_func_timeout_s"):
+            v = getattr(self, name)
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig:
+    transport: Literal["auto", "cpu", "cuda"] = "auto"
+    align_bytes: int = 256
+    max_chunk_bytes: int | None = 1024 * MiB
+    collective_timeout_s: float = 300.0
+    verify_checksums: bool = False  # compute per-tensor checksums at gather_metas, verify on the engine
+    update: UpdateConfig = UpdateConfig()
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {self.transport!r}")
+        if self.align_bytes < 16 or self.align_bytes & (self.align_bytes - 1):
+            raise ValueError(f"align_bytes must be a power of two >= 16, got {self.align_bytes}")
+        if self.max_chunk_bytes is not None and self.max_chunk_bytes <= 0:
+            raise ValueError(f"max_chunk_bytes must be positive or None, got {self.max_chunk_bytes}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")

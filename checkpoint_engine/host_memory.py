@@ -1,0 +1,159 @@
+"""Registering a checkpoint: copy its tensors into aligned host chunks owned by this rank.
+
+Sources are safetensors files (read straight into the chunks, header validated by us) and/or
+in-memory tensors. The layout comes from `plan.layout_tensors`; buckets later slice the chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from checkpoint_engine.checksum import tensor_checksum
+from checkpoint_engine.dtypes import dtype_from_name, dtype_from_safetensors, dtype_name, itemsize
+from checkpoint_engine.plan import RankLayout, TensorMeta, layout_tensors
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: str
+    start_bytes: int  # absolute offset in the file
+    nbytes: int
+
+
+def read_safetensors_index(path: str) -> list[FileTensor]:
+    """Parse and validate a safetensors header; raise ValueError naming the file and the problem."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
+                raise ValueError(f"{path}: corrupt safetensors header length {n} (file has {size} bytes)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+    base = 8 + n
+    out = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = dtype_from_safetensors(entry["dtype"])
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: bad header entry for tensor {name!r}: {e}") from None
+        nbytes = math.prod(shape) * itemsize(dtype)
+        if end - begin != nbytes or begin < 0 or base + end > size:
+            raise ValueError(
+                f"{path}: tensor {name!r} spans bytes [{begin}, {end}) but needs {nbytes} bytes inside a "
+                f"{size - base}-byte data section (truncated or corrupt file?)"
+            )
+        out.append(FileTensor(name, dtype, shape, path, base + begin, nbytes))
+    return out
+
+
+@dataclass
+class RegisteredCheckpoint:
+    name: str
+    layout: RankLayout
+    chunks: list[torch.Tensor]
+    _checksums: dict[str, int] | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.layout.metas)
+
+    def view(self, meta: TensorMeta) -> torch.Tensor:
+        raw = self.chunks[meta.chunk][meta.offset_bytes: meta.offset_bytes + meta.nbytes]
+        return raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
+
+    def checksums(self) -> dict[str, int]:
+        if self._checksums is None:
+            self._checksums = {m.name: tensor_checksum(self.view(m)) for m in self.layout.metas}
+        return self._checksums
+
+
+def register_tensors(
+    name: str,
+    *,
+    files: Sequence[str] | None,
+    named_tensors: Mapping[str, torch.Tensor] | None,
+    alloc_host: Callable[[int], torch.Tensor],
+    align_bytes: int,
+    max_chunk_bytes: int | None,
+) -> RegisteredCheckpoint:
+    file_tensors = [t for path in (files or []) for t in read_safetensors_index(str(path))]
+    mem = dict(named_tensors or {})
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    seen: dict[str, str] = {}
+    for ft in file_tensors:
+        if ft.name in seen:
+            raise ValueError(f"duplicate tensor name {ft.name!r} in {seen[ft.name]} and {ft.path}")
+        seen[ft.name] = ft.path
+        specs.append((ft.name, ft.dtype, ft.shape))
+    for tname, t in mem.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"named_tensors[{tname!r}] is a {type(t).__name__}, not a torch.Tensor")
+        if tname in seen:
+            raise ValueError(f"duplicate tensor name {tname!r} in {seen[tname]} and named_tensors")
+        seen[tname] = "named_tensors"
+        try:
+            specs.append((tname, dtype_name(t.dtype), tuple(t.shape)))
+        except ValueError as e:
+            raise ValueError(f"tensor {tname!r}: {e}") from None
+    layout = layout_tensors(specs, align_bytes=align_bytes, max_chunk_bytes=max_chunk_bytes)
+    chunks = [alloc_host(n) for n in layout.chunk_sizes_bytes]
+    ckpt = RegisteredCheckpoint(name, layout, chunks)
+    metas = {m.name: m for m in layout.metas}
+    _fill_from_files(ckpt, file_tensors, metas)
+    for tname, t in mem.items():
+        dst = ckpt.view(metas[tname])
+        dst.copy_(t.detach().reshape(dst.shape))
+    logger.info("registered checkpoint %r: %d tensors, %.3f GiB in %d chunks", name, len(specs),
+                ckpt.nbytes / 2**30, len(chunks))
+    return ckpt
+
+
+def _fill_from_files(ckpt: RegisteredCheckpoint, file_tensors: list[FileTensor], metas: dict[str, TensorMeta]) -> None:
+    by_file: dict[str, list[FileTensor]] = {}
+    for ft in file_tensors:
+        by_file.setdefault(ft.path, []).append(ft)
+    for path, items in by_file.items():
+        with open(path, "rb", buffering=0) as f:
+            for ft in sorted(items, key=lambda x: x.start_bytes):
+                if ft.nbytes == 0:
+                    continue
+                meta = metas[ft.name]
+                dst = ckpt.chunks[meta.chunk][meta.offset_bytes: meta.offset_bytes + ft.nbytes]
+                if dst.device.type != "cpu":
+                    raise AssertionError("host chunks must live in host memory")
+                f.seek(ft.start_bytes)
+                view = memoryview(dst.numpy())
+                got = 0
+                while got < ft.nbytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise ValueError(f"{path}: unexpected end of file reading tensor {ft.name!r}")
+                    got += n

@@ -1,0 +1,56 @@
+"""Per-update metrics: bytes, time per stage, throughput; one JSON line per update."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class UpdateMetrics:
+    checkpoint: str
+    rank: int
+    world_size: int
+    mode: str = "broadcast"
+    num_buckets: int = 0
+    num_tensors: int = 0
+    bucket_size_bytes: int = 0
+    total_bytes: int = 0
+    setup_s: float = 0.0  # shared buffer + engine connect
+    copy_in_s: float = 0.0
+    broadcast_s: float = 0.0
+    engine_wait_s: float = 0.0  # waiting for the engine's acks (load not hidden by the pipeline)
+    agree_s: float = 0.0  # cross-rank status exchanges
+    finish_s: float = 0.0  # post_hook + req_func join
+    total_s: float = 0.0
+    ok: bool = False
+    error: str | None = None
+    started_at_s: float = field(default_factory=time.time)
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.total_bytes / 2**30 / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gib_per_s"] = round(self.gib_per_s, 4)
+        for k, v in d.items():
+            if isinstance(v, float) and k != "started_at_s":
+                d[k] = round(v, 6)
+        return d
+
+    def summary(self) -> str:
+        return (f"update {self.checkpoint!r}: {self.total_bytes / 2**30:.3f} GiB in {self.num_buckets} buckets, "
+                f"{self.total_s:.3f} s ({self.gib_per_s:.2f} GiB/s; copy-in {self.copy_in_s:.3f} s, "
+                f"broadcast {self.broadcast_s:.3f} s, engine wait {self.engine_wait_s:.3f} s)")
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")

@@ -1,0 +1,245 @@
+"""The double-buffered broadcast update, run identically on every PS rank.
+
+    for bucket i (shared buffer half h = i % 2):
+        wait Ack(i-2) from my engine        # half h is free again
+        agree: all ranks exchange status    # any failure -> every rank aborts
+        owner: copy-in host chunk -> half h # memcpy (CPU) / H2D (CUDA)
+        broadcast half h from owner         # gloo / NCCL, into every rank's shared buffer
+        send Bucket(i, offsets) to engine   # engine loads bucket i while we move bucket i+1
+    drain acks, agree, Done -> post_hook, agree, join req_func, agree
+
+Every wait has a deadline. A failure anywhere (engine error or death, req_func error, a
+collective failing because a rank died) ends the update on every live rank with an error that
+names the rank and the cause, and each engine is told to abort.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from checkpoint_engine import protocol as P
+from checkpoint_engine.config import UpdateConfig
+from checkpoint_engine.host_memory import RegisteredCheckpoint
+from checkpoint_engine.link import EngineFailure, EngineLink
+from checkpoint_engine.metrics import UpdateMetrics
+from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up
+from checkpoint_engine.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+ReqFunc = Callable[[list[tuple[str, str]]], None]
+REASON_BYTES = 384
+
+
+class UpdateFailed(RuntimeError):
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+        super().__init__(f"weight update aborted on all ranks ({detail})")
+
+
+class StatusExchange:
+    """All ranks learn every rank's error (if any) with one small all_gather."""
+
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None):
+        self.rank, self.world_size, self.group = rank, world_size, group
+
+    def agree(self, error: str | None) -> None:
+        if self.world_size == 1:
+            if error:
+                raise UpdateFailed({self.rank: error})
+            return
+        mine = torch.zeros(REASON_BYTES, dtype=torch.uint8)
+        if error:
+            raw = error.encode()[: REASON_BYTES - 1] or b"?"
+            mine[0] = 1
+            mine[1: 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        failures = {r: bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+                    for r, t in enumerate(out) if t[0]}
+        if failures:
+            raise UpdateFailed(failures)
+
+
+class _ReqThread:
+    def __init__(self, req_func: ReqFunc, addresses: list[tuple[str, str]]):
+        self.error: str | None = None
+        self._t = threading.Thread(target=self._run, args=(req_func, addresses), daemon=True, name="req_func")
+        self._t.start()
+
+    def _run(self, req_func: ReqFunc, addresses: list[tuple[str, str]]) -> None:
+        try:
+            req_func(addresses)
+        except BaseException as e:  # reported through the status exchange
+            self.error = f"req_func raised {type(e).__name__}: {e}"[:REASON_BYTES - 1]
+
+    def join(self, timeout_s: float) -> str | None:
+        self._t.join(timeout_s)
+        if self._t.is_alive():
+            return f"req_func did not return within {timeout_s:.0f} s"
+        return self.error
+
+
+@dataclass
+class UpdateJob:
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None
+    checkpoint: str
+    ckpt: RegisteredCheckpoint | None  # this rank's shard (None when it owns no tensor)
+    buckets: list[Bucket]
+    bucket_size_bytes: int
+    checksums: dict[str, int] | None
+    transport: Transport
+    zmq_ctx: zmq.Context
+    address: str
+    addresses: list[tuple[str, str]]
+    req_func: ReqFunc
+    cfg: UpdateConfig
+    update_id: str
+    seq: int
+
+
+def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
+    m = UpdateMetrics(job.checkpoint, job.rank, job.world_size, num_buckets=len(job.buckets),
+                      num_tensors=sum(len(b.tensors) for b in job.buckets),
+                      bucket_size_bytes=job.bucket_size_bytes,
+                      total_bytes=sum(t.nbytes for b in job.buckets for t in b.tensors))
+    t_start = time.perf_counter()
+    status = StatusExchange(job.rank, job.world_size, job.group)
+    shared, handle = job.transport.alloc_shared(2 * _half_stride(job), job.rank, job.seq)
+    link = EngineLink(job.zmq_ctx, job.address)
+    req = _ReqThread(job.req_func, job.addresses)
+    try:
+        _connect(job, link, req, handle, status, m)
+        _stream_buckets(job, link, req, shared, status, m)
+        _finish(job, link, req, status, m)
+        m.ok = True
+        return m
+    except BaseException as e:
+        m.error = str(e)
+        _abort_engine(link, str(e))
+        if isinstance(e, (UpdateFailed, KeyboardInterrupt)):
+            raise
+        raise RuntimeError(f"rank {job.rank}: weight update aborted: {type(e).__name__}: {e}") from e
+    finally:
+        m.total_s = time.perf_counter() - t_start
+        link.close()
+        job.transport.free_shared(handle)
+        del shared
+
+
+def _connect(job, link, req, handle, status, m) -> None:
+    t0 = time.perf_counter()
+    err = None
+    deadline = time.monotonic() + job.cfg.engine_connect_timeout_s
+    try:
+        link.send(P.Hello(update_id=job.update_id, checkpoint=job.checkpoint, num_buckets=len(job.buckets),
+                          buffer=handle, verify_checksums=job.checksums is not None),
+                  deadline_s=deadline, check=lambda: req.error)
+        msg = link.recv(deadline, what="the engine to connect", check=lambda: req.error)
+        if isinstance(msg, P.Error):
+            err = f"engine could not start the update: {msg.reason}"
+        elif not isinstance(msg, P.Ready):
+            err = f"engine sent {type(msg).__name__} instead of Ready"
+    except EngineFailure as e:
+        err = f"engine: {e}"
+    job.transport.peer_mapped(handle)  # the name goes away; the mappings stay
+    status.agree(err)
+    m.setup_s = time.perf_counter() - t0
+
+
+def _stream_buckets(job, link, req, shared, status, m) -> None:
+    bar = None
+    if job.cfg.progress and job.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"update {job.checkpoint}")
+    acked = 0
+    try:
+        for i, bucket in enumerate(job.buckets):
+            if i >= 2:
+                acked = _wait_acks(job, link, req, acked, i - 1, m)  # Ack(i-2) frees half i % 2
+            t0 = time.perf_counter()
+            status.agree(link.failure)
+            m.agree_s += time.perf_counter() - t0
+            half = (i % 2) * _half_stride(job)
+            dst = shared[half: half + bucket.size_bytes]
+            if job.rank == bucket.owner_rank:
+                t0 = time.perf_counter()
+                src = job.ckpt.chunks[bucket.chunk][bucket.start_bytes: bucket.start_bytes + bucket.size_bytes]
+                job.transport.copy_in(dst, src)
+                m.copy_in_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if job.world_size > 1:
+                job.transport.broadcast(dst, bucket.owner_rank, job.group)
+            job.transport.synchronize()
+            m.broadcast_s += time.perf_counter() - t0
+            link.send(P.Bucket(index=i, tensors=tuple(
+                P.WireTensor(t.name, t.dtype, t.shape, half + t.offset_bytes - bucket.start_bytes,
+                             None if job.checksums is None else job.checksums[t.name])
+                for t in bucket.tensors)))
+            if bar is not None:
+                bar.update(sum(t.nbytes for t in bucket.tensors))
+        _wait_acks(job, link, req, acked, len(job.buckets), m)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _half_stride(job: UpdateJob) -> int:
+    return align_up(job.bucket_size_bytes, DEFAULT_ALIGN_BYTES)
+
+
+def _wait_acks(job, link, req, acked: int, upto: int, m) -> int:
+    """Collect acks until buckets [0, upto) are acknowledged; an engine error is recorded on link."""
+    t0 = time.perf_counter()
+    try:
+        while acked < upto and link.failure is None:
+            msg = link.recv(time.monotonic() + job.cfg.engine_timeout_s,
+                            what=f"the engine to load bucket {acked}", check=lambda: req.error)
+            if isinstance(msg, P.Ack) and msg.index == acked:
+                acked += 1
+            elif isinstance(msg, P.Error):
+                link.failure = f"engine failed on {msg.reason}"
+            else:
+                link.failure = f"engine sent unexpected {msg} while bucket {acked} was loading"
+    except EngineFailure as e:
+        link.failure = f"engine: {e}"
+    m.engine_wait_s += time.perf_counter() - t0
+    return acked
+
+
+def _finish(job, link, req, status, m) -> None:
+    t0 = time.perf_counter()
+    status.agree(link.failure)
+    err = None
+    link.send(P.Done(update_id=job.update_id))
+    try:
+        msg = link.recv(time.monotonic() + job.cfg.engine_timeout_s, what="the engine's post-update hook",
+                        check=lambda: req.error)
+        if isinstance(msg, P.Error):
+            err = f"engine failed in {msg.reason}"
+        elif not (isinstance(msg, P.Ack) and msg.index == -1):
+            err = f"engine sent unexpected {msg} after Done"
+    except EngineFailure as e:
+        err = f"engine: {e}"
+    status.agree(err)
+    status.agree(req.join(job.cfg.req_func_timeout_s))
+    m.finish_s = time.perf_counter() - t0
+
+
+def _abort_engine(link: EngineLink, reason: str) -> None:
+    try:
+        link.send(P.Abort(reason=reason[:1000]))  # delivered by the io thread (socket LINGER)
+    except Exception:  # noqa: BLE001 - best effort: the engine may be gone already
+        logger.debug("could not deliver Abort to the engine", exc_info=True)

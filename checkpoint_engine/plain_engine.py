@@ -1,0 +1,146 @@
+"""A plain engine process: holds named weights in memory and receives updates like a vLLM worker.
+
+Used by tests, the demo and the benchmark (and by GPU checks where vLLM cannot run). It serves
+`POST /collective_rpc` (methods: update_weights_from_ipc, weights_state, weights_digest) on
+127.0.0.1. Fault injection flags make failure tests possible.
+
+    python -m checkpoint_engine.plain_engine --port 8100 [--device cpu|cuda:0] [--fail-on-bucket N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+logger = logging.getLogger(__name__)
+
+
+class PlainEngine:
+    def __init__(self, device: str = "cpu", fail_on_bucket: int | None = None,
+                 die_on_bucket: int | None = None, load_delay_s: float = 0.0, timeout_s: float = 120.0):
+        import torch
+        import zmq
+
+        from checkpoint_engine.state import EngineWeightState
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.state = EngineWeightState()
+        self.ctx = zmq.Context()
+        self.fail_on_bucket, self.die_on_bucket = fail_on_bucket, die_on_bucket
+        self.load_delay_s, self.timeout_s = load_delay_s, timeout_s
+        self._lock = threading.Lock()
+        self.num_updates_started = 0
+
+    def update_weights_from_ipc(self, zmq_handles: dict[str, str]) -> dict:
+        from checkpoint_engine.worker import update_weights_from_ipc
+
+        if len(zmq_handles) != 1:
+            raise ValueError(f"a plain engine serves one device, got handles for {sorted(zmq_handles)}")
+        handle = next(iter(zmq_handles.values()))
+        with self._lock:
+            self.num_updates_started += 1
+            bucket = {"i": 0}
+
+            def run(named):
+                i = bucket["i"]
+                bucket["i"] += 1
+                if self.die_on_bucket is not None and i == self.die_on_bucket:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if self.fail_on_bucket is not None and i == self.fail_on_bucket:
+                    raise RuntimeError(f"injected failure while loading bucket {i}")
+                if self.load_delay_s:
+                    time.sleep(self.load_delay_s)
+                for name, t in named:
+                    dst = self.weights.get(name)
+                    if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
+                        self.weights[name] = t.to(self.device, copy=True)
+                    else:
+                        dst.copy_(t)
+
+            device_id = self.device.index if self.device.type == "cuda" else None
+            update_weights_from_ipc(self.ctx, handle, device_id, run=run, state=self.state, timeout_s=self.timeout_s)
+            return self.state.report()
+
+    def weights_state(self) -> dict:
+        return self.state.report()
+
+    def weights_digest(self) -> dict:
+        from checkpoint_engine.checksum import tensor_checksum
+
+        with self._lock:
+            return {name: tensor_checksum(t) for name, t in self.weights.items()}
+
+
+METHODS = ("update_weights_from_ipc", "weights_state", "weights_digest")
+
+
+def make_handler(engine: PlainEngine):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt, *args):  # quiet
+            logger.debug(fmt, *args)
+
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._reply(200, {"ok": True, **engine.weights_state()})
+            else:
+                self._reply(404, {"error": f"no route {self.path}"})
+
+        def do_POST(self):
+            if self.path != "/collective_rpc":
+                return self._reply(404, {"error": f"no route {self.path}"})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                method, args = body.get("method"), body.get("args", [])
+                if method not in METHODS:
+                    return self._reply(400, {"error": f"unknown method {method!r}; allowed: {list(METHODS)}"})
+                if not isinstance(args, list):
+                    return self._reply(400, {"error": "args must be a list"})
+                result = getattr(engine, method)(*args)
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                return self._reply(500, {"error": f"{type(e).__name__}: {e}", "state": engine.weights_state()})
+            self._reply(200, {"results": [result]})
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--fail-on-bucket", type=int, default=None, help="raise while loading this bucket (tests)")
+    p.add_argument("--die-on-bucket", type=int, default=None, help="SIGKILL itself at this bucket (tests)")
+    p.add_argument("--load-delay-s", type=float, default=0.0)
+    p.add_argument("--timeout-s", type=float, default=120.0, help="deadline for each wait on the PS")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = PlainEngine(args.device, args.fail_on_bucket, args.die_on_bucket, args.load_delay_s, args.timeout_s)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine))
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    print(f"plain engine listening on http://{args.host}:{args.port}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""ParameterServer: one rank per inference device; holds the newest weights in host memory and
+pushes them into the engines (call-compatible with MoonshotAI's checkpoint-engine).
+
+    register_checkpoint(name, files | named_tensors)   host chunks (this rank's shard)
+    gather_metas(name)                                  all_gather of metas -> global view, per name
+    update(name, req_func)                              plan buckets -> pipeline.run_broadcast_update
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from checkpoint_engine import plan, shm
+from checkpoint_engine.collectives import all_gather_obj
+from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+from checkpoint_engine.host_memory import RegisteredCheckpoint, register_tensors
+from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
+from checkpoint_engine.pipeline import UpdateFailed, UpdateJob, run_broadcast_update
+from checkpoint_engine.plan import TensorMeta
+from checkpoint_engine.transport import make_transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GlobalMetas:
+    checkpoint: str
+    rank_metas: dict[int, tuple[TensorMeta, ...]]
+    device_ids: tuple[str, ...]
+    pids: tuple[int, ...]
+    checksums: dict[str, int] | None
+
+    def to_dict(self) -> dict:
+        return {"checkpoint": self.checkpoint, "device_ids": list(self.device_ids), "pids": list(self.pids),
+                "ranks": {str(r): [m.to_wire() for m in ms] for r, ms in self.rank_metas.items()},
+                "checksums": self.checksums}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> GlobalMetas:
+        try:
+            ranks = {int(r): tuple(TensorMeta.from_wire(x) for x in ms) for r, ms in d["ranks"].items()}
+            return cls(str(d["checkpoint"]), ranks, tuple(str(x) for x in d["device_ids"]),
+                       tuple(int(x) for x in d["pids"]), d.get("checksums"))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed metas: {e!r}") from None
+
+
+def _env_int(value: int | None, var: str) -> int:
+    if value is not None:
+        return value
+    if var not in os.environ:
+        raise ValueError(f"{var.lower()} not given and ${var} is not set (launch with torchrun or pass it)")
+    return int(os.environ[var])
+
+
+class ParameterServer:
+    def __init__(
+        self,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        auto_pg: bool = True,
+        gpu_count: int | None = None,
+        mem_fraction: float | None = None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        config: ParameterServerConfig | None = None,
+    ):
+        """`rank`/`world_size`/`master_*` default to torchrun's environment (RANK, WORLD_SIZE, ...)."""
+        self._rank = _env_int(rank, "RANK")
+        self._world_size = _env_int(world_size, "WORLD_SIZE")
+        if not 0 <= self._rank < self._world_size:
+            raise ValueError(f"rank must be in [0, world_size={self._world_size}), got {self._rank}")
+        if mem_fraction is not None and not 0 < mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+        self.config = config or ParameterServerConfig()
+        self._mem_fraction = 0.9 if mem_fraction is None else mem_fraction
+        count = gpu_count if gpu_count is not None else max(torch.cuda.device_count(), 1)
+        self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank % count))
+        self._transport = make_transport(self.config.transport, self._local_rank)
+        self._auto_pg = auto_pg
+        self._master_addr = master_addr
+        self._master_port = master_port
+        self._zmq_ctx = zmq.Context()
+        self._checkpoints: dict[str, RegisteredCheckpoint] = {}
+        self._global: dict[str, GlobalMetas] = {}
+        self._last_gathered: str | None = None
+        self._update_seq = 0
+        self._run_id = uuid.uuid4().hex[:8]
+        self.last_metrics: UpdateMetrics | None = None
+        if self._transport.backend == "gloo":
+            shm.sweep_stale_segments()
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def checkpoints(self) -> dict[str, dict]:
+        return {n: {"num_tensors": len(c.layout.metas), "nbytes": c.nbytes, "gathered": n in self._global}
+                for n, c in self._checkpoints.items()}
+
+    # -- process group ----------------------------------------------------------------------
+    def init_process_group(self, *, timeout: timedelta | None = None) -> None:
+        if dist.is_initialized():
+            return
+        timeout = timeout or timedelta(seconds=self.config.collective_timeout_s)
+        if self._master_port is not None:
+            addr = self._master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+            init = f"tcp://{addr}:{self._master_port}"
+        else:
+            init = "env://"
+        dist.init_process_group(self._transport.backend, init_method=init, rank=self._rank,
+                                world_size=self._world_size, timeout=timeout)
+        logger.info("rank %d: process group ready (%s, world %d)", self._rank, self._transport.backend, self._world_size)
+
+    def _ensure_pg(self) -> None:
+        if self._world_size == 1:
+            return
+        if not dist.is_initialized():
+            if not self._auto_pg:
+                raise RuntimeError("no process group: call init_process_group() or create one (auto_pg=False)")
+            self.init_process_group()
+        if dist.get_world_size() != self._world_size or dist.get_rank() != self._rank:
+            raise RuntimeError(f"process group is rank {dist.get_rank()}/{dist.get_world_size()} but this "
+                               f"ParameterServer is rank {self._rank}/{self._world_size}")
+
+    # -- registration -----------------------------------------------------------------------
+    def register_checkpoint(self, checkpoint_name: str, *, files: Sequence[str] | None = None,
+                            named_tensors: Mapping[str, torch.Tensor] | None = None, **_compat) -> None:
+        """Copy this rank's shard of `checkpoint_name` into host memory (both sources may be given)."""
+        if not checkpoint_name or not isinstance(checkpoint_name, str):
+            raise ValueError(f"checkpoint name must be a non-empty string, got {checkpoint_name!r}")
+        if checkpoint_name in self._checkpoints:
+            raise ValueError(f"checkpoint {checkpoint_name!r} is already registered; unregister it first")
+        self._checkpoints[checkpoint_name] = register_tensors(
+            checkpoint_name, files=files, named_tensors=named_tensors, alloc_host=self._transport.alloc_host,
+            align_bytes=self.config.align_bytes, max_chunk_bytes=self.config.max_chunk_bytes)
+
+    def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
+        if checkpoint_name not in self._checkpoints:
+            raise ValueError(f"checkpoint {checkpoint_name!r} is not registered (have: {sorted(self._checkpoints)})")
+        del self._checkpoints[checkpoint_name]
+        self._global.pop(checkpoint_name, None)
+
+    # -- metas ------------------------------------------------------------------------------
+    def gather_metas(self, checkpoint_name: str) -> None:
+        """Collective: every rank learns every rank's tensor metas for `checkpoint_name`."""
+        self._ensure_pg()
+        ckpt = self._checkpoints.get(checkpoint_name)
+        mine = {
+            "name": checkpoint_name,
+            "metas": [m.to_wire() for m in ckpt.layout.metas] if ckpt else [],
+            "checksums": ckpt.checksums() if ckpt and self.config.verify_checksums else None,
+            "device_id": self._transport.device_id(self._rank),
+            "pid": os.getpid(),
+            "registered": ckpt is not None,
+        }
+        everyone = all_gather_obj(mine, self._world_size)
+        names = {r: e["name"] for r, e in enumerate(everyone)}
+        if len(set(names.values())) != 1:
+            raise ValueError(f"gather_metas called with different checkpoint names on different ranks: {names}")
+        if not any(e["registered"] for e in everyone):
+            raise ValueError(f"checkpoint {checkpoint_name!r} is not registered on any rank")
+        rank_metas = {r: tuple(TensorMeta.from_wire(x) for x in e["metas"]) for r, e in enumerate(everyone)}
+        plan.check_global_metas(rank_metas)
+        checksums = None
+        if self.config.verify_checksums:
+            checksums = {k: v for e in everyone for k, v in (e["checksums"] or {}).items()}
+        self._global[checkpoint_name] = GlobalMetas(
+            checkpoint_name, {r: ms for r, ms in rank_metas.items() if ms},
+            tuple(e["device_id"] for e in everyone), tuple(e["pid"] for e in everyone), checksums)
+        self._last_gathered = checkpoint_name
+        n = sum(len(ms) for ms in rank_metas.values())
+        logger.info("rank %d: gathered metas of %r: %d tensors on %d ranks", self._rank, checkpoint_name, n,
+                    sum(1 for ms in rank_metas.values() if ms))
+
+    def get_metas(self, checkpoint_name: str | None = None) -> dict:
+        """The global metas (JSON-ready) of `checkpoint_name` or of the last gathered checkpoint."""
+        name = checkpoint_name or self._last_gathered
+        if name is None or name not in self._global:
+            raise ValueError(f"no gathered metas for {name!r}; call gather_metas first")
+        return self._global[name].to_dict()
+
+    def load_metas(self, metas: Mapping) -> None:
+        g = GlobalMetas.from_dict(metas)
+        if len(g.device_ids) != self._world_size:
+            raise ValueError(f"metas describe {len(g.device_ids)} ranks but this world has {self._world_size}")
+        plan.check_global_metas(g.rank_metas)
+        self._global[g.checkpoint] = g
+        self._last_gathered = g.checkpoint
+
+    # -- update -----------------------------------------------------------------------------
+    def update(self, checkpoint_name: str, req_func: Callable[[list[tuple[str, str]]], None], *,
+               timeout: timedelta | float | None = None, ranks: list[int] | None = None) -> UpdateMetrics:
+        """Collective: push `checkpoint_name` into every rank's engine (broadcast)."""
+        if req_func is None or not callable(req_func):
+            raise ValueError("req_func must be a callable taking the list of (device_id, zmq_address) pairs")
+        if ranks:
+            raise NotImplementedError(
+                "P2P update to selected ranks (ranks=[...]) is not available yet; call update(..., ranks=None) "
+                "to broadcast to every rank")
+        if checkpoint_name not in self._global:
+            known = sorted(self._checkpoints)
+            if checkpoint_name not in self._checkpoints and not known:
+                raise ValueError(f"unknown checkpoint {checkpoint_name!r}: nothing is registered")
+            raise ValueError(f"no metas for checkpoint {checkpoint_name!r}: call gather_metas({checkpoint_name!r}) "
+                             f"on every rank before update (registered here: {known})")
+        self._ensure_pg()
+        cfg = self.config.update
+        if timeout is not None:
+            secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            cfg = replace(cfg, engine_connect_timeout_s=secs, engine_timeout_s=secs, req_func_timeout_s=secs)
+        g = self._global[checkpoint_name]
+        seq = self._update_seq
+        self._update_seq += 1
+        job = self._make_job(g, req_func, cfg, seq)
+        try:
+            metrics = run_broadcast_update(job)
+        except UpdateFailed as e:
+            logger.error("rank %d: %s", self._rank, e)
+            raise
+        self.last_metrics = metrics
+        if self._rank == 0:
+            logger.info(metrics.summary())
+        if cfg.metrics_path:
+            append_jsonl(cfg.metrics_path, metrics.to_dict())
+        return metrics
+
+    def _make_job(self, g: GlobalMetas, req_func, cfg: UpdateConfig, seq: int) -> UpdateJob:
+        budget = self._memory_budget_bytes(cfg)
+        budgets = all_gather_obj([budget, seq], self._world_size)
+        if len({b[1] for b in budgets}) != 1:
+            raise RuntimeError(f"ranks disagree on the update sequence number: {[b[1] for b in budgets]}")
+        bucket_size = plan.choose_bucket_size(g.rank_metas, requested_bytes=cfg.bucket_size_bytes,
+                                              default_bytes=cfg.default_bucket_size_bytes,
+                                              budget_bytes=min(b[0] for b in budgets))
+        buckets = plan.plan_buckets(g.rank_metas, bucket_size)
+        digests = all_gather_obj(plan.plan_digest(buckets).hex(), self._world_size)
+        if len(set(digests)) != 1:
+            groups: dict[str, list[int]] = {}
+            for r, d in enumerate(digests):
+                groups.setdefault(d, []).append(r)
+            raise ValueError(f"metas of {g.checkpoint!r} differ between ranks (ranks grouped by identical plans: "
+                             f"{sorted(groups.values())}); gather_metas/load_metas must give every rank the same view")
+        addresses = [(g.device_ids[r], self._zmq_address(g.pids[r], r, seq)) for r in range(self._world_size)]
+        return UpdateJob(
+            rank=self._rank, world_size=self._world_size, group=None, checkpoint=g.checkpoint,
+            ckpt=self._checkpoints.get(g.checkpoint), buckets=buckets, bucket_size_bytes=bucket_size,
+            checksums=g.checksums, transport=self._transport, zmq_ctx=self._zmq_ctx,
+            address=addresses[self._rank][1], addresses=addresses, req_func=req_func, cfg=cfg,
+            update_id=f"{self._run_id}-{seq}", seq=seq)
+
+    def _memory_budget_bytes(self, cfg: UpdateConfig) -> int:
+        if cfg.memory_budget_bytes is not None:
+            return cfg.memory_budget_bytes
+        if self._transport.backend == "nccl":
+            return int(torch.cuda.mem_get_info()[0] * self._mem_fraction)
+        return int(shutil.disk_usage(shm.SHM_DIR).free * self._mem_fraction)
+
+    @staticmethod
+    def _zmq_address(pid: int, rank: int, seq: int) -> str:
+        return f"ipc://@ckpt-engine-{pid}-r{rank}-u{seq}.sock"
+
+    def close(self) -> None:
+        self._checkpoints.clear()
+        self._global.clear()
+        self._zmq_ctx.term()
+
+    def __repr__(self) -> str:
+        return f"ParameterServer(rank={self._rank}, world_size={self._world_size}, checkpoints={sorted(self._checkpoints)})"
+

