@@ -17,6 +17,16 @@ from checkpoint_engine import protocol as P
 class EngineFailure(RuntimeError):
     """The engine did not answer, answered wrongly, or went away."""
 
+    def describe(self) -> str:
+        return f"engine: {self}"
+
+
+class CheckFailed(EngineFailure):
+    """A wait was cut short by the caller's check (e.g. req_func raised)."""
+
+    def describe(self) -> str:
+        return str(self)
+
 
 class EngineLink:
     POLL_SLICE_MS = 50
@@ -43,11 +53,11 @@ class EngineLink:
                 return
             except zmq.Again:
                 if deadline_s is None or time.monotonic() > deadline_s:
-                    raise EngineFailure(f"could not send {type(msg).__name__}: engine not connected or not reading") from None
+                    raise EngineFailure(f"timed out waiting for the engine to connect (could not send {type(msg).__name__})") from None
             if self._monitor.poll(self.POLL_SLICE_MS, zmq.POLLIN):
                 self._on_monitor_event()
             if check is not None and (problem := check()):
-                raise EngineFailure(problem)
+                raise CheckFailed(problem)
 
     def recv(self, deadline_s: float, *, what: str, check: Callable[[], str | None] | None = None) -> P.Message:
         """Next message from the engine before `deadline_s` (time.monotonic); `check` may abort early."""
@@ -69,7 +79,7 @@ class EngineLink:
             if check is not None:
                 problem = check()
                 if problem:
-                    raise EngineFailure(problem)
+                    raise CheckFailed(problem)
 
     def _on_monitor_event(self) -> None:
         from zmq.utils.monitor import recv_monitor_message

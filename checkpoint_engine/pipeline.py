@@ -152,7 +152,7 @@ def _connect(job, link, req, handle, status, m) -> None:
         elif not isinstance(msg, P.Ready):
             err = f"engine sent {type(msg).__name__} instead of Ready"
     except EngineFailure as e:
-        err = f"engine: {e}"
+        err = e.describe()
     job.transport.peer_mapped(handle)  # the name goes away; the mappings stay
     status.agree(err)
     m.setup_s = time.perf_counter() - t0
@@ -214,7 +214,7 @@ def _wait_acks(job, link, req, acked: int, upto: int, m) -> int:
             else:
                 link.failure = f"engine sent unexpected {msg} while bucket {acked} was loading"
     except EngineFailure as e:
-        link.failure = f"engine: {e}"
+        link.failure = e.describe()
     m.engine_wait_s += time.perf_counter() - t0
     return acked
 
@@ -232,14 +232,20 @@ def _finish(job, link, req, status, m) -> None:
         elif not (isinstance(msg, P.Ack) and msg.index == -1):
             err = f"engine sent unexpected {msg} after Done"
     except EngineFailure as e:
-        err = f"engine: {e}"
+        err = e.describe()
     status.agree(err)
     status.agree(req.join(job.cfg.req_func_timeout_s))
     m.finish_s = time.perf_counter() - t0
 
 
-def _abort_engine(link: EngineLink, reason: str) -> None:
+def _abort_engine(link: EngineLink, reason: str, timeout_s: float = 5.0) -> None:
+    """Tell the engine to abort and wait (bounded) until it confirms its state is `incomplete`."""
+    deadline = time.monotonic() + timeout_s
     try:
-        link.send(P.Abort(reason=reason[:1000]))  # delivered by the io thread (socket LINGER)
-    except Exception:  # noqa: BLE001 - best effort: the engine may be gone already
-        logger.debug("could not deliver Abort to the engine", exc_info=True)
+        link.send(P.Abort(reason=reason[:1000]))
+        while True:
+            msg = link.recv(deadline, what="the engine to confirm the abort")
+            if isinstance(msg, P.Ack) and msg.index == P.ABORT_ACK:
+                return
+    except Exception as e:  # noqa: BLE001 - best effort: the engine may be gone already
+        logger.warning("rank engine did not confirm the abort: %s", e)

@@ -190,7 +190,7 @@ def choose_bucket_size(
         return requested_bytes
     largest = max((m.nbytes for metas in rank_metas.values() for m in metas), default=0)
     total = sum(m.nbytes for metas in rank_metas.values() for m in metas)
-    size = max(min(default_bytes, max(total, 1)), largest, 1)
+    size = align_up(max(min(default_bytes, total), largest, 1), MIN_ALIGN_BYTES)
     if budget_bytes is not None:
         cap = budget_bytes // num_buffers
         if largest > cap:
@@ -199,8 +199,8 @@ def choose_bucket_size(
                 f"{cap} bytes ({num_buffers} buffers in {budget_bytes} bytes); free memory or lower the "
                 "tensor size"
             )
-        size = min(size, cap)
-    return align_up(size, MIN_ALIGN_BYTES)
+        size = min(size, max(cap // MIN_ALIGN_BYTES * MIN_ALIGN_BYTES, largest))
+    return size
 
 
 def plan_digest(buckets: Sequence[Bucket]) -> bytes:

@@ -21,6 +21,9 @@ from typing import Any, ClassVar
 import msgpack
 
 
+ABORT_ACK = -2  # Ack index that confirms an Abort
+
+
 class ProtocolError(ValueError):
     """A message that does not follow the protocol."""
 

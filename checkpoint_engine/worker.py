@@ -102,6 +102,9 @@ def _serve(sock, hello, buffer, run, post_hook, state, timeout_s) -> EngineWeigh
     while True:
         msg = _recv(sock, timeout_s, f"bucket {expected} of {hello.num_buckets}")
         if isinstance(msg, P.Abort):
+            if state.status.value == "receiving":
+                state.abort(msg.reason)
+            sock.send(P.encode(P.Ack(index=P.ABORT_ACK)))  # the PS returns once our state is honest
             raise UpdateAborted(msg.reason)
         if failed is not None:
             continue  # after an error only Abort matters; buckets already in flight are dropped
@@ -117,6 +120,7 @@ def _serve(sock, hello, buffer, run, post_hook, state, timeout_s) -> EngineWeigh
                     torch.cuda.current_stream(buffer.device).synchronize()
             except Exception as e:  # reported to the PS, which aborts all ranks
                 failed = f"bucket {msg.index}: {_short(e)}"
+                state.abort(failed)
                 logger.error("weight update failed in %s\n%s", failed, traceback.format_exc())
                 sock.send(P.encode(P.Error(index=msg.index, reason=failed)))
                 continue
@@ -130,6 +134,7 @@ def _serve(sock, hello, buffer, run, post_hook, state, timeout_s) -> EngineWeigh
                     post_hook()
             except Exception as e:
                 failed = f"post_hook: {_short(e)}"
+                state.abort(failed)
                 sock.send(P.encode(P.Error(index=-1, reason=failed)))
                 continue
             state.complete()
