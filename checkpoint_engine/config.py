@@ -19,8 +19,17 @@ class UpdateConfig:
     verify_checksums: bool = False
     progress: bool = False
     metrics_path: str | None = None
+    # "collective": broadcast every bucket across ranks (gloo/NCCL); "local": all ranks share one host
+    # and engines read each owner's registered chunks directly (CPU); "auto": local when possible.
+    mode: Literal["auto", "collective", "local"] = "auto"
+    agree_every_buckets: int = 8  # cross-rank status exchange period (failures abort within this many)
+    keep_buffers: bool = True  # keep the double buffer between updates
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "collective", "local"):
+            raise ValueError(f"mode must be 'auto', 'collective' or 'local', got {self.mode!r}")
+        if not isinstance(self.agree_every_buckets, int) or self.agree_every_buckets < 1:
+            raise ValueError(f"agree_every_buckets must be an int >= 1, got {self.agree_every_buckets!r}")
         for name in ("bucket_size_bytes", "memory_budget_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):

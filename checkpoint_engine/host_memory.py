@@ -19,6 +19,7 @@ import torch
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.dtypes import dtype_from_name, dtype_from_safetensors, dtype_name, itemsize
 from checkpoint_engine.plan import RankLayout, TensorMeta, layout_tensors
+from checkpoint_engine.transport import HostChunk
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +79,23 @@ def read_safetensors_index(path: str) -> list[FileTensor]:
 class RegisteredCheckpoint:
     name: str
     layout: RankLayout
-    chunks: list[torch.Tensor]
+    chunks: list[HostChunk]
     _checksums: dict[str, int] | None = field(default=None, repr=False)
+
+    def chunk(self, index: int) -> torch.Tensor:
+        return self.chunks[index].tensor
+
+    def close(self) -> None:
+        for c in self.chunks:
+            c.close()
+        self.chunks = []
 
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.layout.metas)
 
     def view(self, meta: TensorMeta) -> torch.Tensor:
-        raw = self.chunks[meta.chunk][meta.offset_bytes: meta.offset_bytes + meta.nbytes]
+        raw = self.chunk(meta.chunk)[meta.offset_bytes: meta.offset_bytes + meta.nbytes]
         return raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
 
     def checksums(self) -> dict[str, int]:
@@ -100,7 +109,7 @@ def register_tensors(
     *,
     files: Sequence[str] | None,
     named_tensors: Mapping[str, torch.Tensor] | None,
-    alloc_host: Callable[[int], torch.Tensor],
+    alloc_host: Callable[[int], HostChunk],
     align_bytes: int,
     max_chunk_bytes: int | None,
 ) -> RegisteredCheckpoint:
@@ -124,15 +133,20 @@ def register_tensors(
         except ValueError as e:
             raise ValueError(f"tensor {tname!r}: {e}") from None
     layout = layout_tensors(specs, align_bytes=align_bytes, max_chunk_bytes=max_chunk_bytes)
-    chunks = [alloc_host(n) for n in layout.chunk_sizes_bytes]
-    ckpt = RegisteredCheckpoint(name, layout, chunks)
-    metas = {m.name: m for m in layout.metas}
-    _fill_from_files(ckpt, file_tensors, metas)
-    for tname, t in mem.items():
-        dst = ckpt.view(metas[tname])
-        dst.copy_(t.detach().reshape(dst.shape))
+    ckpt = RegisteredCheckpoint(name, layout, [])
+    try:
+        for n in layout.chunk_sizes_bytes:
+            ckpt.chunks.append(alloc_host(n))
+        metas = {m.name: m for m in layout.metas}
+        _fill_from_files(ckpt, file_tensors, metas)
+        for tname, t in mem.items():
+            dst = ckpt.view(metas[tname])
+            dst.copy_(t.detach().reshape(dst.shape))
+    except BaseException:
+        ckpt.close()
+        raise
     logger.info("registered checkpoint %r: %d tensors, %.3f GiB in %d chunks", name, len(specs),
-                ckpt.nbytes / 2**30, len(chunks))
+                ckpt.nbytes / 2**30, len(ckpt.chunks))
     return ckpt
 
 
@@ -146,7 +160,7 @@ def _fill_from_files(ckpt: RegisteredCheckpoint, file_tensors: list[FileTensor],
                 if ft.nbytes == 0:
                     continue
                 meta = metas[ft.name]
-                dst = ckpt.chunks[meta.chunk][meta.offset_bytes: meta.offset_bytes + ft.nbytes]
+                dst = ckpt.chunk(meta.chunk)[meta.offset_bytes: meta.offset_bytes + ft.nbytes]
                 if dst.device.type != "cpu":
                     raise AssertionError("host chunks must live in host memory")
                 f.seek(ft.start_bytes)

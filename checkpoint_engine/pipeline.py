@@ -106,22 +106,58 @@ class UpdateJob:
     req_func: ReqFunc
     cfg: UpdateConfig
     update_id: str
-    seq: int
+    mode: str = "collective"  # "collective": broadcast across ranks; "local": engines read owners' chunks
+    rank_chunk_handles: dict[int, list[P.BufferHandle]] | None = None  # local mode: every rank's chunks
+    pids: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+
+
+class _Layout:
+    """Which shared buffers this rank's engine maps, and where each bucket's tensors are in them."""
+
+    def __init__(self, job: UpdateJob, double_buffer: P.BufferHandle | None):
+        self.job = job
+        self.handles: list[P.BufferHandle] = []
+        self.base: dict[int, int] = {}  # owner rank -> index of its chunk 0 in handles
+        if job.mode == "local":
+            for r in sorted(job.rank_chunk_handles or {}):
+                self.base[r] = len(self.handles)
+                self.handles += job.rank_chunk_handles[r]
+        else:
+            self.handles.append(double_buffer)
+            if job.transport.engines_map_host_chunks and job.ckpt is not None:
+                self.base[job.rank] = 1
+                self.handles += [c.handle for c in job.ckpt.chunks]
+
+    def wire(self, bucket: Bucket, half_offset: int) -> tuple[P.WireTensor, ...]:
+        direct = bucket.owner_rank in self.base
+        out = []
+        for t in bucket.tensors:
+            if direct:
+                buf, off = self.base[bucket.owner_rank] + t.chunk, t.offset_bytes
+            else:
+                buf, off = 0, half_offset + t.offset_bytes - bucket.start_bytes
+            out.append(P.WireTensor(t.name, t.dtype, t.shape, buf, off,
+                                    None if self.job.checksums is None else self.job.checksums[t.name]))
+        return tuple(out)
 
 
 def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
-    m = UpdateMetrics(job.checkpoint, job.rank, job.world_size, num_buckets=len(job.buckets),
+    m = UpdateMetrics(job.checkpoint, job.rank, job.world_size, mode=job.mode, num_buckets=len(job.buckets),
                       num_tensors=sum(len(b.tensors) for b in job.buckets),
                       bucket_size_bytes=job.bucket_size_bytes,
                       total_bytes=sum(t.nbytes for b in job.buckets for t in b.tensors))
     t_start = time.perf_counter()
     status = StatusExchange(job.rank, job.world_size, job.group)
-    shared, handle = job.transport.alloc_shared(2 * _half_stride(job), job.rank, job.seq)
+    shared, handle = (None, None)
+    if job.mode != "local":
+        shared, handle = job.transport.shared_buffer(2 * _half_stride(job))
+    layout = _Layout(job, handle)
     link = EngineLink(job.zmq_ctx, job.address)
     req = _ReqThread(job.req_func, job.addresses)
     try:
-        _connect(job, link, req, handle, status, m)
-        _stream_buckets(job, link, req, shared, status, m)
+        _connect(job, link, req, layout, status, m)
+        _stream_buckets(job, link, req, shared, layout, status, m)
         _finish(job, link, req, status, m)
         m.ok = True
         return m
@@ -130,21 +166,21 @@ def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
         _abort_engine(link, str(e))
         if isinstance(e, (UpdateFailed, KeyboardInterrupt)):
             raise
-        raise RuntimeError(f"rank {job.rank}: weight update aborted: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"rank {job.rank}: weight update aborted: {_dead_ranks(job)}{type(e).__name__}: {e}") from e
     finally:
         m.total_s = time.perf_counter() - t_start
         link.close()
-        job.transport.free_shared(handle)
-        del shared
+        if not job.cfg.keep_buffers:
+            job.transport.release_shared()
 
 
-def _connect(job, link, req, handle, status, m) -> None:
+def _connect(job, link, req, layout, status, m) -> None:
     t0 = time.perf_counter()
     err = None
     deadline = time.monotonic() + job.cfg.engine_connect_timeout_s
     try:
         link.send(P.Hello(update_id=job.update_id, checkpoint=job.checkpoint, num_buckets=len(job.buckets),
-                          buffer=handle, verify_checksums=job.checksums is not None),
+                          buffers=tuple(layout.handles), verify_checksums=job.checksums is not None),
                   deadline_s=deadline, check=lambda: req.error)
         msg = link.recv(deadline, what="the engine to connect", check=lambda: req.error)
         if isinstance(msg, P.Error):
@@ -153,12 +189,11 @@ def _connect(job, link, req, handle, status, m) -> None:
             err = f"engine sent {type(msg).__name__} instead of Ready"
     except EngineFailure as e:
         err = e.describe()
-    job.transport.peer_mapped(handle)  # the name goes away; the mappings stay
     status.agree(err)
     m.setup_s = time.perf_counter() - t0
 
 
-def _stream_buckets(job, link, req, shared, status, m) -> None:
+def _stream_buckets(job, link, req, shared, layout, status, m) -> None:
     bar = None
     if job.cfg.progress and job.rank == 0:
         from tqdm import tqdm
@@ -169,31 +204,66 @@ def _stream_buckets(job, link, req, shared, status, m) -> None:
         for i, bucket in enumerate(job.buckets):
             if i >= 2:
                 acked = _wait_acks(job, link, req, acked, i - 1, m)  # Ack(i-2) frees half i % 2
-            t0 = time.perf_counter()
-            status.agree(link.failure)
-            m.agree_s += time.perf_counter() - t0
-            half = (i % 2) * _half_stride(job)
-            dst = shared[half: half + bucket.size_bytes]
-            if job.rank == bucket.owner_rank:
+            if i % job.cfg.agree_every_buckets == 0:
                 t0 = time.perf_counter()
-                src = job.ckpt.chunks[bucket.chunk][bucket.start_bytes: bucket.start_bytes + bucket.size_bytes]
-                job.transport.copy_in(dst, src)
-                m.copy_in_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if job.world_size > 1:
-                job.transport.broadcast(dst, bucket.owner_rank, job.group)
-            job.transport.synchronize()
-            m.broadcast_s += time.perf_counter() - t0
-            link.send(P.Bucket(index=i, tensors=tuple(
-                P.WireTensor(t.name, t.dtype, t.shape, half + t.offset_bytes - bucket.start_bytes,
-                             None if job.checksums is None else job.checksums[t.name])
-                for t in bucket.tensors)))
+                status.agree(link.failure)
+                m.agree_s += time.perf_counter() - t0
+            half = (i % 2) * _half_stride(job)
+            if job.mode != "local":
+                _move_bucket(job, bucket, shared, half, bucket.owner_rank in layout.base, m)
+            link.send(P.Bucket(index=i, tensors=layout.wire(bucket, half)))
             if bar is not None:
                 bar.update(sum(t.nbytes for t in bucket.tensors))
         _wait_acks(job, link, req, acked, len(job.buckets), m)
     finally:
         if bar is not None:
             bar.close()
+
+
+def _move_bucket(job, bucket: Bucket, shared, half: int, engine_reads_chunk: bool, m) -> None:
+    """Copy-in (when the engine cannot read the owner's chunk) and broadcast one bucket."""
+    dst = shared[half: half + bucket.size_bytes]
+    if job.rank == bucket.owner_rank:
+        src = job.ckpt.chunk(bucket.chunk)[bucket.start_bytes: bucket.start_bytes + bucket.size_bytes]
+        if engine_reads_chunk:
+            dst = src  # CPU: broadcast straight from the registered chunk, which our engine maps
+        else:
+            t0 = time.perf_counter()
+            job.transport.copy_in(dst, src)
+            m.copy_in_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if job.world_size > 1:
+        job.transport.broadcast(dst, bucket.owner_rank, job.group)
+    job.transport.synchronize()
+    m.broadcast_s += time.perf_counter() - t0
+
+
+def _dead_ranks(job: UpdateJob, settle_s: float = 2.0) -> str:
+    """Name the ranks on this host whose process is gone (a collective failing usually means one died).
+
+    A peer's sockets close while it is still exiting, so look for up to `settle_s`.
+    """
+    import socket
+
+    import psutil
+
+    here = socket.gethostname()
+    local = [(r, pid) for r, (pid, host) in enumerate(zip(job.pids, job.hosts)) if r != job.rank and host == here]
+    deadline = time.monotonic() + settle_s
+    while True:
+        dead = []
+        for r, pid in local:
+            try:
+                gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            except psutil.Error:
+                gone = False
+            if gone:
+                dead.append(f"rank {r} (pid {pid}) is gone")
+        if dead or not local or time.monotonic() > deadline:
+            return "; ".join(dead) + "; " if dead else ""
+        time.sleep(0.05)
 
 
 def _half_stride(job: UpdateJob) -> int:

@@ -4,7 +4,7 @@ Encoded with msgpack (never pickle). Every message is a map with a "t" tag; `dec
 the tag and the field types and raises ProtocolError naming what is wrong.
 
     PS rank                                   engine worker
-    Hello(update, checkpoint, buffer) ──────▶ map shared buffer once
+    Hello(update, checkpoint, buffers) ─────▶ map the shared buffers once
                                       ◀────── Ready(version)
     Bucket(i, tensors@offsets)        ──────▶ run(views)            (buckets i and i+1 in flight)
                                       ◀────── Ack(i) | Error(i, reason)
@@ -30,20 +30,21 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class BufferHandle:
-    """How the engine maps the shared double buffer: POSIX shm path, or CUDA IPC storage handle."""
+    """How the engine maps one shared buffer: a memfd of a PS process (CPU) or a CUDA IPC handle."""
 
-    kind: str  # "shm" | "cuda"
+    kind: str  # "fd" | "cuda"
     size_bytes: int
-    path: str = ""
+    pid: int = 0
+    fd: int = -1
     cuda_args: tuple = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("shm", "cuda"):
-            raise ProtocolError(f"buffer kind must be 'shm' or 'cuda', got {self.kind!r}")
-        if self.size_bytes <= 0:
-            raise ProtocolError(f"buffer size_bytes must be positive, got {self.size_bytes}")
-        if self.kind == "shm" and not self.path.startswith("/dev/shm/"):
-            raise ProtocolError(f"shm buffer path must be under /dev/shm/, got {self.path!r}")
+        if self.kind not in ("fd", "cuda"):
+            raise ProtocolError(f"buffer kind must be 'fd' or 'cuda', got {self.kind!r}")
+        if not isinstance(self.size_bytes, int) or self.size_bytes <= 0:
+            raise ProtocolError(f"buffer size_bytes must be a positive int, got {self.size_bytes!r}")
+        if self.kind == "fd" and (self.pid <= 0 or self.fd < 0):
+            raise ProtocolError(f"fd buffer needs a pid and an fd, got pid={self.pid} fd={self.fd}")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class WireTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    offset_bytes: int  # inside the shared buffer
+    buffer: int  # index into Hello.buffers
+    offset_bytes: int  # inside that buffer
     checksum: int | None = None
 
 
@@ -61,7 +63,7 @@ class Hello:
     update_id: str
     checkpoint: str
     num_buckets: int
-    buffer: BufferHandle
+    buffers: tuple[BufferHandle, ...]
     verify_checksums: bool = False
 
 
@@ -117,11 +119,11 @@ def encode(msg: Message) -> bytes:
     body: dict[str, Any] = {"t": msg.TAG}
     for f in fields(msg):
         value = getattr(msg, f.name)
-        if isinstance(value, BufferHandle):
-            value = {"kind": value.kind, "size_bytes": value.size_bytes, "path": value.path,
-                     "cuda_args": list(value.cuda_args)}
+        if f.name == "buffers":
+            value = [{"kind": b.kind, "size_bytes": b.size_bytes, "pid": b.pid, "fd": b.fd,
+                      "cuda_args": list(b.cuda_args)} for b in value]
         elif f.name == "tensors":
-            value = [[t.name, t.dtype, list(t.shape), t.offset_bytes, t.checksum] for t in value]
+            value = [[t.name, t.dtype, list(t.shape), t.buffer, t.offset_bytes, t.checksum] for t in value]
         body[f.name] = value
     return msgpack.packb(body, use_bin_type=True)
 
@@ -139,8 +141,10 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"{cls.__name__}: unexpected fields {sorted(set(body) - names)}")
     kwargs: dict[str, Any] = {}
     for name, value in body.items():
-        if name == "buffer":
-            value = _decode_buffer(value)
+        if name == "buffers":
+            if not isinstance(value, list) or not value:
+                raise ProtocolError("Hello.buffers must be a non-empty list")
+            value = tuple(_decode_buffer(v) for v in value)
         elif name == "tensors":
             value = _decode_tensors(value)
         elif name in _TYPES and (not isinstance(value, _TYPES[name]) or
@@ -157,10 +161,12 @@ def _decode_buffer(value: Any) -> BufferHandle:
     if not isinstance(value, dict):
         raise ProtocolError(f"buffer handle must be a map, got {type(value).__name__}")
     try:
-        return BufferHandle(kind=value["kind"], size_bytes=int(value["size_bytes"]),
-                            path=str(value.get("path", "")), cuda_args=tuple(value.get("cuda_args", ())))
+        return BufferHandle(kind=value["kind"], size_bytes=value["size_bytes"], pid=int(value.get("pid", 0)),
+                            fd=int(value.get("fd", -1)), cuda_args=tuple(value.get("cuda_args", ())))
     except KeyError as e:
         raise ProtocolError(f"buffer handle misses field {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"bad buffer handle: {e}") from None
 
 
 def _decode_tensors(value: Any) -> tuple[WireTensor, ...]:
@@ -168,11 +174,11 @@ def _decode_tensors(value: Any) -> tuple[WireTensor, ...]:
         raise ProtocolError("bucket tensors must be a list")
     out = []
     for item in value:
-        if not (isinstance(item, list) and len(item) == 5 and isinstance(item[0], str)
+        if not (isinstance(item, list) and len(item) == 6 and isinstance(item[0], str)
                 and isinstance(item[1], str) and isinstance(item[2], list)
                 and all(isinstance(d, int) and d >= 0 for d in item[2])
-                and isinstance(item[3], int) and item[3] >= 0
-                and (item[4] is None or isinstance(item[4], int))):
+                and isinstance(item[3], int) and item[3] >= 0 and isinstance(item[4], int) and item[4] >= 0
+                and (item[5] is None or isinstance(item[5], int))):
             raise ProtocolError(f"malformed tensor entry {item!r}")
-        out.append(WireTensor(item[0], item[1], tuple(item[2]), item[3], item[4]))
+        out.append(WireTensor(item[0], item[1], tuple(item[2]), item[3], item[4], item[5]))
     return tuple(out)

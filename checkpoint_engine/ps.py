@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,13 +20,16 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from checkpoint_engine import plan, shm
+import psutil
+
+from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.host_memory import RegisteredCheckpoint, register_tensors
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
 from checkpoint_engine.pipeline import UpdateFailed, UpdateJob, run_broadcast_update
 from checkpoint_engine.plan import TensorMeta
+from checkpoint_engine.protocol import BufferHandle
 from checkpoint_engine.transport import make_transport
 
 logger = logging.getLogger(__name__)
@@ -38,20 +41,28 @@ class GlobalMetas:
     rank_metas: dict[int, tuple[TensorMeta, ...]]
     device_ids: tuple[str, ...]
     pids: tuple[int, ...]
+    hosts: tuple[str, ...]
     checksums: dict[str, int] | None
+    chunk_handles: dict[int, list[BufferHandle]]  # per rank: memfd handles of its chunks (CPU)
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "device_ids": list(self.device_ids), "pids": list(self.pids),
+                "hosts": list(self.hosts),
                 "ranks": {str(r): [m.to_wire() for m in ms] for r, ms in self.rank_metas.items()},
+                "chunk_handles": {str(r): [[h.pid, h.fd, h.size_bytes] for h in hs]
+                                  for r, hs in self.chunk_handles.items()},
                 "checksums": self.checksums}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> GlobalMetas:
         try:
             ranks = {int(r): tuple(TensorMeta.from_wire(x) for x in ms) for r, ms in d["ranks"].items()}
+            handles = {int(r): [BufferHandle(kind="fd", pid=int(p), fd=int(f), size_bytes=int(n)) for p, f, n in hs]
+                       for r, hs in d.get("chunk_handles", {}).items()}
             return cls(str(d["checkpoint"]), ranks, tuple(str(x) for x in d["device_ids"]),
-                       tuple(int(x) for x in d["pids"]), d.get("checksums"))
-        except (KeyError, TypeError, AttributeError) as e:
+                       tuple(int(x) for x in d["pids"]), tuple(str(x) for x in d["hosts"]), d.get("checksums"),
+                       handles)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"malformed metas: {e!r}") from None
 
 
@@ -96,10 +107,9 @@ class ParameterServer:
         self._global: dict[str, GlobalMetas] = {}
         self._last_gathered: str | None = None
         self._update_seq = 0
+        self._owns_pg = False
         self._run_id = uuid.uuid4().hex[:8]
         self.last_metrics: UpdateMetrics | None = None
-        if self._transport.backend == "gloo":
-            shm.sweep_stale_segments()
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -126,6 +136,7 @@ class ParameterServer:
             init = "env://"
         dist.init_process_group(self._transport.backend, init_method=init, rank=self._rank,
                                 world_size=self._world_size, timeout=timeout)
+        self._owns_pg = True
         logger.info("rank %d: process group ready (%s, world %d)", self._rank, self._transport.backend, self._world_size)
 
     def _ensure_pg(self) -> None:
@@ -154,7 +165,7 @@ class ParameterServer:
     def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
         if checkpoint_name not in self._checkpoints:
             raise ValueError(f"checkpoint {checkpoint_name!r} is not registered (have: {sorted(self._checkpoints)})")
-        del self._checkpoints[checkpoint_name]
+        self._checkpoints.pop(checkpoint_name).close()
         self._global.pop(checkpoint_name, None)
 
     # -- metas ------------------------------------------------------------------------------
@@ -168,7 +179,10 @@ class ParameterServer:
             "checksums": ckpt.checksums() if ckpt and self.config.verify_checksums else None,
             "device_id": self._transport.device_id(self._rank),
             "pid": os.getpid(),
+            "host": socket.gethostname(),
             "registered": ckpt is not None,
+            "chunks": [[c.handle.pid, c.handle.fd, c.handle.size_bytes] for c in ckpt.chunks
+                       if c.handle is not None] if ckpt else [],
         }
         everyone = all_gather_obj(mine, self._world_size)
         names = {r: e["name"] for r, e in enumerate(everyone)}
@@ -181,9 +195,12 @@ class ParameterServer:
         checksums = None
         if self.config.verify_checksums:
             checksums = {k: v for e in everyone for k, v in (e["checksums"] or {}).items()}
+        handles = {r: [BufferHandle(kind="fd", pid=p, fd=f, size_bytes=n) for p, f, n in e["chunks"]]
+                   for r, e in enumerate(everyone) if e["chunks"]}
         self._global[checkpoint_name] = GlobalMetas(
             checkpoint_name, {r: ms for r, ms in rank_metas.items() if ms},
-            tuple(e["device_id"] for e in everyone), tuple(e["pid"] for e in everyone), checksums)
+            tuple(e["device_id"] for e in everyone), tuple(e["pid"] for e in everyone),
+            tuple(e["host"] for e in everyone), checksums, handles)
         self._last_gathered = checkpoint_name
         n = sum(len(ms) for ms in rank_metas.values())
         logger.info("rank %d: gathered metas of %r: %d tensors on %d ranks", self._rank, checkpoint_name, n,
@@ -263,23 +280,40 @@ class ParameterServer:
             ckpt=self._checkpoints.get(g.checkpoint), buckets=buckets, bucket_size_bytes=bucket_size,
             checksums=g.checksums, transport=self._transport, zmq_ctx=self._zmq_ctx,
             address=addresses[self._rank][1], addresses=addresses, req_func=req_func, cfg=cfg,
-            update_id=f"{self._run_id}-{seq}", seq=seq)
+            update_id=f"{self._run_id}-{seq}", mode=self._choose_mode(g, cfg), rank_chunk_handles=g.chunk_handles,
+            pids=g.pids, hosts=g.hosts)
+
+    def _choose_mode(self, g: GlobalMetas, cfg: UpdateConfig) -> str:
+        one_host = len(set(g.hosts)) == 1 and self._transport.engines_map_host_chunks
+        owners_shared = all(len(g.chunk_handles.get(r, [])) > 0 for r in g.rank_metas)
+        if cfg.mode == "local" and not (one_host and owners_shared):
+            raise ValueError("mode='local' needs every rank on one host with CPU transport "
+                             f"(hosts: {sorted(set(g.hosts))}, transport: {self._transport.backend})")
+        if cfg.mode == "auto":
+            return "local" if one_host and owners_shared else "collective"
+        return cfg.mode
 
     def _memory_budget_bytes(self, cfg: UpdateConfig) -> int:
         if cfg.memory_budget_bytes is not None:
             return cfg.memory_budget_bytes
         if self._transport.backend == "nccl":
             return int(torch.cuda.mem_get_info()[0] * self._mem_fraction)
-        return int(shutil.disk_usage(shm.SHM_DIR).free * self._mem_fraction)
+        return int(psutil.virtual_memory().available * self._mem_fraction)
 
     @staticmethod
     def _zmq_address(pid: int, rank: int, seq: int) -> str:
         return f"ipc://@ckpt-engine-{pid}-r{rank}-u{seq}.sock"
 
     def close(self) -> None:
+        for ckpt in self._checkpoints.values():
+            ckpt.close()
         self._checkpoints.clear()
         self._global.clear()
+        self._transport.release_shared()
         self._zmq_ctx.term()
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_pg = False
 
     def __repr__(self) -> str:
         return f"ParameterServer(rank={self._rank}, world_size={self._world_size}, checkpoints={sorted(self._checkpoints)})"

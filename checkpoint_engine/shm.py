@@ -1,112 +1,90 @@
-"""POSIX shared-memory segments that hand a bucket buffer from a PS rank to its engine (CPU path).
+"""Anonymous shared memory (memfd) for handing bytes from a PS rank to engines on its host (CPU path).
 
-Names carry the creator's pid; the creator unlinks a segment as soon as its engine has mapped it,
-and on every exit path. `sweep_stale_segments` removes segments whose creator died.
+A segment never has a name in /dev/shm: it lives as long as some process holds its fd or a
+mapping, so a crashed run leaves nothing behind, and the /dev/shm size limit of containers does
+not apply. Engines map a segment read-only through `/proc/<pid>/fd/<fd>` of the PS process (same
+host, same user, shared PID namespace: e.g. `shareProcessNamespace: true` for pod sidecars).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
+import mmap
 import os
-import re
-import shutil
+from dataclasses import dataclass
 
+import psutil
 import torch
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-PREFIX = "ckpt-engine-"
-_NAME_RE = re.compile(rf"^{PREFIX}(\d+)-r(\d+)-(\d+)$")
-_live: set[str] = set()
+
+@dataclass(frozen=True)
+class SegmentRef:
+    pid: int
+    fd: int
+    size_bytes: int
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self.pid}/fd/{self.fd}"
 
 
-def segment_path(rank: int, seq: int) -> str:
-    return f"{SHM_DIR}/{PREFIX}{os.getpid()}-r{rank}-{seq}"
+def check_memory(nbytes: int, what: str) -> None:
+    avail = psutil.virtual_memory().available
+    if nbytes > avail:
+        raise RuntimeError(f"{what} needs {nbytes / 2**30:.2f} GiB of shared memory but only "
+                           f"{avail / 2**30:.2f} GiB is available")
 
 
-def check_shm_capacity(nbytes: int) -> None:
-    """Fail clearly when /dev/shm cannot hold `nbytes` (containers often give it only 64 MiB)."""
+class Segment:
+    """A memfd segment mapped read-write by its creator."""
+
+    def __init__(self, nbytes: int, tag: str):
+        if nbytes <= 0:
+            raise ValueError(f"segment size must be positive, got {nbytes}")
+        check_memory(nbytes, tag)
+        self.fd = os.memfd_create(f"ckpt-engine-{tag}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self._mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.ref = SegmentRef(os.getpid(), self.fd, nbytes)
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self._mm.close()
+        except BufferError:  # views still alive somewhere: the mapping goes when they do
+            pass
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def map_readonly(ref: SegmentRef) -> torch.Tensor:
+    """Engine side: map a PS segment read-only, pages populated up front."""
     try:
-        free = shutil.disk_usage(SHM_DIR).free
-    except OSError as e:
-        raise RuntimeError(f"{SHM_DIR} is not usable ({e}); the CPU path needs POSIX shared memory") from None
-    if free < nbytes:
-        raise RuntimeError(
-            f"{SHM_DIR} has {free / 2**20:.0f} MiB free but the update needs {nbytes / 2**20:.0f} MiB of "
-            "shared buffers; enlarge /dev/shm (docker --shm-size, or a memory-backed emptyDir mounted "
-            "at /dev/shm in Kubernetes) or set a smaller bucket_size_bytes"
-        )
-
-
-def create_segment(path: str, nbytes: int) -> torch.Tensor:
-    """Create a new segment of `nbytes` and map it as a uint8 tensor."""
-    if not path.startswith(f"{SHM_DIR}/{PREFIX}"):
-        raise ValueError(f"segment path must start with {SHM_DIR}/{PREFIX}, got {path!r}")
-    check_shm_capacity(nbytes)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    _live.add(path)
+        fd = os.open(ref.path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RuntimeError(f"shared segment {ref.path} is gone (its parameter server process exited?)") from None
+    except PermissionError:
+        raise RuntimeError(f"cannot open {ref.path}: the engine must run as the same user as the parameter "
+                           "server and see its processes (same PID namespace)") from None
     try:
-        os.ftruncate(fd, nbytes)
+        size = os.fstat(fd).st_size
+        if size < ref.size_bytes:
+            raise RuntimeError(f"shared segment {ref.path} has {size} bytes, expected {ref.size_bytes}")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, ref.size_bytes, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    import warnings
 
-
-def open_segment(path: str, nbytes: int) -> torch.Tensor:
-    """Map an existing segment (engine side)."""
-    if not path.startswith(f"{SHM_DIR}/{PREFIX}") or "/" in path[len(SHM_DIR) + 1:]:
-        raise ValueError(f"refusing to map {path!r}: not a checkpoint-engine segment")
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise RuntimeError(f"shared buffer {path} does not exist (its parameter server rank exited?)") from None
-    if size < nbytes:
-        raise RuntimeError(f"shared buffer {path} has {size} bytes, expected {nbytes}")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-
-
-def unlink_segment(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    _live.discard(path)
-
-
-def sweep_stale_segments() -> list[str]:
-    """Unlink segments left behind by processes that no longer exist; return their paths."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        m = _NAME_RE.match(name)
-        if not m:
-            continue
-        pid = int(m.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        unlink_segment(f"{SHM_DIR}/{name}")
-        removed.append(f"{SHM_DIR}/{name}")
-    if removed:
-        logger.warning("removed %d stale shared-memory segments: %s", len(removed), removed)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@atexit.register
-def _unlink_all() -> None:
-    for path in list(_live):
-        unlink_segment(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write through it
+        return torch.frombuffer(mm, dtype=torch.uint8)

@@ -1,9 +1,11 @@
 """Device backends for the data path, injected into the pipeline.
 
-    CpuTransport:  host chunks in plain memory; shared buffer = POSIX shm; broadcast = gloo
-    CudaTransport: host chunks pinned;  shared buffer = device memory + CUDA IPC; H2D copy; NCCL
+    CpuTransport:  host chunks and the double buffer in memfd segments (engines on the host map
+                   them read-only); broadcast = gloo
+    CudaTransport: host chunks pinned; double buffer in device memory shared by CUDA IPC; H2D copy
+                   on a side stream; broadcast = NCCL
 
-The engine side only needs `open_shared_buffer` (maps a BufferHandle as a uint8 tensor).
+The engine side only needs `open_buffer` (maps a BufferHandle as a uint8 tensor).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import resource
 import socket
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -22,14 +25,27 @@ from checkpoint_engine.protocol import BufferHandle
 logger = logging.getLogger(__name__)
 
 
+class HostChunk:
+    """Registered host memory: the tensor, how an engine on this host may map it, how to free it."""
+
+    def __init__(self, tensor: torch.Tensor, handle: BufferHandle | None, close: Callable[[], None] | None = None):
+        self.tensor, self.handle, self._close = tensor, handle, close
+
+    def close(self) -> None:
+        self.tensor = None
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+
 class Transport(Protocol):
     backend: str  # torch.distributed backend name
+    engines_map_host_chunks: bool  # engines can read registered chunks directly (no copy-in)
 
     def device_id(self, rank: int) -> str: ...
-    def alloc_host(self, nbytes: int) -> torch.Tensor: ...
-    def alloc_shared(self, nbytes: int, rank: int, seq: int) -> tuple[torch.Tensor, BufferHandle]: ...
-    def peer_mapped(self, handle: BufferHandle) -> None: ...
-    def free_shared(self, handle: BufferHandle) -> None: ...
+    def alloc_host(self, nbytes: int) -> HostChunk: ...
+    def shared_buffer(self, nbytes: int) -> tuple[torch.Tensor, BufferHandle]: ...
+    def release_shared(self) -> None: ...
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
     def broadcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None: ...
     def synchronize(self) -> None: ...
@@ -37,22 +53,29 @@ class Transport(Protocol):
 
 class CpuTransport:
     backend = "gloo"
+    engines_map_host_chunks = True
+
+    def __init__(self) -> None:
+        self._shared: shm.Segment | None = None
 
     def device_id(self, rank: int) -> str:
         return f"cpu-{socket.gethostname()}-{rank}"
 
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def alloc_host(self, nbytes: int) -> HostChunk:
+        seg = shm.Segment(nbytes, "chunk")
+        return HostChunk(seg.tensor, _fd_handle(seg), seg.close)
 
-    def alloc_shared(self, nbytes: int, rank: int, seq: int) -> tuple[torch.Tensor, BufferHandle]:
-        path = shm.segment_path(rank, seq)
-        return shm.create_segment(path, nbytes), BufferHandle(kind="shm", size_bytes=nbytes, path=path)
+    def shared_buffer(self, nbytes: int) -> tuple[torch.Tensor, BufferHandle]:
+        """The double buffer, kept across updates (page faults are paid once)."""
+        if self._shared is None or self._shared.ref.size_bytes < nbytes:
+            self.release_shared()
+            self._shared = shm.Segment(nbytes, "buffer")
+        return self._shared.tensor, _fd_handle(self._shared)
 
-    def peer_mapped(self, handle: BufferHandle) -> None:
-        shm.unlink_segment(handle.path)
-
-    def free_shared(self, handle: BufferHandle) -> None:
-        shm.unlink_segment(handle.path)
+    def release_shared(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -64,10 +87,15 @@ class CpuTransport:
         pass
 
 
+def _fd_handle(seg: shm.Segment) -> BufferHandle:
+    return BufferHandle(kind="fd", size_bytes=seg.ref.size_bytes, pid=seg.ref.pid, fd=seg.ref.fd)
+
+
 class CudaTransport:
     """GPU path: pinned host memory, H2D into a device double buffer shared over CUDA IPC, NCCL."""
 
     backend = "nccl"
+    engines_map_host_chunks = False
 
     def __init__(self, local_rank: int):
         if not torch.cuda.is_available():
@@ -75,13 +103,14 @@ class CudaTransport:
         self.device = torch.device("cuda", local_rank)
         torch.cuda.set_device(self.device)
         self._copy_stream = torch.cuda.Stream(self.device)
+        self._shared: torch.Tensor | None = None
 
     def device_id(self, rank: int) -> str:
         return str(torch.cuda.get_device_properties(self.device).uuid)
 
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
+    def alloc_host(self, nbytes: int) -> HostChunk:
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return HostChunk(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None)
         except RuntimeError as e:
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
             raise RuntimeError(
@@ -89,19 +118,20 @@ class CudaTransport:
                 f"(ulimit -l) is {soft if soft >= 0 else 'unlimited'} bytes: raise it for the container"
             ) from None
 
-    def alloc_shared(self, nbytes: int, rank: int, seq: int) -> tuple[torch.Tensor, BufferHandle]:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        args = buf.untyped_storage()._share_cuda_()
-        return buf, BufferHandle(kind="cuda", size_bytes=nbytes, cuda_args=tuple(args))
+    def shared_buffer(self, nbytes: int) -> tuple[torch.Tensor, BufferHandle]:
+        if self._shared is None or self._shared.numel() < nbytes:
+            self.release_shared()
+            self._shared = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        args = self._shared.untyped_storage()._share_cuda_()
+        return self._shared, BufferHandle(kind="cuda", size_bytes=self._shared.numel(), cuda_args=tuple(args))
 
-    def peer_mapped(self, handle: BufferHandle) -> None:
-        pass
-
-    def free_shared(self, handle: BufferHandle) -> None:
+    def release_shared(self) -> None:
+        self._shared = None
         torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # H2D on a side stream, then make the compute stream (used by NCCL) wait for it.
+        # H2D on a side stream, then make the current stream (which NCCL follows) wait for it.
         with torch.cuda.stream(self._copy_stream):
             dst.copy_(src, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
@@ -123,10 +153,10 @@ def make_transport(kind: str, local_rank: int) -> Transport:
     raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {kind!r}")
 
 
-def open_shared_buffer(handle: BufferHandle, device_id: int | None) -> torch.Tensor:
-    """Engine side: map the PS rank's shared buffer once per update."""
-    if handle.kind == "shm":
-        return shm.open_segment(handle.path, handle.size_bytes)
+def open_buffer(handle: BufferHandle, device_id: int | None) -> torch.Tensor:
+    """Engine side: map one of the PS's shared buffers (once per update)."""
+    if handle.kind == "fd":
+        return shm.map_readonly(shm.SegmentRef(handle.pid, handle.fd, handle.size_bytes))
     if not torch.cuda.is_available():
         raise RuntimeError("the parameter server sent a CUDA IPC buffer but this engine has no CUDA device")
     args = list(handle.cuda_args)

@@ -1,10 +1,11 @@
 """Engine side of a weight update, engine-agnostic.
 
-`update_weights_from_ipc` connects to its PS rank, maps the shared buffer once, hands `run` a list
-of `(name, tensor)` views for every bucket, and calls `post_hook` at the end. The views alias the
-shared buffer and are overwritten two buckets later: `run` must copy what it keeps.
+`update_weights_from_ipc` connects to its PS rank, maps the shared buffers once per update, hands
+`run` a list of `(name, tensor)` views for every bucket, and calls `post_hook` at the end. The views
+alias shared memory that is reused two buckets later and are read-only on CPU: `run` must copy
+what it keeps (loading into the model's parameters does).
 
-    recv Hello ─▶ map buffer ─▶ Ready ─▶ { recv Bucket ─▶ run(views) ─▶ Ack }* ─▶ recv Done ─▶ post_hook ─▶ Ack
+    recv Hello ─▶ map buffers ─▶ Ready ─▶ { recv Bucket ─▶ run(views) ─▶ Ack }* ─▶ recv Done ─▶ post_hook ─▶ Ack
                                           any failure ─▶ Error ─▶ wait Abort ─▶ state incomplete, raise
 """
 
@@ -22,7 +23,7 @@ from checkpoint_engine import protocol as P
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.dtypes import dtype_from_name
 from checkpoint_engine.state import EngineWeightState
-from checkpoint_engine.transport import open_shared_buffer
+from checkpoint_engine.transport import open_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,12 @@ class UpdateAborted(RuntimeError):
     """The update was aborted; the engine's weights are incomplete until a later update succeeds."""
 
 
-def extract_views(buffer: torch.Tensor, tensors: tuple[P.WireTensor, ...]) -> NamedTensors:
+def extract_views(buffers: list[torch.Tensor], tensors: tuple[P.WireTensor, ...]) -> NamedTensors:
     out: NamedTensors = []
     for t in tensors:
+        if t.buffer >= len(buffers):
+            raise P.ProtocolError(f"tensor {t.name!r} names buffer {t.buffer} but Hello shared {len(buffers)}")
+        buffer = buffers[t.buffer]
         dtype = dtype_from_name(t.dtype)
         nbytes = dtype.itemsize
         for d in t.shape:
@@ -74,7 +78,7 @@ def update_weights_from_ipc(
     sock = zmq_ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(zmq_handle)
-    buffer: torch.Tensor | None = None
+    buffers: list[torch.Tensor] = []
     started = False
     try:
         hello = _recv(sock, timeout_s, "the update's Hello")
@@ -82,9 +86,9 @@ def update_weights_from_ipc(
             raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
         state.begin(hello.checkpoint)
         started = True
-        buffer = open_shared_buffer(hello.buffer, device_id)
+        buffers = [open_buffer(h, device_id) for h in hello.buffers]
         sock.send(P.encode(P.Ready(version=state.version, status=state.status.value)))
-        return _serve(sock, hello, buffer, run, post_hook, state, timeout_s)
+        return _serve(sock, hello, buffers, run, post_hook, state, timeout_s)
     except BaseException as e:
         if started and state.status.value == "receiving":
             state.abort(_short(e))
@@ -92,11 +96,11 @@ def update_weights_from_ipc(
             raise
         raise UpdateAborted(f"weight update failed on the engine side: {_short(e)}") from e
     finally:
-        buffer = None
+        buffers.clear()
         sock.close()
 
 
-def _serve(sock, hello, buffer, run, post_hook, state, timeout_s) -> EngineWeightState:
+def _serve(sock, hello, buffers, run, post_hook, state, timeout_s) -> EngineWeightState:
     expected = 0
     failed: str | None = None
     while True:
@@ -112,12 +116,12 @@ def _serve(sock, hello, buffer, run, post_hook, state, timeout_s) -> EngineWeigh
             if msg.index != expected:
                 raise P.ProtocolError(f"expected bucket {expected}, got {msg.index}")
             try:
-                views = extract_views(buffer, msg.tensors)
+                views = extract_views(buffers, msg.tensors)
                 if hello.verify_checksums:
                     _verify(views, msg.tensors)
                 run(views)
-                if buffer.is_cuda:
-                    torch.cuda.current_stream(buffer.device).synchronize()
+                if buffers[0].is_cuda:
+                    torch.cuda.current_stream(buffers[0].device).synchronize()
             except Exception as e:  # reported to the PS, which aborts all ranks
                 failed = f"bucket {msg.index}: {_short(e)}"
                 state.abort(failed)

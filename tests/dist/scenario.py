@@ -71,6 +71,7 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=20.0)
     p.add_argument("--req-func-raise", action="store_true")
     p.add_argument("--checksums", action="store_true")
+    p.add_argument("--mode", default="collective", choices=["auto", "collective", "local"])
     p.add_argument("--tamper-metas", action="store_true", help="last rank loads metas that differ")
     p.add_argument("--dup-name", action="store_true", help="last rank also registers a name rank 0 owns")
     args = p.parse_args()
@@ -78,7 +79,8 @@ def main() -> int:
     torch.set_num_threads(1)
     cfg = ParameterServerConfig(transport="cpu", collective_timeout_s=args.timeout_s, verify_checksums=args.checksums,
                                 update=UpdateConfig(bucket_size_bytes=args.bucket_size, engine_timeout_s=args.timeout_s,
-                                                    engine_connect_timeout_s=args.timeout_s))
+                                                    engine_connect_timeout_s=args.timeout_s, mode=args.mode,
+                                                    agree_every_buckets=2))
     ps = ParameterServer(rank=args.rank, world_size=args.world, master_addr="127.0.0.1",
                          master_port=args.master_port, config=cfg)
     req = http_req_func(args.engine_url, rank=args.rank, timeout_s=args.timeout_s)
@@ -101,6 +103,7 @@ def main() -> int:
                 ps.gather_metas(name)
             except Exception as e:  # noqa: BLE001 - reported to the test
                 print(f"GATHER_ERROR: {type(e).__name__}: {e}", flush=True)
+                ps.close()
                 return 4
             if args.tamper_metas and args.rank == args.world - 1:
                 metas = ps.get_metas(name)
@@ -111,6 +114,7 @@ def main() -> int:
             m = ps.update(name, req)
         except Exception as e:  # noqa: BLE001 - reported to the test
             print(f"UPDATE_ERROR: {type(e).__name__}: {e}", flush=True)
+            ps.close()
             return 3
         from tests.dist.harness import rpc
 
@@ -121,10 +125,14 @@ def main() -> int:
             print(f"MISMATCH at step {n} ({step}): {bad[:10]}", flush=True)
             return 1
         state = rpc(args.engine_url, "weights_state")
+        if m.mode != (args.mode if args.mode != "auto" else "local"):
+            print(f"BAD MODE {m.mode}", flush=True)
+            return 1
         if state["version"] != n + 1 or state["status"] != "ready" or state["checkpoint"] != name:
             print(f"BAD STATE at step {n}: {state}", flush=True)
             return 1
         print(f"STEP_OK {n} {step} {json.dumps(m.to_dict())}", flush=True)
+    ps.close()
     return 0
 
 

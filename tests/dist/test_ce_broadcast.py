@@ -19,13 +19,15 @@ def stop_all(engines):
     return [e.stop() for e in engines]
 
 
-@pytest.mark.parametrize("world,source", [(1, "files"), (2, "both"), (3, "named")])
-def test_updates_are_bit_exact(tmp_path, world, source):
+@pytest.mark.parametrize("world,source,mode", [(1, "files", "collective"), (2, "both", "collective"),
+                                               (3, "named", "collective"), (2, "both", "auto")])
+def test_updates_are_bit_exact(tmp_path, world, source, mode):
     """Two checkpoints updated alternately, then new weights for one: every tensor bit-exact each time."""
     engines = engines_for(world)
     try:
         res = run_ranks(world, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--source", source,
-                                          "--steps", "A1,B2,A1,A3", *BUCKET, *(["--checksums"] if world == 2 else [])])
+                                          "--mode", mode, "--steps", "A1,B2,A1,A3", *BUCKET,
+                                          *(["--checksums"] if world == 2 else [])])
         for rank, (rc, out) in enumerate(res):
             assert rc == 0, f"rank {rank} failed:\n{out}"
             assert out.count("STEP_OK") == 4
@@ -68,7 +70,8 @@ def test_engine_killed_mid_update(tmp_path):
         stop_all(engines)
 
 
-def test_rank_killed_mid_update(tmp_path):
+@pytest.mark.parametrize("mode", ["collective", "local"])
+def test_rank_killed_mid_update(tmp_path, mode):
     engines = engines_for(2, (), ("--load-delay-s", "0.3"), timeout_s=5.0)
 
     def kill_rank1_once_receiving(procs):
@@ -80,10 +83,10 @@ def test_rank_killed_mid_update(tmp_path):
 
     try:
         res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", *BUCKET,
-                                      "--timeout-s", "20"], kill_rank_after=kill_rank1_once_receiving)
+                                      "--timeout-s", "20", "--mode", mode], kill_rank_after=kill_rank1_once_receiving)
         assert res[1][0] == -9
-        assert res[0][0] == 3 and "UPDATE_ERROR" in res[0][1], res[0][1]
-        assert "rank 0" in res[0][1]
+        assert res[0][0] == 3 and "UPDATE_ERROR: RuntimeError: rank 0: weight update aborted: rank 1 (pid" in res[0][1], \
+            res[0][1]
         assert engines[0].state()["status"] == "incomplete"
         deadline = time.monotonic() + 30  # engine 1 lost its PS rank: its own deadline (5 s) fires
         while engines[1].state()["status"] != "incomplete":

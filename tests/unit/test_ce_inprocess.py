@@ -132,15 +132,36 @@ def test_checksum_mode_detects_corruption():
     p.close()
 
 
-def test_no_shared_memory_left_behind(ps):
+def _open_fds():
     import os
 
+    return len(os.listdir(f"/proc/{os.getpid()}/fd"))
+
+
+def test_failed_updates_and_unregister_release_memory(ps):
+    ps.register_checkpoint("warm", named_tensors=make_tensors(7))  # first allocation of lazily built state
+    ps.gather_metas("warm")
+    ps.update("warm", ThreadEngine().req_func)
+    before = _open_fds()
     ps.register_checkpoint("a", named_tensors=make_tensors(6))
     ps.gather_metas("a")
-    before = {f for f in os.listdir("/dev/shm") if f.startswith(f"ckpt-engine-{os.getpid()}-")}
-    eng = ThreadEngine(fail_at=1)
+    assert _open_fds() > before  # one memfd per chunk
     with pytest.raises(UpdateFailed):
-        ps.update("a", eng.req_func)
+        ps.update("a", ThreadEngine(fail_at=1).req_func)
     ps.update("a", ThreadEngine().req_func)
-    after = {f for f in os.listdir("/dev/shm") if f.startswith(f"ckpt-engine-{os.getpid()}-")}
-    assert after == before == set()
+    ps.unregister_checkpoint("a")
+    assert _open_fds() == before
+
+
+@pytest.mark.parametrize("mode", ["collective", "local"])
+def test_both_modes_bit_exact(mode):
+    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=700, mode=mode,
+                                                                     agree_every_buckets=1))
+    p = ParameterServer(rank=0, world_size=1, config=cfg)
+    t = make_tensors(8)
+    p.register_checkpoint("a", named_tensors=t)
+    p.gather_metas("a")
+    eng = ThreadEngine()
+    assert p.update("a", eng.req_func).mode == mode
+    assert {k: tensor_checksum(v) for k, v in eng.weights.items()} == {k: tensor_checksum(v) for k, v in t.items()}
+    p.close()
