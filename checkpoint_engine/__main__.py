@@ -1,0 +1,73 @@
+"""`torchrun --nproc-per-node N -m checkpoint_engine`: the weight-sync daemon (see daemon.py).
+
+Rank 0 serves the HTTP API; every rank holds its shard of each registered checkpoint.
+  POST /checkpoints  {"name", "files": [...]}    register (files are split across ranks) + gather metas
+  POST /update       {"name", "endpoints": URL | [URL per engine], "ranks_per_engine": 1, "timeout_s"}
+  GET  /checkpoints                              what is registered, the last update's metrics
+  DELETE /checkpoints/NAME, GET /health, POST /shutdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m checkpoint_engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8400)
+    p.add_argument("--uds", default=None, help="serve on this unix socket instead of TCP")
+    p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--bucket-size-mib", type=int, default=None)
+    p.add_argument("--mode", choices=["auto", "collective", "local"], default="auto")
+    p.add_argument("--collective-timeout-s", type=float, default=300.0)
+    p.add_argument("--metrics-jsonl", default=None, help="append one JSON line per update (per rank)")
+    p.add_argument("--progress", action="store_true", help="progress bar on rank 0 during updates")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import asyncio
+    import logging
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.daemon import Driver, Relay, serve_http, serve_rank
+    from checkpoint_engine.logs import setup_logging
+    from checkpoint_engine.ps import ParameterServer
+
+    for var in ("RANK", "WORLD_SIZE"):
+        if var not in os.environ:
+            print(f"error: ${var} is not set: launch with torchrun --nproc-per-node N -m checkpoint_engine",
+                  file=sys.stderr)
+            return 2
+    rank = int(os.environ["RANK"])
+    setup_logging(args.log_level, rank)
+    bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
+    cfg = ParameterServerConfig(transport=args.transport, collective_timeout_s=args.collective_timeout_s,
+                                update=UpdateConfig(bucket_size_bytes=bucket, mode=args.mode,
+                                                    metrics_path=args.metrics_jsonl, progress=args.progress))
+    ps = ParameterServer(config=cfg)
+    try:
+        ps.init_process_group()
+        relay = Relay(dist.distributed_c10d._get_default_store(), rank, ps.world_size,
+                      result_timeout_s=args.collective_timeout_s + 60)
+        if rank == 0:
+            asyncio.run(serve_http(Driver(ps, relay), args.host, args.port, args.uds))
+        else:
+            serve_rank(ps, relay, threading.Event())
+        logging.getLogger(__name__).info("rank %d: exiting", rank)
+    finally:
+        ps.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The checkpoint-engine daemon: every torchrun rank runs a ParameterServer; rank 0 also serves an
+HTTP API (127.0.0.1 or a unix socket by default) and relays each command to all ranks.
+
+    HTTP client ──POST /checkpoints, /update, ...──▶ rank 0 aiohttp handler (never blocks the loop)
+                                                       │ asyncio future, executor thread
+                                                       ▼
+                            command n ──TCPStore key cmd/n──▶ every rank: run on its ParameterServer
+                            result    ◀──key res/n/<rank>─── (JSON; rank 0 gathers with a deadline)
+
+Commands are JSON (never pickle). A command failing on any rank is reported with every rank's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from checkpoint_engine.api import http_req_func
+from checkpoint_engine.ps import ParameterServer
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 5.0
+
+
+class CommandError(ValueError):
+    """A command whose arguments are wrong: answered with HTTP 400."""
+
+
+class Relay:
+    """Moves commands from rank 0 to all ranks and results back, over the process group's store."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, result_timeout_s: float):
+        self.store = dist.PrefixStore("ckpt-daemon/", store)
+        self.rank, self.world_size, self.result_timeout_s = rank, world_size, result_timeout_s
+        self.seq = 0
+
+    def publish(self, cmd: dict) -> None:
+        self.store.set(f"cmd/{self.seq}", json.dumps(cmd))
+
+    def next_command(self, stop: threading.Event) -> dict | None:
+        key = f"cmd/{self.seq}"
+        while not stop.is_set():
+            try:
+                self.store.wait([key], timedelta(seconds=IDLE_WAIT_S))
+                return json.loads(self.store.get(key))
+            except dist.DistStoreError:
+                continue  # idle: wait again (each wait has its own deadline)
+        return None
+
+    def put_result(self, result: dict) -> None:
+        self.store.set(f"res/{self.seq}/{self.rank}", json.dumps(result))
+
+    def gather_results(self) -> list[dict]:
+        keys = [f"res/{self.seq}/{r}" for r in range(self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.result_timeout_s))
+        except dist.DistStoreError:
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            return [{"ok": False, "error": f"rank {r} did not answer within {self.result_timeout_s:.0f} s"}
+                    if r in missing else json.loads(self.store.get(keys[r])) for r in range(self.world_size)]
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def done(self) -> None:
+        self.seq += 1
+
+
+def execute(ps: ParameterServer, cmd: dict) -> dict:
+    """Run one command on this rank's ParameterServer; return a JSON-ready result."""
+    op = cmd.get("op")
+    if op == "register":
+        files = cmd.get("files") or []
+        mine = [f for i, f in enumerate(sorted(files)) if i % ps.world_size == ps.rank] \
+            if cmd.get("split_files", True) else files
+        ps.register_checkpoint(cmd["name"], files=mine)
+        ps.gather_metas(cmd["name"])
+        return {"registered_files": mine, **ps.checkpoints()[cmd["name"]]}
+    if op == "unregister":
+        ps.unregister_checkpoint(cmd["name"])
+        return {}
+    if op == "update":
+        endpoints = cmd["endpoints"]
+        per = int(cmd.get("ranks_per_engine", 1))
+        endpoint = endpoints[ps.rank // per] if isinstance(endpoints, list) else endpoints
+        req = http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=float(cmd.get("timeout_s", 300)))
+        return ps.update(cmd["name"], req, timeout=cmd.get("timeout_s")).to_dict()
+    if op == "inspect":
+        return {"checkpoints": ps.checkpoints(),
+                "last_update": ps.last_metrics.to_dict() if ps.last_metrics else None}
+    if op == "exit":
+        return {}
+    raise CommandError(f"unknown op {op!r}")
+
+
+def validate(cmd: dict) -> dict:
+    """Check a command on rank 0 before it goes to every rank (HTTP 400 on failure)."""
+    op = cmd.get("op")
+    if op in ("register", "unregister", "update") and not (isinstance(cmd.get("name"), str) and cmd["name"]):
+        raise CommandError(f"{op}: 'name' must be a non-empty string")
+    if op == "register":
+        files = cmd.get("files")
+        if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
+            raise CommandError("register: 'files' must be a non-empty list of safetensors paths")
+    if op == "update":
+        eps = cmd.get("endpoints")
+        if not (isinstance(eps, str) or (isinstance(eps, list) and eps and all(isinstance(e, str) for e in eps))):
+            raise CommandError("update: 'endpoints' must be an engine URL or a list of URLs (one per engine)")
+    return cmd
+
+
+def serve_rank(ps: ParameterServer, relay: Relay, stop: threading.Event) -> None:
+    """Non-zero ranks: execute commands until 'exit'."""
+    while (cmd := relay.next_command(stop)) is not None:
+        relay.put_result(_run(ps, cmd))
+        relay.done()
+        if cmd.get("op") == "exit":
+            return
+
+
+def _run(ps: ParameterServer, cmd: dict) -> dict:
+    t0 = time.perf_counter()
+    try:
+        return {"ok": True, "result": execute(ps, cmd), "elapsed_s": round(time.perf_counter() - t0, 4)}
+    except Exception as e:  # noqa: BLE001 - every rank's error goes back to the caller
+        logger.exception("command %s failed", cmd.get("op"))
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+class Driver:
+    """Rank 0: serialises commands (one at a time) on a worker thread."""
+
+    def __init__(self, ps: ParameterServer, relay: Relay):
+        self.ps, self.relay = ps, relay
+        self.lock = threading.Lock()
+
+    def run(self, cmd: dict) -> dict:
+        with self.lock:
+            self.relay.publish(cmd)
+            mine = _run(self.ps, cmd)
+            self.relay.put_result(mine)
+            results = self.relay.gather_results()
+            self.relay.done()
+        ok = all(r.get("ok") for r in results)
+        errors = {str(r): res["error"] for r, res in enumerate(results) if not res.get("ok")}
+        return {"ok": ok, "op": cmd.get("op"), "ranks": results, **({"errors": errors} if errors else {})}
+
+
+def make_app(driver: Driver, stop: asyncio.Event):
+    from aiohttp import web
+
+    async def call(cmd: dict) -> web.Response:
+        try:
+            validate(cmd)
+        except CommandError as e:
+            return web.json_response({"ok": False, "error": str(e)}, status=400)
+        result = await asyncio.get_running_loop().run_in_executor(None, driver.run, cmd)
+        return web.json_response(result, status=200 if result["ok"] else 500)
+
+    async def body(request) -> dict:
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, ValueError):
+            raise web.HTTPBadRequest(text=json.dumps({"ok": False, "error": "body must be JSON"}),
+                                     content_type="application/json") from None
+        if not isinstance(data, dict):
+            raise web.HTTPBadRequest(text=json.dumps({"ok": False, "error": "body must be a JSON object"}),
+                                     content_type="application/json")
+        return data
+
+    async def register(request):
+        return await call({"op": "register", **await body(request)})
+
+    async def unregister(request):
+        return await call({"op": "unregister", "name": request.match_info["name"]})
+
+    async def update(request):
+        return await call({"op": "update", **await body(request)})
+
+    async def inspect(request):
+        return await call({"op": "inspect"})
+
+    async def health(request):
+        return web.json_response({"ok": True, "world_size": driver.ps.world_size})
+
+    async def shutdown(request):
+        stop.set()
+        return web.json_response({"ok": True})
+
+    app = web.Application(client_max_size=4 * 2**20)
+    app.add_routes([web.get("/health", health), web.get("/checkpoints", inspect), web.post("/checkpoints", register),
+                    web.delete("/checkpoints/{name}", unregister), web.post("/update", update),
+                    web.post("/shutdown", shutdown)])
+    return app
+
+
+async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> None:
+    from aiohttp import web
+
+    stop = asyncio.Event()
+    runner = web.AppRunner(make_app(driver, stop))
+    await runner.setup()
+    site = web.UnixSite(runner, uds) if uds else web.TCPSite(runner, host, port)
+    await site.start()
+    where = uds or f"http://{host}:{port}"
+    logger.info("checkpoint-engine daemon serving on %s (world size %d)", where, driver.ps.world_size)
+    print(f"checkpoint-engine daemon ready on {where}", flush=True)
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await loop.run_in_executor(None, driver.run, {"op": "exit"})
