@@ -72,12 +72,13 @@ def main() -> int:
     p.add_argument("--req-func-raise", action="store_true")
     p.add_argument("--checksums", action="store_true")
     p.add_argument("--mode", default="collective", choices=["auto", "collective", "local"])
+    p.add_argument("--transport", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--tamper-metas", action="store_true", help="last rank loads metas that differ")
     p.add_argument("--dup-name", action="store_true", help="last rank also registers a name rank 0 owns")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    cfg = ParameterServerConfig(transport="cpu", collective_timeout_s=args.timeout_s, verify_checksums=args.checksums,
+    cfg = ParameterServerConfig(transport=args.transport, collective_timeout_s=args.timeout_s, verify_checksums=args.checksums,
                                 update=UpdateConfig(bucket_size_bytes=args.bucket_size, engine_timeout_s=args.timeout_s,
                                                     engine_connect_timeout_s=args.timeout_s, mode=args.mode,
                                                     agree_every_buckets=2))
@@ -125,7 +126,7 @@ def main() -> int:
             print(f"MISMATCH at step {n} ({step}): {bad[:10]}", flush=True)
             return 1
         state = rpc(args.engine_url, "weights_state")
-        if m.mode != (args.mode if args.mode != "auto" else "local"):
+        if m.mode != (args.mode if args.mode != "auto" else ("local" if args.transport == "cpu" else "collective")):
             print(f"BAD MODE {m.mode}", flush=True)
             return 1
         if state["version"] != n + 1 or state["status"] != "ready" or state["checkpoint"] != name:
