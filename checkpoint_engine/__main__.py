@@ -2,7 +2,9 @@
 
 Rank 0 serves the HTTP API; every rank holds its shard of each registered checkpoint.
   POST /checkpoints  {"name", "files": [...]}    register (files are split across ranks) + gather metas
-  POST /update       {"name", "endpoints": URL | [URL per engine], "ranks_per_engine": 1, "timeout_s"}
+  POST /update       {"name", "endpoints": URL | [URL per engine], "ranks_per_engine": 1, "timeout_s",
+                      "ranks": null | [receiver ranks] (P2P through Mooncake; needs --p2p-host)}
+  GET  /metas/NAME, POST /metas                  export / import global metas (JSON) for P2P recovery
   GET  /checkpoints                              what is registered, the last update's metrics
   DELETE /checkpoints/NAME, GET /health, POST /shutdown
 """
@@ -25,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collective-timeout-s", type=float, default=300.0)
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON line per update (per rank)")
     p.add_argument("--progress", action="store_true", help="progress bar on rank 0 during updates")
+    p.add_argument("--p2p-host", default=None, help="start Mooncake's transfer engine on this address (P2P)")
+    p.add_argument("--p2p-protocol", choices=["tcp", "rdma"], default="tcp")
+    p.add_argument("--p2p-device", default="", help="RDMA device names for Mooncake (rdma protocol)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -51,7 +56,10 @@ def main(argv=None) -> int:
     rank = int(os.environ["RANK"])
     setup_logging(args.log_level, rank)
     bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
-    cfg = ParameterServerConfig(transport=args.transport, collective_timeout_s=args.collective_timeout_s,
+    from checkpoint_engine.p2p import P2PConfig
+
+    p2p = P2PConfig(args.p2p_host, args.p2p_protocol, args.p2p_device) if args.p2p_host else None
+    cfg = ParameterServerConfig(transport=args.transport, collective_timeout_s=args.collective_timeout_s, p2p=p2p,
                                 update=UpdateConfig(bucket_size_bytes=bucket, mode=args.mode,
                                                     metrics_path=args.metrics_jsonl, progress=args.progress))
     ps = ParameterServer(config=cfg)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from checkpoint_engine.p2p import P2PConfig
+
 MiB = 2**20
 
 
@@ -45,6 +47,7 @@ class UpdateConfig:
 @dataclass(frozen=True)
 class ParameterServerConfig:
     transport: Literal["auto", "cpu", "cuda"] = "auto"
+    p2p: P2PConfig | None = None  # start a Mooncake transfer engine: needed to serve or take P2P updates
     align_bytes: int = 256
     max_chunk_bytes: int | None = 1024 * MiB
     collective_timeout_s: float = 300.0

@@ -89,7 +89,13 @@ def execute(ps: ParameterServer, cmd: dict) -> dict:
         per = int(cmd.get("ranks_per_engine", 1))
         endpoint = endpoints[ps.rank // per] if isinstance(endpoints, list) else endpoints
         req = http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=float(cmd.get("timeout_s", 300)))
-        return ps.update(cmd["name"], req, timeout=cmd.get("timeout_s")).to_dict()
+        m = ps.update(cmd["name"], req, timeout=cmd.get("timeout_s"), ranks=cmd.get("ranks"))
+        return m.to_dict() if m is not None else {"skipped": "not a P2P receiver"}
+    if op == "get_metas":
+        return ps.get_metas(cmd["name"]) if ps.rank == 0 else {}
+    if op == "load_metas":
+        ps.load_metas(cmd["metas"])
+        return {}
     if op == "inspect":
         return {"checkpoints": ps.checkpoints(),
                 "last_update": ps.last_metrics.to_dict() if ps.last_metrics else None}
@@ -107,6 +113,11 @@ def validate(cmd: dict) -> dict:
         files = cmd.get("files")
         if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
             raise CommandError("register: 'files' must be a non-empty list of safetensors paths")
+    if op == "load_metas" and not isinstance(cmd.get("metas"), dict):
+        raise CommandError("load_metas: 'metas' must be the JSON object GET /metas/NAME returned")
+    if op == "update" and cmd.get("ranks") is not None and not (
+            isinstance(cmd["ranks"], list) and all(isinstance(r, int) for r in cmd["ranks"])):
+        raise CommandError("update: 'ranks' must be a list of ints (P2P receivers) or null")
     if op == "update":
         eps = cmd.get("endpoints")
         if not (isinstance(eps, str) or (isinstance(eps, list) and eps and all(isinstance(e, str) for e in eps))):
@@ -185,6 +196,12 @@ def make_app(driver: Driver, stop: asyncio.Event):
     async def inspect(request):
         return await call({"op": "inspect"})
 
+    async def get_metas(request):
+        return await call({"op": "get_metas", "name": request.match_info["name"]})
+
+    async def load_metas(request):
+        return await call({"op": "load_metas", "metas": await body(request)})
+
     async def health(request):
         return web.json_response({"ok": True, "world_size": driver.ps.world_size})
 
@@ -195,6 +212,7 @@ def make_app(driver: Driver, stop: asyncio.Event):
     app = web.Application(client_max_size=4 * 2**20)
     app.add_routes([web.get("/health", health), web.get("/checkpoints", inspect), web.post("/checkpoints", register),
                     web.delete("/checkpoints/{name}", unregister), web.post("/update", update),
+                    web.get("/metas/{name}", get_metas), web.post("/metas", load_metas),
                     web.post("/shutdown", shutdown)])
     return app
 

@@ -30,6 +30,7 @@ from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.host_memory import RegisteredCheckpoint
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics
+from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up
 from checkpoint_engine.transport import Transport
 
@@ -47,10 +48,11 @@ class UpdateFailed(RuntimeError):
 
 
 class StatusExchange:
-    """All ranks learn every rank's error (if any) with one small all_gather."""
+    """All participating ranks learn every one's error (if any) with one small all_gather."""
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None):
-        self.rank, self.world_size, self.group = rank, world_size, group
+    def __init__(self, rank: int, members: list[int], group: dist.ProcessGroup | None):
+        self.rank, self.members, self.group = rank, members, group
+        self.world_size = len(members)
 
     def agree(self, error: str | None) -> None:
         if self.world_size == 1:
@@ -64,8 +66,8 @@ class StatusExchange:
             mine[1: 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self.group)
-        failures = {r: bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace")
-                    for r, t in enumerate(out) if t[0]}
+        failures = {self.members[i]: bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+                    for i, t in enumerate(out) if t[0]}
         if failures:
             raise UpdateFailed(failures)
 
@@ -106,10 +108,14 @@ class UpdateJob:
     req_func: ReqFunc
     cfg: UpdateConfig
     update_id: str
-    mode: str = "collective"  # "collective": broadcast across ranks; "local": engines read owners' chunks
+    mode: str = "collective"  # "collective": broadcast; "local": engines read owners' chunks; "p2p": Mooncake reads
     rank_chunk_handles: dict[int, list[P.BufferHandle]] | None = None  # local mode: every rank's chunks
     pids: tuple[int, ...] = ()
     hosts: tuple[str, ...] = ()
+    members: list[int] | None = None  # ranks taking part (P2P: the receivers); None: every rank
+    p2p: P2PStore | None = None
+    p2p_addrs: dict[int, str] | None = None  # owner rank -> transfer engine address
+    chunk_ptrs: dict[int, list[int]] | None = None  # owner rank -> address of each chunk
 
 
 class _Layout:
@@ -148,16 +154,19 @@ def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
                       bucket_size_bytes=job.bucket_size_bytes,
                       total_bytes=sum(t.nbytes for b in job.buckets for t in b.tensors))
     t_start = time.perf_counter()
-    status = StatusExchange(job.rank, job.world_size, job.group)
-    shared, handle = (None, None)
+    status = StatusExchange(job.rank, job.members or list(range(job.world_size)), job.group)
+    shared, handle, staging = None, None, None
     if job.mode != "local":
         shared, handle = job.transport.shared_buffer(2 * _half_stride(job))
+    if job.mode == "p2p":
+        staging = shared if job.transport.engines_map_host_chunks else job.transport.p2p_staging(2 * _half_stride(job))
+        job.p2p.register(staging.data_ptr(), staging.numel())
     layout = _Layout(job, handle)
     link = EngineLink(job.zmq_ctx, job.address)
     req = _ReqThread(job.req_func, job.addresses)
     try:
         _connect(job, link, req, layout, status, m)
-        _stream_buckets(job, link, req, shared, layout, status, m)
+        _stream_buckets(job, link, req, shared, staging, layout, status, m)
         _finish(job, link, req, status, m)
         m.ok = True
         return m
@@ -193,7 +202,7 @@ def _connect(job, link, req, layout, status, m) -> None:
     m.setup_s = time.perf_counter() - t0
 
 
-def _stream_buckets(job, link, req, shared, layout, status, m) -> None:
+def _stream_buckets(job, link, req, shared, staging, layout, status, m) -> None:
     bar = None
     if job.cfg.progress and job.rank == 0:
         from tqdm import tqdm
@@ -209,7 +218,9 @@ def _stream_buckets(job, link, req, shared, layout, status, m) -> None:
                 status.agree(link.failure)
                 m.agree_s += time.perf_counter() - t0
             half = (i % 2) * _half_stride(job)
-            if job.mode != "local":
+            if job.mode == "p2p":
+                _read_bucket(job, bucket, shared, staging, half, bucket.owner_rank in layout.base, m)
+            elif job.mode == "collective":
                 _move_bucket(job, bucket, shared, half, bucket.owner_rank in layout.base, m)
             link.send(P.Bucket(index=i, tensors=layout.wire(bucket, half)))
             if bar is not None:
@@ -236,6 +247,22 @@ def _move_bucket(job, bucket: Bucket, shared, half: int, engine_reads_chunk: boo
         job.transport.broadcast(dst, bucket.owner_rank, job.group)
     job.transport.synchronize()
     m.broadcast_s += time.perf_counter() - t0
+
+
+def _read_bucket(job, bucket: Bucket, shared, staging, half: int, engine_reads_chunk: bool, m) -> None:
+    """P2P: pull one bucket from its owner's registered memory (one-sided read) into half `half`."""
+    if engine_reads_chunk:
+        return  # our own shard: the engine reads it in place
+    t0 = time.perf_counter()
+    remote = job.chunk_ptrs[bucket.owner_rank][bucket.chunk] + bucket.start_bytes
+    local = staging[half: half + bucket.size_bytes]
+    job.p2p.read(job.p2p_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
+    m.broadcast_s += time.perf_counter() - t0
+    if staging is not shared:  # CUDA: host staging -> device half
+        t0 = time.perf_counter()
+        job.transport.copy_in(shared[half: half + bucket.size_bytes], local)
+        job.transport.synchronize()
+        m.copy_in_s += time.perf_counter() - t0
 
 
 def _dead_ranks(job: UpdateJob, settle_s: float = 2.0) -> str:

@@ -70,6 +70,15 @@ class PlainEngine:
             update_weights_from_ipc(self.ctx, handle, device_id, run=run, state=self.state, timeout_s=self.timeout_s)
             return self.state.report()
 
+    def reset_weights(self) -> dict:
+        """Forget all weights and versions, as a restarted engine would (tests, demos)."""
+        from checkpoint_engine.state import EngineWeightState
+
+        with self._lock:
+            self.weights.clear()
+            self.state = EngineWeightState()
+            return self.state.report()
+
     def weights_state(self) -> dict:
         return self.state.report()
 
@@ -80,7 +89,7 @@ class PlainEngine:
             return {name: tensor_checksum(t) for name, t in self.weights.items()}
 
 
-METHODS = ("update_weights_from_ipc", "weights_state", "weights_digest")
+METHODS = ("update_weights_from_ipc", "weights_state", "weights_digest", "reset_weights")
 
 
 def make_handler(engine: PlainEngine):

@@ -13,7 +13,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -27,6 +27,7 @@ from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.host_memory import RegisteredCheckpoint, register_tensors
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
+from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.pipeline import UpdateFailed, UpdateJob, run_broadcast_update
 from checkpoint_engine.plan import TensorMeta
 from checkpoint_engine.protocol import BufferHandle
@@ -44,6 +45,8 @@ class GlobalMetas:
     hosts: tuple[str, ...]
     checksums: dict[str, int] | None
     chunk_handles: dict[int, list[BufferHandle]]  # per rank: memfd handles of its chunks (CPU)
+    p2p_addrs: dict[int, str] = field(default_factory=dict)  # per owner rank: Mooncake address
+    chunk_ptrs: dict[int, list[int]] = field(default_factory=dict)  # per owner rank: chunk addresses
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "device_ids": list(self.device_ids), "pids": list(self.pids),
@@ -51,6 +54,8 @@ class GlobalMetas:
                 "ranks": {str(r): [m.to_wire() for m in ms] for r, ms in self.rank_metas.items()},
                 "chunk_handles": {str(r): [[h.pid, h.fd, h.size_bytes] for h in hs]
                                   for r, hs in self.chunk_handles.items()},
+                "p2p_addrs": {str(r): a for r, a in self.p2p_addrs.items()},
+                "chunk_ptrs": {str(r): ps for r, ps in self.chunk_ptrs.items()},
                 "checksums": self.checksums}
 
     @classmethod
@@ -61,7 +66,8 @@ class GlobalMetas:
                        for r, hs in d.get("chunk_handles", {}).items()}
             return cls(str(d["checkpoint"]), ranks, tuple(str(x) for x in d["device_ids"]),
                        tuple(int(x) for x in d["pids"]), tuple(str(x) for x in d["hosts"]), d.get("checksums"),
-                       handles)
+                       handles, {int(r): str(a) for r, a in d.get("p2p_addrs", {}).items()},
+                       {int(r): [int(p) for p in ps] for r, ps in d.get("chunk_ptrs", {}).items()})
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"malformed metas: {e!r}") from None
 
@@ -110,6 +116,7 @@ class ParameterServer:
         self._owns_pg = False
         self._run_id = uuid.uuid4().hex[:8]
         self.last_metrics: UpdateMetrics | None = None
+        self._p2p = P2PStore(self.config.p2p) if self.config.p2p is not None else None
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -158,14 +165,22 @@ class ParameterServer:
             raise ValueError(f"checkpoint name must be a non-empty string, got {checkpoint_name!r}")
         if checkpoint_name in self._checkpoints:
             raise ValueError(f"checkpoint {checkpoint_name!r} is already registered; unregister it first")
-        self._checkpoints[checkpoint_name] = register_tensors(
+        ckpt = register_tensors(
             checkpoint_name, files=files, named_tensors=named_tensors, alloc_host=self._transport.alloc_host,
             align_bytes=self.config.align_bytes, max_chunk_bytes=self.config.max_chunk_bytes)
+        if self._p2p is not None:
+            for c in ckpt.chunks:
+                self._p2p.register(c.tensor.data_ptr(), c.tensor.numel())
+        self._checkpoints[checkpoint_name] = ckpt
 
     def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
         if checkpoint_name not in self._checkpoints:
             raise ValueError(f"checkpoint {checkpoint_name!r} is not registered (have: {sorted(self._checkpoints)})")
-        self._checkpoints.pop(checkpoint_name).close()
+        ckpt = self._checkpoints.pop(checkpoint_name)
+        if self._p2p is not None:
+            for c in ckpt.chunks:
+                self._p2p.unregister(c.tensor.data_ptr())
+        ckpt.close()
         self._global.pop(checkpoint_name, None)
 
     # -- metas ------------------------------------------------------------------------------
@@ -183,6 +198,8 @@ class ParameterServer:
             "registered": ckpt is not None,
             "chunks": [[c.handle.pid, c.handle.fd, c.handle.size_bytes] for c in ckpt.chunks
                        if c.handle is not None] if ckpt else [],
+            "p2p_addr": self._p2p.addr if self._p2p is not None else None,
+            "chunk_ptrs": [c.tensor.data_ptr() for c in ckpt.chunks] if ckpt else [],
         }
         everyone = all_gather_obj(mine, self._world_size)
         names = {r: e["name"] for r, e in enumerate(everyone)}
@@ -200,7 +217,9 @@ class ParameterServer:
         self._global[checkpoint_name] = GlobalMetas(
             checkpoint_name, {r: ms for r, ms in rank_metas.items() if ms},
             tuple(e["device_id"] for e in everyone), tuple(e["pid"] for e in everyone),
-            tuple(e["host"] for e in everyone), checksums, handles)
+            tuple(e["host"] for e in everyone), checksums, handles,
+            {r: e["p2p_addr"] for r, e in enumerate(everyone) if e["p2p_addr"] and e["metas"]},
+            {r: e["chunk_ptrs"] for r, e in enumerate(everyone) if e["metas"]})
         self._last_gathered = checkpoint_name
         n = sum(len(ms) for ms in rank_metas.values())
         logger.info("rank %d: gathered metas of %r: %d tensors on %d ranks", self._rank, checkpoint_name, n,
@@ -223,14 +242,16 @@ class ParameterServer:
 
     # -- update -----------------------------------------------------------------------------
     def update(self, checkpoint_name: str, req_func: Callable[[list[tuple[str, str]]], None], *,
-               timeout: timedelta | float | None = None, ranks: list[int] | None = None) -> UpdateMetrics:
-        """Collective: push `checkpoint_name` into every rank's engine (broadcast)."""
+               timeout: timedelta | float | None = None, ranks: list[int] | None = None) -> UpdateMetrics | None:
+        """Collective: push `checkpoint_name` into the engines.
+
+        `ranks=None`: every rank's engine (broadcast or local mode). `ranks=[...]`: P2P, only those ranks'
+        engines: they read every bucket from the owners' registered memory through Mooncake while the
+        other ranks return at once (None) and their engines keep serving. Every rank must call it.
+        """
         if req_func is None or not callable(req_func):
             raise ValueError("req_func must be a callable taking the list of (device_id, zmq_address) pairs")
-        if ranks:
-            raise NotImplementedError(
-                "P2P update to selected ranks (ranks=[...]) is not available yet; call update(..., ranks=None) "
-                "to broadcast to every rank")
+        members = self._check_ranks(ranks)
         if checkpoint_name not in self._global:
             known = sorted(self._checkpoints)
             if checkpoint_name not in self._checkpoints and not known:
@@ -245,12 +266,26 @@ class ParameterServer:
         g = self._global[checkpoint_name]
         seq = self._update_seq
         self._update_seq += 1
-        job = self._make_job(g, req_func, cfg, seq)
+        group = None
+        if ranks:
+            if self._p2p is None:
+                raise ValueError("P2P update (ranks=[...]) needs ParameterServerConfig(p2p=P2PConfig(...))")
+            missing = [r for r in g.rank_metas if r not in g.p2p_addrs]
+            if missing:
+                raise ValueError(f"owner ranks {missing} of {checkpoint_name!r} have no P2P address: start every "
+                                 "parameter server with p2p enabled")
+            group = dist.new_group(members) if self._world_size > 1 else None  # collective over every rank
+            if self._rank not in members:
+                return None  # not a receiver: our engine keeps serving, undisturbed
+        job = self._make_job(g, req_func, cfg, seq, group=group, members=members)
         try:
             metrics = run_broadcast_update(job)
         except UpdateFailed as e:
             logger.error("rank %d: %s", self._rank, e)
             raise
+        finally:
+            if group is not None:
+                dist.destroy_process_group(group)
         self.last_metrics = metrics
         if self._rank == 0:
             logger.info(metrics.summary())
@@ -258,30 +293,41 @@ class ParameterServer:
             append_jsonl(cfg.metrics_path, metrics.to_dict())
         return metrics
 
-    def _make_job(self, g: GlobalMetas, req_func, cfg: UpdateConfig, seq: int) -> UpdateJob:
+    def _check_ranks(self, ranks: list[int] | None) -> list[int]:
+        if not ranks:
+            return list(range(self._world_size))
+        members = sorted(set(ranks))
+        if len(members) != len(ranks) or not all(isinstance(r, int) and 0 <= r < self._world_size for r in ranks):
+            raise ValueError(f"ranks must be distinct ints in [0, {self._world_size}), got {ranks!r}")
+        return members
+
+    def _make_job(self, g: GlobalMetas, req_func, cfg: UpdateConfig, seq: int, *, group=None,
+                  members: list[int]) -> UpdateJob:
+        n = len(members)
         budget = self._memory_budget_bytes(cfg)
-        budgets = all_gather_obj([budget, seq], self._world_size)
+        budgets = all_gather_obj([budget, seq], n, group)
         if len({b[1] for b in budgets}) != 1:
             raise RuntimeError(f"ranks disagree on the update sequence number: {[b[1] for b in budgets]}")
         bucket_size = plan.choose_bucket_size(g.rank_metas, requested_bytes=cfg.bucket_size_bytes,
                                               default_bytes=cfg.default_bucket_size_bytes,
                                               budget_bytes=min(b[0] for b in budgets))
         buckets = plan.plan_buckets(g.rank_metas, bucket_size)
-        digests = all_gather_obj(plan.plan_digest(buckets).hex(), self._world_size)
+        digests = all_gather_obj(plan.plan_digest(buckets).hex(), n, group)
         if len(set(digests)) != 1:
             groups: dict[str, list[int]] = {}
-            for r, d in enumerate(digests):
+            for r, d in zip(members, digests):
                 groups.setdefault(d, []).append(r)
             raise ValueError(f"metas of {g.checkpoint!r} differ between ranks (ranks grouped by identical plans: "
                              f"{sorted(groups.values())}); gather_metas/load_metas must give every rank the same view")
         addresses = [(g.device_ids[r], self._zmq_address(g.pids[r], r, seq)) for r in range(self._world_size)]
         return UpdateJob(
-            rank=self._rank, world_size=self._world_size, group=None, checkpoint=g.checkpoint,
+            rank=self._rank, world_size=self._world_size, group=group, checkpoint=g.checkpoint,
             ckpt=self._checkpoints.get(g.checkpoint), buckets=buckets, bucket_size_bytes=bucket_size,
             checksums=g.checksums, transport=self._transport, zmq_ctx=self._zmq_ctx,
             address=addresses[self._rank][1], addresses=addresses, req_func=req_func, cfg=cfg,
-            update_id=f"{self._run_id}-{seq}", mode=self._choose_mode(g, cfg), rank_chunk_handles=g.chunk_handles,
-            pids=g.pids, hosts=g.hosts)
+            update_id=f"{self._run_id}-{seq}", mode="p2p" if group is not None or n < self._world_size
+            else self._choose_mode(g, cfg), rank_chunk_handles=g.chunk_handles, pids=g.pids, hosts=g.hosts,
+            members=members, p2p=self._p2p, p2p_addrs=g.p2p_addrs, chunk_ptrs=g.chunk_ptrs)
 
     def _choose_mode(self, g: GlobalMetas, cfg: UpdateConfig) -> str:
         one_host = len(set(g.hosts)) == 1 and self._transport.engines_map_host_chunks
@@ -305,6 +351,8 @@ class ParameterServer:
         return f"ipc://@ckpt-engine-{pid}-r{rank}-u{seq}.sock"
 
     def close(self) -> None:
+        if self._p2p is not None:
+            self._p2p.close()
         for ckpt in self._checkpoints.values():
             ckpt.close()
         self._checkpoints.clear()

@@ -127,8 +127,15 @@ class CudaTransport:
 
     def release_shared(self) -> None:
         self._shared = None
+        self._staging = None
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
+
+    def p2p_staging(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory that P2P reads land in before the H2D copy."""
+        if getattr(self, "_staging", None) is None or self._staging.tensor.numel() < nbytes:
+            self._staging = self.alloc_host(nbytes)
+        return self._staging.tensor
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # H2D on a side stream, then make the current stream (which NCCL follows) wait for it.

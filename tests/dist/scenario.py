@@ -73,12 +73,16 @@ def main() -> int:
     p.add_argument("--checksums", action="store_true")
     p.add_argument("--mode", default="collective", choices=["auto", "collective", "local"])
     p.add_argument("--transport", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--p2p-recover", type=int, default=None,
+                   help="after the steps: this rank's engine restarts empty and recovers by P2P alone")
     p.add_argument("--tamper-metas", action="store_true", help="last rank loads metas that differ")
     p.add_argument("--dup-name", action="store_true", help="last rank also registers a name rank 0 owns")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    cfg = ParameterServerConfig(transport=args.transport, collective_timeout_s=args.timeout_s, verify_checksums=args.checksums,
+    from checkpoint_engine.p2p import P2PConfig
+
+    cfg = ParameterServerConfig(transport=args.transport, p2p=P2PConfig() if args.p2p_recover is not None else None, collective_timeout_s=args.timeout_s, verify_checksums=args.checksums,
                                 update=UpdateConfig(bucket_size_bytes=args.bucket_size, engine_timeout_s=args.timeout_s,
                                                     engine_connect_timeout_s=args.timeout_s, mode=args.mode,
                                                     agree_every_buckets=2))
@@ -133,8 +137,32 @@ def main() -> int:
             print(f"BAD STATE at step {n}: {state}", flush=True)
             return 1
         print(f"STEP_OK {n} {step} {json.dumps(m.to_dict())}", flush=True)
+    if args.p2p_recover is not None:
+        return p2p_recover(ps, args, req, full, name, n + 1)
     ps.close()
     return 0
+
+
+def p2p_recover(ps, args, req, full, name, num_updates) -> int:
+    from tests.dist.harness import rpc
+
+    target = args.p2p_recover
+    if args.rank == target:
+        rpc(args.engine_url, "reset_weights")  # as if the engine had just restarted
+    m = ps.update(name, req, ranks=[target])
+    import torch.distributed as dist
+
+    dist.barrier()  # owners serve the P2P reads from their memory: keep them alive until the receiver is done
+    state = rpc(args.engine_url, "weights_state")
+    digest = rpc(args.engine_url, "weights_digest")
+    expected = {k: tensor_checksum(v) for k, v in full.items()}
+    if args.rank == target:
+        ok = m is not None and m.mode == "p2p" and state["version"] == 1 and digest == expected
+    else:  # not a receiver: returned at once, engine untouched
+        ok = m is None and state["version"] == num_updates and digest == expected
+    print(f"P2P_{'OK' if ok else 'BAD'} rank {args.rank} {state} {None if m is None else m.to_dict()}", flush=True)
+    ps.close()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -127,3 +127,17 @@ def test_duplicate_name_across_ranks(tmp_path):
             assert rc == 4 and "'layers.0.w' is registered on rank 0 and on rank 1" in out, out
     finally:
         assert stop_all(engines) == [0, 0]
+
+
+def test_p2p_recovery_of_a_restarted_engine(tmp_path):
+    """Rank 1's engine comes back empty; update(ranks=[1]) refills it from the owners' memory through
+    Mooncake (TCP) while rank 0's engine is not touched."""
+    engines = engines_for(2)
+    try:
+        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1",
+                                      *BUCKET, "--p2p-recover", "1"])
+        for rank, (rc, out) in enumerate(res):
+            assert rc == 0 and "P2P_OK" in out, f"rank {rank}:\n{out}"
+        assert engines[0].state()["version"] == 1 and engines[1].state()["version"] == 1
+    finally:
+        assert stop_all(engines) == [0, 0]

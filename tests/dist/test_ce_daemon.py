@@ -47,7 +47,7 @@ def test_daemon_register_update_shutdown(tmp_path):
     daemon = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          "-m", "checkpoint_engine", "--port", str(port), "--collective-timeout-s", "60",
-         "--metrics-jsonl", str(tmp_path / "metrics.jsonl")],
+         "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), "--p2p-host", "127.0.0.1"],
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -73,6 +73,17 @@ def test_daemon_register_update_shutdown(tmp_path):
         expected = {k: tensor_checksum(v) for k, v in tensors.items()}
         for e in engines:
             assert e.digest() == expected and e.state()["version"] == 1
+        # rank 1's engine restarts empty and recovers through P2P; rank 0's engine is not touched
+        from tests.dist.harness import rpc
+
+        rpc(engines[1].url, "reset_weights")
+        code, res = call("POST", base + "/update", {"name": "m", "endpoints": [e.url for e in engines], "ranks": [1]})
+        assert code == 200 and res["ok"], res
+        assert res["ranks"][0]["result"] == {"skipped": "not a P2P receiver"} and res["ranks"][1]["result"]["mode"] == "p2p"
+        assert engines[1].digest() == expected and engines[1].state()["version"] == 1
+        assert engines[0].state()["version"] == 1
+        code, res = call("GET", base + "/metas/m")
+        assert code == 200 and set(res["ranks"][0]["result"]["p2p_addrs"]) == {"0", "1"}
         code, res = call("POST", base + "/update", {"name": "nope", "endpoints": [e.url for e in engines]})
         assert code == 500 and "nope" in res["errors"]["0"]
         code, res = call("GET", base + "/checkpoints")
@@ -80,7 +91,7 @@ def test_daemon_register_update_shutdown(tmp_path):
         code, res = call("DELETE", base + "/checkpoints/m")
         assert code == 200 and res["ok"]
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-        assert len(lines) == 2 and all(json.loads(x)["ok"] for x in lines)  # one line per rank
+        assert len(lines) == 3 and all(json.loads(x)["ok"] for x in lines)  # one line per rank and update
         assert call("POST", base + "/shutdown")[0] == 200
         out, _ = daemon.communicate(timeout=60)
         assert daemon.returncode == 0, out

@@ -97,8 +97,12 @@ def test_update_errors_before_gather_and_unknown(ps):
     with pytest.raises(ValueError, match="not registered on any rank"):
         ps.gather_metas("other")
     ps.gather_metas("c")
-    with pytest.raises(NotImplementedError, match="ranks=None"):
+    with pytest.raises(ValueError, match=r"needs ParameterServerConfig\(p2p=P2PConfig"):
         ps.update("c", lambda paths: None, ranks=[0])
+    with pytest.raises(ValueError, match="ranks must be distinct ints in"):
+        ps.update("c", lambda paths: None, ranks=[0, 0])
+    with pytest.raises(ValueError, match="ranks must be distinct ints in"):
+        ps.update("c", lambda paths: None, ranks=[3])
     with pytest.raises(ValueError, match="req_func must be a callable"):
         ps.update("c", None)
 
