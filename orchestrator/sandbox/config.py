@@ -1,0 +1,136 @@
+"""Configuration of the sandbox executor and of the HTTP service (frozen, validated dataclasses)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .models import RunRequest
+
+MIB = 1 << 20
+
+
+def _positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """How sandboxes are built and which limits apply to every run.
+
+    `python_lib_binds` lists (host_dir, name) pairs: each host package directory appears read-only
+    as /sandbox/lib/<name> inside, and /sandbox/lib is first on the program's sys.path (this is how
+    test-case generators get `cyaron` without seeing the host's site-packages).
+    """
+
+    bwrap_path: str = "/usr/bin/bwrap"
+    setpriv_path: str = "/usr/bin/setpriv"  # used to switch uid when present (util-linux)
+    python_executable: str = "/usr/bin/python3"
+    c_compiler: str = "/usr/bin/gcc"
+    cpp_compiler: str = "/usr/bin/g++"
+    c_flags: tuple[str, ...] = ("-O2", "-std=gnu11", "-pipe")
+    cpp_flags: tuple[str, ...] = ("-O2", "-std=gnu++17", "-pipe")
+    system_paths: tuple[str, ...] = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache",
+                                     "/etc/alternatives")
+    extra_ro_binds: tuple[tuple[str, str], ...] = ()
+    python_lib_binds: tuple[tuple[str, str], ...] = ()
+    tmpfs_size_mb: int = 64
+    switch_uid: Literal["auto", "on", "off"] = "auto"
+    uid_base: int = 100_000
+    num_uids: int = 512
+    min_memory_mb: int = 32
+    max_memory_mb: int = 4096
+    max_timeout_s: float = 30.0
+    max_code_bytes: int = 512 * 1024
+    max_stdin_bytes: int = 16 * MIB
+    max_stdout_bytes: int = 4 * MIB
+    max_stderr_bytes: int = 256 * 1024
+    max_binary_bytes: int = 16 * MIB
+    max_processes: int = 32
+    max_file_size_mb: int = 16
+    max_open_files: int = 256
+    compile_timeout_s: float = 20.0
+    compile_memory_mb: int = 2048
+    setup_timeout_s: float = 10.0
+    kill_grace_s: float = 3.0
+    pool_size: int = 4
+    use_cgroup: Literal["auto", "off"] = "auto"
+    cgroup_root: str = "/sys/fs/cgroup"
+
+    def __post_init__(self) -> None:
+        for name in ("max_timeout_s", "compile_timeout_s", "setup_timeout_s", "kill_grace_s"):
+            _positive(name, getattr(self, name))
+        for name in ("tmpfs_size_mb", "num_uids", "min_memory_mb", "max_memory_mb", "max_code_bytes",
+                     "max_stdin_bytes", "max_stdout_bytes", "max_stderr_bytes", "max_binary_bytes",
+                     "max_processes", "max_file_size_mb", "max_open_files", "compile_memory_mb"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.pool_size, bool) or not isinstance(self.pool_size, int) or self.pool_size < 0:
+            raise ValueError(f"pool_size must be an integer >= 0, got {self.pool_size!r}")
+        if self.min_memory_mb > self.max_memory_mb:
+            raise ValueError(f"min_memory_mb ({self.min_memory_mb}) must be <= max_memory_mb "
+                             f"({self.max_memory_mb})")
+        if self.max_binary_bytes >= self.tmpfs_size_mb * MIB:
+            raise ValueError(f"max_binary_bytes ({self.max_binary_bytes}) must be smaller than the "
+                             f"sandbox tmpfs (tmpfs_size_mb={self.tmpfs_size_mb})")
+        if self.switch_uid not in ("auto", "on", "off"):
+            raise ValueError(f"switch_uid must be 'auto', 'on' or 'off', got {self.switch_uid!r}")
+        if self.use_cgroup not in ("auto", "off"):
+            raise ValueError(f"use_cgroup must be 'auto' or 'off', got {self.use_cgroup!r}")
+        if not isinstance(self.uid_base, int) or self.uid_base < 1000:
+            raise ValueError(f"uid_base must be an integer >= 1000, got {self.uid_base!r}")
+        if self.max_processes < 4:
+            raise ValueError(f"max_processes must be >= 4 (bwrap, runner and program), got "
+                             f"{self.max_processes}")
+        for host_dir, name in self.python_lib_binds:
+            if not name or "/" in name or name in (".", ".."):
+                raise ValueError(f"python_lib_binds name must be a plain directory name, got {name!r}")
+            if not host_dir.startswith("/"):
+                raise ValueError(f"python_lib_binds host dir must be absolute, got {host_dir!r}")
+
+    def check_request(self, request: RunRequest) -> None:
+        """Raise ValueError naming the field when a request exceeds what this sandbox allows."""
+        if not self.min_memory_mb <= request.memory_mb <= self.max_memory_mb:
+            raise ValueError(f"memory_mb must be in [{self.min_memory_mb}, {self.max_memory_mb}], "
+                             f"got {request.memory_mb}")
+        if request.timeout_s > self.max_timeout_s:
+            raise ValueError(f"timeout_s must be <= {self.max_timeout_s}, got {request.timeout_s}")
+        code_bytes = len(request.code.encode("utf-8", "surrogatepass"))
+        if code_bytes > self.max_code_bytes:
+            raise ValueError(f"code is {code_bytes} bytes, more than max_code_bytes="
+                             f"{self.max_code_bytes}")
+        stdin_bytes = len(request.stdin.encode("utf-8", "surrogatepass"))
+        if stdin_bytes > self.max_stdin_bytes:
+            raise ValueError(f"stdin is {stdin_bytes} bytes, more than max_stdin_bytes="
+                             f"{self.max_stdin_bytes}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The HTTP service: where it listens, how many runs at once, how many may wait."""
+
+    host: str = "127.0.0.1"
+    port: int = 8090
+    num_workers: int = 2
+    max_queue: int = 64
+    queue_timeout_s: float = 60.0
+    max_judge_cases: int = 500
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        _positive_int("num_workers", self.num_workers)
+        _positive_int("max_judge_cases", self.max_judge_cases)
+        _positive("queue_timeout_s", self.queue_timeout_s)
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if not self.host:
+            raise ValueError("host must be a non-empty address")
