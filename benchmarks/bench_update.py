@@ -35,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--tmp", default="/tmp/ckpt-engine-bench")
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--modes", default="auto,collective",
-                   help="update modes to measure; the first one is `update_s` (auto = local on one host)")
+                   help="update modes to measure (auto, collective, local, p2p); the first one is `update_s` "
+                        "(auto = local on one host)")
     return p.parse_args(argv)
 
 
@@ -206,7 +207,11 @@ def main() -> int:
     engine.start()
 
     bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
-    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=bucket))
+    from checkpoint_engine.p2p import P2PConfig
+
+    modes = args.modes.split(",")
+    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=bucket),
+                                p2p=P2PConfig() if "p2p" in modes else None)
     ps = ParameterServer(config=cfg)
     import psutil
 
@@ -228,17 +233,17 @@ def main() -> int:
     timings: dict[str, list[float]] = {}
     last: dict[str, object] = {}
     with RssSampler() as rss:
-        for mode in args.modes.split(","):
-            ps.config = replace(ps.config, update=replace(ps.config.update, mode=mode))
+        for mode in modes:
+            ps.config = replace(ps.config, update=replace(ps.config.update, mode="auto" if mode == "p2p" else mode))
             timings[mode] = []
             for _ in range(args.repeats + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
-                last[mode] = ps.update("bench", req)
+                last[mode] = ps.update("bench", req, ranks=list(range(world)) if mode == "p2p" else None)
                 dist.barrier()
                 timings[mode].append(time.perf_counter() - t0)
-    m = last[args.modes.split(",")[0]]
-    buffers = 2 * m.bucket_size_bytes if "collective" in timings else 0
+    m = last[modes[0]]
+    buffers = 2 * m.bucket_size_bytes if ("collective" in timings or "p2p" in timings) else 0
     bound = [measure_bound(total, rank) for _ in range(args.repeats + 1)]
     naive = [] if args.skip_naive else [measure_naive(ps, "bench", rank, world, parent, i) for i in range(args.repeats + 1)]
     parent.send_bytes(json.dumps({"op": "exit"}).encode())
@@ -248,7 +253,7 @@ def main() -> int:
     peaks = [torch.zeros_like(peak) for _ in range(world)]
     dist.all_gather(peaks, peak)
     if rank == 0:
-        update_s = statistics.median(timings[args.modes.split(",")[0]][1:])
+        update_s = statistics.median(timings[modes[0]][1:])
         bound_s = statistics.median(bound[1:])
         result = {
             "bench": "bench_update", "world_size": world, "total_gib": round(total / 2**30, 3),
