@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collective-timeout-s", type=float, default=300.0)
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON line per update (per rank)")
     p.add_argument("--progress", action="store_true", help="progress bar on rank 0 during updates")
+    p.add_argument("--metadata-url", default=None, help="etcd://host:port/prefix for global metadata "
+                   "(default: in-process)")
     p.add_argument("--p2p-host", default=None, help="start Mooncake's transfer engine on this address (P2P)")
     p.add_argument("--p2p-protocol", choices=["tcp", "rdma"], default="tcp")
     p.add_argument("--p2p-device", default="", help="RDMA device names for Mooncake (rdma protocol)")
@@ -60,6 +62,7 @@ def main(argv=None) -> int:
 
     p2p = P2PConfig(args.p2p_host, args.p2p_protocol, args.p2p_device) if args.p2p_host else None
     cfg = ParameterServerConfig(transport=args.transport, collective_timeout_s=args.collective_timeout_s, p2p=p2p,
+                                metadata_url=args.metadata_url,
                                 update=UpdateConfig(bucket_size_bytes=bucket, mode=args.mode,
                                                     metrics_path=args.metrics_jsonl, progress=args.progress))
     ps = ParameterServer(config=cfg)

@@ -48,6 +48,7 @@ class UpdateConfig:
 class ParameterServerConfig:
     transport: Literal["auto", "cpu", "cuda"] = "auto"
     p2p: P2PConfig | None = None  # start a Mooncake transfer engine: needed to serve or take P2P updates
+    metadata_url: str | None = None  # None/"memory://": in-process; "etcd://host:port/prefix": etcd
     align_bytes: int = 256
     max_chunk_bytes: int | None = 1024 * MiB
     collective_timeout_s: float = 300.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.host_memory import RegisteredCheckpoint, register_tensors
+from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
 from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.pipeline import UpdateFailed, UpdateJob, run_broadcast_update
@@ -92,6 +94,7 @@ class ParameterServer:
         master_addr: str | None = None,
         master_port: int | None = None,
         config: ParameterServerConfig | None = None,
+        metadata_store: MetadataStore | None = None,
     ):
         """`rank`/`world_size`/`master_*` default to torchrun's environment (RANK, WORLD_SIZE, ...)."""
         self._rank = _env_int(rank, "RANK")
@@ -117,6 +120,8 @@ class ParameterServer:
         self._run_id = uuid.uuid4().hex[:8]
         self.last_metrics: UpdateMetrics | None = None
         self._p2p = P2PStore(self.config.p2p) if self.config.p2p is not None else None
+        self.registry = CheckpointRegistry(metadata_store if metadata_store is not None
+                                           else make_store(self.config.metadata_url))
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -181,7 +186,8 @@ class ParameterServer:
             for c in ckpt.chunks:
                 self._p2p.unregister(c.tensor.data_ptr())
         ckpt.close()
-        self._global.pop(checkpoint_name, None)
+        if self._global.pop(checkpoint_name, None) is not None and self._rank == 0:
+            self.registry.forget(checkpoint_name)
 
     # -- metas ------------------------------------------------------------------------------
     def gather_metas(self, checkpoint_name: str) -> None:
@@ -221,6 +227,8 @@ class ParameterServer:
             {r: e["p2p_addr"] for r, e in enumerate(everyone) if e["p2p_addr"] and e["metas"]},
             {r: e["chunk_ptrs"] for r, e in enumerate(everyone) if e["metas"]})
         self._last_gathered = checkpoint_name
+        if self._rank == 0:
+            self.registry.publish_metas(checkpoint_name, self._global[checkpoint_name].to_dict())
         n = sum(len(ms) for ms in rank_metas.values())
         logger.info("rank %d: gathered metas of %r: %d tensors on %d ranks", self._rank, checkpoint_name, n,
                     sum(1 for ms in rank_metas.values() if ms))
@@ -231,6 +239,14 @@ class ParameterServer:
         if name is None or name not in self._global:
             raise ValueError(f"no gathered metas for {name!r}; call gather_metas first")
         return self._global[name].to_dict()
+
+    def load_metas_from_store(self, checkpoint_name: str) -> None:
+        """Load the metas another instance published (etcd) for `checkpoint_name`."""
+        metas = self.registry.metas(checkpoint_name)
+        if metas is None:
+            raise ValueError(f"no metas for {checkpoint_name!r} in the metadata store "
+                             f"(it has: {self.registry.checkpoints()})")
+        self.load_metas(metas)
 
     def load_metas(self, metas: Mapping) -> None:
         g = GlobalMetas.from_dict(metas)
@@ -278,6 +294,11 @@ class ParameterServer:
             if self._rank not in members:
                 return None  # not a receiver: our engine keeps serving, undisturbed
         job = self._make_job(g, req_func, cfg, seq, group=group, members=members)
+        publish = self._rank == members[0]
+        if publish:
+            self.registry.begin_update(job.update_id, {"checkpoint": checkpoint_name, "ranks": members,
+                                                       "mode": job.mode, "started_at_s": time.time()})
+        metrics = None
         try:
             metrics = run_broadcast_update(job)
         except UpdateFailed as e:
@@ -286,6 +307,9 @@ class ParameterServer:
         finally:
             if group is not None:
                 dist.destroy_process_group(group)
+            if publish:
+                self.registry.end_update(job.update_id, checkpoint_name,
+                                         metrics.to_dict() if metrics else {"ok": False})
         self.last_metrics = metrics
         if self._rank == 0:
             logger.info(metrics.summary())
@@ -351,6 +375,7 @@ class ParameterServer:
         return f"ipc://@ckpt-engine-{pid}-r{rank}-u{seq}.sock"
 
     def close(self) -> None:
+        self.registry.store.close()
         if self._p2p is not None:
             self._p2p.close()
         for ckpt in self._checkpoints.values():
