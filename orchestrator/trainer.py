@@ -1,0 +1,231 @@
+"""Policy trainer: a Hugging Face causal LM trained in one CPU process (torch, AdamW).
+
+::
+
+    model dir ──▶ HFTrainer ──sequence_logprobs(prompts, responses, masks)──▶ [batch] log p (grad)
+                     │  ▲                                                        │
+                     │  └──── step(loss) / backward(loss) + step() ◀── loss ─────┘
+                     ├──▶ named_tensors()  {HF name: tensor}  ──▶ checkpoint engine register
+                     └──▶ save(dir)        HF dir (config, tokenizer, safetensors) ──▶ vLLM
+
+``Trainer`` is the protocol the RL loop codes against, so another backend (Megatron) can be
+injected later. Weights are trained in float32; ``named_tensors`` and ``save`` cast them back to
+the dtypes the source directory stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import shutil
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from orchestrator.loss import sequence_logprobs as _masked_sequence_logprobs
+
+logger = logging.getLogger(__name__)
+
+# Files of a model directory that are not weights; save() copies them from the source.
+_NON_WEIGHT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
+                     "chat_template.jinja", "added_tokens.json")
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F64": torch.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Optimizer and runtime settings of a trainer."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    num_threads: int = 2
+    seed: int = 0
+    # "bfloat16" runs the forward under CPU autocast (about 1.6x faster here); weights,
+    # optimizer state and returned log-probs stay float32.
+    autocast_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        if self.autocast_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
+        for name in ("lr", "grad_clip", "eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
+        if not isinstance(self.num_threads, int) or self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads!r} must be a positive int")
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What the RL loop needs from a training backend."""
+
+    def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]],
+                          response_ids_list: Sequence[Sequence[int]],
+                          response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]: ...
+
+    def reset_optimizer(self) -> None: ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]: ...
+
+    def save(self, out_dir: str | pathlib.Path) -> pathlib.Path: ...
+
+
+def pad_sequences(prompt_ids_list: Sequence[Sequence[int]], response_ids_list: Sequence[Sequence[int]],
+                  response_masks: Sequence[Sequence[int]] | None, pad_id: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + response`` ids, attention mask, and the loss mask of targets.
+
+    The loss mask is aligned with ``ids[:, 1:]`` (the next-token targets): 1 where the target is
+    a response token that counts.
+    """
+    if len(prompt_ids_list) != len(response_ids_list):
+        raise ValueError(f"{len(prompt_ids_list)} prompts but {len(response_ids_list)} responses")
+    if response_masks is not None and len(response_masks) != len(response_ids_list):
+        raise ValueError(f"{len(response_masks)} response_masks for {len(response_ids_list)} responses")
+    if not prompt_ids_list:
+        raise ValueError("empty batch")
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids_list, response_ids_list)]
+    batch, seq = len(lengths), max(lengths)
+    ids = torch.full((batch, seq), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, seq), dtype=torch.long)
+    loss_mask = torch.zeros((batch, seq - 1), dtype=torch.float32)
+    for i, (prompt, response) in enumerate(zip(prompt_ids_list, response_ids_list)):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty (it needs at least a bos token)")
+        ids[i, :lengths[i]] = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+        attention[i, :lengths[i]] = 1
+        mask = [1.0] * len(response) if response_masks is None else [float(m) for m in response_masks[i]]
+        if len(mask) != len(response):
+            raise ValueError(f"response_masks[{i}] has {len(mask)} entries for {len(response)} tokens")
+        loss_mask[i, len(prompt) - 1:lengths[i] - 1] = torch.tensor(mask)
+    return ids, attention, loss_mask
+
+
+class HFTrainer:
+    """Trains a ``transformers`` causal LM loaded from a model directory (float32 on CPU)."""
+
+    def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None) -> None:
+        from safetensors import safe_open
+        from transformers import AutoModelForCausalLM
+
+        from vllm_ext.tiny_model import safetensors_files
+
+        self.config = TrainerConfig() if config is None else config
+        self.source_dir = pathlib.Path(model_dir)
+        torch.set_num_threads(self.config.num_threads)
+        torch.manual_seed(self.config.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=torch.float32)
+        self.model.train()
+        self._disk_dtypes: dict[str, torch.dtype] = {}
+        for path in safetensors_files(self.source_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    self._disk_dtypes[name] = f.get_slice(name).get_dtype()
+        self._disk_dtypes = {n: _SAFETENSORS_DTYPES[d] for n, d in self._disk_dtypes.items()}
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = sorted(set(self._disk_dtypes) - set(params))
+        if missing:
+            raise RuntimeError(f"model dir tensors {missing[:5]} are not parameters of the model")
+        self._params = {name: params[name] for name in self._disk_dtypes}
+        self.pad_id = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0)
+        self._lr = self.config.lr
+        self.optimizer = self._new_optimizer()
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.config.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self._lr, betas=(self.config.beta1, self.config.beta2),
+                                 eps=self.config.eps)
+
+    def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]],
+                          response_ids_list: Sequence[Sequence[int]],
+                          response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Sum of the response tokens' log-probs per sequence ([batch], float32, with grad).
+
+        Prompts must include any bos token; ``response_masks[i][t] = 0`` drops token t of
+        response i from the sum (e.g. stale segments of a partial rollout).
+        """
+        ids, attention, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks,
+                                                  self.pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast_dtype == "bfloat16"):
+            logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of ``loss`` (for micro-batches); ``step()`` applies them."""
+        if loss.dim() != 0:
+            raise ValueError(f"loss must be a scalar, got shape {tuple(loss.shape)}")
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()!r}")
+        loss.backward()
+
+    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]:
+        """Backward ``loss`` (if given), clip gradients, take an optimizer step, zero gradients."""
+        if loss is not None:
+            self.backward(loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(f"non-finite gradient norm {grad_norm.item()!r}; step skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": self._lr}
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW (empty moment estimates); gradients are cleared."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer = self._new_optimizer()
+
+    def set_lr(self, lr: float) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr={lr!r} must be > 0")
+        self._lr = float(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+
+    def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        """Detached weights under the source directory's names and dtypes.
+
+        Tensors whose stored dtype is float32 share memory with the live parameters unless
+        ``copy`` is set (they change on the next ``step``); others are fresh casts.
+        """
+        out = {}
+        for name, param in self._params.items():
+            tensor = param.detach().to(self._disk_dtypes[name])
+            out[name] = tensor.clone() if copy and tensor.data_ptr() == param.data_ptr() else tensor
+        return out
+
+    def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
+        """Write a HF model directory (config and tokenizer copied from the source, new weights)."""
+        from vllm_ext.tiny_model import write_safetensors
+
+        out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for file_name in _NON_WEIGHT_FILES:
+            src = self.source_dir / file_name
+            if src.exists() and src.resolve() != (out / file_name).resolve():
+                shutil.copyfile(src, out / file_name)
+        write_safetensors(out, self.named_tensors())
+        (out / "trainer_config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+        return out
