@@ -3,13 +3,18 @@
     python benchmarks/bench_vllm_update.py [--size-gib 0.55] [--repeats 3] [--out-dir DIR]
 
 One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocabulary):
-  1. disk start: `vllm serve DIR` loads the checkpoint itself   -> disk_start_ready_s (first answer)
-  2. on that server, alternating `--repeats` times:
+  1. `vllm serve DIR` loads the checkpoint itself (untimed: it also fills vLLM's compile cache, so
+     both timed starts below find it warm); on that server, alternating `--repeats` times:
        vLLM's in-place reload from the safetensors on disk       -> reload_from_disk_s (median)
+       (+ the prefix-cache reset that an update also does)
        parameter server (host memory) -> update_weights_from_ipc -> update_s (median)
-  3. fast start: `python -m vllm_ext.launch --model DIR` (dummy weights + push), a request held at
+     and, for context, writing the same tensors as safetensors    -> save_to_disk_s (a trainer
+     must do that before vLLM can reload from disk; the checkpoint engine does not)
+  2. `--start-repeats` times, alternating (medians reported):
+     fast start: `python -m vllm_ext.launch --model DIR` (dummy weights + push), a request held at
      the gate from the start                                      -> fast_start_ready_s
-Every answer is checked token for token against the disk-started server's first answer.
+     disk start: `vllm serve DIR`, time to the first answer       -> disk_start_ready_s
+Every answer is checked token for token against the first server's answer.
 The last line printed is one JSON object.
 """
 
@@ -17,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 PROMPTS = ["12+34=", "Hello world\n"]
 MAX_TOKENS = 8
@@ -51,7 +59,7 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
     from checkpoint_engine.config import ParameterServerConfig
     from checkpoint_engine.ps import ParameterServer
     from vllm_ext.launch import model_safetensors_files
-    from vllm_ext.req import collective_rpc, vllm_http_req_func
+    from vllm_ext.req import collective_rpc, reset_prefix_cache_http, vllm_http_req_func
     from vllm_ext.testing import completion_token_ids
 
     ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
@@ -60,37 +68,112 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
     ps.gather_metas("bench")
     register_s = time.perf_counter() - t0
     req = vllm_http_req_func(url, rank=0, timeout_s=600.0)
-    disk, update, engine_side = [], [], []
+    disk, update, engine_side, save = [], [], [], []
     try:
         ps.update("bench", req)  # warm-up: allocates the engine's cache once (reused by later updates)
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the same service as an update: new weights, no stale prefix KV
             collective_rpc(url, "reload_weights", kwargs={"weights_path": str(model_dir)}, timeout_s=600.0)
+            reset_prefix_cache_http(url)
             disk.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             ps.update("bench", req)
             update.append(time.perf_counter() - t0)
             engine_side.append(collective_rpc(url, "weights_state")[0]["last_update"])
+            save.append(save_copy_s(model_dir))
         correct = completion_token_ids(url, str(model_dir), PROMPTS, MAX_TOKENS) == reference
     finally:
         ps.close()
     return {"reload_from_disk_s": statistics.median(disk), "update_s": statistics.median(update),
             "reload_from_disk_runs_s": [round(x, 4) for x in disk], "update_runs_s": [round(x, 4) for x in update],
-            "ps_register_s": round(register_s, 3), "engine_side_last": engine_side[-1], "update_correct": correct}
+            "ps_register_s": round(register_s, 3), "engine_side_last": engine_side[-1], "update_correct": correct,
+            "save_to_disk_s": statistics.median(save)}
+
+
+def save_copy_s(model_dir: Path) -> float:
+    """Seconds to write the checkpoint's tensors as safetensors next to it (what a trainer would do)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from vllm_ext.launch import model_safetensors_files
+    from vllm_ext.tiny_model import load_state_dict_from_dir
+
+    tensors = load_state_dict_from_dir(model_dir)
+    out = model_dir.parent / "saved"
+    out.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    save_file(tensors, str(out / "model.safetensors"))
+    os.sync()
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(out)
+    assert model_safetensors_files(str(model_dir))
+    return elapsed
+
+
+def timed_disk_start(model_dir: Path, log: Path, timeout_s: float):
+    from vllm_ext.launch import free_port
+    from vllm_ext.testing import ServerProcess, child_env, vllm_serve_command
+
+    port = free_port()
+    t0 = time.monotonic()
+    server = ServerProcess(vllm_serve_command(model_dir, port, vllm_args=ENGINE_ARGS), f"http://127.0.0.1:{port}",
+                           log, env=child_env(VLLM_SERVER_DEV_MODE="1"))
+    try:
+        ready_s, answer = first_answer_s(server, server.url, str(model_dir), t0, timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server, ready_s, answer
+
+
+def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, timeout_s: float) -> dict:
+    """Fast start and disk start, alternating `repeats` times, so drifting machine load hits both alike."""
+    from vllm_ext.testing import LaunchedServer
+
+    fast_runs, disk_runs, push_runs, load_runs, correct = [], [], [], [], True
+    for i in range(repeats):
+        t0 = time.monotonic()
+        fast = LaunchedServer(model_dir, out / f"fast_start_{i}.log", gate_wait_s=timeout_s, vllm_args=ENGINE_ARGS)
+        try:
+            fast.wait_listening()
+            ready_s, answer = first_answer_s(fast, fast.url, str(model_dir), t0, timeout_s)
+            phases = fast.status()["phase_times_s"]
+            push_runs.append(phases["ready"] - phases["pushing_weights"])
+        finally:
+            fast.stop()
+        fast_runs.append(ready_s)
+        disk, disk_s, disk_answer = timed_disk_start(model_dir, out / f"disk_start_{i}.log", timeout_s)
+        disk.stop()
+        disk_runs.append(disk_s)
+        load_runs.append(vllm_load_weights_s(disk.log_path))
+        correct &= answer == reference and disk_answer == reference
+        print(f"start {i}: fast start first answer after {ready_s:.1f} s (push {push_runs[-1]:.2f} s), "
+              f"disk start {disk_s:.1f} s (load {load_runs[-1]} s)", flush=True)
+    return {"fast_s": statistics.median(fast_runs), "disk_s": statistics.median(disk_runs), "correct": correct,
+            "fast_runs_s": [round(x, 2) for x in fast_runs], "disk_runs_s": [round(x, 2) for x in disk_runs],
+            "push_runs_s": [round(x, 3) for x in push_runs], "load_runs_s": load_runs}
+
+
+def vllm_load_weights_s(log_path: Path) -> float | None:
+    """vLLM's own "Loading weights took X seconds" from a server log (None if absent)."""
+    import re
+
+    found = re.findall(r"Loading weights took ([0-9.]+) seconds", log_path.read_text(errors="replace"))
+    return float(found[-1]) if found else None
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=0.55)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7, help="update / disk-reload pairs")
+    p.add_argument("--start-repeats", type=int, default=2, help="fast-start / disk-start pairs")
     p.add_argument("--out-dir", default="/tmp/bench_vllm_update")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     args = p.parse_args()
     if args.size_gib < 0.5:
         raise SystemExit("--size-gib must be >= 0.5 (the benchmark's contract)")
 
-    from vllm_ext.launch import free_port
-    from vllm_ext.testing import LaunchedServer, ServerProcess, child_env, vllm_serve_command
     from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
 
     out = Path(args.out_dir)
@@ -100,37 +183,34 @@ def main() -> int:
     size_gib = cfg.size_bytes() / 2**30
     print(f"checkpoint: {size_gib:.3f} GiB, {cfg.num_layers} layers, hidden {cfg.hidden_size}", flush=True)
 
-    port = free_port()
-    t0 = time.monotonic()
-    disk = ServerProcess(vllm_serve_command(model_dir, port, vllm_args=ENGINE_ARGS), f"http://127.0.0.1:{port}",
-                         out / "disk_start.log", env=child_env(VLLM_SERVER_DEV_MODE="1"))
+    first, first_start_s, reference = timed_disk_start(model_dir, out / "disk_start_warmup.log", args.startup_timeout_s)
     try:
-        disk_start_s, reference = first_answer_s(disk, disk.url, str(model_dir), t0, args.startup_timeout_s)
-        print(f"disk start: first answer after {disk_start_s:.1f} s", flush=True)
-        upd = measure_updates(disk.url, model_dir, args.repeats, reference)
+        print(f"first (warm-up) disk start: first answer after {first_start_s:.1f} s", flush=True)
+        upd = measure_updates(first.url, model_dir, args.repeats, reference)
         print(f"update {upd['update_s']:.3f} s vs reload from disk {upd['reload_from_disk_s']:.3f} s", flush=True)
     finally:
-        disk.stop()
+        first.stop()
 
-    t0 = time.monotonic()
-    fast = LaunchedServer(model_dir, out / "fast_start.log", gate_wait_s=args.startup_timeout_s, vllm_args=ENGINE_ARGS)
-    try:
-        fast.wait_listening()
-        fast_start_s, answer = first_answer_s(fast, fast.url, str(model_dir), t0, args.startup_timeout_s)
-        print(f"fast start: first answer after {fast_start_s:.1f} s", flush=True)
-    finally:
-        fast.stop()
+    starts = measure_starts(model_dir, out, reference, args.start_repeats, args.startup_timeout_s)
 
     result = {
         "checkpoint_gib": round(size_gib, 4),
         "update_s": round(upd["update_s"], 4),
         "reload_from_disk_s": round(upd["reload_from_disk_s"], 4),
         "ratio_vs_disk_reload": round(upd["update_s"] / upd["reload_from_disk_s"], 3),
-        "fast_start_ready_s": round(fast_start_s, 2),
-        "disk_start_ready_s": round(disk_start_s, 2),
-        "ratio_fast_vs_disk_start": round(fast_start_s / disk_start_s, 3),
+        "fast_start_ready_s": round(starts["fast_s"], 2),
+        "disk_start_ready_s": round(starts["disk_s"], 2),
+        "ratio_fast_vs_disk_start": round(starts["fast_s"] / starts["disk_s"], 3),
+        "save_to_disk_s": round(upd["save_to_disk_s"], 4),
+        "ratio_vs_save_and_disk_reload": round(upd["update_s"] / (upd["save_to_disk_s"] + upd["reload_from_disk_s"]), 3),
+        "warmup_disk_start_ready_s": round(first_start_s, 2),
         "update_correct": upd["update_correct"],
-        "fast_start_correct": answer == reference,
+        "fast_start_correct": starts["correct"],
+        "fast_start_runs_s": starts["fast_runs_s"],
+        "disk_start_runs_s": starts["disk_runs_s"],
+        "fast_start_push_runs_s": starts["push_runs_s"],  # engine healthy -> gate open (the part disk start skips)
+        "disk_start_load_weights_runs_s": starts["load_runs_s"],  # the part fast start replaces
+        "ratio_vs_disk_reload_best": round(min(upd["update_runs_s"]) / min(upd["reload_from_disk_runs_s"]), 3),
         "update_runs_s": upd["update_runs_s"],
         "reload_from_disk_runs_s": upd["reload_from_disk_runs_s"],
         "engine_side_last": upd["engine_side_last"],

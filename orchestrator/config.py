@@ -1,0 +1,400 @@
+"""Configuration of the RL job: a tree of frozen, validated dataclasses, loaded from JSON.
+
+::
+
+    JobConfig() defaults ──to_dict──▶ {...} ◀──deep merge── configs/demo.json
+                                        ▲
+                     --set rl.lr=3e-4 ──┘ (value parsed as JSON, else kept as a string)
+                                        │
+                                        ▼
+                          from_dict(JobConfig, merged) ──▶ every __post_init__ validates
+
+Unknown keys are errors that name the full dotted path. Sections reuse the components' own
+config classes where they exist (``SFTConfig``, ``LengthPenaltyConfig``, ``RepeatConfig``,
+``CurriculumConfig``), so one JSON file describes the whole run. This module stays light to
+import (no torch, no vLLM): ``python -m orchestrator --help`` must be instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from orchestrator import task
+from orchestrator.length_penalty import LengthPenaltyConfig
+from orchestrator.repeat import RepeatConfig
+from orchestrator.replay import PartialRolloutConfig
+from orchestrator.sampling import CurriculumConfig
+from orchestrator.sft import SFTConfig
+
+logger = logging.getLogger(__name__)
+
+# Fields a resumed run may change (everything else must match the saved config).
+RESUMABLE_CHANGES = ("rl.num_iterations", "eval.every_iterations", "eval.num_sampled_problems",
+                     "engine.start_timeout_s", "rollout.request_timeout_s", "sync.timeout_s")
+
+
+def _positive_int(owner: str, name: str, value: Any, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}.{name}={value!r} must be an int >= {low}")
+
+
+def _positive_number(owner: str, name: str, value: Any, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{owner}.{name}={value!r} must be a number {'>=' if allow_zero else '>'} 0")
+
+
+def _levels(owner: str, name: str, value: Sequence[int]) -> None:
+    if not value or any(level not in task.LEVELS for level in value) or len(set(value)) != len(value):
+        raise ValueError(f"{owner}.{name}={value!r} must be distinct levels from {sorted(task.LEVELS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The training pool (drawn once from the training split) and the held-out evaluation set."""
+
+    train_levels: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
+    train_level_weights: tuple[float, ...] | None = None
+    num_train_problems: int = 4096
+    train_seed: int = 1
+    heldout_levels: tuple[int, ...] = task.RL_LEVELS
+    num_heldout_per_level: int = 64
+    heldout_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _levels("data", "train_levels", self.train_levels)
+        _levels("data", "heldout_levels", self.heldout_levels)
+        _positive_int("data", "num_train_problems", self.num_train_problems)
+        _positive_int("data", "num_heldout_per_level", self.num_heldout_per_level)
+        w = self.train_level_weights
+        if w is not None and (len(w) != len(self.train_levels) or min(w) < 0 or sum(w) <= 0):
+            raise ValueError(f"data.train_level_weights={w!r} must be {len(self.train_levels)} "
+                             f"non-negative numbers, not all 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Policy optimization (k1.5 eq. 3): k responses per prompt, tau, optimizer, steps."""
+
+    num_iterations: int = 60
+    num_responses_per_prompt: int = 8
+    tau: float = 0.1
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    num_minibatches: int = 2  # gradient steps per iteration, all against the iteration-start policy
+    num_epochs: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    num_threads: int = 2
+    autocast_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_iterations", "num_minibatches", "num_epochs", "num_threads"):
+            _positive_int("rl", name, getattr(self, name))
+        _positive_int("rl", "num_responses_per_prompt", self.num_responses_per_prompt, low=2)
+        for name in ("tau", "lr", "grad_clip", "temperature"):
+            _positive_number("rl", name, getattr(self, name))
+        _positive_number("rl", "weight_decay", self.weight_decay, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rl.top_p={self.top_p!r} must be in (0, 1]")
+        if self.autocast_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"rl.autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Partial rollouts: an output-token budget per iteration, segments, the response cap."""
+
+    iteration_token_budget: int = 16384
+    segment_max_tokens: int = 64
+    max_response_tokens: int = 128
+    exclude_stale_segments: bool = False
+    max_new_groups_per_iteration: int | None = None
+    request_timeout_s: float = 900.0  # deadline of one iteration's generation
+    num_scoring_workers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens",
+                     "num_scoring_workers"):
+            _positive_int("rollout", name, getattr(self, name))
+        if self.max_new_groups_per_iteration is not None:
+            _positive_int("rollout", "max_new_groups_per_iteration", self.max_new_groups_per_iteration)
+        if not isinstance(self.exclude_stale_segments, bool):
+            raise ValueError(f"rollout.exclude_stale_segments={self.exclude_stale_segments!r} must be a bool")
+        _positive_number("rollout", "request_timeout_s", self.request_timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Curriculum (difficulty = task level) times prioritized sampling (1 - success rate)."""
+
+    curriculum: CurriculumConfig = CurriculumConfig(warmup_iterations=5, min_difficulty=3, easy_weight=0.1)
+    prioritized: bool = True
+    priority_epsilon: float = 0.05
+    prior_success_rate: float = 0.5
+    prior_weight: float = 1.0
+    stats_decay: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.priority_epsilon <= 1:
+            raise ValueError(f"sampling.priority_epsilon={self.priority_epsilon!r} must be in (0, 1]")
+        if not 0 <= self.prior_success_rate <= 1:
+            raise ValueError(f"sampling.prior_success_rate={self.prior_success_rate!r} must be in [0, 1]")
+        _positive_number("sampling", "prior_weight", self.prior_weight)
+        if not 0 < self.stats_decay <= 1:
+            raise ValueError(f"sampling.stats_decay={self.stats_decay!r} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Which reward scores a response; ``correct_threshold`` turns a task reward into correct/wrong.
+
+    type: "math_verify" (the demo), or "code_sandbox" (``orchestrator.sandbox``; problems carry
+    ``test_cases``). reward_model: optional "module:factory" returning ``fn(problems, texts)``;
+    its scores are added with ``reward_model_weight`` (k1.5's reward-model hook).
+    """
+
+    type: Literal["math_verify", "code_sandbox"] = "math_verify"
+    correct_threshold: float = 0.5
+    sandbox_url: str | None = None
+    code: Mapping[str, Any] | None = None  # CodeRewardConfig fields
+    reward_model: str | None = None
+    reward_model_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.type not in ("math_verify", "code_sandbox"):
+            raise ValueError(f"reward.type={self.type!r} must be 'math_verify' or 'code_sandbox'")
+        if not math.isfinite(self.correct_threshold):
+            raise ValueError(f"reward.correct_threshold={self.correct_threshold!r} must be finite")
+        if self.type == "code_sandbox" and not self.sandbox_url:
+            raise ValueError("reward.sandbox_url must be set when reward.type='code_sandbox'")
+        if self.reward_model is not None and ":" not in self.reward_model:
+            raise ValueError(f"reward.reward_model={self.reward_model!r} must look like 'module:factory'")
+        if not math.isfinite(self.reward_model_weight):
+            raise ValueError(f"reward.reward_model_weight={self.reward_model_weight!r} must be finite")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The rollout engine: an in-process vLLM (async, streaming) or a vLLM server over HTTP."""
+
+    type: Literal["vllm_async", "vllm_http"] = "vllm_async"
+    endpoint: str | None = None  # vllm_http: http://127.0.0.1:8000
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_model_len: int = 256
+    max_num_seqs: int = 256
+    block_size: int = 32  # vLLM CPU attention needs a multiple of 32
+    enable_prefix_caching: bool = True
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, set by the entry point
+    start_timeout_s: float = 900.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.type not in ("vllm_async", "vllm_http"):
+            raise ValueError(f"engine.type={self.type!r} must be 'vllm_async' or 'vllm_http'")
+        if self.type == "vllm_http" and not self.endpoint:
+            raise ValueError("engine.endpoint must be set when engine.type='vllm_http'")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"engine.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+        for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_gib"):
+            _positive_int("engine", name, getattr(self, name))
+        _positive_number("engine", "start_timeout_s", self.start_timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """Weight sync through the checkpoint engine (one CPU rank, in-process)."""
+
+    bucket_size_bytes: int | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.bucket_size_bytes is not None:
+            _positive_int("sync", "bucket_size_bytes", self.bucket_size_bytes)
+        _positive_number("sync", "timeout_s", self.timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: greedy accuracy every N iterations, pass@1 over k samples on a subset."""
+
+    every_iterations: int = 5
+    num_sampled_problems: int = 64  # 0: no sampled pass@1
+    num_samples_per_problem: int = 8
+    sft_match_tolerance: float = 0.05  # vLLM vs transformers greedy accuracy of the SFT model
+
+    def __post_init__(self) -> None:
+        _positive_int("eval", "every_iterations", self.every_iterations)
+        _positive_int("eval", "num_sampled_problems", self.num_sampled_problems, low=0)
+        _positive_int("eval", "num_samples_per_problem", self.num_samples_per_problem)
+        if not 0 <= self.sft_match_tolerance <= 1:
+            raise ValueError(f"eval.sft_match_tolerance={self.sft_match_tolerance!r} must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """The whole job: SFT warm-up (cached), then RL."""
+
+    sft: SFTConfig = SFTConfig()
+    sft_cache_dir: str = ".cache/sft"
+    init_model_dir: str | None = None  # start RL from this HF model dir instead of the SFT warm-up
+    data: DataConfig = DataConfig()
+    rl: RLConfig = RLConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    length_penalty: LengthPenaltyConfig = LengthPenaltyConfig(weight=0.5, warmup_iterations=10)
+    repeat: RepeatConfig = RepeatConfig(min_ngram=1, max_ngram=32, min_repeats=4, min_tail_tokens=24,
+                                        penalty=0.5)
+    reward: RewardConfig = RewardConfig()
+    engine: EngineConfig = EngineConfig()
+    sync: SyncConfig = SyncConfig()
+    eval: EvalConfig = EvalConfig()
+
+    def __post_init__(self) -> None:
+        self.partial_rollout()  # validates the budget against k and the segment size
+        longest_prompt = 1 + max(len(task.sample_problem(_FixedRng(), level).prompt)
+                                 for level in set(self.data.train_levels) | set(self.data.heldout_levels))
+        need = longest_prompt + self.rollout.max_response_tokens
+        if self.engine.max_model_len < need:
+            raise ValueError(f"engine.max_model_len={self.engine.max_model_len} is below the longest prompt "
+                             f"({longest_prompt} tokens) plus rollout.max_response_tokens "
+                             f"({self.rollout.max_response_tokens})")
+
+    def partial_rollout(self) -> PartialRolloutConfig:
+        r = self.rollout
+        try:
+            return PartialRolloutConfig(
+                iteration_token_budget=r.iteration_token_budget, segment_max_tokens=r.segment_max_tokens,
+                max_response_tokens=r.max_response_tokens,
+                num_responses_per_prompt=self.rl.num_responses_per_prompt,
+                exclude_stale_segments=r.exclude_stale_segments,
+                max_new_groups_per_iteration=r.max_new_groups_per_iteration)
+        except ValueError as e:
+            raise ValueError(f"rollout: {e}") from None
+
+
+class _FixedRng:
+    """An rng stand-in that always draws the maximum: the longest prompt of a level."""
+
+    def randint(self, low: int, high: int) -> int:
+        return high
+
+
+# -- dict <-> dataclass ----------------------------------------------------------------------------
+
+def to_dict(obj: Any) -> Any:
+    """A JSON-ready form of a config tree (tuples become lists)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
+    """Build dataclass ``cls`` from a (JSON) mapping, converting nested sections and tuples."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path or 'config'} must be an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ValueError(f"unknown config key(s) {[where + k for k in unknown]}; known in "
+                         f"{path or 'the top level'}: {sorted(names)}")
+    kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(options[0], value, path) if len(options) == 1 else value
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path}={value!r} must be a list")
+        return tuple(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """Deep merge of two config dicts; sections merge, leaves are replaced."""
+    out = dict(base)
+    for key, value in update.items():
+        where = f"{path}.{key}" if path else key
+        if isinstance(out.get(key), Mapping) and isinstance(value, Mapping) and key not in ("code",):
+            out[key] = merge(out[key], value, where)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"rl.lr=3e-4"`` -> (["rl", "lr"], 0.0003); the value is JSON when it parses, else a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {text!r} must look like section.key=value")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return [part for part in key.strip().split(".")], value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    out = json.loads(json.dumps(data))  # deep copy of a JSON tree
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = out
+        for i, key in enumerate(keys[:-1]):
+            if not isinstance(node.get(key), dict):
+                raise ValueError(f"override {text!r}: {'.'.join(keys[:i + 1])} is not a config section")
+            node = node[key]
+        node[keys[-1]] = value
+    return out
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults, then the JSON file (if any), then ``--set`` overrides; validated."""
+    data = to_dict(JobConfig())
+    if path is not None:
+        try:
+            file_data = json.loads(pathlib.Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+        data = merge(data, file_data)
+    data = apply_overrides(data, overrides)
+    return from_dict(JobConfig, data)
+
+
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], path: str = "") -> list[str]:
+    """Dotted paths whose values differ between two config dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        where = f"{path}.{key}" if path else key
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_differences(a, b, where)
+        elif a != b:
+            out.append(where)
+    return out

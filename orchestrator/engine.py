@@ -1,0 +1,288 @@
+"""Rollout engines behind one interface: in-process async vLLM, or a vLLM server over HTTP.
+
+::
+
+    RolloutEngine.generate([GenRequest], SamplingSettings, repeat, on_result) ──▶ [GenResult]
+        AsyncVllmEngine: vllm AsyncLLM on an event loop thread of this process; every request
+            streams token deltas; a RepeatDetector per request aborts a looping response at once
+            (finish "repeat"); on_result(result) fires as each request finishes, so the caller
+            scores finished responses while the others still generate
+        HttpVllmEngine: POST /v1/completions per request from a thread pool (token-id prompts,
+            return_token_ids); repeats are cut after the fact
+    RolloutEngine.weight_req_func() ──▶ req_func for ParameterServer.update: the engine's workers
+        run `update_weights_from_ipc` (vllm_ext.worker extension), then the prefix cache is reset
+
+vLLM starts with dummy weights (``load_format="dummy"``): the first weight sync from the
+trainer happens before the first rollout, so every token ever sampled comes from synced weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from orchestrator.config import EngineConfig
+from orchestrator.repeat import RepeatConfig, first_repeat_end
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_CLS = "vllm_ext.worker.VllmColocateWorkerExtension"
+ReqFunc = Callable[[list[tuple[str, str]]], None]
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort", None: "abort"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenRequest:
+    """One generation request; ``earlier_response_ids`` (already inside the prompt) seed repeat detection."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    earlier_response_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenResult:
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length" | "repeat" | "abort" (replay.FINISH_REASONS)
+
+
+ResultCallback = Callable[[GenResult], None]
+
+
+class RolloutEngine(Protocol):
+    """What the RL loop needs from an inference engine."""
+
+    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSettings, *,
+                 repeat: RepeatConfig | None = None, on_result: ResultCallback | None = None,
+                 timeout_s: float = 900.0) -> list[GenResult]: ...
+
+    def weight_req_func(self, timeout_s: float) -> ReqFunc: ...
+
+    def close(self) -> None: ...
+
+
+class _StreamStopper:
+    """Per-request streaming repeat check; returns how many new tokens to keep once it fires."""
+
+    def __init__(self, repeat: RepeatConfig | None, earlier: Sequence[int]) -> None:
+        self._detector = repeat.detector() if repeat is not None and repeat.enabled else None
+        self._num_earlier = len(earlier)
+        if self._detector is not None:
+            self._detector.extend(earlier)
+            if self._detector.triggered:  # an earlier segment repeated under another rule: start clean
+                self._detector.reset()
+                self._num_earlier = 0
+
+    def push(self, new_ids: Sequence[int], num_kept: int) -> int | None:
+        """Feed a delta; None to go on, else the number of new tokens (of the request) to keep."""
+        if self._detector is None or not self._detector.extend(new_ids):
+            return None
+        return self._detector.triggered_at - self._num_earlier
+
+
+def _check_requests(requests: Sequence[GenRequest]) -> None:
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError("request ids must be unique within one generate call")
+    for r in requests:
+        if r.max_tokens < 1 or not r.prompt_token_ids:
+            raise ValueError(f"request {r.request_id!r} needs a prompt and max_tokens >= 1")
+
+
+class AsyncVllmEngine:
+    """vLLM's AsyncLLM in this process, driven from an event loop on a private thread."""
+
+    def __init__(self, model_dir: str, config: EngineConfig) -> None:
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        self._serial = itertools.count()
+        self._llm = None
+        try:
+            self._llm = self._call(self._create(model_dir), config.start_timeout_s, "engine start")
+        except BaseException:
+            self.close()
+            raise
+
+    async def _create(self, model_dir: str):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        c = self.config
+        args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", dtype=c.dtype,
+                               max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
+                               block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
+                               seed=c.seed, worker_extension_cls=EXTENSION_CLS, disable_log_stats=True)
+        return AsyncLLM.from_engine_args(args)
+
+    def _call(self, coro, timeout_s: float, what: str) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from None
+        except BaseException:  # e.g. SystemExit from SIGTERM: stop the work on the loop too
+            future.cancel()
+            raise
+
+    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSettings, *,
+                 repeat: RepeatConfig | None = None, on_result: ResultCallback | None = None,
+                 timeout_s: float = 900.0) -> list[GenResult]:
+        _check_requests(requests)
+        if not requests:
+            return []
+        batch = next(self._serial)
+
+        async def run_all():
+            return await asyncio.gather(*(self._one(r, sampling, repeat, on_result, batch) for r in requests))
+
+        return list(self._call(run_all(), timeout_s, f"generation of {len(requests)} requests"))
+
+    async def _one(self, request: GenRequest, sampling: SamplingSettings, repeat: RepeatConfig | None,
+                   on_result: ResultCallback | None, batch: int) -> GenResult:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                max_tokens=request.max_tokens, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        stopper = _StreamStopper(repeat, request.earlier_response_ids)
+        tokens: list[int] = []
+        finish: str | None = None
+        stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), params,
+                                    request_id=f"b{batch}-{request.request_id}")
+        async for out in stream:  # a cancelled task aborts its request inside vLLM's generate()
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            keep = stopper.push(new, len(tokens))
+            if keep is not None:
+                tokens = (tokens + new)[:keep]
+                finish = "repeat"
+                break
+            tokens += new
+            if out.finished:
+                finish = _FINISH.get(completion.finish_reason, "abort")
+        if finish == "repeat":
+            await stream.aclose()  # stopped early: abort the request in the engine now
+        result = GenResult(request.request_id, tuple(tokens), finish or "abort")
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    def weight_req_func(self, timeout_s: float) -> ReqFunc:
+        from vllm_ext.req import UPDATE_METHOD, check_reports
+
+        def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+            try:
+                results = self._call(self._llm.collective_rpc(UPDATE_METHOD, timeout=timeout_s,
+                                                              args=(dict(socket_paths),)),
+                                     timeout_s + 30.0, "weight update")
+            finally:
+                try:  # KV blocks computed with the old weights must not be reused
+                    self._call(self._llm.reset_prefix_cache(), 60.0, "prefix cache reset")
+                except Exception as e:  # noqa: BLE001 - the update's own outcome is what matters
+                    logger.warning("could not reset the prefix cache: %s", e)
+            check_reports(list(results), "in-process vLLM")
+
+        return req_func
+
+    def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+
+            async def shutdown() -> None:  # on the loop thread: it cancels the loop's output task
+                llm.shutdown()
+
+            try:
+                self._call(shutdown(), 60.0, "shutdown")
+            except Exception as e:  # noqa: BLE001 - closing must go on
+                logger.warning("vLLM shutdown: %s", e)
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+
+
+class HttpVllmEngine:
+    """A running vLLM server (``python -m vllm_ext.launch`` or ``vllm serve`` in dev mode)."""
+
+    def __init__(self, config: EngineConfig, max_workers: int = 32) -> None:
+        from vllm_ext.req import get_json
+
+        self.config = config
+        self.endpoint = str(config.endpoint).rstrip("/")
+        status, body = get_json(self.endpoint + "/v1/models", timeout_s=30.0)
+        if status != 200 or not body.get("data"):
+            raise RuntimeError(f"{self.endpoint}/v1/models answered HTTP {status}: {str(body)[:300]}")
+        self.model_name = body["data"][0]["id"]
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout")
+
+    def _complete(self, request: GenRequest, sampling: SamplingSettings, repeat: RepeatConfig | None,
+                  timeout_s: float) -> GenResult:
+        from checkpoint_engine.api import post_json
+
+        body = {"model": self.model_name, "prompt": list(request.prompt_token_ids),
+                "max_tokens": request.max_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "return_token_ids": True, "skip_special_tokens": False}
+        answer = post_json(self.endpoint + "/v1/completions", body, timeout_s=timeout_s)
+        try:
+            choice = answer["choices"][0]
+            tokens = [int(t) for t in choice["token_ids"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise RuntimeError(f"unexpected completion answer: {str(answer)[:300]}") from None
+        finish = _FINISH.get(choice.get("finish_reason"), "abort")
+        if repeat is not None and repeat.enabled:
+            earlier = list(request.earlier_response_ids)
+            end = first_repeat_end(earlier + tokens, min_ngram=repeat.min_ngram, min_repeats=repeat.min_repeats,
+                                   max_ngram=repeat.max_ngram, min_tail_tokens=repeat.min_tail_tokens)
+            if end is not None and end > len(earlier):
+                tokens, finish = tokens[:end - len(earlier)], "repeat"
+        return GenResult(request.request_id, tuple(tokens), finish)
+
+    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSettings, *,
+                 repeat: RepeatConfig | None = None, on_result: ResultCallback | None = None,
+                 timeout_s: float = 900.0) -> list[GenResult]:
+        _check_requests(requests)
+        futures = [self._pool.submit(self._complete, r, sampling, repeat, timeout_s) for r in requests]
+        if on_result is not None:
+            for future in concurrent.futures.as_completed(futures, timeout=timeout_s):
+                on_result(future.result())
+        done, pending = concurrent.futures.wait(futures, timeout=timeout_s)
+        if pending:
+            for future in pending:
+                future.cancel()
+            raise TimeoutError(f"{len(pending)} of {len(requests)} requests did not finish within {timeout_s:.0f} s")
+        return [f.result() for f in futures]
+
+    def weight_req_func(self, timeout_s: float) -> ReqFunc:
+        from vllm_ext.req import vllm_http_req_func
+
+        return vllm_http_req_func(self.endpoint, rank=0, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_engine(config: EngineConfig, model_dir: str) -> RolloutEngine:
+    """The engine ``config.type`` names (vLLM imports happen here, not at module import)."""
+    if config.type == "vllm_async":
+        return AsyncVllmEngine(model_dir, config)
+    if config.type == "vllm_http":
+        return HttpVllmEngine(config)
+    raise ValueError(f"engine.type={config.type!r} is not supported")

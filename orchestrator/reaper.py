@@ -1,0 +1,115 @@
+"""A watchdog process that cleans up the job's child processes when the job dies, even by SIGKILL.
+
+::
+
+    job (pid P) ──spawn──▶ reaper (python -m orchestrator.reaper P), stdin = a pipe only P writes to
+        every poll_s: reaper records P's descendants (vLLM EngineCore, workers, ...)
+    P exits or is killed ──▶ the pipe reaches EOF ──▶ reaper: SIGTERM the recorded processes,
+                                                      SIGKILL what is left after grace_s, exit
+
+vLLM's engine processes outlive a killed front end (and its CPU workers spin at 100%), so the job
+starts one reaper at start-up; a clean exit closes the pipe the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def start_reaper(poll_s: float = 1.0, grace_s: float = 5.0, record_path: str | None = None) -> subprocess.Popen:
+    """Spawn the reaper for this process; keep the returned Popen alive (its stdin is the lifeline)."""
+    extra = [] if record_path is None else ["--record-path", record_path]
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.reaper", str(os.getpid()),
+                             "--poll-s", str(poll_s), "--grace-s", str(grace_s), *extra],
+                            stdin=subprocess.PIPE, start_new_session=True)
+
+
+def stop_reaper(reaper: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Close the lifeline (the reaper then cleans up what is left) and wait for it."""
+    if reaper.stdin is not None:
+        reaper.stdin.close()
+    try:
+        reaper.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+
+
+def _descendants(pid: int) -> dict[int, float]:
+    import psutil
+
+    try:
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def _kill(recorded: dict[int, float], grace_s: float) -> int:
+    import psutil
+
+    alive = []
+    for pid, created in recorded.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() != created:  # the pid was reused by someone else
+                continue
+            proc.terminate()
+            alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    _, still = psutil.wait_procs(alive, timeout=grace_s)
+    for proc in still:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(still, timeout=grace_s)
+    return len(alive)
+
+
+def _write_record(path: str, pids: Sequence[int]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(" ".join(str(p) for p in sorted(pids)) + "\n")
+    os.replace(tmp, path)
+
+
+def watch(parent_pid: int, poll_s: float, grace_s: float, record_path: str | None = None) -> int:
+    """Record the parent's descendants until stdin closes; then end them. Returns how many were ended."""
+    recorded: dict[int, float] = {}
+    me = os.getpid()
+    while True:
+        before = len(recorded)
+        recorded.update({p: t for p, t in _descendants(parent_pid).items() if p != me})
+        if record_path is not None and (len(recorded) != before or not os.path.exists(record_path)):
+            _write_record(record_path, list(recorded))
+        ready, _, _ = select.select([sys.stdin], [], [], poll_s)
+        if ready and not os.read(sys.stdin.fileno(), 4096):
+            break  # EOF: the parent is gone (or closed the pipe on a clean exit)
+    return _kill(recorded, grace_s)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="End a process's descendants once it dies.")
+    parser.add_argument("parent_pid", type=int)
+    parser.add_argument("--poll-s", type=float, default=1.0)
+    parser.add_argument("--grace-s", type=float, default=5.0)
+    parser.add_argument("--record-path", default=None, help="write the recorded pids here (for tests)")
+    args = parser.parse_args(argv)
+    ended = watch(args.parent_pid, args.poll_s, args.grace_s, args.record_path)
+    if ended:
+        print(f"orchestrator.reaper: ended {ended} leftover process(es) of pid {args.parent_pid}",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

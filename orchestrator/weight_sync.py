@@ -1,0 +1,68 @@
+"""Trainer -> engines through the checkpoint engine, once per iteration.
+
+::
+
+    trainer.named_tensors() ──register_checkpoint("policy-v{n}")──▶ ParameterServer (rank 0 of 1,
+                                                                    CPU transport, host memory)
+                            ──gather_metas──▶ plan ──update(req_func)──▶ engine workers
+                                                     (buckets through shared memory, reloaded
+                                                      in place by vllm_ext's worker extension)
+    then unregister "policy-v{n-1}": the parameter server keeps only the newest version
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+from checkpoint_engine.ps import ParameterServer
+from orchestrator.config import SyncConfig
+
+logger = logging.getLogger(__name__)
+
+ReqFunc = Callable[[list[tuple[str, str]]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncResult:
+    version: int
+    total_s: float  # register + gather + update + unregister
+    update_s: float  # the checkpoint engine's own update time
+    total_bytes: int
+    num_buckets: int
+
+
+class WeightSync:
+    """Owns the in-process ParameterServer; ``push`` makes the engine serve the given weights."""
+
+    def __init__(self, config: SyncConfig, req_func: ReqFunc) -> None:
+        update = UpdateConfig(bucket_size_bytes=config.bucket_size_bytes, engine_timeout_s=config.timeout_s,
+                              engine_connect_timeout_s=config.timeout_s, req_func_timeout_s=config.timeout_s)
+        self.ps = ParameterServer(rank=0, world_size=1,
+                                  config=ParameterServerConfig(transport="cpu", update=update))
+        self.req_func = req_func
+        self._current: str | None = None
+
+    def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> SyncResult:
+        name = f"policy-v{version}"
+        start = time.monotonic()
+        if name in self.ps.checkpoints():  # a retried push of the same version
+            self.ps.unregister_checkpoint(name)
+        self.ps.register_checkpoint(name, named_tensors=dict(named_tensors))
+        self.ps.gather_metas(name)
+        metrics = self.ps.update(name, self.req_func)
+        if self._current is not None and self._current != name:
+            self.ps.unregister_checkpoint(self._current)
+        self._current = name
+        total_s = time.monotonic() - start
+        logger.info("weights v%d synced in %.3f s (%s)", version, total_s, metrics.summary())
+        return SyncResult(version=version, total_s=total_s, update_s=metrics.total_s,
+                          total_bytes=metrics.total_bytes, num_buckets=metrics.num_buckets)
+
+    def close(self) -> None:
+        self.ps.close()

@@ -1,0 +1,270 @@
+"""The vLLM adapter's engine-agnostic parts, without vLLM: receiver, cache, checksum, handles.
+
+A real ParameterServer (world size 1, CPU transport) pushes into a `WeightReceiver` whose reload
+function writes into a dict "model", so streaming, aborts and fallbacks are checked exactly.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+from checkpoint_engine.pipeline import UpdateFailed
+from checkpoint_engine.ps import ParameterServer
+from vllm_ext.receiver import FaultSpec, ReceiverConfig, WeightReceiver
+from vllm_ext.weight_cache import WeightCache, checkpoint_checksum
+from vllm_ext.worker import select_handle
+
+
+def make_ckpt(seed: int, num: int = 12) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layers.{i}.w": torch.randn(64, 48 + i, generator=g) for i in range(num)}
+    out["norm.bf16"] = torch.randn(17, generator=g).to(torch.bfloat16)
+    out["ids.int8"] = torch.randint(-5, 5, (9,), generator=g, dtype=torch.int8)
+    return out
+
+
+class DictModel:
+    """A fake engine model: reload_fn copies pairs in; can be told to fail."""
+
+    def __init__(self):
+        self.weights: dict[str, torch.Tensor] = {}
+        self.fail_after: int | None = None
+        self.recovered = 0
+
+    def reload(self, pairs) -> None:
+        for n, (name, t) in enumerate(pairs):
+            if self.fail_after is not None and n >= self.fail_after:
+                raise KeyError(f"no parameter named {name!r}")
+            self.weights[name] = t.clone()
+
+    def recover(self) -> None:
+        self.recovered += 1
+
+
+@pytest.fixture
+def ps():
+    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=16 * 1024,
+                                                                     engine_timeout_s=20, engine_connect_timeout_s=20))
+    server = ParameterServer(rank=0, world_size=1, config=cfg)
+    yield server
+    server.close()
+
+
+def push(ps, receiver: WeightReceiver, name: str, ckpt: dict) -> None:
+    if name not in ps.checkpoints():
+        ps.register_checkpoint(name, named_tensors=ckpt)
+        ps.gather_metas(name)
+    try:
+        ps.update(name, lambda paths: receiver.receive(paths[0][1], None))
+    finally:  # a failed update returns on the PS side before the engine side has finished aborting
+        assert receiver.wait_idle(30)
+
+
+def make_receiver(model: DictModel, mode: str = "streaming") -> WeightReceiver:
+    return WeightReceiver(model.reload, recover_fn=model.recover,
+                          config=ReceiverConfig(timeout_s=20, reload_mode=mode, reload_timeout_s=20))
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("mode", ["streaming", "end"])
+def test_updates_land_exactly_and_reuse_the_cache(ps, mode):
+    model = DictModel()
+    r = make_receiver(model, mode)
+    a, b = make_ckpt(1), make_ckpt(2)
+    push(ps, r, "A", a)
+    assert_same(model.weights, a)
+    rep = r.report()
+    assert (rep["version"], rep["status"], rep["checkpoint"]) == (1, "ready", "A")
+    assert rep["last_update"]["num_buckets"] > 2 and rep["last_update"]["num_tensors"] == len(a)
+    assert r.checksum_report()["checksum"] == checkpoint_checksum(a)
+    allocations = r.cache.num_allocations
+    push(ps, r, "B", b)
+    assert_same(model.weights, b)
+    assert r.cache.num_allocations == allocations  # same shapes: the cached tensors were reused
+    assert (r.report()["version"], r.report()["checkpoint"]) == (2, "B")
+    assert r.checksum_report()["checksum"] == checkpoint_checksum(b)
+
+
+def test_streaming_abort_fills_in_previous_values(ps):
+    model = DictModel()
+    r = make_receiver(model)
+    a, b = make_ckpt(1), make_ckpt(2)
+    push(ps, r, "A", a)
+    r.arm_fault({"kind": "raise", "bucket": 2})
+    with pytest.raises(UpdateFailed, match="injected fault in bucket 2"):
+        push(ps, r, "B", b)
+    rep = r.report()
+    assert (rep["status"], rep["weights_complete"], rep["version"]) == ("incomplete", False, 1)
+    assert "injected fault" in rep["last_error"]
+    from_b = {n for n in b if torch.equal(model.weights[n], b[n]) and not torch.equal(b[n], a[n])}
+    assert 0 < len(from_b) < len(b)  # some layers new, the rest refilled from the previous version
+    mixed = {n: (b[n] if n in from_b else a[n]) for n in a}
+    assert_same(model.weights, mixed)
+    assert r.checksum_report()["checksum"] == checkpoint_checksum(mixed)  # honest: what the model holds
+    push(ps, r, "B", b)
+    assert_same(model.weights, b)
+    assert (r.report()["status"], r.report()["version"]) == ("ready", 2)
+
+
+def test_end_mode_abort_leaves_model_untouched(ps):
+    model = DictModel()
+    r = make_receiver(model, "end")
+    a, b = make_ckpt(1), make_ckpt(2)
+    push(ps, r, "A", a)
+    r.arm_fault(FaultSpec(kind="raise", bucket=3))
+    with pytest.raises(UpdateFailed):
+        push(ps, r, "B", b)
+    assert_same(model.weights, a)
+    assert r.report()["status"] == "incomplete"
+    assert r.checksum_report()["checksum"] is None  # the cache no longer mirrors the model
+    push(ps, r, "B", b)
+    assert_same(model.weights, b)
+
+
+def test_first_update_aborted_reports_undefined_layers(ps):
+    model = DictModel()
+    r = make_receiver(model)
+    r.arm_fault({"kind": "raise", "bucket": 1})
+    with pytest.raises(UpdateFailed):
+        push(ps, r, "A", make_ckpt(1))
+    rep = r.report()
+    assert rep["status"] == "incomplete" and "undefined values" in rep["reload_error"]
+    assert r.checksum_report()["checksum"] is None
+
+
+def test_reload_failure_aborts_and_recovers(ps):
+    model = DictModel()
+    r = make_receiver(model)
+    model.fail_after = 5
+    with pytest.raises(UpdateFailed, match="reload path failed"):
+        push(ps, r, "A", make_ckpt(1))
+    rep = r.report()
+    assert rep["status"] == "incomplete" and "reload failed" in rep["reload_error"]
+    assert model.recovered == 1
+    model.fail_after = None
+    push(ps, r, "A", make_ckpt(1))
+    assert r.report()["status"] == "ready" and r.report()["reload_error"] is None
+
+
+def test_stall_fault_writes_marker(ps, tmp_path):
+    model = DictModel()
+    r = make_receiver(model)
+    marker = tmp_path / "marker"
+    r.arm_fault({"kind": "stall", "bucket": 1, "stall_s": 0.01, "marker_path": str(marker)})
+    push(ps, r, "A", make_ckpt(1))
+    assert marker.exists() and r.report()["status"] == "ready"
+
+
+def test_dummy_initial_weights_are_reported_incomplete(ps):
+    r = WeightReceiver(DictModel().reload, initial_weights="dummy", config=ReceiverConfig(timeout_s=20))
+    rep = r.report()
+    assert (rep["status"], rep["weights_complete"], rep["initial_weights"]) == ("initial", False, "dummy")
+    assert make_receiver(DictModel()).report()["weights_complete"] is True  # started from the checkpoint
+    push(ps, r, "A", make_ckpt(1))
+    assert r.report()["weights_complete"] is True
+    with pytest.raises(ValueError, match="initial_weights"):
+        WeightReceiver(DictModel().reload, initial_weights="random")
+
+
+def test_concurrent_receive_is_refused():
+    r = make_receiver(DictModel())
+    r._busy.acquire()
+    try:
+        with pytest.raises(RuntimeError, match="already in progress"):
+            r.receive("ipc://@nothing", None)
+    finally:
+        r._busy.release()
+
+
+@pytest.mark.parametrize("cls,kwargs,field", [
+    (ReceiverConfig, {"timeout_s": 0}, "timeout_s"),
+    (ReceiverConfig, {"reload_timeout_s": -1}, "reload_timeout_s"),
+    (ReceiverConfig, {"reload_mode": "layer"}, "reload_mode"),
+    (FaultSpec, {"kind": "explode"}, "kind"),
+    (FaultSpec, {"kind": "raise", "bucket": -1}, "bucket"),
+    (FaultSpec, {"kind": "stall", "stall_s": 0}, "stall_s"),
+])
+def test_config_validation_names_the_field(cls, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        cls(**kwargs)
+
+
+def test_receiver_config_from_dict_rejects_unknown_keys():
+    assert ReceiverConfig.from_dict(None) == ReceiverConfig()
+    assert ReceiverConfig.from_dict({"timeout_s": 5}).timeout_s == 5
+    with pytest.raises(ValueError, match="timeout"):
+        ReceiverConfig.from_dict({"timeout": 5})
+
+
+@pytest.mark.parametrize("handles,uuid,tp_rank,want", [
+    ({"cpu-h-0": "ipc://a"}, None, 0, "ipc://a"),
+    ({"cpu-h-0": "ipc://a"}, None, 3, "ipc://a"),  # the only handle, whatever the rank
+    ({"GPU-1": "ipc://a", "GPU-2": "ipc://b"}, "GPU-2", 0, "ipc://b"),  # UUID wins over rank
+    ({"cpu-h-0": "ipc://a", "cpu-h-1": "ipc://b"}, None, 1, "ipc://b"),
+    ({"cpu-h-0": "ipc://a", "cpu-h-1": "ipc://b"}, "GPU-9", 0, "ipc://a"),
+])
+def test_select_handle(handles, uuid, tp_rank, want):
+    assert select_handle(handles, device_uuid=uuid, tp_rank=tp_rank) == want
+
+
+@pytest.mark.parametrize("handles,tp_rank", [({}, 0), ({"a": "x", "b": "y"}, 2), (["x"], 0)])
+def test_select_handle_errors(handles, tp_rank):
+    with pytest.raises(ValueError):
+        select_handle(handles, device_uuid=None, tp_rank=tp_rank)
+
+
+def test_checksum_is_order_free_and_sensitive():
+    a = make_ckpt(1)
+    base = checkpoint_checksum(a)
+    assert checkpoint_checksum(list(reversed(list(a.items())))) == base
+    flipped = dict(a)
+    t = a["layers.0.w"].clone()
+    t.view(torch.int32)[0, 0] ^= 1  # one bit
+    flipped["layers.0.w"] = t
+    renamed = {("x." + k if k == "ids.int8" else k): v for k, v in a.items()}
+    reshaped = dict(a, **{"layers.1.w": a["layers.1.w"].reshape(-1)})
+    retyped = dict(a, **{"ids.int8": a["ids.int8"].view(torch.uint8)})
+    variants = [flipped, renamed, reshaped, retyped]
+    assert len({base, *map(checkpoint_checksum, variants)}) == 1 + len(variants)
+
+
+def test_weight_cache_reallocates_only_on_shape_change():
+    c = WeightCache()
+    x = torch.arange(6.0)
+    kept = c.store("w", x)
+    assert c.store("w", x + 1) is kept and torch.equal(kept, x + 1) and c.num_allocations == 1
+    assert c.store("w", torch.zeros(2, 3)).shape == (2, 3) and c.num_allocations == 2
+    c.store("v", x)
+    c.retain_only({"w"})
+    assert "v" not in c and len(c) == 1
+    assert c.checksum() is None  # not marked as mirroring a model
+    c.matches_model = True
+    assert c.checksum() == checkpoint_checksum({"w": torch.zeros(2, 3)})
+
+
+def test_stream_overlaps_reload_with_transfer(ps):
+    """In streaming mode the reload consumes tensors while later buckets are still arriving."""
+    ckpt = make_ckpt(1, num=16)
+    cached_at_first_item: list[int] = []
+    r = None
+
+    def reload(pairs):
+        for n, _ in enumerate(pairs):
+            if n == 0:
+                cached_at_first_item.append(len(r.cache))
+
+    r = WeightReceiver(reload, config=ReceiverConfig(timeout_s=20))
+    # bucket 1 stalls: the reload thread, started at bucket 0, gets its first tensor meanwhile
+    r.arm_fault({"kind": "stall", "bucket": 1, "stall_s": 0.5})
+    push(ps, r, "A", ckpt)
+    assert r.report()["last_update"]["num_buckets"] > 5
+    assert cached_at_first_item and cached_at_first_item[0] < len(ckpt)
+    assert r.report()["status"] == "ready"

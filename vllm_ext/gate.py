@@ -1,0 +1,174 @@
+"""The fast-start front: a small HTTP proxy that keeps generation away from dummy weights.
+
+    client ──▶ gate (public port) ──┬─ /launcher/status, /health          answered by the gate
+                                    ├─ /collective_rpc, /reset_*, ...      control: always proxied
+                                    └─ everything else (generation)        proxied once the gate is
+                                                                           open; before: held up to
+                                                                           `wait_s`, then 503
+    vLLM (127.0.0.1:internal port, dummy weights until the first update)
+
+The gate opens when every worker reports weights version >= 1 (a complete update), learned from
+the launcher's own push, from a proxied `update_weights_from_ipc` answer, or by polling. It never
+closes again: a later aborted update leaves the engine serving and reporting `incomplete`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+CONTROL_PATHS = ("/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+                 "/metrics", "/version", "/server_info", "/sleep", "/wake_up", "/is_sleeping")
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+              "transfer-encoding", "upgrade", "host"}
+
+
+def weights_loaded(reports: list) -> bool:
+    """True when every worker's report shows a completed update (version >= 1)."""
+    return bool(reports) and all(isinstance(r, dict) and int(r.get("version", 0)) >= 1 for r in reports)
+
+
+class Gate:
+    """Thread-safe readiness state shared by the launcher (writer) and the proxy (reader)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._opened = threading.Event()
+        self._phase = "starting_engine"
+        self._detail = "vLLM is starting with dummy weights"
+        self._weights: list = []
+        self._t0 = time.monotonic()
+        self._ready_after_s: float | None = None
+        self._num_held = 0  # requests waiting for the gate right now
+        self._phase_times_s: dict[str, float] = {self._phase: 0.0}  # when each phase began
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened.is_set()
+
+    def set_phase(self, phase: str, detail: str) -> None:
+        with self._lock:
+            if not self._opened.is_set():
+                self._phase, self._detail = phase, detail
+                self._phase_times_s[phase] = round(time.monotonic() - self._t0, 3)
+        logger.info("gate: %s (%s)", phase, detail)
+
+    def observe(self, reports: list) -> bool:
+        """Record the engine's weight reports; open the gate once they show loaded weights."""
+        with self._lock:
+            self._weights = reports
+            if self._opened.is_set() or not weights_loaded(reports):
+                return self._opened.is_set()
+            self._phase, self._detail = "ready", "weights loaded"
+            self._ready_after_s = time.monotonic() - self._t0
+            self._phase_times_s["ready"] = round(self._ready_after_s, 3)
+            self._opened.set()
+        logger.info("gate open after %.1f s: weights version %s", self._ready_after_s,
+                    [r.get("version") for r in reports])
+        return True
+
+    def count_held(self, delta: int) -> None:
+        with self._lock:
+            self._num_held += delta
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"ready": self._opened.is_set(), "phase": self._phase, "detail": self._detail,
+                    "weights": self._weights, "ready_after_s": self._ready_after_s, "num_held": self._num_held,
+                    "phase_times_s": dict(self._phase_times_s),
+                    "uptime_s": round(time.monotonic() - self._t0, 3)}
+
+
+def not_ready_body(snap: dict) -> dict:
+    msg = (f"the model's weights are not loaded yet (phase: {snap['phase']}: {snap['detail']}); "
+           "generation requests are served once the first weight update has completed")
+    return {"error": {"message": msg, "type": "ServiceUnavailable", "code": 503, "phase": snap["phase"]}}
+
+
+def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_s: float = 600.0):
+    """The Starlette app of the gate (imports starlette/httpx lazily: the CLI's --help stays fast)."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["client"] = httpx.AsyncClient(base_url=engine_url,
+                                            timeout=httpx.Timeout(proxy_timeout_s, connect=10.0))
+        try:
+            yield
+        finally:
+            await state["client"].aclose()
+
+    async def status(request: Request):
+        return JSONResponse({**gate.snapshot(), "engine_url": engine_url})
+
+    async def health(request: Request):
+        if gate.is_open:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse(not_ready_body(gate.snapshot()), status_code=503, headers={"Retry-After": "5"})
+
+    async def proxy(request: Request):
+        path = request.url.path
+        control = path.startswith(CONTROL_PATHS)
+        if not control and not gate.is_open:
+            if not await _wait_open(gate, wait_s):
+                return JSONResponse(not_ready_body(gate.snapshot()), status_code=503, headers={"Retry-After": "5"})
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        upstream = state["client"].build_request(request.method, path, params=request.query_params,
+                                                 headers=headers, content=body)
+        try:
+            resp = await state["client"].send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            return JSONResponse({"error": {"message": f"engine at {engine_url} unreachable: {type(e).__name__}: {e}",
+                                           "type": "BadGateway", "code": 502}}, status_code=502)
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
+        if path == "/collective_rpc":
+            data = await resp.aread()
+            await resp.aclose()
+            _observe_rpc(gate, body, resp.status_code, data)
+            return Response(data, status_code=resp.status_code, headers=out_headers)
+        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=out_headers,
+                                 background=BackgroundTask(resp.aclose))
+
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+    routes = [Route("/launcher/status", status, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/{path:path}", proxy, methods=methods)]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _wait_open(gate: Gate, wait_s: float) -> bool:
+    """Hold a request until the gate opens or `wait_s` passes (cheap polling: no thread per request)."""
+    deadline = time.monotonic() + wait_s
+    gate.count_held(1)
+    try:
+        while not gate.is_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        gate.count_held(-1)
+    return gate.is_open
+
+
+def _observe_rpc(gate: Gate, request_body: bytes, status_code: int, data: bytes) -> None:
+    """Open the gate when a proxied update (or state query) shows loaded weights."""
+    if status_code != 200:
+        return
+    try:
+        method = json.loads(request_body or b"{}").get("method")
+        results = json.loads(data or b"{}").get("results")
+    except (json.JSONDecodeError, AttributeError):
+        return
+    if method in ("update_weights_from_ipc", "weights_state") and isinstance(results, list):
+        gate.observe(results)

@@ -1,0 +1,315 @@
+"""Fast startup: vLLM starts with dummy weights while the parameter server loads the checkpoint.
+
+    python -m vllm_ext.launch --model DIR [--port 8000] [--gate-wait-s 60] [-- <vllm serve args>]
+
+    t=0 ─┬─ gate (public port): answers 503 (or holds requests) until the weights are in
+         ├─ vllm serve DIR --load-format dummy --worker-extension-cls ... (127.0.0.1, internal port)
+         └─ parameter server: register DIR/*.safetensors in host memory, gather metas
+    engine healthy + checkpoint registered ─▶ ps.update(...) into the engine ─▶ gate opens
+
+Later updates go through the same public port (`POST /collective_rpc` is proxied). With
+`--no-initial-push` the launcher only gates: the gate opens when an external parameter server
+(e.g. the trainer's) completes the first update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "vllm_ext.worker.VllmColocateWorkerExtension"
+RESERVED_VLLM_FLAGS = ("--load-format", "--worker-extension-cls", "--host", "--port", "--additional-config")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_port: int | None = None  # None: a free port
+    checkpoint_name: str | None = None  # None: the model directory's name
+    initial_push: bool = True
+    gate_wait_s: float = 0.0
+    startup_timeout_s: float = 900.0
+    push_timeout_s: float = 600.0
+    engine_timeout_s: float = 600.0
+    reload_mode: Literal["streaming", "end"] = "streaming"
+    transport: Literal["auto", "cpu", "cuda"] = "auto"
+    bucket_size_bytes: int | None = None
+    register_nice: int = 10  # CPU niceness of the registration thread: vLLM's start keeps the CPU
+    vllm_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model must be a model directory, got {self.model!r}")
+        for name in ("port", "engine_port"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 65536:
+                raise ValueError(f"{name} must be in 1..65535, got {v!r}")
+        for name in ("startup_timeout_s", "push_timeout_s", "engine_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.gate_wait_s >= 0:
+            raise ValueError(f"gate_wait_s must be >= 0, got {self.gate_wait_s!r}")
+        if self.reload_mode not in ("streaming", "end"):
+            raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
+        if self.transport not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {self.transport!r}")
+        if not 0 <= self.register_nice <= 19:
+            raise ValueError(f"register_nice must be in 0..19, got {self.register_nice!r}")
+        if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
+            raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
+        clash = [a for a in self.vllm_args if a.split("=")[0] in RESERVED_VLLM_FLAGS]
+        if clash:
+            raise ValueError(f"vllm_args must not set {clash}: the launcher sets {list(RESERVED_VLLM_FLAGS)}")
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint_name or Path(self.model).resolve().name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_safetensors_files(model_dir: str) -> list[str]:
+    """The model directory's safetensors files (index order when sharded)."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+        return [str(d / n) for n in names]
+    files = sorted(str(p) for p in d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {model_dir!r} holds no .safetensors file")
+    return files
+
+
+def engine_settings(cfg: LaunchConfig) -> dict:
+    """The extension's settings that differ from its defaults (vLLM's additional config).
+
+    Only non-defaults are passed: vLLM hashes `additional_config` into its compile-cache key, so
+    passing defaults would make the fast start miss a cache filled by a plain `vllm serve`.
+    """
+    defaults = {"timeout_s": 600.0, "reload_mode": "streaming"}  # vllm_ext.receiver.ReceiverConfig's
+    wanted = {"timeout_s": float(cfg.engine_timeout_s), "reload_mode": cfg.reload_mode}
+    return {k: v for k, v in wanted.items() if v != defaults[k]}
+
+
+def vllm_command(cfg: LaunchConfig, engine_port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm_ext.serve", "serve", cfg.model, "--host", "127.0.0.1",
+           "--port", str(engine_port), "--load-format", "dummy", "--worker-extension-cls", EXTENSION]
+    settings = engine_settings(cfg)
+    if settings:
+        cmd += ["--additional-config", json.dumps({"checkpoint_engine": settings})]
+    return [*cmd, *cfg.vllm_args]
+
+
+class Launcher:
+    """Owns the vLLM process, the gate server and (until the first push) the parameter server."""
+
+    def __init__(self, cfg: LaunchConfig):
+        from vllm_ext.gate import Gate
+
+        self.cfg = cfg
+        self.engine_port = cfg.engine_port or free_port()
+        self.engine_url = f"http://127.0.0.1:{self.engine_port}"
+        self.gate = Gate()
+        self.proc: subprocess.Popen | None = None
+        self._server = None
+        self._stop = threading.Event()
+        self._ps = None
+        self._ps_error: BaseException | None = None
+        self._supervising = False
+
+    # -- pieces ---------------------------------------------------------------------------
+    def start_gate(self) -> None:
+        import uvicorn
+
+        from vllm_ext.gate import make_app
+
+        app = make_app(self.gate, self.engine_url, wait_s=self.cfg.gate_wait_s)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port,
+                                                     log_level="warning", lifespan="on"))
+        threading.Thread(target=self._server.run, daemon=True, name="gate").start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gate could not listen on {self.cfg.host}:{self.cfg.port} within 30 s")
+            time.sleep(0.02)
+        logger.info("gate listening on http://%s:%d (engine on %s)", self.cfg.host, self.cfg.port, self.engine_url)
+
+    def start_engine(self) -> None:
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        cmd = vllm_command(self.cfg, self.engine_port)
+        logger.info("starting: %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, env=env)
+
+    def register_checkpoint(self) -> None:
+        """Runs in a thread while vLLM starts, at low CPU priority (it has a minute; vLLM is the long pole)."""
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, max(self.cfg.register_nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        except (OSError, AttributeError):
+            logger.debug("could not lower the registration thread's priority")
+        try:
+            from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+            from checkpoint_engine.ps import ParameterServer
+
+            t0 = time.perf_counter()
+            update = UpdateConfig(bucket_size_bytes=self.cfg.bucket_size_bytes, req_func_timeout_s=self.cfg.push_timeout_s,
+                                  engine_timeout_s=self.cfg.push_timeout_s)
+            ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport=self.cfg.transport,
+                                                                                   update=update))
+            ps.register_checkpoint(self.cfg.name, files=model_safetensors_files(self.cfg.model))
+            ps.gather_metas(self.cfg.name)
+            self._ps = ps
+            logger.info("checkpoint %r registered in %.2f s", self.cfg.name, time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - re-raised by push()
+            self._ps_error = e
+
+    def push(self, registering: threading.Thread) -> dict:
+        from vllm_ext.req import vllm_http_req_func
+
+        registering.join(self.cfg.push_timeout_s)
+        if registering.is_alive():
+            raise TimeoutError(f"registering the checkpoint took more than {self.cfg.push_timeout_s:.0f} s")
+        if self._ps_error is not None:
+            raise RuntimeError(f"registering {self.cfg.model} failed: {self._ps_error}") from self._ps_error
+        self.gate.set_phase("pushing_weights", f"pushing checkpoint {self.cfg.name!r} into the engine")
+        req = vllm_http_req_func(self.engine_url, rank=0, timeout_s=self.cfg.push_timeout_s)
+        return self._ps.update(self.cfg.name, req).to_dict()
+
+    def release_ps(self) -> None:
+        """The host copy is not needed once the engine holds the weights."""
+        if self._ps is not None:
+            self._ps.close()
+            self._ps = None
+
+    def refresh_gate(self) -> bool:
+        from vllm_ext.req import collective_rpc
+
+        return self.gate.observe(collective_rpc(self.engine_url, "weights_state", timeout_s=30.0))
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def run(self) -> int:
+        from vllm_ext.req import wait_until_healthy
+
+        self.start_engine()  # first: vLLM's start is the long pole
+        registering = threading.Thread(target=self.register_checkpoint, daemon=True, name="register")
+        if self.cfg.initial_push:
+            registering.start()
+        self.start_gate()
+        waited_s = wait_until_healthy(self.engine_url, timeout_s=self.cfg.startup_timeout_s,
+                                      is_alive=lambda: self.proc.poll() is None)
+        logger.info("engine healthy after %.1f s", waited_s)
+        if self.cfg.initial_push:
+            metrics = self.push(registering)
+            if not self.refresh_gate():
+                raise RuntimeError(f"the push completed but the engine reports {self.gate.snapshot()['weights']}")
+            self.release_ps()  # after the gate opened: freeing host memory is not on the critical path
+            logger.info("weights pushed: %s", json.dumps(metrics))
+        else:
+            self.gate.set_phase("waiting_for_weights", "waiting for an external parameter server to push weights")
+        return self._supervise()
+
+    def _supervise(self) -> int:
+        """Wait for vLLM to exit or for a stop signal; poll the gate while it is closed."""
+        self._supervising = True
+        while not self._stop.is_set():
+            code = self.proc.poll()
+            if code is not None:
+                logger.error("vLLM exited with code %s", code)
+                return code or 1
+            if not self.gate.is_open:
+                try:
+                    self.refresh_gate()
+                except Exception as e:  # noqa: BLE001 - the engine may be busy receiving; retry
+                    logger.debug("weights_state poll failed: %s", e)
+            self._stop.wait(2.0)
+        return 0
+
+    def stop(self, signum: int, _frame=None) -> None:
+        """Signal handler: end supervision; during start-up, unwind at once (close() stops vLLM)."""
+        self._stop.set()
+        if not self._supervising:
+            raise SystemExit(128 + signum)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._server is not None:
+            self._server.should_exit = True
+        self.release_ps()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vllm_ext.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF model directory (safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="public address of the gate")
+    p.add_argument("--port", type=int, default=8000, help="public port (OpenAI API, gated)")
+    p.add_argument("--engine-port", type=int, default=None, help="vLLM's internal port (default: a free one)")
+    p.add_argument("--checkpoint-name", default=None)
+    p.add_argument("--no-initial-push", action="store_true",
+                   help="do not load the checkpoint; open the gate when an external PS pushes weights")
+    p.add_argument("--gate-wait-s", type=float, default=0.0,
+                   help="hold requests that arrive before the weights this long (0: refuse at once with 503)")
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    p.add_argument("--push-timeout-s", type=float, default=600.0)
+    p.add_argument("--engine-timeout-s", type=float, default=600.0, help="engine-side deadline per PS message")
+    p.add_argument("--reload-mode", choices=["streaming", "end"], default="streaming")
+    p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--bucket-size-bytes", type=int, default=None)
+    p.add_argument("--register-nice", type=int, default=10,
+                   help="CPU niceness of the checkpoint registration running beside vLLM's start (0..19)")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after `--`: arguments for `vllm serve`")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    vllm_args = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
+    cfg = LaunchConfig(model=args.model, host=args.host, port=args.port, engine_port=args.engine_port,
+                       checkpoint_name=args.checkpoint_name, initial_push=not args.no_initial_push,
+                       gate_wait_s=args.gate_wait_s, startup_timeout_s=args.startup_timeout_s,
+                       push_timeout_s=args.push_timeout_s, engine_timeout_s=args.engine_timeout_s,
+                       reload_mode=args.reload_mode, transport=args.transport,
+                       bucket_size_bytes=args.bucket_size_bytes, register_nice=args.register_nice,
+                       vllm_args=vllm_args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    launcher = Launcher(cfg)
+    signal.signal(signal.SIGTERM, launcher.stop)
+    signal.signal(signal.SIGINT, launcher.stop)
+    try:
+        return launcher.run()
+    except Exception as e:  # noqa: BLE001 - a clear one-line reason for the operator, then exit non-zero
+        logger.error("launch failed: %s: %s", type(e).__name__, e)
+        return 1
+    finally:
+        launcher.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

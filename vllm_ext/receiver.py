@@ -1,0 +1,319 @@
+"""Engine side of one weight update for an engine with a "reload path" (vLLM), engine-agnostic.
+
+`WeightReceiver.receive` drives `checkpoint_engine.worker.update_weights_from_ipc` and feeds what
+arrives to `reload_fn(iterator of (name, tensor))`, which the engine adapter binds to its reload
+(for vLLM: `worker.reload_weights(weights_iterator=...)`, which redoes repacking/quantization).
+The reload runs once per update, in a thread, over an iterator that yields tensors as buckets
+arrive, so layer processing overlaps the transfer of later buckets ("streaming" mode):
+
+    PS ─bucket i─▶ on_bucket: copy views into WeightCache ─▶ queue ─▶ reload thread: reload_fn(iter)
+    PS ─Done─────▶ finish: end the iterator, join the reload (deadline) ─▶ Ack, version v+1
+    any failure ─▶ abort: feed the previous values of the names not received (when the cache
+                   still describes the model), end the iterator, join ─▶ state `incomplete`
+
+"end" mode only caches during the transfer and runs the reload after Done: slower, but an aborted
+update leaves the model's weights exactly as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+import zmq
+
+from checkpoint_engine.state import EngineWeightState
+from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
+from vllm_ext.weight_cache import WeightCache
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+ReloadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+ReloadMode = Literal["streaming", "end"]
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """Engine-side settings (for vLLM: `--additional-config '{"checkpoint_engine": {...}}'`)."""
+
+    timeout_s: float = 600.0  # deadline of every wait for the parameter server
+    reload_mode: ReloadMode = "streaming"
+    reload_timeout_s: float = 600.0  # deadline for the reload to finish once the last bucket arrived
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "reload_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if self.reload_mode not in ("streaming", "end"):
+            raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None) -> ReceiverConfig:
+        d = dict(d or {})
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown checkpoint_engine setting(s) {unknown}; known: {[f.name for f in fields(cls)]}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Test-only fault for the next update: `raise` in bucket `bucket`, or `stall` there for `stall_s`.
+
+    `marker_path`, if given, is created when the fault fires (lets a test act at that moment).
+    """
+
+    kind: Literal["raise", "stall"]
+    bucket: int = 0
+    stall_s: float = 5.0
+    marker_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("raise", "stall"):
+            raise ValueError(f"kind must be 'raise' or 'stall', got {self.kind!r}")
+        if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 0:
+            raise ValueError(f"bucket must be an int >= 0, got {self.bucket!r}")
+        if not 0 < self.stall_s <= 600:
+            raise ValueError(f"stall_s must be in (0, 600], got {self.stall_s!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> FaultSpec:
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown fault field(s) {unknown}")
+        return cls(**d)
+
+
+class ReloadStream:
+    """Runs `reload_fn` in a thread over an iterator fed batch by batch; `finish` joins it."""
+
+    _END = None
+
+    def __init__(self, reload_fn: ReloadFn):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.num_fed = 0
+        self._thread = threading.Thread(target=self._run, args=(reload_fn,), daemon=True, name="ckpt-engine-reload")
+        self._thread.start()
+
+    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while (batch := self._queue.get()) is not self._END:
+            yield from batch
+
+    def _run(self, reload_fn: ReloadFn) -> None:
+        try:
+            with torch.no_grad():
+                reload_fn(self._pairs())
+        except BaseException as e:  # noqa: BLE001 - handed to the receiving thread
+            logger.exception("the reload path failed")
+            self.error = e
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine's reload path failed: {type(self.error).__name__}: {self.error}") \
+                from self.error
+
+    def feed(self, pairs: NamedTensors) -> None:
+        self.raise_if_failed()
+        self.num_fed += len(pairs)
+        self._queue.put(pairs)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def finish(self, timeout_s: float) -> None:
+        self._queue.put(self._END)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the engine's reload path did not finish within {timeout_s:.0f} s")
+        self.raise_if_failed()
+
+
+class WeightReceiver:
+    """Receives updates into one engine device; keeps state and cache across updates."""
+
+    def __init__(self, reload_fn: ReloadFn, *, recover_fn: Callable[[], None] | None = None,
+                 config: ReceiverConfig | None = None, initial_weights: str = "checkpoint"):
+        """`initial_weights`: what the engine started with, "checkpoint" or "dummy" (random)."""
+        if initial_weights not in ("checkpoint", "dummy"):
+            raise ValueError(f"initial_weights must be 'checkpoint' or 'dummy', got {initial_weights!r}")
+        self.initial_weights = initial_weights
+        self.config = config or ReceiverConfig()
+        self.state = EngineWeightState()
+        self.cache = WeightCache()
+        self.last_update: dict | None = None
+        self.reload_error: str | None = None  # set when the model may be unusable after a failed reload
+        self._reload_fn = reload_fn
+        self._recover_fn = recover_fn
+        self._zmq_ctx = zmq.Context()
+        self._fault: FaultSpec | None = None
+        self._busy = threading.Lock()
+
+    def arm_fault(self, spec: FaultSpec | Mapping) -> dict:
+        self._fault = spec if isinstance(spec, FaultSpec) else FaultSpec.from_dict(spec)
+        logger.warning("fault armed for the next weight update: %s", self._fault)
+        return {"armed": True, "fault": dict(self._fault.__dict__)}
+
+    def receive(self, zmq_handle: str, device_id: int | None) -> dict:
+        """Run one update from the PS rank at `zmq_handle`; return `report()`; raise UpdateAborted."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("a weight update is already in progress on this engine")
+        try:
+            fault, self._fault = self._fault, None
+            session = _UpdateSession(self, fault)
+            try:
+                update_weights_from_ipc(self._zmq_ctx, zmq_handle, device_id, run=session.on_bucket,
+                                        post_hook=session.finish, state=self.state, timeout_s=self.config.timeout_s)
+            except UpdateAborted:
+                session.abort()
+                raise
+            finally:
+                self.last_update = session.summary()
+            return self.report()
+        finally:
+            self._busy.release()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no update is running here (the PS may return before the engine finished aborting)."""
+        if not self._busy.acquire(timeout=timeout_s):
+            return False
+        self._busy.release()
+        return True
+
+    def report(self) -> dict:
+        s = self._state_report()
+        return {**s, "initial_weights": self.initial_weights, "reload_mode": self.config.reload_mode,
+                "reload_error": self.reload_error, "cache_bytes": self.cache.nbytes, "last_update": self.last_update,
+                "pid": os.getpid()}
+
+    def _state_report(self) -> dict:
+        s = self.state.report()
+        if s["status"] == "initial" and self.initial_weights == "dummy":
+            s["weights_complete"] = False  # started with random weights: nothing real is loaded yet
+        return s
+
+    def checksum_report(self) -> dict:
+        s = self._state_report()
+        return {"checksum": self.cache.checksum(), "version": s["version"], "status": s["status"],
+                "weights_complete": s["weights_complete"], "num_tensors": len(self.cache),
+                "definition": "sha256 over (name, dtype, shape, crc32) of the checkpoint-format tensors loaded"}
+
+    def recover(self, why: str) -> None:
+        """Put the model back in a servable state after its reload failed half-way."""
+        self.reload_error = why
+        if self._recover_fn is None:
+            return
+        try:
+            self._recover_fn()
+        except Exception as e:  # noqa: BLE001 - reported, the original error is what matters
+            logger.exception("recovering the model after a failed reload failed")
+            self.reload_error = f"{why}; recovery failed: {type(e).__name__}: {e}"
+
+
+class _UpdateSession:
+    """What one update needs: received names in order, the reload stream, a fault, timings."""
+
+    def __init__(self, receiver: WeightReceiver, fault: FaultSpec | None):
+        self.r = receiver
+        self.mode = receiver.config.reload_mode
+        self.fault = fault
+        self.fallback_ok = receiver.cache.matches_model  # untouched names still hold the model's values
+        self.order: list[str] = []
+        self.received: set[str] = set()
+        self.num_buckets = 0
+        self.nbytes = 0
+        self.stream: ReloadStream | None = None
+        self.t_first: float | None = None
+        self.t_done: float | None = None
+        self.t_end: float | None = None
+
+    def on_bucket(self, views: NamedTensors) -> None:
+        index = self.num_buckets
+        self.num_buckets += 1
+        self.t_first = self.t_first or time.perf_counter()
+        self._maybe_fault(index)
+        cache = self.r.cache
+        cache.matches_model = False
+        pairs = [(name, cache.store(name, view)) for name, view in views]
+        for name, t in pairs:
+            if name not in self.received:
+                self.received.add(name)
+                self.order.append(name)
+            self.nbytes += t.numel() * t.element_size()
+        if self.mode == "streaming":
+            if self.stream is None:
+                self.stream = ReloadStream(self.r._reload_fn)
+            self.stream.feed(pairs)
+
+    def finish(self) -> None:
+        """post_hook: every bucket arrived; complete the reload."""
+        self.t_done = time.perf_counter()
+        cache = self.r.cache
+        if self.stream is None and self.order:  # "end" mode: the whole reload happens now
+            self.stream = ReloadStream(self.r._reload_fn)
+            self.stream.feed([(n, cache.get(n)) for n in self.order])
+        try:
+            if self.stream is not None:
+                self.stream.finish(self.r.config.reload_timeout_s)
+        except Exception as e:
+            self.stream = None  # nothing left for abort() to end
+            self.r.recover(f"reload failed: {type(e).__name__}: {e}")
+            raise
+        cache.retain_only(self.received)
+        cache.matches_model = True
+        self.r.reload_error = None
+        self.t_end = time.perf_counter()
+
+    def abort(self) -> None:
+        """The update failed: end the reload so the engine keeps serving (status: incomplete)."""
+        stream, self.stream = self.stream, None
+        if stream is None:  # no reload started ("end" mode, or failed before the first bucket)
+            return
+        if stream.error is not None or not stream.running:
+            self.r.recover(f"reload failed: {type(stream.error).__name__}: {stream.error}")
+            return
+        filled = False
+        try:
+            if self.fallback_ok:
+                stream.feed(self.r.cache.items_except(self.received))
+                filled = True
+            stream.finish(self.r.config.reload_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the update is already failing; keep the first error
+            self.r.recover(f"reload failed while aborting: {type(e).__name__}: {e}")
+            return
+        # With the previous values filled in, the cache again mirrors the (mixed) model exactly.
+        self.r.cache.matches_model = filled
+        if not filled:
+            self.r.reload_error = ("aborted update without a previous complete version to fill in: layers "
+                                   "that were only partly received hold undefined values until the next update")
+
+    def _maybe_fault(self, index: int) -> None:
+        f = self.fault
+        if f is None or f.bucket != index:
+            return
+        self.fault = None
+        if f.marker_path:
+            with open(f.marker_path, "w") as fh:
+                fh.write(f"{os.getpid()}\n")
+        if f.kind == "raise":
+            raise RuntimeError(f"injected fault in bucket {index}")
+        logger.warning("injected stall of %.1f s in bucket %d", f.stall_s, index)
+        time.sleep(f.stall_s)
+
+    def summary(self) -> dict:
+        def span(a, b):
+            return None if a is None or b is None else round(b - a, 4)
+
+        return {"num_buckets": self.num_buckets, "num_tensors": len(self.received), "nbytes": self.nbytes,
+                "mode": self.mode, "transfer_s": span(self.t_first, self.t_done),
+                "reload_tail_s": span(self.t_done, self.t_end), "total_s": span(self.t_first, self.t_end)}

@@ -1,0 +1,195 @@
+"""Drive real vLLM servers from tests and benchmarks: processes, free ports, deadlines, requests.
+
+Every wait polls a condition under a deadline and checks that the process is still alive; logs go
+to files so a failure can show the server's last lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_ext.launch import EXTENSION, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0")
+
+
+def child_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra)
+    return env
+
+
+def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw or b"{}")
+        except json.JSONDecodeError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def post_completions(base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *,
+                     timeout_s: float = 120.0) -> tuple[int, dict]:
+    body = {"model": model, "prompt": list(prompts), "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    return http_json("POST", base_url.rstrip("/") + "/v1/completions", body, timeout_s=timeout_s)
+
+
+def completion_token_ids(base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *,
+                         timeout_s: float = 120.0) -> list[list[int]]:
+    """Greedy completions' token ids, in prompt order; RuntimeError on any non-200 answer."""
+    status, body = post_completions(base_url, model, prompts, max_tokens, timeout_s=timeout_s)
+    if status != 200:
+        raise RuntimeError(f"completions at {base_url} answered {status}: {str(body)[:500]}")
+    return [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+
+
+class ServerProcess:
+    """A server subprocess with a log file; `stop()` returns its exit code."""
+
+    def __init__(self, cmd: list[str], url: str, log_path: Path, env: dict | None = None):
+        self.url = url
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "w")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=env or child_env(), cwd=REPO, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def wait_for(self, path: str, *, timeout_s: float, ok=lambda status, body: status == 200) -> dict:
+        """Poll GET url+path until `ok(status, body)`; return the body."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            try:
+                status, body = http_json("GET", self.url + path, timeout_s=5.0)
+                if ok(status, body):
+                    return body
+            except (OSError, json.JSONDecodeError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url}{path} not ready within {timeout_s:.0f} s; log:\n{self.log_tail()}")
+            time.sleep(0.05)  # readiness polling interval, bounded by the deadline
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the session we created: vLLM's children too
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+class LaunchedServer(ServerProcess):
+    """`python -m vllm_ext.launch` on a free public port."""
+
+    def __init__(self, model_dir: str | Path, log_path: Path, *, initial_push: bool = True, gate_wait_s: float = 0.0,
+                 engine_timeout_s: float = 600.0, reload_mode: str = "streaming", extra: Sequence[str] = (),
+                 vllm_args: Sequence[str] = CPU_ENGINE_ARGS):
+        self.model = str(model_dir)
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", self.model, "--port", str(self.port),
+               "--gate-wait-s", str(gate_wait_s), "--engine-timeout-s", str(engine_timeout_s),
+               "--reload-mode", reload_mode, *extra]
+        if not initial_push:
+            cmd.append("--no-initial-push")
+        super().__init__([*cmd, "--", *vllm_args], f"http://127.0.0.1:{self.port}", log_path)
+
+    def status(self) -> dict:
+        return http_json("GET", self.url + "/launcher/status", timeout_s=10.0)[1]
+
+    def wait_listening(self, timeout_s: float = 120.0) -> dict:
+        return self.wait_for("/launcher/status", timeout_s=timeout_s)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> dict:
+        return self.wait_for("/launcher/status", timeout_s=timeout_s, ok=lambda s, b: s == 200 and b.get("ready"))
+
+    def wait_engine_healthy(self, timeout_s: float = 600.0) -> str:
+        """The internal vLLM URL once vLLM itself answers /health (weights may still be dummy)."""
+        engine_url = self.wait_listening()["engine_url"]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                raise RuntimeError(f"launcher exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            try:
+                if http_json("GET", engine_url + "/health", timeout_s=5.0)[0] == 200:
+                    return engine_url
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM behind {self.url} not healthy within {timeout_s:.0f} s; log:\n{self.log_tail()}")
+            time.sleep(0.1)  # readiness polling interval, bounded by the deadline
+
+
+def vllm_serve_command(model_dir: str | Path, port: int, *, vllm_args: Sequence[str] = CPU_ENGINE_ARGS,
+                       load_format: str = "auto", additional_config: dict | None = None) -> list[str]:
+    """`vllm serve` (through vllm_ext.serve) with the extension, loading the checkpoint itself."""
+    cmd = [sys.executable, "-m", "vllm_ext.serve", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--load-format", load_format, "--worker-extension-cls", EXTENSION, *vllm_args]
+    if additional_config:
+        cmd += ["--additional-config", json.dumps(additional_config)]
+    return cmd
+
+
+def start_push_ranks(model_dir: str | Path, engine_urls: Sequence[str], log_dir: Path, *,
+                     bucket_size_bytes: int | None = None, timeout_s: float = 60.0, tag: str = "push") -> list[ServerProcess]:
+    """One `python -m vllm_ext.push` process per engine (rank r -> engine r), rendezvous on a free port."""
+    port = free_port()
+    world = len(engine_urls)
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, "-m", "vllm_ext.push", "--model", str(model_dir), "--rank", str(rank),
+               "--world-size", str(world), "--master-port", str(port), "--timeout-s", str(timeout_s),
+               "--transport", "cpu"]
+        for url in engine_urls:
+            cmd += ["--engine-url", url]
+        if bucket_size_bytes is not None:
+            cmd += ["--bucket-size-bytes", str(bucket_size_bytes)]
+        procs.append(ServerProcess(cmd, engine_urls[rank], Path(log_dir) / f"{tag}-r{rank}.log"))
+    return procs
+
+
+def wait_all(procs: Sequence[ServerProcess], timeout_s: float) -> list[tuple[int, str]]:
+    """Wait for every process (one shared deadline); return (exit code, last JSON line or log tail)."""
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for p in procs:
+        try:
+            p.proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.stop(5)
+            raise AssertionError(f"processes still running after {timeout_s:.0f} s:\n{p.log_tail()}")
+        p.stop()
+        lines = [ln for ln in p.log_tail(20000).splitlines() if ln.startswith("{")]
+        out.append((p.proc.returncode, lines[-1] if lines else p.log_tail()))
+    return out

@@ -1,0 +1,109 @@
+"""vLLM worker extension: receive checkpoint-engine updates and reload them in place.
+
+Load it with `--worker-extension-cls vllm_ext.worker.VllmColocateWorkerExtension` (or
+`LLM(..., worker_extension_cls=...)`); vLLM mixes it into its worker class, so its methods are
+callable with `collective_rpc` (HTTP: `POST /collective_rpc` with `VLLM_SERVER_DEV_MODE=1`):
+
+    update_weights_from_ipc(zmq_handles)  receive one update (the anchor project's name and shape)
+    weights_state()                       version, status (initial|receiving|ready|incomplete), last error
+    weights_checksum()                    checksum of the checkpoint-format weights loaded (see weight_cache)
+    arm_update_fault(spec)                test-only: make the next update raise or stall in a bucket
+
+Weights go through the model runner's reload path (`reload_weights(weights_iterator=...)`), which
+redoes repacking and quantization processing; plain `model.load_weights` breaks on CPU once the
+linear weights have been repacked. Settings come from vLLM's additional config:
+`--additional-config '{"checkpoint_engine": {"timeout_s": 600, "reload_mode": "streaming"}}'`.
+
+vLLM refuses an extension whose attribute names exist on the worker class, so every helper here
+carries the `_ckpt_engine_` prefix (`update_weights` would clash with vLLM's own transfer API).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+
+def select_handle(zmq_handles: Mapping[str, str], *, device_uuid: str | None, tp_rank: int) -> str:
+    """Pick this worker's ZMQ address: by device UUID (CUDA), else the only one, else by TP rank.
+
+    `checkpoint_engine.api.http_req_func` sends the handles of an engine's ranks in rank order, so
+    on CPU (no UUIDs) the i-th handle belongs to the worker of tensor-parallel rank i.
+    """
+    if not isinstance(zmq_handles, Mapping) or not zmq_handles:
+        raise ValueError(f"zmq_handles must be a non-empty {{device_id: zmq_address}} dict, got {zmq_handles!r}")
+    if device_uuid is not None and device_uuid in zmq_handles:
+        return zmq_handles[device_uuid]
+    handles = list(zmq_handles.values())
+    if len(handles) == 1:
+        return handles[0]
+    if 0 <= tp_rank < len(handles):
+        return handles[tp_rank]
+    raise ValueError(f"no handle for this worker (device {device_uuid}, tp rank {tp_rank}) among "
+                     f"{sorted(zmq_handles)}")
+
+
+class VllmColocateWorkerExtension:
+    """Mixed into vLLM's worker; `self` is the worker (model_runner, device, vllm_config)."""
+
+    def update_weights_from_ipc(self, zmq_handles: dict[str, str]) -> dict:
+        """Receive one update from this device's PS rank; return `weights_state()`.
+
+        Raises (and reports `incomplete` afterwards) when the update is aborted anywhere.
+        """
+        receiver = self._ckpt_engine_receiver()
+        device = self.device
+        is_cuda = getattr(device, "type", "cpu") == "cuda"
+        uuid = None
+        if is_cuda:
+            import torch
+
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = select_handle(zmq_handles, device_uuid=uuid, tp_rank=self._ckpt_engine_tp_rank())
+        return receiver.receive(handle, device.index if is_cuda else None)
+
+    def weights_state(self) -> dict:
+        return self._ckpt_engine_receiver().report()
+
+    def weights_checksum(self) -> dict:
+        return self._ckpt_engine_receiver().checksum_report()
+
+    def arm_update_fault(self, spec: dict) -> dict:
+        return self._ckpt_engine_receiver().arm_fault(spec)
+
+    # -- helpers (prefixed: see the module docstring) ----------------------------------------
+    def _ckpt_engine_receiver(self):
+        receiver = getattr(self, "_ckpt_engine_receiver_obj", None)
+        if receiver is None:
+            from vllm_ext.receiver import ReceiverConfig, WeightReceiver
+
+            extra = getattr(self.vllm_config, "additional_config", None) or {}
+            settings = extra.get("checkpoint_engine") if isinstance(extra, Mapping) else None
+            dummy = str(getattr(self.vllm_config.load_config, "load_format", "")) == "dummy"
+            receiver = WeightReceiver(self._ckpt_engine_reload, recover_fn=self._ckpt_engine_recover,
+                                      config=ReceiverConfig.from_dict(settings),
+                                      initial_weights="dummy" if dummy else "checkpoint")
+            self._ckpt_engine_receiver_obj = receiver
+            logger.info("checkpoint-engine receiver ready (%s)", receiver.config)
+        return receiver
+
+    def _ckpt_engine_reload(self, weights_iterator) -> None:
+        # The worker's reload_weights wraps the model runner's under the current vLLM config.
+        self.reload_weights(weights_iterator=weights_iterator)
+
+    def _ckpt_engine_recover(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+
+    def _ckpt_engine_tp_rank(self) -> int:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            return get_tensor_model_parallel_rank()
+        except (ImportError, AssertionError, RuntimeError):
+            return 0
