@@ -53,6 +53,9 @@ class ParameterServerConfig:
     max_chunk_bytes: int | None = 1024 * MiB
     collective_timeout_s: float = 300.0
     verify_checksums: bool = False  # compute per-tensor checksums at gather_metas, verify on the engine
+    # Keep an unregistered checkpoint's host chunks for the next registration of the same sizes
+    # (RL: a new checkpoint every iteration); unregister then frees memory only at the next register.
+    reuse_host_memory: bool = False
     update: UpdateConfig = UpdateConfig()
 
     def __post_init__(self) -> None:

@@ -75,6 +75,52 @@ def read_safetensors_index(path: str) -> list[FileTensor]:
     return out
 
 
+class HostMemoryPool:
+    """Host chunks of unregistered checkpoints, kept for the next registration of the same sizes.
+
+    An RL run registers a new checkpoint of the same shapes every iteration and unregisters the
+    previous one: reusing its chunks skips allocating and page-faulting fresh memory, and engines
+    that keep their mappings (``shm.MappingCache``) find the same segments again. With
+    ``enabled=False`` a released chunk is freed at once. Chunks that a registration did not reuse
+    are freed once it completes (``trim``), so the pool never holds more than one unregistered
+    generation; ``trim()`` frees everything now.
+    """
+
+    def __init__(self, alloc_host: Callable[[int], HostChunk], *, enabled: bool) -> None:
+        self._alloc_host = alloc_host
+        self.enabled = enabled
+        self._free: dict[int, list[HostChunk]] = {}
+        self.num_reused = 0
+        self.num_allocated = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size * len(chunks) for size, chunks in self._free.items())
+
+    def alloc(self, nbytes: int) -> HostChunk:
+        free = self._free.get(nbytes)
+        if free:
+            raw = free.pop()
+            self.num_reused += 1
+        else:
+            raw = self._alloc_host(nbytes)
+            self.num_allocated += 1
+        return HostChunk(raw.tensor, raw.handle, lambda: self._release(nbytes, raw))
+
+    def _release(self, nbytes: int, raw: HostChunk) -> None:
+        if self.enabled:
+            self._free.setdefault(nbytes, []).append(raw)
+        else:
+            raw.close()
+
+    def trim(self) -> None:
+        """Free every pooled chunk."""
+        free, self._free = self._free, {}
+        for chunks in free.values():
+            for c in chunks:
+                c.close()
+
+
 @dataclass
 class RegisteredCheckpoint:
     name: str

@@ -28,9 +28,11 @@ class PlainEngine:
         import torch
         import zmq
 
+        from checkpoint_engine.shm import MappingCache
         from checkpoint_engine.state import EngineWeightState
 
         self.torch = torch
+        self.mappings = MappingCache()
         self.device = torch.device(device)
         self.weights: dict[str, torch.Tensor] = {}
         self.state = EngineWeightState()
@@ -67,7 +69,8 @@ class PlainEngine:
                         dst.copy_(t)
 
             device_id = self.device.index if self.device.type == "cuda" else None
-            update_weights_from_ipc(self.ctx, handle, device_id, run=run, state=self.state, timeout_s=self.timeout_s)
+            update_weights_from_ipc(self.ctx, handle, device_id, run=run, state=self.state, timeout_s=self.timeout_s,
+                                    mapping_cache=self.mappings)
             return self.state.report()
 
     def reset_weights(self) -> dict:

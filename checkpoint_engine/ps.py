@@ -26,7 +26,7 @@ import psutil
 from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
-from checkpoint_engine.host_memory import RegisteredCheckpoint, register_tensors
+from checkpoint_engine.host_memory import HostMemoryPool, RegisteredCheckpoint, register_tensors
 from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
 from checkpoint_engine.p2p import P2PStore
@@ -108,6 +108,7 @@ class ParameterServer:
         count = gpu_count if gpu_count is not None else max(torch.cuda.device_count(), 1)
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank % count))
         self._transport = make_transport(self.config.transport, self._local_rank)
+        self._host_pool = HostMemoryPool(self._transport.alloc_host, enabled=self.config.reuse_host_memory)
         self._auto_pg = auto_pg
         self._master_addr = master_addr
         self._master_port = master_port
@@ -170,15 +171,19 @@ class ParameterServer:
             raise ValueError(f"checkpoint name must be a non-empty string, got {checkpoint_name!r}")
         if checkpoint_name in self._checkpoints:
             raise ValueError(f"checkpoint {checkpoint_name!r} is already registered; unregister it first")
-        ckpt = register_tensors(
-            checkpoint_name, files=files, named_tensors=named_tensors, alloc_host=self._transport.alloc_host,
-            align_bytes=self.config.align_bytes, max_chunk_bytes=self.config.max_chunk_bytes)
+        try:
+            ckpt = register_tensors(
+                checkpoint_name, files=files, named_tensors=named_tensors, alloc_host=self._host_pool.alloc,
+                align_bytes=self.config.align_bytes, max_chunk_bytes=self.config.max_chunk_bytes)
+        finally:
+            self._host_pool.trim()  # what this registration did not reuse
         if self._p2p is not None:
             for c in ckpt.chunks:
                 self._p2p.register(c.tensor.data_ptr(), c.tensor.numel())
         self._checkpoints[checkpoint_name] = ckpt
 
     def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
+        """Free the checkpoint's host memory (with ``reuse_host_memory``: at the next registration)."""
         if checkpoint_name not in self._checkpoints:
             raise ValueError(f"checkpoint {checkpoint_name!r} is not registered (have: {sorted(self._checkpoints)})")
         ckpt = self._checkpoints.pop(checkpoint_name)
@@ -381,6 +386,7 @@ class ParameterServer:
         for ckpt in self._checkpoints.values():
             ckpt.close()
         self._checkpoints.clear()
+        self._host_pool.trim()
         self._global.clear()
         self._transport.release_shared()
         self._zmq_ctx.term()

@@ -160,10 +160,12 @@ def make_transport(kind: str, local_rank: int) -> Transport:
     raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {kind!r}")
 
 
-def open_buffer(handle: BufferHandle, device_id: int | None) -> torch.Tensor:
-    """Engine side: map one of the PS's shared buffers (once per update)."""
+def open_buffer(handle: BufferHandle, device_id: int | None,
+                mapping_cache: shm.MappingCache | None = None) -> torch.Tensor:
+    """Engine side: map one of the PS's shared buffers (per update, or cached across updates on CPU)."""
     if handle.kind == "fd":
-        return shm.map_readonly(shm.SegmentRef(handle.pid, handle.fd, handle.size_bytes))
+        ref = shm.SegmentRef(handle.pid, handle.fd, handle.size_bytes)
+        return mapping_cache.open(ref) if mapping_cache is not None else shm.map_readonly(ref)
     if not torch.cuda.is_available():
         raise RuntimeError("the parameter server sent a CUDA IPC buffer but this engine has no CUDA device")
     args = list(handle.cuda_args)

@@ -1,6 +1,7 @@
 """Engine side of a weight update, engine-agnostic.
 
-`update_weights_from_ipc` connects to its PS rank, maps the shared buffers once per update, hands
+`update_weights_from_ipc` connects to its PS rank, maps the shared buffers once per update (or
+reuses the mappings of earlier updates from a `MappingCache` the engine keeps), hands
 `run` a list of `(name, tensor)` views for every bucket, and calls `post_hook` at the end. The views
 alias shared memory that is reused two buckets later and are read-only on CPU: `run` must copy
 what it keeps (loading into the model's parameters does).
@@ -22,6 +23,7 @@ import zmq
 from checkpoint_engine import protocol as P
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.dtypes import dtype_from_name
+from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.transport import open_buffer
 
@@ -68,11 +70,13 @@ def update_weights_from_ipc(
     post_hook: Callable[[], None] | None = None,
     state: EngineWeightState | None = None,
     timeout_s: float = 600.0,
+    mapping_cache: MappingCache | None = None,
 ) -> EngineWeightState:
     """Receive one update from the PS rank listening at `zmq_handle`; return the engine's state.
 
     `timeout_s` bounds every wait for the next message. Raises UpdateAborted (after marking the
-    state incomplete) when the update fails anywhere.
+    state incomplete) when the update fails anywhere. `mapping_cache` (CPU): keep the shared
+    segments mapped between updates instead of mapping them afresh each time.
     """
     state = state if state is not None else EngineWeightState()
     sock = zmq_ctx.socket(zmq.DEALER)
@@ -86,7 +90,7 @@ def update_weights_from_ipc(
             raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
         state.begin(hello.checkpoint)
         started = True
-        buffers = [open_buffer(h, device_id) for h in hello.buffers]
+        buffers = [open_buffer(h, device_id, mapping_cache) for h in hello.buffers]
         sock.send(P.encode(P.Ready(version=state.version, status=state.status.value)))
         return _serve(sock, hello, buffers, run, post_hook, state, timeout_s)
     except BaseException as e:
@@ -97,6 +101,8 @@ def update_weights_from_ipc(
         raise UpdateAborted(f"weight update failed on the engine side: {_short(e)}") from e
     finally:
         buffers.clear()
+        if mapping_cache is not None:
+            mapping_cache.end_update()
         sock.close()
 
 

@@ -40,7 +40,7 @@ def _environment(kv_cache_gib: int, log_level: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("GLOG_minloglevel", "2")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if log_level == "INFO" else log_level)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if log_level == "INFO" else log_level)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
 
@@ -57,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(to_dict(config), indent=2))
         return 0
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level == "INFO":  # one line per update from the checkpoint engine drowns the progress bar
+        logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
     _environment(config.engine.kv_cache_gib, args.log_level)
     # SIGTERM unwinds like Ctrl-C, so the engine is shut down; the reaper covers SIGKILL.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from orchestrator.fsutil import atomic_write_text, fsync_dir
 from orchestrator.replay import PartialRolloutConfig, ReplayBuffer
 
 logger = logging.getLogger(__name__)
@@ -54,14 +55,6 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_state(state_dir: str | os.PathLike[str], iteration: int, save_model: Callable[[pathlib.Path], Any],
                sampler_state: Mapping[str, Any], buffer: ReplayBuffer, progress: Mapping[str, Any],
                keep_last: int = 2) -> pathlib.Path:
@@ -83,14 +76,8 @@ def save_state(state_dir: str | os.PathLike[str], iteration: int, save_model: Ca
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_dir(root)
-    fd, pointer_tmp = tempfile.mkstemp(prefix=".LATEST.", dir=root)
-    with os.fdopen(fd, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n")
     _prune(root, keep_last, current=name)
     return final
 

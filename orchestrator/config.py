@@ -9,7 +9,7 @@
                                         ▼
                           from_dict(JobConfig, merged) ──▶ every __post_init__ validates
 
-Unknown keys are errors that name the full dotted path. Sections reuse the components' own
+Unknown keys are errors that name the full dotted path (keys starting with "_" are comments). Sections reuse the components' own
 config classes where they exist (``SFTConfig``, ``LengthPenaltyConfig``, ``RepeatConfig``,
 ``CurriculumConfig``), so one JSON file describes the whole run. This module stays light to
 import (no torch, no vLLM): ``python -m orchestrator --help`` must be instant.
@@ -92,6 +92,8 @@ class RLConfig:
     grad_clip: float = 1.0
     num_minibatches: int = 2  # gradient steps per iteration, all against the iteration-start policy
     num_epochs: int = 1
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # across iterations
+    min_lr_ratio: float = 0.1  # cosine: the last iteration's lr is lr * min_lr_ratio
     temperature: float = 1.0
     top_p: float = 1.0
     num_threads: int = 2
@@ -109,6 +111,18 @@ class RLConfig:
             raise ValueError(f"rl.top_p={self.top_p!r} must be in (0, 1]")
         if self.autocast_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"rl.autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"rl.lr_schedule={self.lr_schedule!r} must be 'constant' or 'cosine'")
+        if not 0 < self.min_lr_ratio <= 1:
+            raise ValueError(f"rl.min_lr_ratio={self.min_lr_ratio!r} must be in (0, 1]")
+
+    def lr_at(self, iteration: int) -> float:
+        """The learning rate of 0-based ``iteration`` (the optimizer itself is reset every iteration)."""
+        if self.lr_schedule == "constant" or self.num_iterations == 1:
+            return self.lr
+        progress = min(1.0, iteration / (self.num_iterations - 1))
+        floor = self.lr * self.min_lr_ratio
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +322,7 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     """Build dataclass ``cls`` from a (JSON) mapping, converting nested sections and tuples."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{path or 'config'} must be an object, got {type(data).__name__}")
+    data = {k: v for k, v in data.items() if not str(k).startswith("_")}  # "_comment" keys
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)

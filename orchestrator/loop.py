@@ -33,6 +33,7 @@ import logging
 import pathlib
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator import checkpointing, data
@@ -81,10 +82,13 @@ def load_weights(trainer, model_dir: pathlib.Path) -> None:
 class RLJob:
     """Holds every component of one run; ``run()`` trains to ``rl.num_iterations`` and returns the summary."""
 
-    def __init__(self, config: JobConfig, output_dir: str | pathlib.Path, *, progress_bar: bool = True) -> None:
+    def __init__(self, config: JobConfig, output_dir: str | pathlib.Path, *, progress_bar: bool = True,
+                 engine_factory: Callable[[Any, str], Any] | None = None) -> None:
+        """``engine_factory(engine_config, model_dir)`` builds the rollout engine (default: ``make_engine``)."""
         self.config = config
         self.out = pathlib.Path(output_dir)
         self.progress_bar = progress_bar
+        self.engine_factory = engine_factory
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         self.engine = None
         self.sync = None
@@ -138,7 +142,7 @@ class RLJob:
         if dropped:
             logger.info("dropped %d metrics lines written after the last checkpoint", dropped)
         self.reward_fn = make_reward_fn(c.reward)
-        self.engine = make_engine(c.engine, str(self.sft_model_dir))
+        self.engine = (self.engine_factory or make_engine)(c.engine, str(self.sft_model_dir))
         self.sync = WeightSync(c.sync, self.engine.weight_req_func(c.sync.timeout_s))
         self.rollout = Rollout(self.engine, buffer, self.problems, self.encode, self.decode, self.reward_fn,
                                c.reward.correct_threshold, c.repeat,
@@ -231,7 +235,7 @@ class RLJob:
         batch = batch_from_groups([g.trajectories for g in groups], rewards, current_policy_version=iteration,
                                   exclude_stale=c.rollout.exclude_stale_segments)
         rng = random.Random(f"{c.rl.seed}/{iteration}")
-        return train_iteration(self.trainer, batch, TrainConfig(tau=c.rl.tau, lr=c.rl.lr,
+        return train_iteration(self.trainer, batch, TrainConfig(tau=c.rl.tau, lr=c.rl.lr_at(iteration),
                                                                 num_minibatches=c.rl.num_minibatches,
                                                                 num_epochs=c.rl.num_epochs), rng)
 
@@ -315,7 +319,12 @@ class RLJob:
                 record["rl_elapsed_s"] = self.progress["rl_elapsed_s"]
                 self.metrics.append(record)  # then the state: a resume drops lines past its checkpoint
                 self._save(i + 1)
-                plot_metrics(self.metrics.records(), self.out / "metrics.png", self.progress["before"]["heldout_accuracy"])
+                self._plot(self.metrics.records())
+                if record["evaluated"]:
+                    logger.info("iteration %d: held-out accuracy %.1f%% %s, pass@1 %s, mean reward %s, "
+                                "%.1f s/iteration, weight sync %.3f s", i + 1, 100 * record["heldout_accuracy"],
+                                record["heldout_accuracy_by_level"], _fmt(record["heldout_pass_at_1"]),
+                                _fmt(record["mean_reward"]), record["iteration_s"], record["weight_sync_s"])
                 bar.update(1)
                 bar.set_postfix(acc=f"{100 * record['heldout_accuracy']:.1f}%",
                                 reward=_fmt(record["mean_reward"]), len=_fmt(record["mean_response_tokens"], 1))
@@ -341,10 +350,14 @@ class RLJob:
             "sft_model_dir": str(self.sft_model_dir),
         }
         if records:
-            plot_metrics(records, self.out / "metrics.png", before)
+            self._plot(records)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         summary["summary_line"] = summary_line(before, after, summary["rl_minutes"], share)
         return summary
+
+    def _plot(self, records: list[dict[str, Any]]) -> None:
+        before = self.progress["before"]
+        plot_metrics(records, self.out / "metrics.png", before["heldout_accuracy"], before.get("heldout_pass_at_1"))
 
     def close(self) -> None:
         for name in ("rollout", "sync", "engine"):
@@ -361,8 +374,9 @@ def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def run_job(config: JobConfig, output_dir: str | pathlib.Path, *, progress_bar: bool = True) -> dict[str, Any]:
+def run_job(config: JobConfig, output_dir: str | pathlib.Path, *, progress_bar: bool = True,
+            engine_factory: Callable[[Any, str], Any] | None = None) -> dict[str, Any]:
     """Run (or resume) the job in ``output_dir``; returns the summary (also in DIR/summary.json)."""
-    return RLJob(config, output_dir, progress_bar=progress_bar).run()
+    return RLJob(config, output_dir, progress_bar=progress_bar, engine_factory=engine_factory).run()
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pathlib
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from orchestrator.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +40,6 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}: line {index + 1} is not JSON") from None
             logger.warning("%s: ignoring a torn last line", path)
     return records
-
-
-def _atomic_write_text(path: pathlib.Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class MetricsLog:
@@ -78,12 +66,13 @@ class MetricsLog:
         records = self.records()
         keep = [r for r in records if r["iteration"] <= iteration]
         if len(keep) != len(records) or (self.path.exists() and not self.path.read_text().endswith("\n")):
-            _atomic_write_text(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+            atomic_write_text(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
         return len(records) - len(keep)
 
 
 def plot_metrics(records: Sequence[Mapping[str, Any]], png_path: str | os.PathLike[str],
-                 before_accuracy: float | None = None, title: str = "RL on the arithmetic task") -> None:
+                 before_accuracy: float | None = None, before_pass_at_1: float | None = None,
+                 title: str = "RL on the arithmetic task") -> None:
     """Four panels against the iteration: held-out accuracy, reward, response length, sync time."""
     import matplotlib
 
@@ -97,10 +86,11 @@ def plot_metrics(records: Sequence[Mapping[str, Any]], png_path: str | os.PathLi
     xs = ([0] if before_accuracy is not None else []) + [r["iteration"] for r in evaluated]
     ys = ([before_accuracy] if before_accuracy is not None else []) + [r["heldout_accuracy"] for r in evaluated]
     ax.plot([x for x in xs], [100 * y for y in ys], marker="o", label="greedy (vLLM)")
-    sampled = [r for r in evaluated if r.get("heldout_pass_at_1") is not None]
+    sampled = ([(0, before_pass_at_1)] if before_pass_at_1 is not None else []) + [
+        (r["iteration"], r["heldout_pass_at_1"]) for r in evaluated if r.get("heldout_pass_at_1") is not None]
     if sampled:
-        ax.plot([r["iteration"] for r in sampled], [100 * r["heldout_pass_at_1"] for r in sampled],
-                marker="x", linestyle="--", label="pass@1 (sampled)")
+        ax.plot([x for x, _ in sampled], [100 * y for _, y in sampled], marker="x", linestyle="--",
+                label="pass@1 over k samples")
     ax.set(xlabel="iteration", ylabel="held-out accuracy (%)", title="held-out accuracy")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
@@ -108,11 +98,12 @@ def plot_metrics(records: Sequence[Mapping[str, Any]], png_path: str | os.PathLi
               (axes[1][0], "mean_response_tokens", "mean response length (tokens)"),
               (axes[1][1], "weight_sync_s", "weight sync time (s)")]
     for ax, key, label in panels:
-        ax.plot(iterations, [r[key] for r in records], marker=".")
+        ax.plot(iterations, [math.nan if r[key] is None else r[key] for r in records], marker=".")
         ax.set(xlabel="iteration", ylabel=label, title=label)
         ax.grid(alpha=0.3)
     if records and "train_pass_at_1" in records[0]:
-        axes[0][1].plot(iterations, [r["train_pass_at_1"] for r in records], marker=".", alpha=0.6,
+        axes[0][1].plot(iterations, [math.nan if r["train_pass_at_1"] is None else r["train_pass_at_1"]
+                                     for r in records], marker=".", alpha=0.6,
                         label="pass@1 of rollouts")
         axes[0][1].legend(loc="lower right")
     fig.suptitle(title)

@@ -105,7 +105,8 @@ def train_iteration(trainer: Trainer, batch: TrainBatch, config: TrainConfig, rn
     trainer.set_lr(config.lr)
     skipped = set(uniform_groups(batch.rewards)) if config.skip_uniform_groups else set()
     active = [g for g in range(batch.num_groups) if g not in skipped]
-    stats: dict = {"num_train_groups": len(active), "num_skipped_groups": len(skipped), "num_steps": 0}
+    stats: dict = {"num_train_groups": len(active), "num_skipped_groups": len(skipped), "num_steps": 0,
+                   "lr": config.lr}
     if not active:
         return stats
     sub = TrainBatch(*(tuple(getattr(batch, f)[r] for r in batch.rows(active))

@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from orchestrator.fsutil import atomic_write_text
 
 __all__ = [
     "FINISH_REASONS",
@@ -283,25 +284,8 @@ class ReplayBuffer:
         return buf
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically: temp file in the same folder, fsync, os.replace."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json_dict(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        """Write atomically (``fsutil.atomic_write_text``): a crash leaves the old or the new file."""
+        atomic_write_text(path, json.dumps(self.to_json_dict()))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], config: PartialRolloutConfig) -> ReplayBuffer:

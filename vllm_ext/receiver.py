@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 import zmq
 
+from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
 from vllm_ext.weight_cache import WeightCache
@@ -47,12 +48,15 @@ class ReceiverConfig:
     timeout_s: float = 600.0  # deadline of every wait for the parameter server
     reload_mode: ReloadMode = "streaming"
     reload_timeout_s: float = 600.0  # deadline for the reload to finish once the last bucket arrived
+    keep_mappings: bool = True  # keep the PS's shared segments mapped between updates (CPU)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "reload_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if not isinstance(self.keep_mappings, bool):
+            raise ValueError(f"keep_mappings must be true or false, got {self.keep_mappings!r}")
         if self.reload_mode not in ("streaming", "end"):
             raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
 
@@ -151,6 +155,7 @@ class WeightReceiver:
         self.config = config or ReceiverConfig()
         self.state = EngineWeightState()
         self.cache = WeightCache()
+        self.mappings = MappingCache() if self.config.keep_mappings else None
         self.last_update: dict | None = None
         self.reload_error: str | None = None  # set when the model may be unusable after a failed reload
         self._reload_fn = reload_fn
@@ -171,14 +176,20 @@ class WeightReceiver:
         try:
             fault, self._fault = self._fault, None
             session = _UpdateSession(self, fault)
+            maps = self.mappings
+            before = (maps.hits, maps.misses) if maps is not None else (0, 0)
             try:
                 update_weights_from_ipc(self._zmq_ctx, zmq_handle, device_id, run=session.on_bucket,
-                                        post_hook=session.finish, state=self.state, timeout_s=self.config.timeout_s)
+                                        post_hook=session.finish, state=self.state, timeout_s=self.config.timeout_s,
+                                        mapping_cache=self.mappings)
             except UpdateAborted:
                 session.abort()
                 raise
             finally:
                 self.last_update = session.summary()
+                if maps is not None:  # segments mapped afresh vs reused from earlier updates
+                    self.last_update.update(segments_mapped=maps.misses - before[1],
+                                            segments_reused=maps.hits - before[0])
             return self.report()
         finally:
             self._busy.release()

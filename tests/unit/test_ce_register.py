@@ -1,6 +1,7 @@
 """Single-process ParameterServer: registration and bad input (world_size=1, no process group)."""
 
 import json
+import os
 import struct
 
 import pytest
@@ -123,3 +124,29 @@ def test_metas_roundtrip_and_validation(ps):
 def test_rank_validation():
     with pytest.raises(ValueError, match="rank must be in"):
         ParameterServer(rank=2, world_size=2, config=ParameterServerConfig(transport="cpu"))
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_reuse_host_memory_hands_freed_chunks_to_the_next_registration(reuse):
+    ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu", reuse_host_memory=reuse))
+    try:
+        shapes = {"w": (64, 32), "b": (32,)}
+        ps.register_checkpoint("v1", named_tensors={n: torch.zeros(s) for n, s in shapes.items()})
+        def identities(name):  # the memfd behind each chunk (addresses and fd numbers get reused)
+            return [os.fstat(c.handle.fd).st_ino for c in ps._checkpoints[name].chunks]
+
+        ptrs = identities("v1")
+        ps.unregister_checkpoint("v1")
+        assert ps._host_pool.free_bytes == (sum(ps._host_pool._free) if reuse else 0)
+        new = {n: torch.full(s, 2.0) for n, s in shapes.items()}
+        ps.register_checkpoint("v2", named_tensors=new)
+        ck = ps._checkpoints["v2"]
+        assert (identities("v2") == ptrs) is reuse
+        assert ps._host_pool.num_reused == (len(ptrs) if reuse else 0)
+        for m in ck.layout.metas:
+            assert torch.equal(ck.view(m), new[m.name])  # the reused bytes hold the new checkpoint
+        ps.unregister_checkpoint("v2")
+        ps.register_checkpoint("other", named_tensors={"z": torch.ones(7)})  # other sizes: nothing to reuse
+        assert ps._host_pool.free_bytes == 0  # the registration freed what it did not reuse
+    finally:
+        ps.close()

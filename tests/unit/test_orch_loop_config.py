@@ -103,3 +103,14 @@ def test_help_is_instant_and_print_config_works():
     out = subprocess.run([sys.executable, "-m", "orchestrator", "--output-dir", "unused", "--print-config",
                           "--set", "rl.lr=-1"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "rl.lr" in out.stderr
+
+
+@pytest.mark.parametrize("schedule, iteration, expected", [
+    ("constant", 0, 1e-4), ("constant", 9, 1e-4),
+    ("cosine", 0, 1e-4), ("cosine", 9, 2e-5), ("cosine", 20, 2e-5),
+    ("cosine", 4.5, 6e-5),  # half way: the mean of start and floor
+])
+def test_lr_schedule(schedule, iteration, expected):
+    rl = load_config(None, [f"rl.lr_schedule={schedule}", "rl.lr=1e-4", "rl.min_lr_ratio=0.2",
+                            "rl.num_iterations=10"]).rl
+    assert rl.lr_at(iteration) == pytest.approx(expected)

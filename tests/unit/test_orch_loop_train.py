@@ -102,7 +102,7 @@ def test_uniform_groups_are_skipped_and_all_uniform_means_no_step(trainer):
     weights = {k: v.clone() for k, v in trainer.named_tensors().items()}
     stats = train_iteration(trainer, make_batch(uniform=(0, 1, 2, 3)), TrainConfig(tau=0.1, lr=1e-3),
                             random.Random(0))
-    assert stats == {"num_train_groups": 0, "num_skipped_groups": 4, "num_steps": 0}
+    assert stats == {"num_train_groups": 0, "num_skipped_groups": 4, "num_steps": 0, "lr": 1e-3}
     assert all(torch.equal(weights[k], v) for k, v in trainer.named_tensors().items())
     stats = train_iteration(trainer, make_batch(uniform=(1,)), TrainConfig(tau=0.1, lr=1e-3), random.Random(0))
     assert stats["num_train_groups"] == 3 and stats["num_skipped_groups"] == 1 and stats["num_steps"] == 1

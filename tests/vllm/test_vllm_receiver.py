@@ -268,3 +268,32 @@ def test_stream_overlaps_reload_with_transfer(ps):
     assert r.report()["last_update"]["num_buckets"] > 5
     assert cached_at_first_item and cached_at_first_item[0] < len(ckpt)
     assert r.report()["status"] == "ready"
+
+
+def test_rl_sequence_reuses_host_chunks_and_engine_mappings():
+    """register v+1, update, unregister v (as the orchestrator does): from v3 on, the PS writes into
+    v1's chunks and the engine finds them still mapped; every update lands exactly."""
+    cfg = ParameterServerConfig(transport="cpu", reuse_host_memory=True,
+                                update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20,
+                                                    engine_connect_timeout_s=20))
+    server = ParameterServer(rank=0, world_size=1, config=cfg)
+    model = DictModel()
+    r = make_receiver(model)
+    try:
+        reports = []
+        for v in range(1, 6):
+            ckpt = make_ckpt(v)
+            push(server, r, f"v{v}", ckpt)
+            if v > 1:
+                server.unregister_checkpoint(f"v{v - 1}")
+            assert_same(model.weights, ckpt)
+            assert r.checksum_report()["checksum"] == checkpoint_checksum(ckpt)
+            reports.append(r.report()["last_update"])
+        num_segments = reports[0]["segments_mapped"]
+        assert num_segments >= 1 and reports[0]["segments_reused"] == 0
+        assert reports[1]["segments_mapped"] == num_segments  # v1 is still registered: new chunks
+        for rep in reports[2:]:
+            assert (rep["segments_mapped"], rep["segments_reused"]) == (0, num_segments)
+        assert server._host_pool.num_allocated == 2 * num_segments
+    finally:
+        server.close()
