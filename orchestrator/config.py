@@ -88,6 +88,11 @@ class RLConfig:
     num_responses_per_prompt: int = 8
     tau: float = 0.1
     lr: float = 3e-4
+    # A fresh AdamW every iteration takes sign-like first steps (every weight moves by about lr);
+    # a larger adam_eps damps weights whose gradient is small next to it, "sgd" moves them in
+    # proportion to their gradient.
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    adam_eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     num_minibatches: int = 2  # gradient steps per iteration, all against the iteration-start policy
@@ -111,6 +116,10 @@ class RLConfig:
             raise ValueError(f"rl.top_p={self.top_p!r} must be in (0, 1]")
         if self.autocast_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"rl.autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"rl.optimizer={self.optimizer!r} must be 'adamw' or 'sgd'")
+        if not self.adam_eps > 0:
+            raise ValueError(f"rl.adam_eps={self.adam_eps!r} must be > 0")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"rl.lr_schedule={self.lr_schedule!r} must be 'constant' or 'cosine'")
         if not 0 < self.min_lr_ratio <= 1:

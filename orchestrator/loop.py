@@ -124,7 +124,8 @@ class RLJob:
         saved = checkpointing.load_latest(self.out / "state")
         self.start_iteration = 0 if saved is None else saved.iteration
         self.trainer = HFTrainer(self.sft_model_dir, TrainerConfig(
-            lr=c.rl.lr, weight_decay=c.rl.weight_decay, grad_clip=c.rl.grad_clip, num_threads=c.rl.num_threads,
+            lr=c.rl.lr, optimizer=c.rl.optimizer, eps=c.rl.adam_eps, weight_decay=c.rl.weight_decay,
+            grad_clip=c.rl.grad_clip, num_threads=c.rl.num_threads,
             seed=c.rl.seed, autocast_dtype=c.rl.autocast_dtype))
         self.tokenizer = AutoTokenizer.from_pretrained(self.sft_model_dir)
         self.pool = data.train_pool(c.data)

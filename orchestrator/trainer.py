@@ -42,6 +42,7 @@ class TrainerConfig:
     """Optimizer and runtime settings of a trainer."""
 
     lr: float = 1e-3
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # "sgd": plain SGD (the RL loop resets it anyway)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     beta1: float = 0.9
@@ -54,6 +55,8 @@ class TrainerConfig:
     autocast_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r} must be 'adamw' or 'sgd'")
         if self.autocast_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
         for name in ("lr", "grad_clip", "eps"):
@@ -155,6 +158,8 @@ class HFTrainer:
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.config.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
+        if self.config.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=self._lr)
         return torch.optim.AdamW(groups, lr=self._lr, betas=(self.config.beta1, self.config.beta2),
                                  eps=self.config.eps)
 
