@@ -10,14 +10,15 @@ Used by tests, the demo and the benchmark (and by GPU checks where vLLM cannot r
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from checkpoint_engine.httpjson import JsonRequestHandler
 
 logger = logging.getLogger(__name__)
 
@@ -96,38 +97,32 @@ METHODS = ("update_weights_from_ipc", "weights_state", "weights_digest", "reset_
 
 
 def make_handler(engine: PlainEngine):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt, *args):  # quiet
-            logger.debug(fmt, *args)
-
-        def _reply(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonRequestHandler):
         def do_GET(self):
             if self.path == "/health":
-                self._reply(200, {"ok": True, **engine.weights_state()})
+                self.reply(200, {"ok": True, **engine.weights_state()})
             else:
-                self._reply(404, {"error": f"no route {self.path}"})
+                self.reply(404, {"error": f"no route {self.path}"})
 
         def do_POST(self):
             if self.path != "/collective_rpc":
-                return self._reply(404, {"error": f"no route {self.path}"})
+                return self.reply(404, {"error": f"no route {self.path}"})
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                method, args = body.get("method"), body.get("args", [])
-                if method not in METHODS:
-                    return self._reply(400, {"error": f"unknown method {method!r}; allowed: {list(METHODS)}"})
-                if not isinstance(args, list):
-                    return self._reply(400, {"error": "args must be a list"})
+                body = self.read_json()
+            except ValueError as e:
+                return self.reply(400, {"error": str(e)})
+            if not isinstance(body, dict):
+                return self.reply(400, {"error": "request body must be a JSON object"})
+            method, args = body.get("method"), body.get("args", [])
+            if method not in METHODS:
+                return self.reply(400, {"error": f"unknown method {method!r}; allowed: {list(METHODS)}"})
+            if not isinstance(args, list):
+                return self.reply(400, {"error": "args must be a list"})
+            try:
                 result = getattr(engine, method)(*args)
             except Exception as e:  # noqa: BLE001 - reported to the caller
-                return self._reply(500, {"error": f"{type(e).__name__}: {e}", "state": engine.weights_state()})
-            self._reply(200, {"results": [result]})
+                return self.reply(500, {"error": f"{type(e).__name__}: {e}", "state": engine.weights_state()})
+            self.reply(200, {"results": [result]})
 
     return Handler
 

@@ -2,49 +2,39 @@
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
+from checkpoint_engine.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig
 from orchestrator.engine import GenRequest, HttpVllmEngine, SamplingSettings
 from orchestrator.repeat import RepeatConfig
 
 
-class FakeVllm(BaseHTTPRequestHandler):
+class FakeVllm(JsonRequestHandler):
     """Echoes max_tokens tokens: prompt[-1]+1, +2, ...; prompts ending in 7 loop on one token."""
 
     bodies: list = []
 
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status, body):
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self):
         if self.path == "/v1/models":
-            self._send(200, {"data": [{"id": "tiny"}]})
+            self.reply(200, {"data": [{"id": "tiny"}]})
         else:
-            self._send(404, {})
+            self.reply(404, {})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakeVllm.bodies.append(body)
         if self.path != "/v1/completions" or body["model"] != "tiny" or not body.get("return_token_ids"):
-            self._send(400, {"detail": "bad request"})
+            self.reply(400, {"detail": "bad request"})
             return
         last = body["prompt"][-1]
         tokens = [5] * body["max_tokens"] if last == 7 else [last + i + 1 for i in range(body["max_tokens"])]
         finish = "length"
         if 50 in tokens:
             tokens, finish = tokens[:tokens.index(50) + 1], "stop"
-        self._send(200, {"choices": [{"token_ids": tokens, "finish_reason": finish, "text": ""}]})
+        self.reply(200, {"choices": [{"token_ids": tokens, "finish_reason": finish, "text": ""}]})
 
 
 @pytest.fixture

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from checkpoint_engine.httpjson import JsonRequestHandler
 from vllm_ext.gate import Gate, make_app, weights_loaded
 from vllm_ext.launch import LaunchConfig, build_parser, model_safetensors_files, vllm_command
 from vllm_ext.req import EngineRpcError, check_reports, collective_rpc, vllm_http_req_func
@@ -30,30 +31,19 @@ class FakeEngine:
         self.report = report if report is not None else {"version": 1, "status": "ready"}
         engine = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 engine.calls.append((self.path, body))
                 if self.path == "/collective_rpc" and dev_mode:
                     if rpc_status != 200:
-                        return self._reply(rpc_status, {"error": "Worker failed with error 'injected'"})
-                    return self._reply(200, {"results": [engine.report]})
+                        return self.reply(rpc_status, {"error": "Worker failed with error 'injected'"})
+                    return self.reply(200, {"results": [engine.report]})
                 if self.path.startswith("/reset_prefix_cache") and dev_mode:
-                    return self._reply(200, {"success": True})
+                    return self.reply(200, {"success": True})
                 if self.path == "/v1/completions":
-                    return self._reply(200, {"choices": [{"index": 0, "text": "hi", "token_ids": [1, 2]}]})
-                self._reply(404, {"detail": "Not Found"})
+                    return self.reply(200, {"choices": [{"index": 0, "text": "hi", "token_ids": [1, 2]}]})
+                self.reply(404, {"detail": "Not Found"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
