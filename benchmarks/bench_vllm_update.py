@@ -1,6 +1,6 @@
 """Checkpoint-engine update into a running vLLM server vs vLLM's own reload and start from disk.
 
-    python benchmarks/bench_vllm_update.py [--size-gib 0.55] [--repeats 3] [--out-dir DIR]
+    python benchmarks/bench_vllm_update.py [--size-gib 0.55] [--repeats 7] [--start-repeats 2] [--out-dir DIR]
 
 One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocabulary):
   1. `vllm serve DIR` loads the checkpoint itself (untimed: it also fills vLLM's compile cache, so
@@ -10,6 +10,8 @@ One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocab
        parameter server (host memory) -> update_weights_from_ipc -> update_s (median)
      and, for context, writing the same tensors as safetensors    -> save_to_disk_s (a trainer
      must do that before vLLM can reload from disk; the checkpoint engine does not)
+     the same pairs on a second server whose receiver runs with weight_cache off (tensors go to the
+     reload as views of the PS's memory, no host copy of the model) -> zero_copy_update_s
   2. `--start-repeats` times, alternating (medians reported):
      fast start: `python -m vllm_ext.launch --model DIR` (dummy weights + push), a request held at
      the gate from the start                                      -> fast_start_ready_s
@@ -111,14 +113,15 @@ def save_copy_s(model_dir: Path) -> float:
     return elapsed
 
 
-def timed_disk_start(model_dir: Path, log: Path, timeout_s: float):
+def timed_disk_start(model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None):
     from vllm_ext.launch import free_port
     from vllm_ext.testing import ServerProcess, child_env, vllm_serve_command
 
     port = free_port()
     t0 = time.monotonic()
-    server = ServerProcess(vllm_serve_command(model_dir, port, vllm_args=ENGINE_ARGS), f"http://127.0.0.1:{port}",
-                           log, env=child_env(VLLM_SERVER_DEV_MODE="1"))
+    extra = {"checkpoint_engine": receiver} if receiver else None
+    server = ServerProcess(vllm_serve_command(model_dir, port, vllm_args=ENGINE_ARGS, additional_config=extra),
+                           f"http://127.0.0.1:{port}", log, env=child_env(VLLM_SERVER_DEV_MODE="1"))
     try:
         ready_s, answer = first_answer_s(server, server.url, str(model_dir), t0, timeout_s)
     except BaseException:
@@ -169,6 +172,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7, help="update / disk-reload pairs")
     p.add_argument("--start-repeats", type=int, default=2,
                    help="fast-start / disk-start pairs (0: measure updates only, start figures are null)")
+    p.add_argument("--skip-zero-copy", action="store_true",
+                   help="do not measure the receiver with weight_cache off (one vLLM start less)")
     p.add_argument("--out-dir", default="/tmp/bench_vllm_update")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     args = p.parse_args()
@@ -191,6 +196,17 @@ def main() -> int:
         print(f"update {upd['update_s']:.3f} s vs reload from disk {upd['reload_from_disk_s']:.3f} s", flush=True)
     finally:
         first.stop()
+    zero = None
+    if not args.skip_zero_copy:  # the receiver without its host copy of the weights: views go to the reload
+        server, _, answer = timed_disk_start(model_dir, out / "disk_start_zero_copy.log", args.startup_timeout_s,
+                                             receiver={"weight_cache": False})
+        try:
+            zero = measure_updates(server.url, model_dir, args.repeats, reference)
+            zero["update_correct"] &= answer == reference
+            print(f"zero-copy update {zero['update_s']:.3f} s vs reload from disk {zero['reload_from_disk_s']:.3f} s",
+                  flush=True)
+        finally:
+            server.stop()
 
     starts = (measure_starts(model_dir, out, reference, args.start_repeats, args.startup_timeout_s)
               if args.start_repeats > 0 else None)
@@ -219,10 +235,18 @@ def main() -> int:
         "update_runs_s": upd["update_runs_s"],
         "reload_from_disk_runs_s": upd["reload_from_disk_runs_s"],
         "engine_side_last": upd["engine_side_last"],
+        # weight_cache off (no host copy of the weights kept by the engine), same disk reload measured alongside
+        "zero_copy_update_s": None if zero is None else round(zero["update_s"], 4),
+        "zero_copy_reload_from_disk_s": None if zero is None else round(zero["reload_from_disk_s"], 4),
+        "zero_copy_ratio_vs_disk_reload": None if zero is None else round(zero["update_s"] / zero["reload_from_disk_s"], 3),
+        "zero_copy_update_runs_s": None if zero is None else zero["update_runs_s"],
+        "zero_copy_reload_from_disk_runs_s": None if zero is None else zero["reload_from_disk_runs_s"],
+        "zero_copy_engine_side_last": None if zero is None else zero["engine_side_last"],
         "ps_register_s": upd["ps_register_s"],
     }
     print(json.dumps(result), flush=True)
-    return 0 if result["update_correct"] and result["fast_start_correct"] is not False else 1
+    ok = result["update_correct"] and result["fast_start_correct"] is not False and (zero is None or zero["update_correct"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -135,6 +135,12 @@ class _Layout:
                 self.base[job.rank] = 1
                 self.handles += [c.handle for c in job.ckpt.chunks]
 
+    def stable_buffers(self) -> tuple[int, ...]:
+        """Registered chunks keep their bytes for the whole update; the double buffer (index 0
+        outside local mode) is overwritten two buckets later."""
+        first = 0 if self.job.mode == "local" else 1
+        return tuple(range(first, len(self.handles)))
+
     def wire(self, bucket: Bucket, half_offset: int) -> tuple[P.WireTensor, ...]:
         direct = bucket.owner_rank in self.base
         out = []
@@ -189,7 +195,8 @@ def _connect(job, link, req, layout, status, m) -> None:
     deadline = time.monotonic() + job.cfg.engine_connect_timeout_s
     try:
         link.send(P.Hello(update_id=job.update_id, checkpoint=job.checkpoint, num_buckets=len(job.buckets),
-                          buffers=tuple(layout.handles), verify_checksums=job.checksums is not None),
+                          buffers=tuple(layout.handles), verify_checksums=job.checksums is not None,
+                          stable_buffers=layout.stable_buffers()),
                   deadline_s=deadline, check=lambda: req.error)
         msg = link.recv(deadline, what="the engine to connect", check=lambda: req.error)
         if isinstance(msg, P.Error):

@@ -65,6 +65,10 @@ class Hello:
     num_buckets: int
     buffers: tuple[BufferHandle, ...]
     verify_checksums: bool = False
+    # Indices of buffers whose bytes stay unchanged until Done (registered host chunks, as opposed
+    # to the double buffer, which is overwritten two buckets later): views into them may be kept
+    # for the whole update without copying.
+    stable_buffers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,11 @@ def decode(data: bytes) -> Message:
             value = tuple(_decode_buffer(v) for v in value)
         elif name == "tensors":
             value = _decode_tensors(value)
+        elif name == "stable_buffers":
+            if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                      for i in value):
+                raise ProtocolError(f"Hello.stable_buffers must be a list of buffer indices, got {value!r}")
+            value = tuple(value)
         elif name in _TYPES and (not isinstance(value, _TYPES[name]) or
                                  (_TYPES[name] is int and isinstance(value, bool))):
             raise ProtocolError(f"{cls.__name__}.{name}: expected {_TYPES[name]}, got {value!r}")

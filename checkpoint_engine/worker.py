@@ -71,12 +71,15 @@ def update_weights_from_ipc(
     state: EngineWeightState | None = None,
     timeout_s: float = 600.0,
     mapping_cache: MappingCache | None = None,
+    on_hello: Callable[[P.Hello, list[torch.Tensor]], None] | None = None,
 ) -> EngineWeightState:
     """Receive one update from the PS rank listening at `zmq_handle`; return the engine's state.
 
     `timeout_s` bounds every wait for the next message. Raises UpdateAborted (after marking the
     state incomplete) when the update fails anywhere. `mapping_cache` (CPU): keep the shared
-    segments mapped between updates instead of mapping them afresh each time.
+    segments mapped between updates instead of mapping them afresh each time. `on_hello(hello,
+    buffers)` runs once the buffers are mapped: views into `buffers[i]` for i in
+    `hello.stable_buffers` stay valid until Done, so `run` may keep them without copying.
     """
     state = state if state is not None else EngineWeightState()
     sock = zmq_ctx.socket(zmq.DEALER)
@@ -91,6 +94,11 @@ def update_weights_from_ipc(
         state.begin(hello.checkpoint)
         started = True
         buffers = [open_buffer(h, device_id, mapping_cache) for h in hello.buffers]
+        bad = [i for i in hello.stable_buffers if i >= len(buffers)]
+        if bad:
+            raise P.ProtocolError(f"Hello.stable_buffers names buffers {bad} but only {len(buffers)} were shared")
+        if on_hello is not None:
+            on_hello(hello, buffers)
         sock.send(P.encode(P.Ready(version=state.version, status=state.status.value)))
         return _serve(sock, hello, buffers, run, post_hook, state, timeout_s)
     except BaseException as e:

@@ -47,6 +47,7 @@ class LaunchConfig:
     push_timeout_s: float = 600.0
     engine_timeout_s: float = 600.0
     reload_mode: Literal["streaming", "end"] = "streaming"
+    weight_cache: bool = True  # False: the engine keeps no host copy; stable tensors reach the reload uncopied
     transport: Literal["auto", "cpu", "cuda"] = "auto"
     bucket_size_bytes: int | None = None
     register_nice: int = 10  # CPU niceness of the registration thread: vLLM's start keeps the CPU
@@ -106,8 +107,9 @@ def engine_settings(cfg: LaunchConfig) -> dict:
     Only non-defaults are passed: vLLM hashes `additional_config` into its compile-cache key, so
     passing defaults would make the fast start miss a cache filled by a plain `vllm serve`.
     """
-    defaults = {"timeout_s": 600.0, "reload_mode": "streaming"}  # vllm_ext.receiver.ReceiverConfig's
-    wanted = {"timeout_s": float(cfg.engine_timeout_s), "reload_mode": cfg.reload_mode}
+    defaults = {"timeout_s": 600.0, "reload_mode": "streaming", "weight_cache": True}  # ReceiverConfig's
+    wanted = {"timeout_s": float(cfg.engine_timeout_s), "reload_mode": cfg.reload_mode,
+              "weight_cache": cfg.weight_cache}
     return {k: v for k, v in wanted.items() if v != defaults[k]}
 
 
@@ -279,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-timeout-s", type=float, default=600.0)
     p.add_argument("--engine-timeout-s", type=float, default=600.0, help="engine-side deadline per PS message")
     p.add_argument("--reload-mode", choices=["streaming", "end"], default="streaming")
+    p.add_argument("--no-weight-cache", action="store_true",
+                   help="the engine keeps no host copy of the weights (saves the model's size in memory and a "
+                        "copy per update; no weights checksum, no fill-in of previous values after an abort)")
     p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bucket-size-bytes", type=int, default=None)
     p.add_argument("--register-nice", type=int, default=10,
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                        checkpoint_name=args.checkpoint_name, initial_push=not args.no_initial_push,
                        gate_wait_s=args.gate_wait_s, startup_timeout_s=args.startup_timeout_s,
                        push_timeout_s=args.push_timeout_s, engine_timeout_s=args.engine_timeout_s,
-                       reload_mode=args.reload_mode, transport=args.transport,
+                       reload_mode=args.reload_mode, weight_cache=not args.no_weight_cache, transport=args.transport,
                        bucket_size_bytes=args.bucket_size_bytes, register_nice=args.register_nice,
                        vllm_args=vllm_args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

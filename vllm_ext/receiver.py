@@ -13,6 +13,10 @@ arrive, so layer processing overlaps the transfer of later buckets ("streaming" 
 
 "end" mode only caches during the transfer and runs the reload after Done: slower, but an aborted
 update leaves the model's weights exactly as they were.
+
+With `weight_cache=False` (streaming), tensors in buffers the PS marks stable until Done (its
+registered chunks, when engine and PS share a host) go to the reload as views, without a copy:
+the update then does no work beyond vLLM's own reload, and no host copy of the model is kept.
 """
 
 from __future__ import annotations
@@ -49,12 +53,19 @@ class ReceiverConfig:
     reload_mode: ReloadMode = "streaming"
     reload_timeout_s: float = 600.0  # deadline for the reload to finish once the last bucket arrived
     keep_mappings: bool = True  # keep the PS's shared segments mapped between updates (CPU)
+    # Keep a copy of the checkpoint-format weights (host memory = model size): it lets an aborted
+    # streaming update fill in the previous values and defines weights_checksum. Off: tensors
+    # that stay valid until Done (the PS's registered chunks, one host) go to the reload without
+    # a copy; only double-buffer tensors are copied; no checksum, no fill-in after an abort.
+    weight_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "reload_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if not isinstance(self.weight_cache, bool):
+            raise ValueError(f"weight_cache must be true or false, got {self.weight_cache!r}")
         if not isinstance(self.keep_mappings, bool):
             raise ValueError(f"keep_mappings must be true or false, got {self.keep_mappings!r}")
         if self.reload_mode not in ("streaming", "end"):
@@ -181,7 +192,7 @@ class WeightReceiver:
             try:
                 update_weights_from_ipc(self._zmq_ctx, zmq_handle, device_id, run=session.on_bucket,
                                         post_hook=session.finish, state=self.state, timeout_s=self.config.timeout_s,
-                                        mapping_cache=self.mappings)
+                                        mapping_cache=self.mappings, on_hello=session.on_hello)
             except UpdateAborted:
                 session.abort()
                 raise
@@ -215,6 +226,10 @@ class WeightReceiver:
 
     def checksum_report(self) -> dict:
         s = self._state_report()
+        if not self.config.weight_cache:
+            return {"checksum": None, "version": s["version"], "status": s["status"],
+                    "weights_complete": s["weights_complete"], "num_tensors": 0,
+                    "definition": "unavailable: the engine runs with weight_cache off (no copy of the weights)"}
         return {"checksum": self.cache.checksum(), "version": s["version"], "status": s["status"],
                 "weights_complete": s["weights_complete"], "num_tensors": len(self.cache),
                 "definition": "sha256 over (name, dtype, shape, crc32) of the checkpoint-format tensors loaded"}
@@ -244,9 +259,29 @@ class _UpdateSession:
         self.num_buckets = 0
         self.nbytes = 0
         self.stream: ReloadStream | None = None
+        self.stable_ranges: list[tuple[int, int]] = []  # address ranges of buffers valid until Done
+        self.num_zero_copy = 0
         self.t_first: float | None = None
         self.t_done: float | None = None
         self.t_end: float | None = None
+
+    def on_hello(self, hello, buffers: list[torch.Tensor]) -> None:
+        if not self.r.config.weight_cache and self.mode == "streaming":
+            self.stable_ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for i, b in enumerate(buffers)
+                                  if i in set(hello.stable_buffers)]
+
+    def _is_stable(self, view: torch.Tensor) -> bool:
+        start = view.data_ptr()
+        end = start + view.numel() * view.element_size()
+        return any(lo <= start and end <= hi for lo, hi in self.stable_ranges)
+
+    def _keep(self, name: str, view: torch.Tensor) -> torch.Tensor:
+        """The tensor to hand to the reload: the view itself when it stays valid until Done and no
+        cache is kept, else the cached copy."""
+        if self.stable_ranges and self._is_stable(view):
+            self.num_zero_copy += 1
+            return view
+        return self.r.cache.store(name, view)
 
     def on_bucket(self, views: NamedTensors) -> None:
         index = self.num_buckets
@@ -255,7 +290,7 @@ class _UpdateSession:
         self._maybe_fault(index)
         cache = self.r.cache
         cache.matches_model = False
-        pairs = [(name, cache.store(name, view)) for name, view in views]
+        pairs = [(name, self._keep(name, view)) for name, view in views]
         for name, t in pairs:
             if name not in self.received:
                 self.received.add(name)
@@ -280,8 +315,9 @@ class _UpdateSession:
             self.stream = None  # nothing left for abort() to end
             self.r.recover(f"reload failed: {type(e).__name__}: {e}")
             raise
-        cache.retain_only(self.received)
-        cache.matches_model = True
+        if self.r.config.weight_cache:
+            cache.retain_only(self.received)
+            cache.matches_model = True
         self.r.reload_error = None
         self.t_end = time.perf_counter()
 
@@ -305,7 +341,9 @@ class _UpdateSession:
         # With the previous values filled in, the cache again mirrors the (mixed) model exactly.
         self.r.cache.matches_model = filled
         if not filled:
-            self.r.reload_error = ("aborted update without a previous complete version to fill in: layers "
+            why = ("weight_cache is off" if not self.r.config.weight_cache
+                   else "no previous complete version")
+            self.r.reload_error = (f"aborted update without previous values to fill in ({why}): layers "
                                    "that were only partly received hold undefined values until the next update")
 
     def _maybe_fault(self, index: int) -> None:
@@ -326,5 +364,5 @@ class _UpdateSession:
             return None if a is None or b is None else round(b - a, 4)
 
         return {"num_buckets": self.num_buckets, "num_tensors": len(self.received), "nbytes": self.nbytes,
-                "mode": self.mode, "transfer_s": span(self.t_first, self.t_done),
+                "mode": self.mode, "num_zero_copy": self.num_zero_copy, "transfer_s": span(self.t_first, self.t_done),
                 "reload_tail_s": span(self.t_done, self.t_end), "total_s": span(self.t_first, self.t_end)}

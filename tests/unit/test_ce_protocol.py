@@ -8,7 +8,8 @@ from checkpoint_engine.state import EngineWeightState, StateError
 MESSAGES = [
     P.Hello(update_id="u1", checkpoint="ck", num_buckets=3,
             buffers=(P.BufferHandle(kind="fd", size_bytes=1024, pid=12, fd=7),
-                     P.BufferHandle(kind="fd", size_bytes=4096, pid=13, fd=9)), verify_checksums=True),
+                     P.BufferHandle(kind="fd", size_bytes=4096, pid=13, fd=9)), verify_checksums=True,
+            stable_buffers=(1,)),
     P.Hello(update_id="u2", checkpoint="ck", num_buckets=1,
             buffers=(P.BufferHandle(kind="cuda", size_bytes=64, cuda_args=(0, b"\x01\x02", 64, 0, b"rc", 0, b"ev", True)),)),
     P.Bucket(index=2, tensors=(P.WireTensor("a.w", "bfloat16", (3, 4), 1, 256, 17),
@@ -36,6 +37,10 @@ def test_roundtrip(msg):
     ({"t": "hello", "update_id": "u", "checkpoint": "c", "num_buckets": 1,
       "buffers": [{"kind": "x", "size_bytes": 8}]}, "buffer kind"),
     ({"t": "hello", "update_id": "u", "checkpoint": "c", "num_buckets": 1, "buffers": []}, "non-empty list"),
+    ({"t": "hello", "update_id": "u", "checkpoint": "c", "num_buckets": 1,
+      "buffers": [{"kind": "fd", "size_bytes": 8, "pid": 1, "fd": 3}], "stable_buffers": [-1]}, "stable_buffers"),
+    ({"t": "hello", "update_id": "u", "checkpoint": "c", "num_buckets": 1,
+      "buffers": [{"kind": "fd", "size_bytes": 8, "pid": 1, "fd": 3}], "stable_buffers": 1}, "stable_buffers"),
     ({"t": "hello", "update_id": "u", "checkpoint": "c", "num_buckets": 1,
       "buffers": [{"kind": "fd", "size_bytes": "8", "pid": 1, "fd": 3}]}, "positive int"),
 ])

@@ -4,7 +4,8 @@ Four vLLM starts for the whole module, all at once (module fixtures):
   ref_a    LLM(A) started normally (+ extension), then updated in process to B via llm_req_func
   ref_b    LLM(B) started normally                              } child processes running this file
   fast     `python -m vllm_ext.launch --model A` (dummy + initial push, holds early requests)
-  gated    `python -m vllm_ext.launch --no-initial-push` (dummy; refuses requests until a push)
+  gated    `python -m vllm_ext.launch --no-initial-push --no-weight-cache` (dummy; refuses requests
+           until a push; receives without a host copy: the PS's memory goes straight to the reload)
 `fast` and `gated` are ranks 0 and 1 of the two-rank pushes (`python -m vllm_ext.push`).
 Tests run in file order: `test_gated_engine_refuses_before_weights` must see `gated` unpushed.
 """
@@ -104,7 +105,8 @@ def engines(workdir, models):
     refs = _Refs(workdir, models)
     fast = LaunchedServer(models["A"], workdir / "fast.log", gate_wait_s=STARTUP_TIMEOUT_S,
                           engine_timeout_s=ENGINE_TIMEOUT_S)
-    gated = LaunchedServer(models["A"], workdir / "gated.log", initial_push=False, engine_timeout_s=ENGINE_TIMEOUT_S)
+    gated = LaunchedServer(models["A"], workdir / "gated.log", initial_push=False, engine_timeout_s=ENGINE_TIMEOUT_S,
+                           extra=["--no-weight-cache"])
     early: dict = {}
     try:
         early["status_before"] = fast.wait_listening()
@@ -208,7 +210,7 @@ def test_two_ranks_two_updates_follow_weights(engines, models):
     before = _states(engines)
     assert all(s["status"] == "ready" and s["checkpoint"] == "B" for s in before)
     checksum_b = _expected_checksum(models["B"])
-    assert _checksums(engines) == [checksum_b, checksum_b]
+    assert _checksums(engines) == [checksum_b, None]  # gated keeps no copy: no checksum to report
     assert engines["gated"].status()["ready"] is True  # the gate opened on the external push
 
     results = _push(models, engines, "A", tag="two-ranks-A")
@@ -216,7 +218,10 @@ def test_two_ranks_two_updates_follow_weights(engines, models):
     assert _outputs(engines) == [refs["a"]["token_ids"]] * 2
     after = _states(engines)
     assert [a["version"] - b["version"] for a, b in zip(after, before)] == [1, 1]
-    assert _checksums(engines) == [_expected_checksum(models["A"])] * 2
+    assert _checksums(engines) == [_expected_checksum(models["A"]), None]
+    zero_copy = after[1]["last_update"]
+    assert zero_copy["num_zero_copy"] == zero_copy["num_tensors"] > 0  # every tensor went uncopied
+    assert after[1]["cache_bytes"] == 0 and after[0]["cache_bytes"] > 0
     assert refs["a"]["token_ids"] != refs["b"]["token_ids"]
 
 

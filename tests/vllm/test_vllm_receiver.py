@@ -297,3 +297,68 @@ def test_rl_sequence_reuses_host_chunks_and_engine_mappings():
         assert server._host_pool.num_allocated == 2 * num_segments
     finally:
         server.close()
+
+
+class AliasingModel(DictModel):
+    """Keeps what the reload hands it without cloning (as vLLM buffers a layer's tensors), and
+    records whether each tensor aliases the PS's shared memory (no copy was made)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def reload(self, pairs) -> None:
+        for name, t in pairs:
+            self.kept[name] = t
+            self.weights[name] = t.clone()
+
+
+@pytest.mark.parametrize("mode", ["local", "collective"])
+def test_without_weight_cache_stable_tensors_reach_the_reload_uncopied(mode):
+    """weight_cache off: tensors in the PS's registered chunks (stable until Done) are handed over
+    as views; outputs stay exact, no host copy is kept, and the checksum says why it is absent."""
+    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(
+        bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20, mode=mode))
+    server = ParameterServer(rank=0, world_size=1, config=cfg)
+    model = AliasingModel()
+    r = WeightReceiver(model.reload, recover_fn=model.recover,
+                       config=ReceiverConfig(timeout_s=20, reload_timeout_s=20, weight_cache=False))
+    try:
+        for v, seed in enumerate((1, 2), start=1):
+            ckpt = make_ckpt(seed)
+            push(server, r, f"v{v}", ckpt)
+            assert_same(model.weights, ckpt)
+            last = r.report()["last_update"]
+            # world size 1: every tensor is in the owner's own chunks, which its engine maps
+            assert last["num_zero_copy"] == len(ckpt)
+            assert len(r.cache) == 0 and r.report()["cache_bytes"] == 0
+            mapped = [(m.data_ptr(), m.data_ptr() + m.numel()) for _, m, _ in r.mappings._maps.values()]
+            for name, t in model.kept.items():  # each one aliases a mapped PS segment
+                start = t.data_ptr()
+                assert any(lo <= start < hi for lo, hi in mapped), name
+            assert r.checksum_report()["checksum"] is None
+            assert "weight_cache off" in r.checksum_report()["definition"]
+    finally:
+        server.close()
+
+
+def test_without_weight_cache_an_abort_is_reported_and_the_next_update_restores(ps):
+    model = DictModel()
+    r = WeightReceiver(model.reload, recover_fn=model.recover,
+                       config=ReceiverConfig(timeout_s=20, reload_timeout_s=20, weight_cache=False))
+    a, b = make_ckpt(1), make_ckpt(2)
+    push(ps, r, "A", a)
+    r.arm_fault({"kind": "raise", "bucket": 2})
+    with pytest.raises(UpdateFailed, match="injected fault in bucket 2"):
+        push(ps, r, "B", b)
+    rep = r.report()
+    assert (rep["status"], rep["weights_complete"]) == ("incomplete", False)
+    assert "weight_cache is off" in rep["reload_error"]
+    push(ps, r, "B", b)
+    assert_same(model.weights, b)
+    assert (r.report()["status"], r.report()["reload_error"]) == ("ready", None)
+
+
+def test_weight_cache_must_be_a_bool():
+    with pytest.raises(ValueError, match="weight_cache must be true or false"):
+        ReceiverConfig(weight_cache="no")
