@@ -84,8 +84,11 @@ def engine_main(conn) -> None:
     from checkpoint_engine.state import EngineWeightState
     from checkpoint_engine.worker import update_weights_from_ipc
 
+    from checkpoint_engine.shm import MappingCache
+
     torch.set_num_threads(1)
     ctx, state, weights = zmq.Context(), EngineWeightState(), {}
+    mappings = MappingCache()  # as the vLLM receiver and the plain engine: segments stay mapped across updates
 
     def put(name, t):
         dst = weights.get(name)
@@ -100,7 +103,7 @@ def engine_main(conn) -> None:
             return
         if cmd["op"] == "ours":
             update_weights_from_ipc(ctx, cmd["address"], None, run=lambda named: [put(n, t) for n, t in named],
-                                    state=state, timeout_s=300)
+                                    state=state, timeout_s=300, mapping_cache=mappings)
         elif cmd["op"] == "naive":
             sock = ctx.socket(zmq.PAIR)
             sock.connect(cmd["address"])
