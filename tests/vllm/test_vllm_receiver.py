@@ -63,9 +63,20 @@ def push(ps, receiver: WeightReceiver, name: str, ckpt: dict) -> None:
         assert receiver.wait_idle(30)
 
 
-def make_receiver(model: DictModel, mode: str = "streaming") -> WeightReceiver:
+def make_receiver(model: DictModel, mode: str = "streaming", weight_cache: bool = True) -> WeightReceiver:
     return WeightReceiver(model.reload, recover_fn=model.recover,
-                          config=ReceiverConfig(timeout_s=20, reload_mode=mode, reload_timeout_s=20))
+                          config=ReceiverConfig(timeout_s=20, reload_mode=mode, reload_timeout_s=20,
+                                                weight_cache=weight_cache))
+
+
+def push_a_then_fail_b(ps, r: WeightReceiver) -> tuple[dict, dict]:
+    """Push A, then B with a fault in bucket 2; return (a, b)."""
+    a, b = make_ckpt(1), make_ckpt(2)
+    push(ps, r, "A", a)
+    r.arm_fault({"kind": "raise", "bucket": 2})
+    with pytest.raises(UpdateFailed, match="injected fault in bucket 2"):
+        push(ps, r, "B", b)
+    return a, b
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -96,11 +107,7 @@ def test_updates_land_exactly_and_reuse_the_cache(ps, mode):
 def test_streaming_abort_fills_in_previous_values(ps):
     model = DictModel()
     r = make_receiver(model)
-    a, b = make_ckpt(1), make_ckpt(2)
-    push(ps, r, "A", a)
-    r.arm_fault({"kind": "raise", "bucket": 2})
-    with pytest.raises(UpdateFailed, match="injected fault in bucket 2"):
-        push(ps, r, "B", b)
+    a, b = push_a_then_fail_b(ps, r)
     rep = r.report()
     assert (rep["status"], rep["weights_complete"], rep["version"]) == ("incomplete", False, 1)
     assert "injected fault" in rep["last_error"]
@@ -321,8 +328,7 @@ def test_without_weight_cache_stable_tensors_reach_the_reload_uncopied(mode):
         bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20, mode=mode))
     server = ParameterServer(rank=0, world_size=1, config=cfg)
     model = AliasingModel()
-    r = WeightReceiver(model.reload, recover_fn=model.recover,
-                       config=ReceiverConfig(timeout_s=20, reload_timeout_s=20, weight_cache=False))
+    r = make_receiver(model, weight_cache=False)
     try:
         for v, seed in enumerate((1, 2), start=1):
             ckpt = make_ckpt(seed)
@@ -344,13 +350,8 @@ def test_without_weight_cache_stable_tensors_reach_the_reload_uncopied(mode):
 
 def test_without_weight_cache_an_abort_is_reported_and_the_next_update_restores(ps):
     model = DictModel()
-    r = WeightReceiver(model.reload, recover_fn=model.recover,
-                       config=ReceiverConfig(timeout_s=20, reload_timeout_s=20, weight_cache=False))
-    a, b = make_ckpt(1), make_ckpt(2)
-    push(ps, r, "A", a)
-    r.arm_fault({"kind": "raise", "bucket": 2})
-    with pytest.raises(UpdateFailed, match="injected fault in bucket 2"):
-        push(ps, r, "B", b)
+    r = make_receiver(model, weight_cache=False)
+    _, b = push_a_then_fail_b(ps, r)
     rep = r.report()
     assert (rep["status"], rep["weights_complete"]) == ("incomplete", False)
     assert "weight_cache is off" in rep["reload_error"]
