@@ -12,6 +12,8 @@ One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocab
      must do that before vLLM can reload from disk; the checkpoint engine does not)
      the same pairs on a second server whose receiver runs with weight_cache off (tensors go to the
      reload as views of the PS's memory, no host copy of the model) -> zero_copy_update_s
+     and on a third whose receiver uses vLLM's own reload_weights instead of the direct CPU reload
+     (`reload_impl: "vllm"`, what sessions before the direct reload measured) -> vllm_impl_update_s
   2. `--start-repeats` times, alternating (medians reported):
      fast start: `python -m vllm_ext.launch --model DIR` (dummy weights + push), a request held at
      the gate from the start                                      -> fast_start_ready_s
@@ -81,7 +83,9 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
             t0 = time.perf_counter()
             ps.update("bench", req)
             update.append(time.perf_counter() - t0)
-            engine_side.append(collective_rpc(url, "weights_state")[0]["last_update"])
+            state = collective_rpc(url, "weights_state")[0]
+            engine_side.append({**state["last_update"], "reload_impl": state.get("reload_impl"),
+                                "direct_reload": state.get("direct_reload_last")})
             save.append(save_copy_s(model_dir))
         correct = completion_token_ids(url, str(model_dir), PROMPTS, MAX_TOKENS) == reference
     finally:
@@ -174,6 +178,8 @@ def main() -> int:
                    help="fast-start / disk-start pairs (0: measure updates only, start figures are null)")
     p.add_argument("--skip-zero-copy", action="store_true",
                    help="do not measure the receiver with weight_cache off (one vLLM start less)")
+    p.add_argument("--skip-vllm-impl", action="store_true",
+                   help="do not measure the receiver with vLLM's own reload (one vLLM start less)")
     p.add_argument("--out-dir", default="/tmp/bench_vllm_update")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     args = p.parse_args()
@@ -205,6 +211,18 @@ def main() -> int:
             zero["update_correct"] &= answer == reference
             print(f"zero-copy update {zero['update_s']:.3f} s vs reload from disk {zero['reload_from_disk_s']:.3f} s",
                   flush=True)
+        finally:
+            server.stop()
+
+    vllm_impl = None
+    if not args.skip_vllm_impl:  # the receiver with vLLM's own reload_weights instead of the direct reload
+        server, _, answer = timed_disk_start(model_dir, out / "disk_start_vllm_impl.log", args.startup_timeout_s,
+                                             receiver={"reload_impl": "vllm"})
+        try:
+            vllm_impl = measure_updates(server.url, model_dir, args.repeats, reference)
+            vllm_impl["update_correct"] &= answer == reference
+            print(f"update with vLLM's reload {vllm_impl['update_s']:.3f} s vs reload from disk "
+                  f"{vllm_impl['reload_from_disk_s']:.3f} s", flush=True)
         finally:
             server.stop()
 
@@ -242,10 +260,18 @@ def main() -> int:
         "zero_copy_update_runs_s": None if zero is None else zero["update_runs_s"],
         "zero_copy_reload_from_disk_runs_s": None if zero is None else zero["reload_from_disk_runs_s"],
         "zero_copy_engine_side_last": None if zero is None else zero["engine_side_last"],
+        # reload_impl "vllm" (vLLM's reload_weights fed by the receiver), same disk reload alongside
+        "vllm_impl_update_s": None if vllm_impl is None else round(vllm_impl["update_s"], 4),
+        "vllm_impl_reload_from_disk_s": None if vllm_impl is None else round(vllm_impl["reload_from_disk_s"], 4),
+        "vllm_impl_ratio_vs_disk_reload": None if vllm_impl is None else round(
+            vllm_impl["update_s"] / vllm_impl["reload_from_disk_s"], 3),
+        "vllm_impl_update_runs_s": None if vllm_impl is None else vllm_impl["update_runs_s"],
+        "vllm_impl_reload_from_disk_runs_s": None if vllm_impl is None else vllm_impl["reload_from_disk_runs_s"],
         "ps_register_s": upd["ps_register_s"],
     }
     print(json.dumps(result), flush=True)
-    ok = result["update_correct"] and result["fast_start_correct"] is not False and (zero is None or zero["update_correct"])
+    ok = (result["update_correct"] and result["fast_start_correct"] is not False
+          and all(v is None or v["update_correct"] for v in (zero, vllm_impl)))
     return 0 if ok else 1
 
 

@@ -48,6 +48,7 @@ class LaunchConfig:
     engine_timeout_s: float = 600.0
     reload_mode: Literal["streaming", "end"] = "streaming"
     weight_cache: bool = True  # False: the engine keeps no host copy; stable tensors reach the reload uncopied
+    reload_impl: Literal["auto", "direct", "vllm"] = "auto"  # the engine's reload (see vllm_ext.direct_reload)
     transport: Literal["auto", "cpu", "cuda"] = "auto"
     bucket_size_bytes: int | None = None
     register_nice: int = 10  # CPU niceness of the registration thread: vLLM's start keeps the CPU
@@ -67,6 +68,8 @@ class LaunchConfig:
             raise ValueError(f"gate_wait_s must be >= 0, got {self.gate_wait_s!r}")
         if self.reload_mode not in ("streaming", "end"):
             raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
+        if self.reload_impl not in ("auto", "direct", "vllm"):
+            raise ValueError(f"reload_impl must be 'auto', 'direct' or 'vllm', got {self.reload_impl!r}")
         if self.transport not in ("auto", "cpu", "cuda"):
             raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {self.transport!r}")
         if not 0 <= self.register_nice <= 19:
@@ -107,9 +110,10 @@ def engine_settings(cfg: LaunchConfig) -> dict:
     Only non-defaults are passed: vLLM hashes `additional_config` into its compile-cache key, so
     passing defaults would make the fast start miss a cache filled by a plain `vllm serve`.
     """
-    defaults = {"timeout_s": 600.0, "reload_mode": "streaming", "weight_cache": True}  # ReceiverConfig's
+    defaults = {"timeout_s": 600.0, "reload_mode": "streaming", "weight_cache": True,  # ReceiverConfig's
+                "reload_impl": "auto"}
     wanted = {"timeout_s": float(cfg.engine_timeout_s), "reload_mode": cfg.reload_mode,
-              "weight_cache": cfg.weight_cache}
+              "weight_cache": cfg.weight_cache, "reload_impl": cfg.reload_impl}
     return {k: v for k, v in wanted.items() if v != defaults[k]}
 
 
@@ -284,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weight-cache", action="store_true",
                    help="the engine keeps no host copy of the weights (saves the model's size in memory and a "
                         "copy per update; no weights checksum, no fill-in of previous values after an abort)")
+    p.add_argument("--reload-impl", choices=["auto", "direct", "vllm"], default="auto",
+                   help="engine-side reload: direct (CPU backend, unquantized, one TP rank: vLLM's loaders and "
+                        "packing without its layerwise bookkeeping), vllm (vLLM's reload_weights), auto (direct "
+                        "where it applies)")
     p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bucket-size-bytes", type=int, default=None)
     p.add_argument("--register-nice", type=int, default=10,
@@ -301,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                        gate_wait_s=args.gate_wait_s, startup_timeout_s=args.startup_timeout_s,
                        push_timeout_s=args.push_timeout_s, engine_timeout_s=args.engine_timeout_s,
                        reload_mode=args.reload_mode, weight_cache=not args.no_weight_cache, transport=args.transport,
+                       reload_impl=args.reload_impl,
                        bucket_size_bytes=args.bucket_size_bytes, register_nice=args.register_nice,
                        vllm_args=vllm_args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

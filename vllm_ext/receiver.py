@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 NamedTensors = list[tuple[str, torch.Tensor]]
 ReloadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
 ReloadMode = Literal["streaming", "end"]
+ReloadImpl = Literal["auto", "direct", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class ReceiverConfig:
     # that stay valid until Done (the PS's registered chunks, one host) go to the reload without
     # a copy; only double-buffer tensors are copied; no checksum, no fill-in after an abort.
     weight_cache: bool = True
+    # Which reload the vLLM worker runs: "direct" (vllm_ext.direct_reload: CPU backend, unquantized,
+    # one TP rank), "vllm" (vLLM's reload_weights), "auto" (direct where it applies, else vLLM's).
+    reload_impl: ReloadImpl = "auto"
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "reload_timeout_s"):
@@ -68,6 +72,8 @@ class ReceiverConfig:
             raise ValueError(f"weight_cache must be true or false, got {self.weight_cache!r}")
         if not isinstance(self.keep_mappings, bool):
             raise ValueError(f"keep_mappings must be true or false, got {self.keep_mappings!r}")
+        if self.reload_impl not in ("auto", "direct", "vllm"):
+            raise ValueError(f"reload_impl must be 'auto', 'direct' or 'vllm', got {self.reload_impl!r}")
         if self.reload_mode not in ("streaming", "end"):
             raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
 

@@ -11,7 +11,9 @@ callable with `collective_rpc` (HTTP: `POST /collective_rpc` with `VLLM_SERVER_D
 
 Weights go through the model runner's reload path (`reload_weights(weights_iterator=...)`), which
 redoes repacking and quantization processing; plain `model.load_weights` breaks on CPU once the
-linear weights have been repacked. Settings come from vLLM's additional config:
+linear weights have been repacked. On vLLM's CPU backend with an unquantized model (one TP rank),
+`reload_impl: "auto"` (the default) uses `vllm_ext.direct_reload` instead: the same loaders and
+packing without the layerwise bookkeeping, allocations and copies (`"vllm"` forces vLLM's reload). Settings come from vLLM's additional config:
 `--additional-config '{"checkpoint_engine": {"timeout_s": 600, "reload_mode": "streaming"}}'`.
 
 vLLM refuses an extension whose attribute names exist on the worker class, so every helper here
@@ -65,7 +67,14 @@ class VllmColocateWorkerExtension:
         return receiver.receive(handle, device.index if is_cuda else None)
 
     def weights_state(self) -> dict:
-        return self._ckpt_engine_receiver().report()
+        report = self._ckpt_engine_receiver().report()
+        direct = getattr(self, "_ckpt_engine_direct_obj", None)
+        stats = direct.last_stats if direct is not None else None
+        report.update(reload_impl=getattr(self, "_ckpt_engine_impl", None),
+                      reload_impl_note=getattr(self, "_ckpt_engine_impl_note", None),
+                      direct_reload_last=None if stats is None else {
+                          k: round(v, 4) if isinstance(v, float) else v for k, v in stats.__dict__.items()})
+        return report
 
     def weights_checksum(self) -> dict:
         return self._ckpt_engine_receiver().checksum_report()
@@ -90,8 +99,39 @@ class VllmColocateWorkerExtension:
         return receiver
 
     def _ckpt_engine_reload(self, weights_iterator) -> None:
-        # The worker's reload_weights wraps the model runner's under the current vLLM config.
-        self.reload_weights(weights_iterator=weights_iterator)
+        direct = self._ckpt_engine_direct()
+        if direct is None:  # vLLM's own reload (the worker's wraps the runner's under the vLLM config)
+            self.reload_weights(weights_iterator=weights_iterator)
+            return
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            direct(weights_iterator)
+        runner = self.model_runner
+        for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as runner.reload_weights
+            reset = getattr(runner, name, None)
+            if callable(reset):
+                reset()
+
+    def _ckpt_engine_direct(self):
+        """The direct reloader when `reload_impl` allows and the model qualifies (decided once), else None."""
+        if hasattr(self, "_ckpt_engine_direct_obj"):
+            return self._ckpt_engine_direct_obj
+        impl = self._ckpt_engine_receiver().config.reload_impl
+        direct, why = None, "reload_impl is 'vllm'"
+        if impl != "vllm":
+            from vllm_ext.direct_reload import build_direct_reloader
+
+            direct, why = build_direct_reloader(self.model_runner.get_model(), self.vllm_config)
+            if direct is None and impl == "direct":
+                raise RuntimeError(f"reload_impl 'direct' does not apply to this engine: {why}")
+        self._ckpt_engine_direct_obj = direct
+        self._ckpt_engine_impl = "direct" if direct is not None else "vllm"
+        self._ckpt_engine_impl_note = (f"{len(direct.plan.processed)} layers packed directly, "
+                                       f"{len(direct.plan.staged)} with staging weights" if direct is not None
+                                       else why)
+        logger.info("checkpoint-engine reload: %s (%s)", self._ckpt_engine_impl, self._ckpt_engine_impl_note)
+        return direct
 
     def _ckpt_engine_recover(self) -> None:
         from vllm.config import set_current_vllm_config

@@ -4,8 +4,9 @@ Four vLLM starts for the whole module, all at once (module fixtures):
   ref_a    LLM(A) started normally (+ extension), then updated in process to B via llm_req_func
   ref_b    LLM(B) started normally                              } child processes running this file
   fast     `python -m vllm_ext.launch --model A` (dummy + initial push, holds early requests)
-  gated    `python -m vllm_ext.launch --no-initial-push --no-weight-cache` (dummy; refuses requests
-           until a push; receives without a host copy: the PS's memory goes straight to the reload)
+  gated    `python -m vllm_ext.launch --no-initial-push --no-weight-cache --reload-impl vllm` (dummy;
+           refuses requests until a push; receives without a host copy: the PS's memory goes straight
+           to vLLM's own reload_weights, where `fast` and `ref_a` use the direct CPU reload)
 `fast` and `gated` are ranks 0 and 1 of the two-rank pushes (`python -m vllm_ext.push`).
 Tests run in file order: `test_gated_engine_refuses_before_weights` must see `gated` unpushed.
 """
@@ -106,7 +107,7 @@ def engines(workdir, models):
     fast = LaunchedServer(models["A"], workdir / "fast.log", gate_wait_s=STARTUP_TIMEOUT_S,
                           engine_timeout_s=ENGINE_TIMEOUT_S)
     gated = LaunchedServer(models["A"], workdir / "gated.log", initial_push=False, engine_timeout_s=ENGINE_TIMEOUT_S,
-                           extra=["--no-weight-cache"])
+                           extra=["--no-weight-cache", "--reload-impl", "vllm"])
     early: dict = {}
     try:
         early["status_before"] = fast.wait_listening()
@@ -223,6 +224,9 @@ def test_two_ranks_two_updates_follow_weights(engines, models):
     assert zero_copy["num_zero_copy"] == zero_copy["num_tensors"] > 0  # every tensor went uncopied
     assert after[1]["cache_bytes"] == 0 and after[0]["cache_bytes"] > 0
     assert refs["a"]["token_ids"] != refs["b"]["token_ids"]
+    assert [s["reload_impl"] for s in after] == ["direct", "vllm"]  # both reload paths are exercised
+    direct = after[0]["direct_reload_last"]
+    assert direct["num_modules_processed"] > 0 and direct["staging_allocated"] is False  # staging reused
 
 
 def test_in_process_llm_update_matches_normal_start(engines, models):
@@ -233,6 +237,7 @@ def test_in_process_llm_update_matches_normal_start(engines, models):
     assert (ref_a["updated_state"]["version"], ref_a["updated_state"]["status"]) == (1, "ready")
     assert ref_a["updated_state"]["last_update"]["num_buckets"] > 1
     assert ref_a["updated_checksum"]["checksum"] == _expected_checksum(models["B"])
+    assert ref_a["updated_state"]["reload_impl"] == "direct"
 
 
 def test_engine_failure_aborts_update_then_next_update_restores(engines, models, tmp_path):

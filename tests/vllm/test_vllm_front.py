@@ -228,7 +228,8 @@ def test_receiver_defaults_match_what_the_launcher_assumes():
     from vllm_ext.receiver import ReceiverConfig
 
     d = ReceiverConfig()
-    assert engine_settings(LaunchConfig(model=str(REPO), engine_timeout_s=d.timeout_s, reload_mode=d.reload_mode)) == {}
+    assert engine_settings(LaunchConfig(model=str(REPO), engine_timeout_s=d.timeout_s, reload_mode=d.reload_mode,
+                                        weight_cache=d.weight_cache, reload_impl=d.reload_impl)) == {}
 
 
 def test_parser_passes_vllm_args_after_double_dash(tmp_path):
