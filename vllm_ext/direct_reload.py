@@ -23,6 +23,13 @@ The staging tensors keep the last version loaded (host memory: the size of the m
 weights); because of that, a layer that an aborted update only partly wrote is packed with the
 previous values for the parts it did not get.
 
+Staging doubles as the receiver's weight cache: on the first update the reloader records, for each
+checkpoint tensor whose loader is a plain copy into a slice of a staging weight (q_proj.weight ->
+rows of qkv_proj's staging; o_proj.weight -> all of it), that slice (`cache_slots()`); the receiver
+then keeps its checkpoint-format copy of that tensor in the slice itself. From then on a bucket's
+tensor is copied once, straight into staging, and its loader call is skipped (the source already
+is the destination): one copy and the packing per update, and no second host copy of the model.
+
 Whether a model qualifies is decided by `plan_direct_reload`, a pure function of facts about the
 platform and the model's modules (table-tested); `auto` in the receiver falls back to vLLM's
 reload, and says why, for anything else (GPU, quantization, LoRA, tensor parallelism, unknown
@@ -38,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +145,29 @@ class DirectReloadStats:
     num_modules_processed: int = 0
     num_processed_late: int = 0  # after the iterator ended (incomplete when it ended)
     num_tensors: int = 0
+    num_in_place: int = 0  # tensors that arrived in their staging slice (receiver cache = staging)
     process_s: float = 0.0  # packing (process_weights_after_loading)
     total_s: float = 0.0
     staging_allocated: bool = False
     late_modules: list[str] = field(default_factory=list)
+
+
+class _CopyCapture(TorchDispatchMode):
+    """Records the (destination, source) of every `copy_` run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.copies.append((args[0], args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 class DirectReloader:
@@ -155,7 +182,26 @@ class DirectReloader:
         self._staged_modules = [modules[n] for n in plan.staged]
         self._processed = [(n, modules[n]) for n in plan.processed]
         self._staging: dict[torch.nn.Module, torch.nn.Parameter] = {}
+        self._slots: dict[str, torch.Tensor] = {}  # checkpoint name -> the staging slice its loader fills
+        self._slot_by_ptr: dict[int, torch.Tensor] = {}
+        self._tried: set[str] = set()  # names whose loader was watched once (slot learned or not)
+        self._current: tuple[str, torch.Tensor] | None = None  # the pair load_weights is handling
         self.last_stats: DirectReloadStats | None = None
+
+    def cache_slots(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> staging slice that holds exactly that tensor (learned on the first update)."""
+        return dict(self._slots)
+
+    def _learn_slot(self, loaded_weight: torch.Tensor, copies: list) -> None:
+        """Keep the loader's destination as the name's slot when the loader was one plain copy of it."""
+        if self._current is None or len(copies) != 1:
+            return
+        name, yielded = self._current
+        dst, src = copies[0]
+        if (_same_memory(src, loaded_weight) and _same_memory(src, yielded) and dst.shape == src.shape
+                and dst.dtype == src.dtype and dst.is_contiguous()):
+            self._slots[name] = dst
+            self._slot_by_ptr[dst.data_ptr()] = dst
 
     def _ensure_staging(self) -> bool:
         if self._staging:
@@ -193,8 +239,20 @@ class DirectReloader:
             had = getattr(param, "weight_loader", None)
             inner = had or default_weight_loader
 
+            staged = m in self._staging
+
             def counting_loader(p, loaded_weight, *args, **kwargs):
-                out = inner(p, loaded_weight, *args, **kwargs)
+                slot = self._slot_by_ptr.get(loaded_weight.data_ptr()) if staged else None
+                if slot is not None and _same_memory(slot, loaded_weight):
+                    out = None  # the tensor already sits where its loader would copy it
+                    stats.num_in_place += 1
+                elif staged and self._current is not None and self._current[0] not in self._tried:
+                    with _CopyCapture() as capture:
+                        out = inner(p, loaded_weight, *args, **kwargs)
+                    self._tried.add(self._current[0])
+                    self._learn_slot(loaded_weight, capture.copies)
+                else:
+                    out = inner(p, loaded_weight, *args, **kwargs)
                 loaded[m] += loaded_weight.numel()
                 if loaded[m] >= totals[m] and m not in done:
                     process(m)
@@ -210,6 +268,7 @@ class DirectReloader:
                         wrap(m, p)
             self.model.load_weights(self._counted(weights, stats))
         finally:
+            self._current = None
             for param, had in wrapped:
                 if had is None:
                     del param.weight_loader
@@ -226,10 +285,10 @@ class DirectReloader:
             stats.total_s = time.perf_counter() - t0
             self.last_stats = stats
 
-    @staticmethod
-    def _counted(weights: Iterable[tuple[str, torch.Tensor]], stats: DirectReloadStats) -> Iterator:
+    def _counted(self, weights: Iterable[tuple[str, torch.Tensor]], stats: DirectReloadStats) -> Iterator:
         for pair in weights:
             stats.num_tensors += 1
+            self._current = pair
             yield pair
 
 

@@ -164,8 +164,11 @@ class WeightReceiver:
     """Receives updates into one engine device; keeps state and cache across updates."""
 
     def __init__(self, reload_fn: ReloadFn, *, recover_fn: Callable[[], None] | None = None,
-                 config: ReceiverConfig | None = None, initial_weights: str = "checkpoint"):
-        """`initial_weights`: what the engine started with, "checkpoint" or "dummy" (random)."""
+                 config: ReceiverConfig | None = None, initial_weights: str = "checkpoint",
+                 cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None):
+        """`initial_weights`: what the engine started with, "checkpoint" or "dummy" (random).
+        `cache_slots_fn`: engine memory the weight cache may keep named tensors in (asked after each
+        complete update; see `WeightCache.adopt`)."""
         if initial_weights not in ("checkpoint", "dummy"):
             raise ValueError(f"initial_weights must be 'checkpoint' or 'dummy', got {initial_weights!r}")
         self.initial_weights = initial_weights
@@ -177,6 +180,8 @@ class WeightReceiver:
         self.reload_error: str | None = None  # set when the model may be unusable after a failed reload
         self._reload_fn = reload_fn
         self._recover_fn = recover_fn
+        self._cache_slots_fn = cache_slots_fn
+        self.num_cache_adopted = 0
         self._zmq_ctx = zmq.Context()
         self._fault: FaultSpec | None = None
         self._busy = threading.Lock()
@@ -222,6 +227,7 @@ class WeightReceiver:
         s = self._state_report()
         return {**s, "initial_weights": self.initial_weights, "reload_mode": self.config.reload_mode,
                 "reload_error": self.reload_error, "cache_bytes": self.cache.nbytes, "last_update": self.last_update,
+                "cache_tensors_in_engine_memory": self.num_cache_adopted,
                 "pid": os.getpid()}
 
     def _state_report(self) -> dict:
@@ -324,6 +330,8 @@ class _UpdateSession:
         if self.r.config.weight_cache:
             cache.retain_only(self.received)
             cache.matches_model = True
+            if self.r._cache_slots_fn is not None:
+                self.r.num_cache_adopted = cache.adopt(self.r._cache_slots_fn())
         self.r.reload_error = None
         self.t_end = time.perf_counter()
 

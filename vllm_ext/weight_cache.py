@@ -71,6 +71,22 @@ class WeightCache:
         dst.copy_(src)
         return dst
 
+    def adopt(self, slots: Mapping[str, torch.Tensor]) -> int:
+        """Keep the named tensors in the given storage from now on (the engine's own staging memory,
+        so a received tensor is copied once, into the place the engine loads from). The current
+        values move there; names not cached, or whose shape/dtype/device differ, are ignored.
+        Returns how many names are now held in adopted storage."""
+        count = 0
+        for name, slot in slots.items():
+            cur = self._tensors.get(name)
+            if cur is None or cur.shape != slot.shape or cur.dtype != slot.dtype or cur.device != slot.device:
+                continue
+            if cur.data_ptr() != slot.data_ptr():
+                slot.copy_(cur)
+                self._tensors[name] = slot
+            count += 1
+        return count
+
     def get(self, name: str) -> torch.Tensor:
         return self._tensors[name]
 

@@ -93,7 +93,8 @@ class VllmColocateWorkerExtension:
             dummy = str(getattr(self.vllm_config.load_config, "load_format", "")) == "dummy"
             receiver = WeightReceiver(self._ckpt_engine_reload, recover_fn=self._ckpt_engine_recover,
                                       config=ReceiverConfig.from_dict(settings),
-                                      initial_weights="dummy" if dummy else "checkpoint")
+                                      initial_weights="dummy" if dummy else "checkpoint",
+                                      cache_slots_fn=self._ckpt_engine_cache_slots)
             self._ckpt_engine_receiver_obj = receiver
             logger.info("checkpoint-engine receiver ready (%s)", receiver.config)
         return receiver
@@ -132,6 +133,10 @@ class VllmColocateWorkerExtension:
                                        else why)
         logger.info("checkpoint-engine reload: %s (%s)", self._ckpt_engine_impl, self._ckpt_engine_impl_note)
         return direct
+
+    def _ckpt_engine_cache_slots(self) -> dict:
+        direct = getattr(self, "_ckpt_engine_direct_obj", None)
+        return direct.cache_slots() if direct is not None else {}
 
     def _ckpt_engine_recover(self) -> None:
         from vllm.config import set_current_vllm_config

@@ -257,6 +257,35 @@ def test_weight_cache_reallocates_only_on_shape_change():
     assert c.checksum() == checkpoint_checksum({"w": torch.zeros(2, 3)})
 
 
+def test_weight_cache_adopts_engine_memory_keeping_values():
+    c = WeightCache()
+    c.store("w", torch.arange(6.0))
+    c.store("v", torch.ones(3))
+    staging = torch.zeros(9)
+    slots = {"w": staging[:6], "v": staging[6:8], "absent": staging[8:]}  # v: shape differs, absent: not cached
+    assert c.adopt(slots) == 1
+    assert c.get("w").data_ptr() == staging.data_ptr() and torch.equal(staging[:6], torch.arange(6.0))
+    assert torch.equal(c.get("v"), torch.ones(3)) and "absent" not in c
+    assert c.store("w", torch.full((6,), 7.0)).data_ptr() == staging.data_ptr()  # later stores land in place
+    assert torch.equal(staging[:6], torch.full((6,), 7.0)) and c.adopt(slots) == 1  # adopting again: no-op
+
+
+def test_receiver_keeps_its_cache_in_engine_slots_after_a_complete_update(ps):
+    """The engine offers memory (the direct reload's staging); the next update is copied straight there."""
+    model = DictModel()
+    a, b = make_ckpt(1), make_ckpt(2)
+    slots = {n: torch.empty_like(t) for n, t in a.items() if n.startswith("layers.")}
+    r = WeightReceiver(model.reload, recover_fn=model.recover, cache_slots_fn=lambda: slots,
+                       config=ReceiverConfig(timeout_s=20, reload_timeout_s=20))
+    push(ps, r, "A", a)
+    assert r.report()["cache_tensors_in_engine_memory"] == len(slots)
+    assert all(torch.equal(slots[n], a[n]) for n in slots)  # the values moved with the cache
+    push(ps, r, "B", b)
+    assert_same(model.weights, b)
+    assert all(torch.equal(slots[n], b[n]) and r.cache.get(n) is slots[n] for n in slots)
+    assert r.checksum_report()["checksum"] == checkpoint_checksum(b)
+
+
 def test_stream_overlaps_reload_with_transfer(ps):
     """In streaming mode the reload consumes tensors while later buckets are still arriving."""
     ckpt = make_ckpt(1, num=16)
