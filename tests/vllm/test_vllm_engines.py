@@ -227,6 +227,8 @@ def test_two_ranks_two_updates_follow_weights(engines, models):
     assert [s["reload_impl"] for s in after] == ["direct", "vllm"]  # both reload paths are exercised
     direct = after[0]["direct_reload_last"]
     assert direct["num_modules_processed"] > 0 and direct["staging_allocated"] is False  # staging reused
+    # fast's weight cache lives in the staging weights: received tensors land where they are packed from
+    assert after[0]["cache_tensors_in_engine_memory"] > 0 and direct["num_in_place"] > 0
 
 
 def test_in_process_llm_update_matches_normal_start(engines, models):
