@@ -254,7 +254,8 @@ class DirectReloader:
                 else:
                     out = inner(p, loaded_weight, *args, **kwargs)
                 loaded[m] += loaded_weight.numel()
-                if loaded[m] >= totals[m] and m not in done:
+                done.discard(m)  # loaded again after packing (a checkpoint naming it twice): pack again
+                if loaded[m] >= totals[m]:
                     process(m)
                 return out
 
