@@ -100,6 +100,32 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
             "save_to_disk_s": statistics.median(save)}
 
 
+def measure_variant(key: str, receiver: dict, model_dir: Path, out: Path, args, reference: list) -> dict:
+    """Update/disk-reload pairs on a server whose receiver runs with `receiver` settings."""
+    server, _, answer = timed_disk_start(model_dir, out / f"disk_start_{key}.log", args.startup_timeout_s,
+                                         receiver=receiver)
+    try:
+        res = measure_updates(server.url, model_dir, args.repeats, reference)
+    finally:
+        server.stop()
+    res["update_correct"] &= answer == reference
+    print(f"{key} ({receiver}): update {res['update_s']:.3f} s vs reload from disk {res['reload_from_disk_s']:.3f} s",
+          flush=True)
+    return res
+
+
+def variant_figures(res: dict | None) -> dict:
+    """The JSON fields of one receiver variant (all None when it was skipped)."""
+    keys = ("update_s", "reload_from_disk_s", "ratio_vs_disk_reload", "update_runs_s", "reload_from_disk_runs_s",
+            "engine_side_last")
+    if res is None:
+        return dict.fromkeys(keys)
+    return {"update_s": round(res["update_s"], 4), "reload_from_disk_s": round(res["reload_from_disk_s"], 4),
+            "ratio_vs_disk_reload": round(res["update_s"] / res["reload_from_disk_s"], 3),
+            "update_runs_s": res["update_runs_s"], "reload_from_disk_runs_s": res["reload_from_disk_runs_s"],
+            "engine_side_last": res["engine_side_last"]}
+
+
 def save_copy_s(model_dir: Path) -> float:
     """Seconds to write the checkpoint's tensors as safetensors next to it (what a trainer would do)."""
     import shutil
@@ -206,29 +232,13 @@ def main() -> int:
         print(f"update {upd['update_s']:.3f} s vs reload from disk {upd['reload_from_disk_s']:.3f} s", flush=True)
     finally:
         first.stop()
-    zero = None
-    if not args.skip_zero_copy:  # the receiver without its host copy of the weights: views go to the reload
-        server, _, answer = timed_disk_start(model_dir, out / "disk_start_zero_copy.log", args.startup_timeout_s,
-                                             receiver={"weight_cache": False})
-        try:
-            zero = measure_updates(server.url, model_dir, args.repeats, reference)
-            zero["update_correct"] &= answer == reference
-            print(f"zero-copy update {zero['update_s']:.3f} s vs reload from disk {zero['reload_from_disk_s']:.3f} s",
-                  flush=True)
-        finally:
-            server.stop()
-
-    vllm_impl = None
-    if not args.skip_vllm_impl:  # the receiver with vLLM's own reload_weights instead of the direct reload
-        server, _, answer = timed_disk_start(model_dir, out / "disk_start_vllm_impl.log", args.startup_timeout_s,
-                                             receiver={"reload_impl": "vllm"})
-        try:
-            vllm_impl = measure_updates(server.url, model_dir, args.repeats, reference)
-            vllm_impl["update_correct"] &= answer == reference
-            print(f"update with vLLM's reload {vllm_impl['update_s']:.3f} s vs reload from disk "
-                  f"{vllm_impl['reload_from_disk_s']:.3f} s", flush=True)
-        finally:
-            server.stop()
+    variants = {}  # other receiver settings, each on its own server, with the same disk reload alongside
+    if not args.skip_zero_copy:  # no host copy of the weights: views of the PS's memory go to the loaders
+        variants["zero_copy"] = {"weight_cache": False}
+    if not args.skip_vllm_impl:  # vLLM's own reload_weights instead of the direct CPU reload
+        variants["vllm_impl"] = {"reload_impl": "vllm"}
+    measured = {key: measure_variant(key, receiver, model_dir, out, args, reference)
+                for key, receiver in variants.items()}
 
     starts = (measure_starts(model_dir, out, reference, args.start_repeats, args.startup_timeout_s)
               if args.start_repeats > 0 else None)
@@ -258,25 +268,13 @@ def main() -> int:
         "reload_from_disk_runs_s": upd["reload_from_disk_runs_s"],
         "engine_side_last": upd["engine_side_last"],
         "ps_side_last": upd["ps_side_last"],
-        # weight_cache off (no host copy of the weights kept by the engine), same disk reload measured alongside
-        "zero_copy_update_s": None if zero is None else round(zero["update_s"], 4),
-        "zero_copy_reload_from_disk_s": None if zero is None else round(zero["reload_from_disk_s"], 4),
-        "zero_copy_ratio_vs_disk_reload": None if zero is None else round(zero["update_s"] / zero["reload_from_disk_s"], 3),
-        "zero_copy_update_runs_s": None if zero is None else zero["update_runs_s"],
-        "zero_copy_reload_from_disk_runs_s": None if zero is None else zero["reload_from_disk_runs_s"],
-        "zero_copy_engine_side_last": None if zero is None else zero["engine_side_last"],
-        # reload_impl "vllm" (vLLM's reload_weights fed by the receiver), same disk reload alongside
-        "vllm_impl_update_s": None if vllm_impl is None else round(vllm_impl["update_s"], 4),
-        "vllm_impl_reload_from_disk_s": None if vllm_impl is None else round(vllm_impl["reload_from_disk_s"], 4),
-        "vllm_impl_ratio_vs_disk_reload": None if vllm_impl is None else round(
-            vllm_impl["update_s"] / vllm_impl["reload_from_disk_s"], 3),
-        "vllm_impl_update_runs_s": None if vllm_impl is None else vllm_impl["update_runs_s"],
-        "vllm_impl_reload_from_disk_runs_s": None if vllm_impl is None else vllm_impl["reload_from_disk_runs_s"],
+        **{f"{key}_{field}": value for key in ("zero_copy", "vllm_impl")
+           for field, value in variant_figures(measured.get(key)).items()},
         "ps_register_s": upd["ps_register_s"],
     }
     print(json.dumps(result), flush=True)
     ok = (result["update_correct"] and result["fast_start_correct"] is not False
-          and all(v is None or v["update_correct"] for v in (zero, vllm_impl)))
+          and all(v["update_correct"] for v in measured.values()))
     return 0 if ok else 1
 
 

@@ -143,13 +143,12 @@ def _staging_weight(module: torch.nn.Module) -> torch.nn.Parameter:
 @dataclass
 class DirectReloadStats:
     num_modules_processed: int = 0
-    num_processed_late: int = 0  # after the iterator ended (incomplete when it ended)
     num_tensors: int = 0
     num_in_place: int = 0  # tensors that arrived in their staging slice (receiver cache = staging)
     process_s: float = 0.0  # packing (process_weights_after_loading)
     total_s: float = 0.0
     staging_allocated: bool = False
-    late_modules: list[str] = field(default_factory=list)
+    late_modules: list[str] = field(default_factory=list)  # packed after the iterator ended (incomplete then)
 
 
 class _CopyCapture(TorchDispatchMode):
@@ -282,7 +281,6 @@ class DirectReloader:
             for m, placeholder in placeholders.items():
                 if m._parameters.get("weight") is self._staging[m]:  # untouched: keep its packed weight
                     m._parameters["weight"] = placeholder
-            stats.num_processed_late = len(stats.late_modules)
             stats.total_s = time.perf_counter() - t0
             self.last_stats = stats
 

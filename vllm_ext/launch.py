@@ -110,11 +110,12 @@ def engine_settings(cfg: LaunchConfig) -> dict:
     Only non-defaults are passed: vLLM hashes `additional_config` into its compile-cache key, so
     passing defaults would make the fast start miss a cache filled by a plain `vllm serve`.
     """
-    defaults = {"timeout_s": 600.0, "reload_mode": "streaming", "weight_cache": True,  # ReceiverConfig's
-                "reload_impl": "auto"}
+    from vllm_ext.receiver import ReceiverConfig  # here: keeps `--help` free of torch
+
+    defaults = ReceiverConfig()
     wanted = {"timeout_s": float(cfg.engine_timeout_s), "reload_mode": cfg.reload_mode,
               "weight_cache": cfg.weight_cache, "reload_impl": cfg.reload_impl}
-    return {k: v for k, v in wanted.items() if v != defaults[k]}
+    return {k: v for k, v in wanted.items() if v != getattr(defaults, k)}
 
 
 def vllm_command(cfg: LaunchConfig, engine_port: int) -> list[str]:

@@ -70,7 +70,8 @@ class VllmColocateWorkerExtension:
         report = self._ckpt_engine_receiver().report()
         direct = getattr(self, "_ckpt_engine_direct_obj", None)
         stats = direct.last_stats if direct is not None else None
-        report.update(reload_impl=getattr(self, "_ckpt_engine_impl", None),
+        decided = hasattr(self, "_ckpt_engine_direct_obj")  # on the first update
+        report.update(reload_impl=None if not decided else "vllm" if direct is None else "direct",
                       reload_impl_note=getattr(self, "_ckpt_engine_impl_note", None),
                       direct_reload_last=None if stats is None else {
                           k: round(v, 4) if isinstance(v, float) else v for k, v in stats.__dict__.items()})
@@ -127,11 +128,11 @@ class VllmColocateWorkerExtension:
             if direct is None and impl == "direct":
                 raise RuntimeError(f"reload_impl 'direct' does not apply to this engine: {why}")
         self._ckpt_engine_direct_obj = direct
-        self._ckpt_engine_impl = "direct" if direct is not None else "vllm"
         self._ckpt_engine_impl_note = (f"{len(direct.plan.processed)} layers packed directly, "
                                        f"{len(direct.plan.staged)} with staging weights" if direct is not None
                                        else why)
-        logger.info("checkpoint-engine reload: %s (%s)", self._ckpt_engine_impl, self._ckpt_engine_impl_note)
+        logger.info("checkpoint-engine reload: %s (%s)", "direct" if direct is not None else "vllm",
+                    self._ckpt_engine_impl_note)
         return direct
 
     def _ckpt_engine_cache_slots(self) -> dict:
