@@ -258,7 +258,9 @@ def test_engine_failure_aborts_update_then_next_update_restores(engines, models,
     assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving (mixed weights)
     results = _push(models, engines, "B", tag="fault-raise-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
     assert [c for c, _ in results] == [0, 0], results
-    assert _outputs(engines) == [refs["b"]["token_ids"]] * 2
+    outputs = _outputs(engines)
+    assert outputs == [refs["b"]["token_ids"]] * 2, {"fast": outputs[0], "gated": outputs[1],
+                                                     "want": refs["b"]["token_ids"], "states": _states(engines)}
     assert [s["status"] for s in _states(engines)] == ["ready", "ready"]
 
 
@@ -286,7 +288,9 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
     assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving
     results = _push(models, engines, "B", tag="rank-death-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
     assert [c for c, _ in results] == [0, 0], results
-    assert _outputs(engines) == [refs["b"]["token_ids"]] * 2
+    outputs = _outputs(engines)
+    assert outputs == [refs["b"]["token_ids"]] * 2, {"fast": outputs[0], "gated": outputs[1],
+                                                     "want": refs["b"]["token_ids"], "states": _states(engines)}
     assert [s["status"] for s in _states(engines)] == ["ready", "ready"]
 
 
