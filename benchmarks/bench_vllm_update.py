@@ -15,9 +15,14 @@ One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocab
      and on a third whose receiver uses vLLM's own reload_weights instead of the direct CPU reload
      (`reload_impl: "vllm"`, what sessions before the direct reload measured) -> vllm_impl_update_s
   2. `--start-repeats` times, alternating (medians reported):
-     fast start: `python -m vllm_ext.launch --model DIR` (dummy weights + push), a request held at
-     the gate from the start                                      -> fast_start_ready_s
+     fast start: `python -m vllm_ext.launch --model DIR` (vLLM's load step receives the weights
+     from the parameter server, which read them while vLLM started), a request held at the gate
+     from the start                                               -> fast_start_ready_s
      disk start: `vllm serve DIR`, time to the first answer       -> disk_start_ready_s
+     push start (unless --skip-push-start): `--initial-mode push`, dummy weights pushed once the
+     engine is healthy (how the fast start worked before the load format) -> push_start_ready_s
+     With --cold-checkpoint the checkpoint's files are dropped from the page cache
+     (posix_fadvise DONTNEED) before every timed start: a checkpoint the node has not read yet.
 Every answer is checked token for token against the first server's answer.
 The last line printed is one JSON object.
 """
@@ -164,32 +169,86 @@ def timed_disk_start(model_dir: Path, log: Path, timeout_s: float, receiver: dic
     return server, ready_s, answer
 
 
-def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, timeout_s: float) -> dict:
-    """Fast start and disk start, alternating `repeats` times, so drifting machine load hits both alike."""
+def evict_from_page_cache(model_dir: Path) -> int:
+    """Drop the checkpoint's files from the OS page cache (a checkpoint that just arrived, or sits on
+    storage the engine reads for the first time); returns the bytes advised. Needs no privileges."""
+    nbytes = 0
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                nbytes += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return nbytes
+
+
+def fast_start(model_dir: Path, log: Path, mode: str, timeout_s: float) -> tuple[float, list, float]:
+    """`python -m vllm_ext.launch --initial-mode MODE`, a request sent as soon as the gate listens.
+
+    Returns (seconds to the first answer, its token ids, seconds of the weights' own phase: the load
+    step receiving them ("load"), or engine healthy -> gate open ("push")).
+    """
     from vllm_ext.testing import LaunchedServer
 
-    fast_runs, disk_runs, push_runs, load_runs, correct = [], [], [], [], True
+    t0 = time.monotonic()
+    fast = LaunchedServer(model_dir, log, gate_wait_s=timeout_s, vllm_args=ENGINE_ARGS, extra=["--initial-mode", mode])
+    try:
+        fast.wait_listening()
+        ready_s, answer = first_answer_s(fast, fast.url, str(model_dir), t0, timeout_s)
+        phases = fast.status()["phase_times_s"]
+    finally:
+        fast.stop()
+    if mode == "load":
+        weights_s = phases["finishing_engine_start"] - phases["loading_weights"]
+    else:
+        weights_s = phases["ready"] - phases["pushing_weights"]
+    return ready_s, answer, weights_s
+
+
+def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, timeout_s: float,
+                   with_push: bool, cold: bool) -> dict:
+    """Fast start(s) and disk start, alternating `repeats` times, so drifting machine load hits all alike.
+    `cold`: the checkpoint's files are evicted from the page cache before every start."""
+    runs: dict[str, list] = {k: [] for k in ("fast", "disk", "push", "fast_weights", "push_weights", "disk_load")}
+    correct = True
+
+    def before_start() -> None:
+        if cold:
+            evict_from_page_cache(model_dir)
+
     for i in range(repeats):
-        t0 = time.monotonic()
-        fast = LaunchedServer(model_dir, out / f"fast_start_{i}.log", gate_wait_s=timeout_s, vllm_args=ENGINE_ARGS)
-        try:
-            fast.wait_listening()
-            ready_s, answer = first_answer_s(fast, fast.url, str(model_dir), t0, timeout_s)
-            phases = fast.status()["phase_times_s"]
-            push_runs.append(phases["ready"] - phases["pushing_weights"])
-        finally:
-            fast.stop()
-        fast_runs.append(ready_s)
+        before_start()
+        ready_s, answer, weights_s = fast_start(model_dir, out / f"fast_start_{i}.log", "load", timeout_s)
+        runs["fast"].append(ready_s)
+        runs["fast_weights"].append(weights_s)
+        correct &= answer == reference
+        before_start()
         disk, disk_s, disk_answer = timed_disk_start(model_dir, out / f"disk_start_{i}.log", timeout_s)
         disk.stop()
-        disk_runs.append(disk_s)
-        load_runs.append(vllm_load_weights_s(disk.log_path))
-        correct &= answer == reference and disk_answer == reference
-        print(f"start {i}: fast start first answer after {ready_s:.1f} s (push {push_runs[-1]:.2f} s), "
-              f"disk start {disk_s:.1f} s (load {load_runs[-1]} s)", flush=True)
-    return {"fast_s": statistics.median(fast_runs), "disk_s": statistics.median(disk_runs), "correct": correct,
-            "fast_runs_s": [round(x, 2) for x in fast_runs], "disk_runs_s": [round(x, 2) for x in disk_runs],
-            "push_runs_s": [round(x, 3) for x in push_runs], "load_runs_s": load_runs}
+        runs["disk"].append(disk_s)
+        runs["disk_load"].append(vllm_load_weights_s(disk.log_path))
+        correct &= disk_answer == reference
+        line = (f"start {i}: fast start (weights into vLLM's load step) first answer after {ready_s:.1f} s "
+                f"(load step {weights_s:.2f} s), disk start {disk_s:.1f} s (load {runs['disk_load'][-1]} s)")
+        if with_push:
+            before_start()
+            push_s, push_answer, push_weights_s = fast_start(model_dir, out / f"push_start_{i}.log", "push", timeout_s)
+            runs["push"].append(push_s)
+            runs["push_weights"].append(push_weights_s)
+            correct &= push_answer == reference
+            line += f", push start {push_s:.1f} s (push {push_weights_s:.2f} s)"
+        print(line, flush=True)
+    out_d = {"fast_s": statistics.median(runs["fast"]), "disk_s": statistics.median(runs["disk"]), "correct": correct,
+             "push_s": statistics.median(runs["push"]) if runs["push"] else None}
+    for key in ("fast", "disk", "push"):
+        out_d[f"{key}_runs_s"] = [round(x, 2) for x in runs[key]]
+    for key in ("fast_weights", "push_weights"):
+        out_d[f"{key}_runs_s"] = [round(x, 3) for x in runs[key]]
+    out_d["load_runs_s"] = runs["disk_load"]
+    return out_d
 
 
 def vllm_load_weights_s(log_path: Path) -> float | None:
@@ -210,6 +269,11 @@ def main() -> int:
                    help="do not measure the receiver with weight_cache off (one vLLM start less)")
     p.add_argument("--skip-vllm-impl", action="store_true",
                    help="do not measure the receiver with vLLM's own reload (one vLLM start less)")
+    p.add_argument("--skip-push-start", action="store_true",
+                   help="do not measure `--initial-mode push` starts (dummy weights + push once healthy)")
+    p.add_argument("--cold-checkpoint", action="store_true",
+                   help="evict the checkpoint's files from the page cache before every timed start (a new "
+                        "checkpoint, or one on storage the node has not read yet); default: warm page cache")
     p.add_argument("--out-dir", default="/tmp/bench_vllm_update")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     args = p.parse_args()
@@ -240,11 +304,15 @@ def main() -> int:
     measured = {key: measure_variant(key, receiver, model_dir, out, args, reference)
                 for key, receiver in variants.items()}
 
-    starts = (measure_starts(model_dir, out, reference, args.start_repeats, args.startup_timeout_s)
+    starts = (measure_starts(model_dir, out, reference, args.start_repeats, args.startup_timeout_s,
+                             with_push=not args.skip_push_start, cold=args.cold_checkpoint)
               if args.start_repeats > 0 else None)
 
     def start(key: str, digits: int = 2):
         return None if starts is None else round(starts[key], digits) if isinstance(starts[key], float) else starts[key]
+
+    def start_ratio(key: str):
+        return None if starts is None or starts[key] is None else round(starts[key] / starts["disk_s"], 3)
 
     result = {
         "checkpoint_gib": round(size_gib, 4),
@@ -253,7 +321,10 @@ def main() -> int:
         "ratio_vs_disk_reload": round(upd["update_s"] / upd["reload_from_disk_s"], 3),
         "fast_start_ready_s": start("fast_s"),
         "disk_start_ready_s": start("disk_s"),
-        "ratio_fast_vs_disk_start": None if starts is None else round(starts["fast_s"] / starts["disk_s"], 3),
+        "ratio_fast_vs_disk_start": start_ratio("fast_s"),
+        "start_checkpoint_page_cache": None if starts is None else "cold" if args.cold_checkpoint else "warm",
+        "push_start_ready_s": start("push_s"),  # --initial-mode push: dummy weights, pushed once healthy
+        "ratio_push_vs_disk_start": start_ratio("push_s"),
         "save_to_disk_s": round(upd["save_to_disk_s"], 4),
         "ratio_vs_save_and_disk_reload": round(upd["update_s"] / (upd["save_to_disk_s"] + upd["reload_from_disk_s"]), 3),
         "warmup_disk_start_ready_s": round(first_start_s, 2),
@@ -261,8 +332,10 @@ def main() -> int:
         "fast_start_correct": start("correct"),
         "fast_start_runs_s": start("fast_runs_s"),
         "disk_start_runs_s": start("disk_runs_s"),
-        "fast_start_push_runs_s": start("push_runs_s"),  # engine healthy -> gate open (the part disk start skips)
-        "disk_start_load_weights_runs_s": start("load_runs_s"),  # the part fast start replaces
+        "push_start_runs_s": start("push_runs_s"),
+        "fast_start_load_step_runs_s": start("fast_weights_runs_s"),  # the weights' part of the fast start
+        "push_start_push_runs_s": start("push_weights_runs_s"),  # engine healthy -> gate open
+        "disk_start_load_weights_runs_s": start("load_runs_s"),  # vLLM's "Loading weights took" (disk)
         "ratio_vs_disk_reload_best": round(min(upd["update_runs_s"]) / min(upd["reload_from_disk_runs_s"]), 3),
         "update_runs_s": upd["update_runs_s"],
         "reload_from_disk_runs_s": upd["reload_from_disk_runs_s"],

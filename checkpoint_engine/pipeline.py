@@ -72,6 +72,9 @@ class StatusExchange:
             raise UpdateFailed(failures)
 
 
+ABORT_REQ_JOIN_S = 30.0  # how long an aborted update waits for req_func to return
+
+
 class _ReqThread:
     def __init__(self, req_func: ReqFunc, addresses: list[tuple[str, str]]):
         self.error: str | None = None
@@ -179,6 +182,12 @@ def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
     except BaseException as e:
         m.error = str(e)
         _abort_engine(link, str(e))
+        # Let req_func finish (bounded): once the engine confirmed the abort its request returns, and
+        # what req_func does afterwards (vLLM: reset the prefix cache of the now mixed weights) must
+        # not be cut off by a caller that exits right after this raises.
+        late = req.join(min(job.cfg.req_func_timeout_s, ABORT_REQ_JOIN_S))
+        if late is not None:
+            logger.warning("after the abort: %s", late)
         if isinstance(e, (UpdateFailed, KeyboardInterrupt)):
             raise
         raise RuntimeError(f"rank {job.rank}: weight update aborted: {_dead_ranks(job)}{type(e).__name__}: {e}") from e

@@ -47,6 +47,8 @@ from typing import Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from checkpoint_engine.prefault import prefault
+
 logger = logging.getLogger(__name__)
 
 MethodKind = Literal["none", "linear", "embedding", "other"]
@@ -207,6 +209,7 @@ class DirectReloader:
             return False
         for m in self._staged_modules:
             self._staging[m] = _staging_weight(m)
+        prefault(self._staging.values())  # map their pages in bulk, not a fault per page while loading
         return True
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

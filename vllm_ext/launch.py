@@ -1,11 +1,15 @@
-"""Fast startup: vLLM starts with dummy weights while the parameter server loads the checkpoint.
+"""Fast startup: vLLM starts while the parameter server loads the checkpoint; vLLM's load step takes it from the PS.
 
     python -m vllm_ext.launch --model DIR [--port 8000] [--gate-wait-s 60] [-- <vllm serve args>]
 
     t=0 ─┬─ gate (public port): answers 503 (or holds requests) until the weights are in
-         ├─ vllm serve DIR --load-format dummy --worker-extension-cls ... (127.0.0.1, internal port)
+         ├─ vllm serve DIR --load-format checkpoint_engine --worker-extension-cls ... (127.0.0.1, internal port)
          └─ parameter server: register DIR/*.safetensors in host memory, gather metas
-    engine healthy + checkpoint registered ─▶ ps.update(...) into the engine ─▶ gate opens
+    vLLM reaches its load step + checkpoint registered ─▶ ps.update(...) into the load step
+    (vllm_ext.loader) ─▶ vLLM packs, compiles, becomes healthy ─▶ gate opens
+
+`--initial-mode push` starts vLLM with dummy weights instead and pushes once it is healthy (any
+vLLM, no loader registration; slower: dummy initialisation and a second packing on the path).
 
 Later updates go through the same public port (`POST /collective_rpc` is proxied). With
 `--no-initial-push` the launcher only gates: the gate opens when an external parameter server
@@ -31,7 +35,8 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 EXTENSION = "vllm_ext.worker.VllmColocateWorkerExtension"
-RESERVED_VLLM_FLAGS = ("--load-format", "--worker-extension-cls", "--host", "--port", "--additional-config")
+RESERVED_VLLM_FLAGS = ("--load-format", "--worker-extension-cls", "--host", "--port", "--additional-config",
+                       "--model-loader-extra-config")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class LaunchConfig:
     engine_port: int | None = None  # None: a free port
     checkpoint_name: str | None = None  # None: the model directory's name
     initial_push: bool = True
+    initial_mode: Literal["load", "push"] = "load"  # weights into vLLM's load step, or pushed once it is healthy
     gate_wait_s: float = 0.0
     startup_timeout_s: float = 900.0
     push_timeout_s: float = 600.0
@@ -51,7 +57,7 @@ class LaunchConfig:
     reload_impl: Literal["auto", "direct", "vllm"] = "auto"  # the engine's reload (see vllm_ext.direct_reload)
     transport: Literal["auto", "cpu", "cuda"] = "auto"
     bucket_size_bytes: int | None = None
-    register_nice: int = 10  # CPU niceness of the registration thread: vLLM's start keeps the CPU
+    register_nice: int = 19  # CPU niceness of the registration thread (19: SCHED_IDLE): vLLM's start keeps the CPU
     vllm_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -68,6 +74,8 @@ class LaunchConfig:
             raise ValueError(f"gate_wait_s must be >= 0, got {self.gate_wait_s!r}")
         if self.reload_mode not in ("streaming", "end"):
             raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
+        if self.initial_mode not in ("load", "push"):
+            raise ValueError(f"initial_mode must be 'load' or 'push', got {self.initial_mode!r}")
         if self.reload_impl not in ("auto", "direct", "vllm"):
             raise ValueError(f"reload_impl must be 'auto', 'direct' or 'vllm', got {self.reload_impl!r}")
         if self.transport not in ("auto", "cpu", "cuda"):
@@ -76,6 +84,10 @@ class LaunchConfig:
             raise ValueError(f"register_nice must be in 0..19, got {self.register_nice!r}")
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
+        tp = tensor_parallel_size(self.vllm_args)
+        if self.initial_push and self.initial_mode == "load" and tp != 1:
+            raise ValueError(f"initial_mode 'load' feeds one tensor-parallel rank from one parameter-server rank, "
+                             f"got --tensor-parallel-size {tp}; use initial_mode 'push' or an external PS")
         clash = [a for a in self.vllm_args if a.split("=")[0] in RESERVED_VLLM_FLAGS]
         if clash:
             raise ValueError(f"vllm_args must not set {clash}: the launcher sets {list(RESERVED_VLLM_FLAGS)}")
@@ -83,6 +95,19 @@ class LaunchConfig:
     @property
     def name(self) -> str:
         return self.checkpoint_name or Path(self.model).resolve().name
+
+
+def tensor_parallel_size(vllm_args: tuple[str, ...]) -> int:
+    """The `--tensor-parallel-size` / `-tp` among `vllm serve` arguments (1 when absent)."""
+    for i, a in enumerate(vllm_args):
+        name, eq, value = a.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            raw = value if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{name} needs an integer, got {raw!r}") from None
+    return 1
 
 
 def free_port() -> int:
@@ -110,7 +135,7 @@ def engine_settings(cfg: LaunchConfig) -> dict:
     Only non-defaults are passed: vLLM hashes `additional_config` into its compile-cache key, so
     passing defaults would make the fast start miss a cache filled by a plain `vllm serve`.
     """
-    from vllm_ext.receiver import ReceiverConfig  # here: keeps `--help` free of torch
+    from vllm_ext.settings import ReceiverConfig  # no torch: vLLM is spawned before anything heavy loads
 
     defaults = ReceiverConfig()
     wanted = {"timeout_s": float(cfg.engine_timeout_s), "reload_mode": cfg.reload_mode,
@@ -118,13 +143,36 @@ def engine_settings(cfg: LaunchConfig) -> dict:
     return {k: v for k, v in wanted.items() if v != getattr(defaults, k)}
 
 
-def vllm_command(cfg: LaunchConfig, engine_port: int) -> list[str]:
+def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = None) -> list[str]:
+    """`vllm serve` behind the gate: loading from the PS at `rendezvous`, else with dummy weights."""
     cmd = [sys.executable, "-m", "vllm_ext.serve", "serve", cfg.model, "--host", "127.0.0.1",
-           "--port", str(engine_port), "--load-format", "dummy", "--worker-extension-cls", EXTENSION]
+           "--port", str(engine_port), "--worker-extension-cls", EXTENSION]
+    if rendezvous is None:
+        cmd += ["--load-format", "dummy"]
+    else:
+        from vllm_ext.loader import LOAD_FORMAT
+
+        cmd += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config",
+                json.dumps({"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)})]
     settings = engine_settings(cfg)
     if settings:
         cmd += ["--additional-config", json.dumps({"checkpoint_engine": settings})]
     return [*cmd, *cfg.vllm_args]
+
+
+def lower_thread_priority(nice: int) -> str:
+    """Make the calling thread yield the CPU to vLLM's start: SCHED_IDLE (runs only on otherwise idle
+    CPU time) when `nice` is 19, else the nice value. Returns what was applied."""
+    tid = threading.get_native_id()
+    try:
+        if nice >= 19 and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
+            return "SCHED_IDLE"
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        return f"nice {nice}"
+    except (OSError, AttributeError) as e:
+        logger.debug("could not lower the registration thread's priority: %s", e)
+        return "unchanged"
 
 
 class Launcher:
@@ -143,8 +191,27 @@ class Launcher:
         self._ps = None
         self._ps_error: BaseException | None = None
         self._supervising = False
+        self._rendezvous_dir: str | None = None
+        self.rendezvous: str | None = None
+        self._load_metrics: dict | None = None
+        self._load_error: BaseException | None = None
 
     # -- pieces ---------------------------------------------------------------------------
+    @staticmethod
+    def import_gate_modules(timeout_s: float = 60.0) -> None:
+        """Import the gate's server modules in a thread that only gets CPU time vLLM's start leaves
+        idle (their import would otherwise slow vLLM's own start); the gate itself runs at normal priority."""
+
+        def work() -> None:
+            lower_thread_priority(19)
+            import httpx  # noqa: F401
+            import starlette.applications  # noqa: F401
+            import uvicorn  # noqa: F401
+
+        t = threading.Thread(target=work, daemon=True, name="gate-imports")
+        t.start()
+        t.join(timeout_s)  # bounded: past it, the imports finish at normal priority in start_gate
+
     def start_gate(self) -> None:
         import uvicorn
 
@@ -163,17 +230,18 @@ class Launcher:
 
     def start_engine(self) -> None:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        cmd = vllm_command(self.cfg, self.engine_port)
+        if self.cfg.initial_push and self.cfg.initial_mode == "load":
+            import tempfile
+
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="ckpt-engine-")  # 0700: only this user reaches it
+            self.rendezvous = f"ipc://{self._rendezvous_dir}/load.sock"
+        cmd = vllm_command(self.cfg, self.engine_port, self.rendezvous)
         logger.info("starting: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, env=env)
 
     def register_checkpoint(self) -> None:
         """Runs in a thread while vLLM starts, at low CPU priority (it has a minute; vLLM is the long pole)."""
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, max(self.cfg.register_nice, os.getpriority(os.PRIO_PROCESS, tid)))
-        except (OSError, AttributeError):
-            logger.debug("could not lower the registration thread's priority")
+        lower_thread_priority(self.cfg.register_nice)
         try:
             from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
             from checkpoint_engine.ps import ParameterServer
@@ -202,6 +270,28 @@ class Launcher:
         req = vllm_http_req_func(self.engine_url, rank=0, timeout_s=self.cfg.push_timeout_s)
         return self._ps.update(self.cfg.name, req).to_dict()
 
+    def load_into_engine(self, registering: threading.Thread) -> None:
+        """Thread: once registered, wait for vLLM's load step and update the engine through it."""
+        from vllm_ext.loader import loader_req_func, wait_for_loader
+
+        try:
+            registering.join(self.cfg.startup_timeout_s)
+            if registering.is_alive():
+                raise TimeoutError(f"registering the checkpoint took more than {self.cfg.startup_timeout_s:.0f} s")
+            if self._ps_error is not None:
+                raise RuntimeError(f"registering {self.cfg.model} failed: {self._ps_error}") from self._ps_error
+            alive = lambda: self.proc is not None and self.proc.poll() is None  # noqa: E731
+            wait_for_loader(self.rendezvous, timeout_s=self.cfg.startup_timeout_s, is_alive=alive)
+            self.gate.set_phase("loading_weights", f"vLLM's load step receives checkpoint {self.cfg.name!r}")
+            engine: dict = {}
+            metrics = self._ps.update(self.cfg.name, loader_req_func(self.rendezvous, timeout_s=self.cfg.push_timeout_s,
+                                                                     is_alive=alive, result=engine)).to_dict()
+            self._load_metrics = {**metrics, "engine_version": engine.get("version"),
+                                  "engine_side": engine.get("last_update")}
+            self.gate.set_phase("finishing_engine_start", "weights loaded; vLLM finishes its start (compile, KV cache)")
+        except BaseException as e:  # noqa: BLE001 - re-raised by run()
+            self._load_error = e
+
     def release_ps(self) -> None:
         """The host copy is not needed once the engine holds the weights."""
         if self._ps is not None:
@@ -219,13 +309,32 @@ class Launcher:
 
         self.start_engine()  # first: vLLM's start is the long pole
         registering = threading.Thread(target=self.register_checkpoint, daemon=True, name="register")
+        loading = threading.Thread(target=self.load_into_engine, args=(registering,), daemon=True, name="load")
         if self.cfg.initial_push:
             registering.start()
+            if self.rendezvous is not None:
+                loading.start()
+        self.import_gate_modules()
         self.start_gate()
-        waited_s = wait_until_healthy(self.engine_url, timeout_s=self.cfg.startup_timeout_s,
-                                      is_alive=lambda: self.proc.poll() is None)
+        try:
+            waited_s = wait_until_healthy(self.engine_url, timeout_s=self.cfg.startup_timeout_s,
+                                          is_alive=lambda: self.proc.poll() is None)
+        except RuntimeError as e:
+            if self._load_error is not None:  # why vLLM's start failed, from the PS side
+                raise RuntimeError(f"{e}; loading the weights: {self._load_error}") from self._load_error
+            raise
         logger.info("engine healthy after %.1f s", waited_s)
-        if self.cfg.initial_push:
+        if self.rendezvous is not None:
+            loading.join(self.cfg.push_timeout_s)  # vLLM is healthy only after its load step: done, or nearly
+            if loading.is_alive():
+                raise TimeoutError(f"the parameter server's update did not end within {self.cfg.push_timeout_s:.0f} s")
+            if self._load_error is not None:
+                raise RuntimeError(f"loading the weights into vLLM failed: {self._load_error}") from self._load_error
+            if not self.refresh_gate():
+                raise RuntimeError(f"vLLM loaded the weights but reports {self.gate.snapshot()['weights']}")
+            self.release_ps()
+            logger.info("weights loaded in vLLM's load step: %s", json.dumps(self._load_metrics))
+        elif self.cfg.initial_push:
             metrics = self.push(registering)
             if not self.refresh_gate():
                 raise RuntimeError(f"the push completed but the engine reports {self.gate.snapshot()['weights']}")
@@ -268,6 +377,10 @@ class Launcher:
         if self._server is not None:
             self._server.should_exit = True
         self.release_ps()
+        if self._rendezvous_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-name", default=None)
     p.add_argument("--no-initial-push", action="store_true",
                    help="do not load the checkpoint; open the gate when an external PS pushes weights")
+    p.add_argument("--initial-mode", choices=["load", "push"], default="load",
+                   help="load: vLLM's load step receives the weights from the parameter server (load format "
+                        "checkpoint_engine); push: vLLM starts with dummy weights, pushed once it is healthy")
     p.add_argument("--gate-wait-s", type=float, default=0.0,
                    help="hold requests that arrive before the weights this long (0: refuse at once with 503)")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
@@ -295,8 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "where it applies)")
     p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bucket-size-bytes", type=int, default=None)
-    p.add_argument("--register-nice", type=int, default=10,
-                   help="CPU niceness of the checkpoint registration running beside vLLM's start (0..19)")
+    p.add_argument("--register-nice", type=int, default=19,
+                   help="CPU niceness of the checkpoint registration running beside vLLM's start (0..19; "
+                        "19: SCHED_IDLE, only CPU time vLLM leaves idle)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after `--`: arguments for `vllm serve`")
     return p
@@ -307,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm_args = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
     cfg = LaunchConfig(model=args.model, host=args.host, port=args.port, engine_port=args.engine_port,
                        checkpoint_name=args.checkpoint_name, initial_push=not args.no_initial_push,
+                       initial_mode=args.initial_mode,
                        gate_wait_s=args.gate_wait_s, startup_timeout_s=args.startup_timeout_s,
                        push_timeout_s=args.push_timeout_s, engine_timeout_s=args.engine_timeout_s,
                        reload_mode=args.reload_mode, weight_cache=not args.no_weight_cache, transport=args.transport,

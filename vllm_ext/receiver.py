@@ -36,54 +36,13 @@ import zmq
 from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
+from vllm_ext.settings import ReceiverConfig, ReloadImpl, ReloadMode  # noqa: F401 - re-exported
 from vllm_ext.weight_cache import WeightCache
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 ReloadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
-ReloadMode = Literal["streaming", "end"]
-ReloadImpl = Literal["auto", "direct", "vllm"]
-
-
-@dataclass(frozen=True)
-class ReceiverConfig:
-    """Engine-side settings (for vLLM: `--additional-config '{"checkpoint_engine": {...}}'`)."""
-
-    timeout_s: float = 600.0  # deadline of every wait for the parameter server
-    reload_mode: ReloadMode = "streaming"
-    reload_timeout_s: float = 600.0  # deadline for the reload to finish once the last bucket arrived
-    keep_mappings: bool = True  # keep the PS's shared segments mapped between updates (CPU)
-    # Keep a copy of the checkpoint-format weights (host memory = model size): it lets an aborted
-    # streaming update fill in the previous values and defines weights_checksum. Off: tensors
-    # that stay valid until Done (the PS's registered chunks, one host) go to the reload without
-    # a copy; only double-buffer tensors are copied; no checksum, no fill-in after an abort.
-    weight_cache: bool = True
-    # Which reload the vLLM worker runs: "direct" (vllm_ext.direct_reload: CPU backend, unquantized,
-    # one TP rank), "vllm" (vLLM's reload_weights), "auto" (direct where it applies, else vLLM's).
-    reload_impl: ReloadImpl = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("timeout_s", "reload_timeout_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a number > 0, got {v!r}")
-        if not isinstance(self.weight_cache, bool):
-            raise ValueError(f"weight_cache must be true or false, got {self.weight_cache!r}")
-        if not isinstance(self.keep_mappings, bool):
-            raise ValueError(f"keep_mappings must be true or false, got {self.keep_mappings!r}")
-        if self.reload_impl not in ("auto", "direct", "vllm"):
-            raise ValueError(f"reload_impl must be 'auto', 'direct' or 'vllm', got {self.reload_impl!r}")
-        if self.reload_mode not in ("streaming", "end"):
-            raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping | None) -> ReceiverConfig:
-        d = dict(d or {})
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown checkpoint_engine setting(s) {unknown}; known: {[f.name for f in fields(cls)]}")
-        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -185,6 +144,18 @@ class WeightReceiver:
         self._zmq_ctx = zmq.Context()
         self._fault: FaultSpec | None = None
         self._busy = threading.Lock()
+
+    def rebind(self, reload_fn: ReloadFn, *, recover_fn: Callable[[], None] | None = None,
+               cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+               config: ReceiverConfig | None = None) -> None:
+        """Route later updates to another reload, under `config` if given (the receiver that did an
+        engine's initial load, inside vLLM's load step, carries on as the worker's receiver)."""
+        with self._busy:
+            self._reload_fn = reload_fn
+            self._recover_fn = recover_fn
+            self._cache_slots_fn = cache_slots_fn
+            if config is not None:
+                self.config = config
 
     def arm_fault(self, spec: FaultSpec | Mapping) -> dict:
         self._fault = spec if isinstance(spec, FaultSpec) else FaultSpec.from_dict(spec)
@@ -356,7 +327,7 @@ class _UpdateSession:
         self.r.cache.matches_model = filled
         if not filled:
             why = ("weight_cache is off" if not self.r.config.weight_cache
-                   else "no previous complete version")
+                   else "no copy of the previous weights: the cache is filled by a completed update")
             self.r.reload_error = (f"aborted update without previous values to fill in ({why}): layers "
                                    "that were only partly received hold undefined values until the next update")
 

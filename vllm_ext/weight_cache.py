@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from checkpoint_engine.checksum import tensor_checksum
+from checkpoint_engine.prefault import prefault
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class WeightCache:
         dst = self._tensors.get(name)
         if dst is None or dst.shape != src.shape or dst.dtype != src.dtype or dst.device != src.device:
             dst = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            prefault((dst,))  # one call maps its pages, instead of a fault per page in the copy below
             self._tensors[name] = dst
             self.num_allocations += 1
         dst.copy_(src)

@@ -23,6 +23,7 @@ carries the `_ckpt_engine_` prefix (`update_weights` would clash with vLLM's own
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,16 @@ class VllmColocateWorkerExtension:
     def _ckpt_engine_receiver(self):
         receiver = getattr(self, "_ckpt_engine_receiver_obj", None)
         if receiver is None:
+            from vllm_ext.loader import take_initial_receiver
             from vllm_ext.receiver import ReceiverConfig, WeightReceiver
 
+            receiver = take_initial_receiver()  # the load step received the weights (load format checkpoint_engine)
+            if receiver is not None:
+                receiver.rebind(self._ckpt_engine_reload, recover_fn=self._ckpt_engine_recover,
+                                cache_slots_fn=self._ckpt_engine_cache_slots)
+                self._ckpt_engine_receiver_obj = receiver
+                logger.info("checkpoint-engine receiver taken over from the load step (%s)", receiver.config)
+                return receiver
             extra = getattr(self.vllm_config, "additional_config", None) or {}
             settings = extra.get("checkpoint_engine") if isinstance(extra, Mapping) else None
             dummy = str(getattr(self.vllm_config.load_config, "load_format", "")) == "dummy"
@@ -147,9 +156,26 @@ class VllmColocateWorkerExtension:
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
 
     def _ckpt_engine_tp_rank(self) -> int:
-        try:
-            from vllm.distributed import get_tensor_model_parallel_rank
+        return tp_rank_and_size()[0]
 
-            return get_tensor_model_parallel_rank()
-        except (ImportError, AssertionError, RuntimeError):
-            return 0
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and size ((0, 1) when vLLM's groups are not set up)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError, RuntimeError):
+        return 0, 1
+
+
+def _register_load_format() -> None:
+    """vLLM imports this module in its worker before loading the model: make `checkpoint_engine` known
+    there (also without the package's vLLM plugin entry point). Imported elsewhere, it stays light."""
+    if "vllm" in sys.modules:
+        from vllm_ext.loader import register_load_format
+
+        register_load_format()
+
+
+_register_load_format()

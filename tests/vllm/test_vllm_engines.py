@@ -3,7 +3,8 @@
 Four vLLM starts for the whole module, all at once (module fixtures):
   ref_a    LLM(A) started normally (+ extension), then updated in process to B via llm_req_func
   ref_b    LLM(B) started normally                              } child processes running this file
-  fast     `python -m vllm_ext.launch --model A` (dummy + initial push, holds early requests)
+  fast     `python -m vllm_ext.launch --model A` (vLLM's load step receives A from the launcher's
+           parameter server: load format checkpoint_engine; holds early requests)
   gated    `python -m vllm_ext.launch --no-initial-push --no-weight-cache --reload-impl vllm` (dummy;
            refuses requests until a push; receives without a host copy: the PS's memory goes straight
            to vLLM's own reload_weights, where `fast` and `ref_a` use the direct CPU reload)
@@ -185,8 +186,14 @@ def test_fast_start_answers_only_with_pushed_weights(engines):
     got = [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])]
     assert got == refs["a"]["token_ids"]  # token for token: a vLLM started normally from A
     assert got != engines["dummy"]  # and not what the dummy weights answer
-    state = engines["fast"].status()["weights"][0]
+    status = engines["fast"].status()
+    state = status["weights"][0]
     assert (state["version"], state["status"], state["weights_complete"]) == (1, "ready", True)
+    phases = status["phase_times_s"]  # the weights came in vLLM's load step, before vLLM was healthy
+    assert phases["starting_engine"] < phases["loading_weights"] < phases["finishing_engine_start"] < phases["ready"]
+    assert "pushing_weights" not in phases
+    assert state["last_update"]["num_zero_copy"] == state["last_update"]["num_tensors"] > 0  # no copy but the load's
+    assert _checksums(engines)[0] is None  # honest: the load kept no copy; the first update fills the cache
 
 
 def test_gated_engine_refuses_before_weights(engines):

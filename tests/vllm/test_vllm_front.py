@@ -216,6 +216,29 @@ def test_vllm_command_starts_dummy_with_extension(tmp_path):
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[-2:] == ["--dtype", "float32"]
 
 
+def test_vllm_command_loads_from_the_rendezvous(tmp_path):
+    cfg = LaunchConfig(model=str(tmp_path), startup_timeout_s=123)
+    cmd = vllm_command(cfg, 1234, rendezvous="ipc:///tmp/x/load.sock")
+    assert cmd[cmd.index("--load-format") + 1] == "checkpoint_engine"
+    extra = json.loads(cmd[cmd.index("--model-loader-extra-config") + 1])
+    assert extra == {"rendezvous": "ipc:///tmp/x/load.sock", "timeout_s": 123.0}
+    from vllm_ext.loader import LoaderSettings
+
+    assert LoaderSettings.from_dict(extra).timeout_s == 123.0  # what the loader will parse
+
+
+def test_launch_config_rejects_unknown_initial_mode_and_loader_flags(tmp_path):
+    with pytest.raises(ValueError, match="initial_mode"):
+        LaunchConfig(model=str(tmp_path), initial_mode="lazy")
+    with pytest.raises(ValueError, match="--model-loader-extra-config"):
+        LaunchConfig(model=str(tmp_path), vllm_args=("--model-loader-extra-config", "{}"))
+    with pytest.raises(ValueError, match="tensor-parallel-size 2"):
+        LaunchConfig(model=str(tmp_path), vllm_args=("--tensor-parallel-size", "2"))
+    with pytest.raises(ValueError, match="tensor-parallel-size 4"):
+        LaunchConfig(model=str(tmp_path), vllm_args=("-tp=4",))
+    assert LaunchConfig(model=str(tmp_path), initial_mode="push", vllm_args=("-tp", "2")).initial_mode == "push"
+
+
 def test_default_engine_settings_are_not_passed(tmp_path):
     # vLLM hashes --additional-config into its compile-cache key: defaults must not change it
     assert "--additional-config" not in vllm_command(LaunchConfig(model=str(tmp_path)), 1234)
@@ -261,6 +284,18 @@ def test_cli_help_is_instant(module):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout
+
+
+def test_launcher_spawns_vllm_before_importing_anything_heavy(tmp_path):
+    # vLLM's start is the long pole: building its command line must not import torch (~0.8 s of CPU
+    # that vLLM's own start would wait for on a small machine)
+    code = ("import sys\nfrom vllm_ext.launch import LaunchConfig, Launcher, vllm_command\n"
+            f"cfg = LaunchConfig(model={str(tmp_path)!r}, reload_mode='end')\n"
+            "Launcher(cfg)\nvllm_command(cfg, 1234, 'ipc:///tmp/x')\n"
+            "heavy = [m for m in ('torch', 'vllm', 'zmq', 'httpx', 'uvicorn') if m in sys.modules]\n"
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
 
 
 def test_push_shards_partition_the_checkpoint(tmp_path):

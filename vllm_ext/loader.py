@@ -1,0 +1,302 @@
+"""vLLM load format `checkpoint_engine`: the engine's own load step takes its weights from a parameter server.
+
+    vllm serve DIR --load-format checkpoint_engine --worker-extension-cls vllm_ext.worker.VllmColocateWorkerExtension \
+        --model-loader-extra-config '{"rendezvous": "ipc:///run/me/load.sock", "timeout_s": 900}'
+
+vLLM starts as usual (processes, model construction); when it reaches its load step, the loader
+binds a ZMQ REP socket at `rendezvous` and waits (up to `timeout_s`) for the parameter server:
+
+    PS side (launcher)                          engine side (this loader, inside vLLM's load_model)
+    wait_for_loader:  {"op": "hello"}     ──▶   {"ok": true, "waiting": true}
+    ps.update(name, loader_req_func(...)):
+        req_func:     {"op": "load",      ──▶   WeightReceiver.receive(handle): buckets ─▶ model.load_weights
+                       "zmq_handles": {...}}    (vLLM's loaders, no packing: vLLM packs right after, as for a disk load)
+                                          ◀──   {"ok": true, "report": {...}}   (or {"ok": false, "error": "..."})
+
+So the parameter server reads the checkpoint while vLLM starts, and vLLM never holds dummy weights:
+no random initialisation, no packing of dummy weights, no second packing after a push. The receiver
+that did the load (its version 1, its weight cache) is handed to the worker extension, which uses
+it for later updates. Messages are JSON (nothing is unpickled). A bad request is answered with an
+error and the loader keeps waiting; a failed or aborted load fails vLLM's start with that error.
+
+`LoaderSettings`, `serve_initial_load`, `wait_for_loader` and `loader_req_func` need no vLLM;
+`register_load_format()` registers the loader with vLLM. The worker extension does that when vLLM
+imports it in the worker, before the model is loaded, so the load format needs
+`--worker-extension-cls vllm_ext.worker.VllmColocateWorkerExtension` (which also carries the receiver
+on to later updates). Not a `vllm.general_plugins` entry point: that would import vLLM's loader
+registry (~0.5 s) in every process of every vLLM start on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+
+logger = logging.getLogger(__name__)
+vllm_logger = logging.getLogger("vllm.checkpoint_engine")  # inside vLLM's processes: shown in vLLM's log
+
+LOAD_FORMAT = "checkpoint_engine"
+MAX_MESSAGE_BYTES = 1 << 20
+POLL_S = 0.5  # how often the waits below re-check liveness; every wait has its own deadline
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """`--model-loader-extra-config` of the `checkpoint_engine` load format."""
+
+    rendezvous: str  # ipc://PATH or tcp://HOST:PORT; "{rank}" is replaced by the TP rank
+    timeout_s: float = 900.0  # how long the load step waits for the parameter server, and for each of its messages
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rendezvous, str) or not self.rendezvous.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"rendezvous must be an ipc:// or tcp:// address, got {self.rendezvous!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None) -> LoaderSettings:
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown {LOAD_FORMAT} loader setting(s) {unknown}; known: {sorted(known)}")
+        if "rendezvous" not in d:
+            raise ValueError(f"load format {LOAD_FORMAT!r} needs --model-loader-extra-config "
+                             "'{\"rendezvous\": \"ipc://PATH\"}' (where the parameter server will reach the engine)")
+        return cls(**d)
+
+    def address(self, tp_rank: int, tp_size: int) -> str:
+        if tp_size > 1 and "{rank}" not in self.rendezvous:
+            raise ValueError(f"with {tp_size} tensor-parallel ranks the rendezvous needs a '{{rank}}' placeholder, "
+                             f"got {self.rendezvous!r}")
+        return self.rendezvous.replace("{rank}", str(tp_rank))
+
+
+def parse_request(raw: bytes) -> dict:
+    """A rendezvous request: {"op": "hello"} or {"op": "load", "zmq_handles": {device_id: address}}."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"request of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"request is not JSON: {e}") from None
+    if not isinstance(msg, dict) or msg.get("op") not in ("hello", "load"):
+        raise ValueError(f"request must be a JSON object with op 'hello' or 'load', got {str(msg)[:200]}")
+    if msg["op"] == "load":
+        handles = msg.get("zmq_handles")
+        if (not isinstance(handles, dict) or not handles
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in handles.items())):
+            raise ValueError(f"'load' needs zmq_handles, a non-empty {{device_id: address}} object, got {handles!r}")
+    return msg
+
+
+def serve_initial_load(address: str, receive: Callable[[dict[str, str]], dict], *, timeout_s: float,
+                       ctx=None) -> dict:
+    """Engine side: answer hellos, run `receive(zmq_handles)` for the first valid load request, reply.
+
+    Returns receive's report. Raises TimeoutError when no load request came within `timeout_s`
+    (and no message arrived for `timeout_s` since the last one), or the load's own error.
+    """
+    import zmq
+
+    own_ctx = ctx is None
+    ctx = ctx or zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 2000)
+    try:
+        sock.bind(address)
+        logger.info("waiting for the parameter server at %s (up to %.0f s)", address, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not sock.poll(left_ms):
+                raise TimeoutError(f"no parameter server sent the weights to {address} within {timeout_s:.0f} s")
+            raw = sock.recv()
+            deadline = time.monotonic() + timeout_s  # a peer is there: each message gets the full deadline
+            try:
+                msg = parse_request(raw)
+            except ValueError as e:
+                logger.warning("rejected a rendezvous request: %s", e)
+                sock.send(json.dumps({"ok": False, "error": str(e)}).encode())
+                continue
+            if msg["op"] == "hello":
+                sock.send(json.dumps({"ok": True, "waiting": True}).encode())
+                continue
+            try:
+                report = receive(msg["zmq_handles"])
+            except BaseException as e:
+                sock.send(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}).encode())
+                raise
+            sock.send(json.dumps({"ok": True, "report": report}, default=str).encode())
+            return report
+    finally:
+        sock.close()
+        if own_ctx:
+            ctx.term()
+
+
+class LoaderRendezvousError(RuntimeError):
+    """The engine's load step answered with an error, or could not be reached in time."""
+
+
+def _request(address: str, msg: dict, *, timeout_s: float, is_alive: Callable[[], bool] | None) -> dict:
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)  # the engine may bind later: zmq connects when it does
+        sock.send(json.dumps(msg).encode())
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(int(POLL_S * 1000)):
+            if is_alive is not None and not is_alive():
+                raise LoaderRendezvousError(f"the engine exited before its load step answered {msg['op']!r}")
+            if time.monotonic() > deadline:
+                raise LoaderRendezvousError(f"the engine's load step at {address} did not answer {msg['op']!r} "
+                                            f"within {timeout_s:.0f} s")
+        raw = sock.recv()
+    finally:
+        sock.close()
+    try:
+        answer = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise LoaderRendezvousError(f"the engine's load step answered non-JSON: {raw[:200]!r}") from None
+    if not isinstance(answer, dict) or not answer.get("ok"):
+        error = answer.get("error") if isinstance(answer, dict) else answer
+        raise LoaderRendezvousError(f"the engine's load step failed: {error}")
+    return answer
+
+
+def wait_for_loader(address: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> None:
+    """PS side: return once the engine sits in its load step, listening at `address`."""
+    _request(address, {"op": "hello"}, timeout_s=timeout_s, is_alive=is_alive)
+
+
+def loader_req_func(address: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None,
+                    result: dict | None = None) -> Callable[[Sequence[tuple[str, str]]], None]:
+    """req_func for `ps.update` that hands the PS's sockets to an engine waiting in its load step.
+
+    One PS rank per engine (TP = 1). `result`, if given, receives the engine's report.
+    """
+
+    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+        answer = _request(address, {"op": "load", "zmq_handles": dict(socket_paths)}, timeout_s=timeout_s,
+                          is_alive=is_alive)
+        if result is not None:
+            result.update(answer.get("report") or {})
+
+    return req_func
+
+
+# -- handoff to the worker extension (same process) ----------------------------------------------
+_initial_lock = threading.Lock()
+_initial_receiver = None
+
+
+def take_initial_receiver():
+    """The receiver that performed this process's initial load (once), or None."""
+    global _initial_receiver
+    with _initial_lock:
+        receiver, _initial_receiver = _initial_receiver, None
+    return receiver
+
+
+def _keep_initial_receiver(receiver) -> None:
+    global _initial_receiver
+    with _initial_lock:
+        _initial_receiver = receiver
+
+
+def missing_parameters(param_names: Sequence[str], loaded: set[str]) -> list[str]:
+    """Parameters the load did not fill (sorted)."""
+    return sorted(set(param_names) - loaded)
+
+
+# -- vLLM -----------------------------------------------------------------------------------------
+def register_load_format() -> None:
+    """Register `checkpoint_engine` with vLLM's loader registry (idempotent)."""
+    from vllm.model_executor import model_loader as registry
+
+    if LOAD_FORMAT in getattr(registry, "_LOAD_FORMAT_TO_MODEL_LOADER", {}):
+        return
+    registry.register_model_loader(LOAD_FORMAT)(_loader_class())
+
+
+def _loader_class():
+    import torch
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    class CheckpointEngineLoader(BaseModelLoader):
+        """vLLM loader whose weights come from a parameter server (see the module docstring)."""
+
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            self.settings = LoaderSettings.from_dict(load_config.model_loader_extra_config)
+
+        def download_model(self, model_config) -> None:
+            pass  # nothing to download: the parameter server brings the weights
+
+        def load_weights(self, model: torch.nn.Module, model_config) -> None:
+            t_enter = time.perf_counter()
+            from vllm.config import get_current_vllm_config, set_current_vllm_config
+
+            from checkpoint_engine.prefault import prefault
+            from vllm_ext.receiver import ReceiverConfig, WeightReceiver
+            from vllm_ext.worker import select_handle, tp_rank_and_size
+
+            vllm_config = get_current_vllm_config()
+            extra = getattr(vllm_config, "additional_config", None) or {}
+            config = ReceiverConfig.from_dict(extra.get("checkpoint_engine") if isinstance(extra, Mapping) else None)
+            tp_rank, tp_size = tp_rank_and_size()
+            address = self.settings.address(tp_rank, tp_size)
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            loaded: set[str] = set()
+
+            def load(weights) -> None:  # runs in the receiver's reload thread: re-enter vLLM's context there
+                with set_current_vllm_config(vllm_config), torch.device(device):
+                    names = model.load_weights(weights)
+                loaded.update(names or ())
+
+            # The load itself keeps no copy: the PS's registered memory goes to vLLM's loaders as views
+            # (one copy, into the parameters, as a disk load does). The weight cache, when configured,
+            # is filled by the first update (until then: no checksum, no fill-in after an abort).
+            receiver = WeightReceiver(load, config=replace(config, weight_cache=False))
+            is_cuda = device.type == "cuda"
+
+            # The parameters are fresh memory: map their pages in bulk now (one call each) rather than
+            # take a page fault per 4 KiB page inside the loaders' copies.
+            prefault_bytes = prefault(p.data for p in model.parameters())
+            t_ready = time.perf_counter()
+            t_request: list[float] = []
+
+            def receive(handles: dict[str, str]) -> dict:
+                """One update into the fresh model; every parameter must be filled (else the PS hears why)."""
+                t_request.append(time.perf_counter())
+                uuid = str(torch.cuda.get_device_properties(device).uuid) if is_cuda else None
+                handle = select_handle(handles, device_uuid=uuid, tp_rank=tp_rank)
+                report = receiver.receive(handle, device.index if is_cuda else None)
+                missing = missing_parameters([n for n, _ in model.named_parameters()], loaded)
+                if missing:
+                    raise ValueError(f"checkpoint {report.get('checkpoint')!r} has no weights for {len(missing)} "
+                                     f"parameter(s) of the model, e.g. {missing[:5]}")
+                return report
+
+            report = serve_initial_load(address, receive, timeout_s=self.settings.timeout_s)
+            if receiver.mappings is not None:
+                receiver.mappings.clear()  # nothing refers to the PS's memory any more: let it go with the PS
+            receiver.config = config  # later updates run under the engine's settings
+            _keep_initial_receiver(receiver)
+            last = report.get("last_update") or {}
+            vllm_logger.info("checkpoint %r from the parameter server: set-up %.2f s (%.2f GiB of parameters "
+                             "prefaulted), waited %.2f s, loaded %d tensors in %.2f s (mapping and transfer %.2f s, "
+                             "loaders %.2f s)", report.get("checkpoint"), t_ready - t_enter, prefault_bytes / 2**30,
+                             t_request[0] - t_ready, len(loaded), time.perf_counter() - t_request[0],
+                             last.get("transfer_s") or 0.0, last.get("reload_tail_s") or 0.0)
+
+    return CheckpointEngineLoader
+
