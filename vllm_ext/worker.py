@@ -65,7 +65,15 @@ class VllmColocateWorkerExtension:
 
             uuid = str(torch.cuda.get_device_properties(device).uuid)
         handle = select_handle(zmq_handles, device_uuid=uuid, tp_rank=self._ckpt_engine_tp_rank())
-        return receiver.receive(handle, device.index if is_cuda else None)
+        undefined_before = receiver.reload_error is not None
+        report = receiver.receive(handle, device.index if is_cuda else None)
+        if undefined_before and receiver.reload_error is None:
+            # The engine served from undefined weights (an aborted update with nothing to fill in): the
+            # KV cache memory may hold NaNs, which attention can read from the unused slots of a reused
+            # block even after the prefix cache was reset. The weights are whole again: clear it.
+            receiver.last_update["kv_cache_cleared_bytes"] = self._ckpt_engine_clear_kv_cache()
+            report = receiver.report()
+        return report
 
     def weights_state(self) -> dict:
         report = self._ckpt_engine_receiver().report()
@@ -143,6 +151,21 @@ class VllmColocateWorkerExtension:
         logger.info("checkpoint-engine reload: %s (%s)", "direct" if direct is not None else "vllm",
                     self._ckpt_engine_impl_note)
         return direct
+
+    def _ckpt_engine_clear_kv_cache(self) -> int:
+        """Zero every KV cache tensor of this worker; return the bytes cleared."""
+        import torch
+
+        cleared, todo = 0, list(getattr(self.model_runner, "kv_caches", None) or [])
+        while todo:
+            item = todo.pop()
+            if isinstance(item, torch.Tensor):
+                item.zero_()
+                cleared += item.numel() * item.element_size()
+            elif isinstance(item, (list, tuple)):
+                todo.extend(item)
+        logger.warning("cleared %.2f GiB of KV cache after undefined weights were served", cleared / 2**30)
+        return cleared
 
     def _ckpt_engine_cache_slots(self) -> dict:
         direct = getattr(self, "_ckpt_engine_direct_obj", None)
