@@ -116,11 +116,20 @@ def test_missing_parameters():
     assert missing_parameters(["a"], {"a"}) == []
 
 
-def test_initial_load_through_the_rendezvous(ps, tmp_path):
-    address = f"ipc://{tmp_path}/load.sock"
-    ckpt = make_ckpt(1)
-    ps.register_checkpoint("A", named_tensors=ckpt)
-    ps.gather_metas("A")
+def registered(ps, name: str, seed: int) -> dict[str, torch.Tensor]:
+    ckpt = make_ckpt(seed)
+    ps.register_checkpoint(name, named_tensors=ckpt)
+    ps.gather_metas(name)
+    return ckpt
+
+
+@pytest.fixture
+def address(tmp_path) -> str:
+    return f"ipc://{tmp_path}/load.sock"
+
+
+def test_initial_load_through_the_rendezvous(ps, address):
+    ckpt = registered(ps, "A", seed=1)
     engine = Engine(address)
     wait_for_loader(address, timeout_s=20)
     wait_for_loader(address, timeout_s=20)  # hellos may repeat (a retrying launcher)
@@ -135,11 +144,8 @@ def test_initial_load_through_the_rendezvous(ps, tmp_path):
     assert engine.receiver.checksum_report()["checksum"] == checkpoint_checksum(ckpt)
 
 
-def test_bad_request_is_answered_and_the_loader_keeps_waiting(ps, tmp_path):
-    address = f"ipc://{tmp_path}/load.sock"
-    ckpt = make_ckpt(2)
-    ps.register_checkpoint("B", named_tensors=ckpt)
-    ps.gather_metas("B")
+def test_bad_request_is_answered_and_the_loader_keeps_waiting(ps, address):
+    registered(ps, "B", seed=2)
     engine = Engine(address)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
@@ -156,10 +162,8 @@ def test_bad_request_is_answered_and_the_loader_keeps_waiting(ps, tmp_path):
     assert engine.error is None and engine.report["version"] == 1
 
 
-def test_engine_side_failure_reaches_the_ps_and_fails_the_load(ps, tmp_path):
-    address = f"ipc://{tmp_path}/load.sock"
-    ps.register_checkpoint("A", named_tensors=make_ckpt(1))
-    ps.gather_metas("A")
+def test_engine_side_failure_reaches_the_ps_and_fails_the_load(ps, address):
+    registered(ps, "A", seed=1)
     engine = Engine(address, fail=True)
     with pytest.raises(UpdateFailed):
         ps.update("A", loader_req_func(address, timeout_s=20))
@@ -168,9 +172,7 @@ def test_engine_side_failure_reaches_the_ps_and_fails_the_load(ps, tmp_path):
     assert engine.receiver.report()["status"] == "incomplete"
 
 
-def test_req_func_raises_the_engines_error(tmp_path):
-    address = f"ipc://{tmp_path}/load.sock"
-
+def test_req_func_raises_the_engines_error(address):
     def refuse(handles):
         raise RuntimeError("the model has no parameter 'x'")
 
