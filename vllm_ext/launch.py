@@ -189,6 +189,7 @@ class Launcher:
         self._server = None
         self._stop = threading.Event()
         self._ps = None
+        self._ps_lock = threading.Lock()
         self._ps_error: BaseException | None = None
         self._supervising = False
         self._rendezvous_dir: str | None = None
@@ -288,15 +289,19 @@ class Launcher:
                                                                      is_alive=alive, result=engine)).to_dict()
             self._load_metrics = {**metrics, "engine_version": engine.get("version"),
                                   "engine_side": engine.get("last_update")}
+            # vLLM copied the weights into its own parameters: give the host copy back now, before vLLM
+            # allocates its KV cache (on a VM that backs memory lazily, fresh pages cost ~4x to touch).
+            self.release_ps()
             self.gate.set_phase("finishing_engine_start", "weights loaded; vLLM finishes its start (compile, KV cache)")
         except BaseException as e:  # noqa: BLE001 - re-raised by run()
             self._load_error = e
 
     def release_ps(self) -> None:
-        """The host copy is not needed once the engine holds the weights."""
-        if self._ps is not None:
-            self._ps.close()
-            self._ps = None
+        """The host copy is not needed once the engine holds the weights (idempotent, any thread)."""
+        with self._ps_lock:
+            ps, self._ps = self._ps, None
+        if ps is not None:
+            ps.close()
 
     def refresh_gate(self) -> bool:
         from vllm_ext.req import collective_rpc
@@ -332,7 +337,6 @@ class Launcher:
                 raise RuntimeError(f"loading the weights into vLLM failed: {self._load_error}") from self._load_error
             if not self.refresh_gate():
                 raise RuntimeError(f"vLLM loaded the weights but reports {self.gate.snapshot()['weights']}")
-            self.release_ps()
             logger.info("weights loaded in vLLM's load step: %s", json.dumps(self._load_metrics))
         elif self.cfg.initial_push:
             metrics = self.push(registering)

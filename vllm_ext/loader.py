@@ -149,6 +149,10 @@ def _request(address: str, msg: dict, *, timeout_s: float, is_alive: Callable[[]
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    # The engine binds when it reaches its load step; until then zmq retries the connection every
+    # RECONNECT_IVL (100 ms by default), which the load would wait on: retry every 10 ms instead.
+    sock.setsockopt(zmq.RECONNECT_IVL, 10)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 10)
     try:
         sock.connect(address)  # the engine may bind later: zmq connects when it does
         sock.send(json.dumps(msg).encode())

@@ -151,10 +151,14 @@ class LaunchedServer(ServerProcess):
 
 
 def vllm_serve_command(model_dir: str | Path, port: int, *, vllm_args: Sequence[str] = CPU_ENGINE_ARGS,
-                       load_format: str = "auto", additional_config: dict | None = None) -> list[str]:
-    """`vllm serve` (through vllm_ext.serve) with the extension, loading the checkpoint itself."""
+                       load_format: str = "auto", additional_config: dict | None = None,
+                       extension: bool = True) -> list[str]:
+    """`vllm serve` (through vllm_ext.serve) loading the checkpoint itself; with the worker extension
+    unless `extension` is False (vLLM exactly as a user without this project runs it)."""
     cmd = [sys.executable, "-m", "vllm_ext.serve", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--load-format", load_format, "--worker-extension-cls", EXTENSION, *vllm_args]
+           "--load-format", load_format, *vllm_args]
+    if extension:
+        cmd += ["--worker-extension-cls", EXTENSION]
     if additional_config:
         cmd += ["--additional-config", json.dumps(additional_config)]
     return cmd

@@ -192,13 +192,16 @@ def tp_rank_and_size() -> tuple[int, int]:
         return 0, 1
 
 
-def _register_load_format() -> None:
-    """vLLM imports this module in its worker before loading the model: make `checkpoint_engine` known
-    there (also without the package's vLLM plugin entry point). Imported elsewhere, it stays light."""
+def _prepare_vllm_process() -> None:
+    """vLLM imports this module in its worker before loading the model: make the `checkpoint_engine` load
+    format known there (also without a vLLM plugin entry point) and let the engine load its compiled model
+    from vLLM's cache (`vllm_ext.compile_cache`). Imported elsewhere, it stays light."""
     if "vllm" in sys.modules:
+        from vllm_ext.compile_cache import repair_aot_cache_load
         from vllm_ext.loader import register_load_format
 
         register_load_format()
+        repair_aot_cache_load()
 
 
-_register_load_format()
+_prepare_vllm_process()

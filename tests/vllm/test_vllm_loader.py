@@ -204,3 +204,29 @@ def test_waits_have_deadlines(tmp_path):
     with pytest.raises(TimeoutError, match="no parameter server sent the weights"):
         serve_initial_load(f"ipc://{tmp_path}/alone.sock", lambda h: {}, timeout_s=0.5)
     assert time.monotonic() - t0 < 10
+
+
+class _AliveProcess:
+    """Stands in for the vLLM process the launcher watches."""
+
+    def poll(self):
+        return None
+
+
+def test_launcher_releases_its_host_copy_once_the_load_step_returns(ps, address, tmp_path):
+    from vllm_ext.launch import LaunchConfig, Launcher
+
+    ckpt = registered(ps, "A", seed=3)
+    launcher = Launcher(LaunchConfig(model=str(tmp_path), checkpoint_name="A"))
+    launcher._ps, launcher.rendezvous, launcher.proc = ps, address, _AliveProcess()
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    engine = Engine(address)
+    launcher.load_into_engine(done)  # waits for the loader, updates it, releases the PS
+    engine.join()
+    assert launcher._load_error is None and engine.error is None
+    assert launcher._ps is None, "the parameter server should be closed right after the load step"
+    assert launcher.gate.snapshot()["phase"] == "finishing_engine_start"
+    assert launcher._load_metrics["engine_version"] == 1
+    assert all(torch.equal(engine.weights[k], v) for k, v in ckpt.items())  # the engine's copy outlives the PS
+    launcher.release_ps()  # idempotent: close() calls it again
