@@ -8,18 +8,19 @@
     vLLM (127.0.0.1:internal port, dummy weights until the first update)
 
 The gate opens when every worker reports weights version >= 1 (a complete update), learned from
-the launcher's own push, from a proxied `update_weights_from_ipc` answer, or by polling. It never
+vLLM's load step (once vLLM is healthy), the launcher's own push, a proxied
+`update_weights_from_ipc` answer, or by polling. It never
 closes again: a later aborted update leaves the engine serving and reporting `incomplete`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,15 @@ class Gate:
         self._ready_after_s: float | None = None
         self._num_held = 0  # requests waiting for the gate right now
         self._phase_times_s: dict[str, float] = {self._phase: 0.0}  # when each phase began
+        self._on_open: list[Callable[[], None]] = []  # called once, when the gate opens
+
+    def on_open(self, fn: Callable[[], None]) -> None:
+        """Call `fn` (from the thread that opens the gate) once it opens; now if it is open already."""
+        with self._lock:
+            if not self._opened.is_set():
+                self._on_open.append(fn)
+                return
+        fn()
 
     @property
     def is_open(self) -> bool:
@@ -69,6 +79,9 @@ class Gate:
             self._ready_after_s = time.monotonic() - self._t0
             self._phase_times_s["ready"] = round(self._ready_after_s, 3)
             self._opened.set()
+            callbacks, self._on_open = self._on_open, []
+        for fn in callbacks:
+            fn()
         logger.info("gate open after %.1f s: weights version %s", self._ready_after_s,
                     [r.get("version") for r in reports])
         return True
@@ -104,6 +117,16 @@ def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        import asyncio
+
+        loop, opened = asyncio.get_running_loop(), asyncio.Event()
+        state["opened"] = opened
+
+        def wake_held_requests() -> None:
+            with contextlib.suppress(RuntimeError):  # the server (and its loop) may have stopped already
+                loop.call_soon_threadsafe(opened.set)
+
+        gate.on_open(wake_held_requests)
         state["client"] = httpx.AsyncClient(base_url=engine_url,
                                             timeout=httpx.Timeout(proxy_timeout_s, connect=10.0))
         try:
@@ -123,7 +146,7 @@ def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_
         path = request.url.path
         control = path.startswith(CONTROL_PATHS)
         if not control and not gate.is_open:
-            if not await _wait_open(gate, wait_s):
+            if not await _wait_open(gate, state["opened"], wait_s):
                 return JSONResponse(not_ready_body(gate.snapshot()), status_code=503, headers={"Retry-After": "5"})
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -149,13 +172,15 @@ def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-async def _wait_open(gate: Gate, wait_s: float) -> bool:
-    """Hold a request until the gate opens or `wait_s` passes (cheap polling: no thread per request)."""
-    deadline = time.monotonic() + wait_s
+async def _wait_open(gate: Gate, opened, wait_s: float) -> bool:
+    """Hold a request until the gate opens (`opened`, an asyncio.Event the gate sets) or `wait_s` passes."""
+    import asyncio
+
     gate.count_held(1)
     try:
-        while not gate.is_open and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await asyncio.wait_for(opened.wait(), timeout=wait_s)
+    except (asyncio.TimeoutError, TimeoutError):
+        pass
     finally:
         gate.count_held(-1)
     return gate.is_open

@@ -195,6 +195,7 @@ class Launcher:
         self._rendezvous_dir: str | None = None
         self.rendezvous: str | None = None
         self._load_metrics: dict | None = None
+        self._load_report: dict = {}  # the engine's report at the end of its load step
         self._load_error: BaseException | None = None
 
     # -- pieces ---------------------------------------------------------------------------
@@ -287,6 +288,7 @@ class Launcher:
             engine: dict = {}
             metrics = self._ps.update(self.cfg.name, loader_req_func(self.rendezvous, timeout_s=self.cfg.push_timeout_s,
                                                                      is_alive=alive, result=engine)).to_dict()
+            self._load_report = engine
             self._load_metrics = {**metrics, "engine_version": engine.get("version"),
                                   "engine_side": engine.get("last_update")}
             # vLLM copied the weights into its own parameters: give the host copy back now, before vLLM
@@ -304,9 +306,14 @@ class Launcher:
             ps.close()
 
     def refresh_gate(self) -> bool:
+        """Record the workers' weight reports at the gate (which opens on loaded weights); True when they
+        show loaded weights (also when the gate was open already)."""
+        from vllm_ext.gate import weights_loaded
         from vllm_ext.req import collective_rpc
 
-        return self.gate.observe(collective_rpc(self.engine_url, "weights_state", timeout_s=30.0))
+        reports = collective_rpc(self.engine_url, "weights_state", timeout_s=30.0)
+        self.gate.observe(reports)
+        return weights_loaded(reports)
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> int:
@@ -321,20 +328,21 @@ class Launcher:
                 loading.start()
         self.import_gate_modules()
         self.start_gate()
-        try:
-            waited_s = wait_until_healthy(self.engine_url, timeout_s=self.cfg.startup_timeout_s,
-                                          is_alive=lambda: self.proc.poll() is None)
-        except RuntimeError as e:
-            if self._load_error is not None:  # why vLLM's start failed, from the PS side
-                raise RuntimeError(f"{e}; loading the weights: {self._load_error}") from self._load_error
-            raise
-        logger.info("engine healthy after %.1f s", waited_s)
-        if self.rendezvous is not None:
-            loading.join(self.cfg.push_timeout_s)  # vLLM is healthy only after its load step: done, or nearly
+        if self.rendezvous is not None:  # vLLM answers nothing before its load step: no health polls until then
+            bound_s = 2 * self.cfg.startup_timeout_s + self.cfg.push_timeout_s  # the load thread's own deadlines
+            loading.join(bound_s)
             if loading.is_alive():
-                raise TimeoutError(f"the parameter server's update did not end within {self.cfg.push_timeout_s:.0f} s")
+                raise TimeoutError(f"vLLM's load step did not end within {bound_s:.0f} s")
             if self._load_error is not None:
                 raise RuntimeError(f"loading the weights into vLLM failed: {self._load_error}") from self._load_error
+        waited_s = wait_until_healthy(self.engine_url, timeout_s=self.cfg.startup_timeout_s,
+                                      is_alive=lambda: self.proc.poll() is None,
+                                      interval_s=0.02 if self.rendezvous is not None else 0.1)
+        logger.info("engine healthy after %.1f s", waited_s)
+        if self.rendezvous is not None:
+            # The load step's own report (version 1) opens the gate at once; the workers' report then
+            # confirms it (an engine that disagrees is stopped: the launcher exits non-zero).
+            self.gate.observe([self._load_report])
             if not self.refresh_gate():
                 raise RuntimeError(f"vLLM loaded the weights but reports {self.gate.snapshot()['weights']}")
             logger.info("weights loaded in vLLM's load step: %s", json.dumps(self._load_metrics))

@@ -147,8 +147,10 @@ def get_json(url: str, *, timeout_s: float = 10.0) -> tuple[int, dict]:
             return e.code, {}
 
 
-def wait_until_healthy(endpoint: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> float:
-    """Poll GET {endpoint}/health until 200; return the seconds waited. Raises TimeoutError/RuntimeError."""
+def wait_until_healthy(endpoint: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None,
+                       interval_s: float = 0.1) -> float:
+    """Poll GET {endpoint}/health every `interval_s` until 200; return the seconds waited.
+    Raises TimeoutError/RuntimeError."""
     start = time.monotonic()
     while True:
         if is_alive is not None and not is_alive():
@@ -161,4 +163,4 @@ def wait_until_healthy(endpoint: str, *, timeout_s: float, is_alive: Callable[[]
             pass
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"{endpoint} did not become healthy within {timeout_s:.0f} s")
-        time.sleep(0.1)  # polling interval of a readiness probe, bounded by the deadline above
+        time.sleep(interval_s)  # polling interval of a readiness probe, bounded by the deadline above

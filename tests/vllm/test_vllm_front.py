@@ -178,6 +178,18 @@ def test_gate_holds_requests_until_open(engine):
         assert result["r"].status_code == 200
 
 
+def test_gate_calls_open_callbacks_once():
+    gate, calls = Gate(), []
+    gate.on_open(lambda: calls.append("early"))
+    gate.observe([{"version": 0, "status": "incomplete"}])
+    assert calls == []
+    gate.observe([{"version": 1}])
+    gate.observe([{"version": 2}])
+    assert calls == ["early"]
+    gate.on_open(lambda: calls.append("late"))  # registered after opening: called at once
+    assert calls == ["early", "late"]
+
+
 def test_gate_hold_times_out_with_503(engine):
     with _client(Gate(), engine.url, wait_s=0.2) as c:
         t0 = time.monotonic()
