@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from orchestrator import task
+from orchestrator.cpu import AUTOCAST_DTYPES
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig
@@ -101,21 +102,24 @@ class RLConfig:
     min_lr_ratio: float = 0.1  # cosine: the last iteration's lr is lr * min_lr_ratio
     temperature: float = 1.0
     top_p: float = 1.0
-    num_threads: int = 2
-    autocast_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    num_threads: int | None = None  # None: every CPU of the process's affinity
+    # "auto": bfloat16 only where the CPU runs it natively (orchestrator.cpu), else float32.
+    autocast_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_iterations", "num_minibatches", "num_epochs", "num_threads"):
+        for name in ("num_iterations", "num_minibatches", "num_epochs"):
             _positive_int("rl", name, getattr(self, name))
+        if self.num_threads is not None:
+            _positive_int("rl", "num_threads", self.num_threads)
         _positive_int("rl", "num_responses_per_prompt", self.num_responses_per_prompt, low=2)
         for name in ("tau", "lr", "grad_clip", "temperature"):
             _positive_number("rl", name, getattr(self, name))
         _positive_number("rl", "weight_decay", self.weight_decay, allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rl.top_p={self.top_p!r} must be in (0, 1]")
-        if self.autocast_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"rl.autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.autocast_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"rl.autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"rl.optimizer={self.optimizer!r} must be 'adamw' or 'sgd'")
         if not self.adam_eps > 0:

@@ -349,6 +349,8 @@ class RLJob:
             "sft_vllm_by_level": self.progress.get("sft_vllm_by_level"),
             "sft_transformers_by_level": self.progress.get("sft_reference_by_level"),
             "sft_model_dir": str(self.sft_model_dir),
+            "autocast": self.trainer.dtype_choice.to_dict(), "sft_autocast": self.sft_summary.get("autocast"),
+            "trainer_num_threads": self.trainer.num_threads,
         }
         if records:
             self._plot(records)

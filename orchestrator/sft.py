@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from orchestrator import task
+from orchestrator.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +62,22 @@ class SFTConfig:
     grad_clip: float = 1.0
     seed: int = 0
     init_seed: int = 0
-    # One thread: on this 2-core machine shared with other jobs (or with vLLM during RL), two
-    # threads measured 2-3x slower per step than one (spinning OpenMP threads get preempted).
-    num_threads: int = 1
+    num_threads: int | None = None  # None: every CPU of the process's affinity
     num_layers: int = 4
     hidden_size: int = 256
     eval_levels: tuple[int, ...] = tuple(sorted(task.LEVELS))
     num_eval_problems_per_level: int = 64
     heldout_seed: int = 0
     eval_every_steps: int = 0  # 0: only the final evaluation
-    autocast_dtype: str = "bfloat16"
+    # "auto": bfloat16 only where the CPU runs it natively (orchestrator.cpu); resolved before the
+    # cache key is taken, so the key names the dtype that trained the weights.
+    autocast_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "batch_size", "num_threads", "num_layers", "hidden_size"):
             value = getattr(self, name)
+            if name == "num_threads" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         for name in ("warmup_steps", "num_eval_problems_per_level", "eval_every_steps"):
@@ -90,8 +93,8 @@ class SFTConfig:
                 or sum(self.level_weights) <= 0):
             raise ValueError(f"level_weights={self.level_weights!r} must be {len(self.levels)} "
                              f"non-negative numbers, not all 0")
-        if self.autocast_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.autocast_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -164,18 +167,18 @@ def accuracy_by_level(model, tokenizer, problems: Sequence[task.Problem]) -> dic
 
 
 def evaluate_greedy(model_dir: str | pathlib.Path, problems: Sequence[task.Problem],
-                    num_threads: int = 2) -> float:
+                    num_threads: int | None = None) -> float:
     """Fraction of ``problems`` a model directory answers correctly with greedy decoding."""
     model, tokenizer = _load(model_dir, num_threads)
     responses = greedy_responses(model, tokenizer, problems)
     return sum(task.is_correct(p, r) for p, r in zip(problems, responses)) / max(1, len(problems))
 
 
-def _load(model_dir, num_threads: int):
+def _load(model_dir, num_threads: int | None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(num_threads)
+    torch.set_num_threads(num_threads_for(num_threads))
     return (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
             AutoTokenizer.from_pretrained(model_dir))
 
@@ -257,6 +260,8 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
     Results live in ``<out_dir>/sft-<config hash>/``: ``model/`` (HF dir, vLLM-loadable),
     ``metrics.jsonl``, ``loss.png``, ``sft_done.json`` (config, timings, held-out accuracy).
     """
+    choice = resolve_autocast_dtype(config.autocast_dtype)
+    config = dataclasses.replace(config, autocast_dtype=choice.chosen)
     root = pathlib.Path(out_dir)
     final = root / f"sft-{config.cache_key()}"
     if (final / DONE_FILE).exists():
@@ -269,6 +274,7 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
         _plot_loss(work_dir)
         summary["model_dir"] = str(final / "model")
         summary["config"] = dataclasses.asdict(config)
+        summary["autocast"] = choice.to_dict()
         (work_dir / DONE_FILE).write_text(json.dumps(summary, indent=2))
         logger.info("SFT done in %.0f s; held-out accuracy by level %s",
                     summary["train_s"], summary["heldout_accuracy_by_level"])
@@ -304,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--num-threads", type=int, default=defaults.num_threads)
+    parser.add_argument("--autocast-dtype", choices=AUTOCAST_DTYPES, default=defaults.autocast_dtype,
+                        help="auto: bfloat16 only where the CPU runs it natively (default: %(default)s)")
     parser.add_argument("--levels", type=int, nargs="+", default=list(defaults.levels))
     parser.add_argument("--level-weights", type=float, nargs="+", default=None,
                         help=f"one weight per level (default: {defaults.level_weights} for the default "
@@ -314,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = SFTConfig(num_steps=args.num_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                        num_threads=args.num_threads, levels=tuple(args.levels),
+                       autocast_dtype=args.autocast_dtype,
                        level_weights=_level_weights(args, defaults),
                        num_eval_problems_per_level=args.num_eval_problems_per_level)
     model_dir = run_sft(config, args.out_dir)

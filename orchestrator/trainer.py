@@ -25,6 +25,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from orchestrator.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
 from orchestrator.loss import sequence_logprobs as _masked_sequence_logprobs
 
 logger = logging.getLogger(__name__)
@@ -48,17 +49,18 @@ class TrainerConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    num_threads: int = 2
+    num_threads: int | None = None  # None: every CPU of the process's affinity (capped at those anyway)
     seed: int = 0
-    # "bfloat16" runs the forward under CPU autocast (about 1.6x faster here); weights,
-    # optimizer state and returned log-probs stay float32.
-    autocast_dtype: Literal["float32", "bfloat16"] = "float32"
+    # "bfloat16" runs the forward under CPU autocast (fast only with native bf16: AVX512-BF16/AMX/ARM
+    # BF16); "auto" picks it only where it is (orchestrator.cpu; the SFT and RL jobs default to it).
+    # Weights, optimizer state and returned log-probs stay float32.
+    autocast_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={self.optimizer!r} must be 'adamw' or 'sgd'")
-        if self.autocast_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.autocast_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
         for name in ("lr", "grad_clip", "eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
@@ -67,7 +69,7 @@ class TrainerConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
-        if not isinstance(self.num_threads, int) or self.num_threads < 1:
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads={self.num_threads!r} must be a positive int")
 
 
@@ -134,7 +136,10 @@ class HFTrainer:
 
         self.config = TrainerConfig() if config is None else config
         self.source_dir = pathlib.Path(model_dir)
-        torch.set_num_threads(self.config.num_threads)
+        self.num_threads = num_threads_for(self.config.num_threads)
+        torch.set_num_threads(self.num_threads)
+        self.dtype_choice = resolve_autocast_dtype(self.config.autocast_dtype)
+        self._autocast_bf16 = self.dtype_choice.chosen == "bfloat16"
         torch.manual_seed(self.config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=torch.float32)
         self.model.train()
@@ -173,7 +178,7 @@ class HFTrainer:
         """
         ids, attention, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks,
                                                   self.pad_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast_dtype == "bfloat16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._autocast_bf16):
             logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits
         return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
 
