@@ -1,8 +1,15 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# one version, kept in checkpoint_engine/__init__.py (read as text: no import at build time)
+VERSION = re.search(r'^__version__ = "([^"]+)"', Path(__file__).with_name("checkpoint_engine").joinpath(
+    "__init__.py").read_text(), re.M).group(1)
 
 setup(
     name="ckpt-engine-rl",
-    version="0.1.0",
+    version=VERSION,
     description="Fast weight sync from trainers into running inference engines, and a Kimi-k1.5-style RL loop on top",
     python_requires=">=3.10",
     packages=find_packages(include=["checkpoint_engine*", "vllm_ext*", "orchestrator*"]),
@@ -20,7 +27,8 @@ setup(
         # GPU machines: CUDA builds.
         "gpu": ["vllm>=0.11", "mooncake-transfer-engine>=0.3.6"],
         "etcd": ["etcd-sdk-python==0.0.7"],
-        "server": ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],
+        # aiohttp: the daemon (`torchrun -m checkpoint_engine`); fastapi/uvicorn/httpx: the RL side's services
+        "server": ["aiohttp>=3.9", "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],
         "rl": ["matplotlib>=3.7", "math-verify==0.9.0", "cyaron==0.7.0", "transformers>=4.45", "tokenizers>=0.19"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },

@@ -175,3 +175,16 @@ def _recv(sock: zmq.Socket, timeout_s: float, what: str) -> P.Message:
 def _short(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= 400 else text[:397] + "..."
+
+
+def __getattr__(name: str):
+    """Compat shim: ``checkpoint_engine.worker.VllmColocateWorkerExtension`` is the path MoonshotAI's
+    checkpoint-engine documents for vLLM's ``--worker-extension-cls``. The class lives on the vLLM
+    side (``vllm_ext.worker``) and is imported only when asked for, so importing this module never
+    imports vLLM. This is the engine core's only reference upward (vLLM resolves the flag with
+    ``importlib.import_module`` + ``getattr``, which reaches this hook)."""
+    if name == "VllmColocateWorkerExtension":
+        from vllm_ext.worker import VllmColocateWorkerExtension
+
+        return VllmColocateWorkerExtension
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
