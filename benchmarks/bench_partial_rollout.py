@@ -225,6 +225,9 @@ def measure(llm, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from checkpoint_engine.procs import exit_on_signals
+
+    exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

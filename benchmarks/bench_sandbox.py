@@ -85,9 +85,11 @@ def free_port() -> int:
 def start_service(port: int, workers: int) -> subprocess.Popen:
     import httpx
 
+    from checkpoint_engine.procs import die_with_parent
+
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.sandbox", "--port", str(port),
                              "--workers", str(workers), "--max-queue", "1024",
-                             "--log-level", "WARNING"], cwd=REPO)
+                             "--log-level", "WARNING"], cwd=REPO, preexec_fn=die_with_parent)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -163,6 +165,9 @@ def measure_throughput(cores: int, concurrency: int, duration_s: float) -> dict:
 def main() -> int:
     args = parse_args()
     sys.path.insert(0, str(REPO))
+    from checkpoint_engine.procs import exit_on_signals
+
+    exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
     from orchestrator.sandbox.bwrap import probe_bwrap
 
     reason = probe_bwrap()

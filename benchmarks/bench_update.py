@@ -190,6 +190,9 @@ def measure_bound(total_bytes: int, rank: int) -> float:
 
 def main() -> int:
     args = parse_args()
+    from checkpoint_engine.procs import exit_on_signals
+
+    exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
     import torch
     import torch.distributed as dist
 

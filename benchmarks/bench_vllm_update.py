@@ -297,6 +297,9 @@ def main() -> int:
     p.add_argument("--out-dir", default="/tmp/bench_vllm_update")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     args = p.parse_args()
+    from checkpoint_engine.procs import exit_on_signals
+
+    exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
     if args.size_gib < 0.5:
         raise SystemExit("--size-gib must be >= 0.5 (the benchmark's contract)")
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from checkpoint_engine.procs import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 EXTENSION = "vllm_ext.worker.VllmColocateWorkerExtension"
@@ -239,7 +241,8 @@ class Launcher:
             self.rendezvous = f"ipc://{self._rendezvous_dir}/load.sock"
         cmd = vllm_command(self.cfg, self.engine_port, self.rendezvous)
         logger.info("starting: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, env=env)
+        # Own session (close() ends vLLM's engine processes with it); SIGTERM if this launcher dies.
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
     def register_checkpoint(self) -> None:
         """Runs in a thread while vLLM starts, at low CPU priority (it has a minute; vLLM is the long pole)."""
@@ -384,7 +387,7 @@ class Launcher:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its session: the engine core and workers too
                 self.proc.wait(10)
         if self._server is not None:
             self._server.should_exit = True

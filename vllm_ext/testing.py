@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkpoint_engine.procs import die_with_parent
 from vllm_ext.launch import EXTENSION, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env or child_env(), cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
