@@ -106,8 +106,21 @@ class RLConfig:
     # "auto": bfloat16 only where the CPU runs it natively (orchestrator.cpu), else float32.
     autocast_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     seed: int = 0
+    # The policy loss over the same rollouts (orchestrator.policy.make_objective): "k15" eq. (3) with
+    # tau; the baselines "grpo" (normalised group advantage, per-token ratio to the rollout policy
+    # clipped at 1 +- clip_eps, k3 KL to the initial policy weighted by kl_coef) and "reinforce"
+    # (group-mean baseline, no reference, no clipping).
+    algorithm: Literal["k15", "grpo", "reinforce"] = "k15"
+    clip_eps: float = 0.2
+    kl_coef: float = 0.04
 
     def __post_init__(self) -> None:
+        if self.algorithm not in ("k15", "grpo", "reinforce"):
+            raise ValueError(f"rl.algorithm={self.algorithm!r} must be 'k15', 'grpo' or 'reinforce'")
+        _positive_number("rl", "clip_eps", self.clip_eps)
+        if not self.clip_eps < 1:
+            raise ValueError(f"rl.clip_eps={self.clip_eps!r} must be in (0, 1)")
+        _positive_number("rl", "kl_coef", self.kl_coef, allow_zero=True)
         for name in ("num_iterations", "num_minibatches", "num_epochs"):
             _positive_int("rl", name, getattr(self, name))
         if self.num_threads is not None:

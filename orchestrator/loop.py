@@ -17,7 +17,8 @@
       finished groups of k ──▶ group_rewards: task reward - repeat penalty + length penalty (after warm-up)
           │                ──▶ ProblemStats.record (success rate per problem)
           ▼
-      train_iteration: reset optimizer; logp_ref from the iteration-start weights; minibatch steps (eq. 3)
+      train_iteration: reset optimizer; logp_ref from the iteration-start weights; minibatch steps (eq. 3,
+          or the rl.algorithm baseline: grpo | reinforce)
           ▼
       WeightSync.push(version i+1): register -> gather_metas -> update(engine) -> unregister v i
           ▼
@@ -91,6 +92,7 @@ class RLJob:
         self.engine_factory = engine_factory
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         self.engine = None
+        self.initial_policy = None
         self.sync = None
         self.rollout = None
         self.progress: dict[str, Any] = {}
@@ -127,6 +129,9 @@ class RLJob:
             lr=c.rl.lr, optimizer=c.rl.optimizer, eps=c.rl.adam_eps, weight_decay=c.rl.weight_decay,
             grad_clip=c.rl.grad_clip, num_threads=c.rl.num_threads,
             seed=c.rl.seed, autocast_dtype=c.rl.autocast_dtype))
+        # GRPO's KL reference: the policy RL started from, frozen (a resumed run starts it from the same dir)
+        self.initial_policy = (HFTrainer(self.sft_model_dir, self.trainer.config)
+                               if c.rl.algorithm == "grpo" and c.rl.kl_coef > 0 else None)
         self.tokenizer = AutoTokenizer.from_pretrained(self.sft_model_dir)
         self.pool = data.train_pool(c.data)
         self.problems = {p.id: p for p in self.pool}
@@ -238,7 +243,9 @@ class RLJob:
         rng = random.Random(f"{c.rl.seed}/{iteration}")
         return train_iteration(self.trainer, batch, TrainConfig(tau=c.rl.tau, lr=c.rl.lr_at(iteration),
                                                                 num_minibatches=c.rl.num_minibatches,
-                                                                num_epochs=c.rl.num_epochs), rng)
+                                                                num_epochs=c.rl.num_epochs, algorithm=c.rl.algorithm,
+                                                                clip_eps=c.rl.clip_eps, kl_coef=c.rl.kl_coef),
+                               rng, initial_policy=self.initial_policy)
 
     def _iteration(self, i: int) -> dict[str, Any]:
         """Iteration ``i`` (0-based) under policy version i; returns its metrics record."""
