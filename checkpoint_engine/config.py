@@ -18,7 +18,7 @@ class UpdateConfig:
     engine_connect_timeout_s: float = 120.0
     engine_timeout_s: float = 300.0  # per bucket ack
     req_func_timeout_s: float = 600.0
-    verify_checksums: bool = False
+    # (checksums: ParameterServerConfig.verify_checksums is the one switch; they are computed at gather_metas)
     progress: bool = False
     metrics_path: str | None = None
     # "collective": broadcast every bucket across ranks (gloo/NCCL); "local": all ranks share one host

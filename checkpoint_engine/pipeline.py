@@ -27,6 +27,7 @@ import zmq
 
 from checkpoint_engine import protocol as P
 from checkpoint_engine.config import UpdateConfig
+from checkpoint_engine.errors import UpdateFailed  # noqa: F401 - re-exported: callers import it from here
 from checkpoint_engine.host_memory import RegisteredCheckpoint
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics
@@ -38,13 +39,6 @@ logger = logging.getLogger(__name__)
 
 ReqFunc = Callable[[list[tuple[str, str]]], None]
 REASON_BYTES = 384
-
-
-class UpdateFailed(RuntimeError):
-    def __init__(self, failures: dict[int, str]):
-        self.failures = failures
-        detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
-        super().__init__(f"weight update aborted on all ranks ({detail})")
 
 
 class StatusExchange:

@@ -40,6 +40,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GlobalMetas:
+    """What every rank knows about one checkpoint: the owners' side and this job's side.
+
+    Owners (ranks holding tensors): `rank_metas`, `chunk_handles`, `p2p_addrs`, `chunk_ptrs`,
+    `owner_pids`, `owner_hosts`. This job (every rank): `device_ids`, `pids`, `hosts` (engine
+    addresses, dead-rank checks). After `gather_metas` both describe this job; `load_metas` of another
+    job's metas replaces the owners' side only (the join flow), so owners may live in another job.
+    """
+
     checkpoint: str
     rank_metas: dict[int, tuple[TensorMeta, ...]]
     device_ids: tuple[str, ...]
@@ -49,6 +57,21 @@ class GlobalMetas:
     chunk_handles: dict[int, list[BufferHandle]]  # per rank: memfd handles of its chunks (CPU)
     p2p_addrs: dict[int, str] = field(default_factory=dict)  # per owner rank: Mooncake address
     chunk_ptrs: dict[int, list[int]] = field(default_factory=dict)  # per owner rank: chunk addresses
+    owner_pids: dict[int, int] = field(default_factory=dict)  # per owner rank: its PS process
+    owner_hosts: dict[int, str] = field(default_factory=dict)  # per owner rank: its host
+    job_local: bool = field(default=True, compare=False)  # device_ids/pids/hosts are this job's (not sent)
+
+    def __post_init__(self) -> None:  # metas of older writers: owners are ranks of the job described
+        for r in self.rank_metas:
+            if r < len(self.pids):
+                self.owner_pids.setdefault(r, self.pids[r])
+                self.owner_hosts.setdefault(r, self.hosts[r])
+
+    @property
+    def owners_in_job(self) -> bool:
+        """True when every owner rank is the rank of the same number in this job (same process)."""
+        return all(r < len(self.pids) and self.owner_pids.get(r) == self.pids[r]
+                   and self.owner_hosts.get(r) == self.hosts[r] for r in self.rank_metas)
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "device_ids": list(self.device_ids), "pids": list(self.pids),
@@ -58,6 +81,8 @@ class GlobalMetas:
                                   for r, hs in self.chunk_handles.items()},
                 "p2p_addrs": {str(r): a for r, a in self.p2p_addrs.items()},
                 "chunk_ptrs": {str(r): ps for r, ps in self.chunk_ptrs.items()},
+                "owner_pids": {str(r): p for r, p in self.owner_pids.items()},
+                "owner_hosts": {str(r): h for r, h in self.owner_hosts.items()},
                 "checksums": self.checksums}
 
     @classmethod
@@ -69,9 +94,16 @@ class GlobalMetas:
             return cls(str(d["checkpoint"]), ranks, tuple(str(x) for x in d["device_ids"]),
                        tuple(int(x) for x in d["pids"]), tuple(str(x) for x in d["hosts"]), d.get("checksums"),
                        handles, {int(r): str(a) for r, a in d.get("p2p_addrs", {}).items()},
-                       {int(r): [int(p) for p in ps] for r, ps in d.get("chunk_ptrs", {}).items()})
+                       {int(r): [int(p) for p in ps] for r, ps in d.get("chunk_ptrs", {}).items()},
+                       {int(r): int(p) for r, p in d.get("owner_pids", {}).items()},
+                       {int(r): str(h) for r, h in d.get("owner_hosts", {}).items()})
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"malformed metas: {e!r}") from None
+
+    def with_job(self, device_ids, pids, hosts) -> GlobalMetas:
+        """These metas' owners, with this job's per-rank info."""
+        return replace(self, device_ids=tuple(device_ids), pids=tuple(pids), hosts=tuple(hosts),
+                       owner_pids=dict(self.owner_pids), owner_hosts=dict(self.owner_hosts), job_local=True)
 
 
 def _env_int(value: int | None, var: str) -> int:
@@ -109,6 +141,8 @@ class ParameterServer:
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank % count))
         self._transport = make_transport(self.config.transport, self._local_rank)
         self._host_pool = HostMemoryPool(self._transport.alloc_host, enabled=self.config.reuse_host_memory)
+        self._shared_pool = HostMemoryPool(self._transport.alloc_host, enabled=True)  # use_shared_memory_pool
+        self._shared_pool_user: str | None = None
         self._auto_pg = auto_pg
         self._master_addr = master_addr
         self._master_port = master_port
@@ -165,18 +199,45 @@ class ParameterServer:
 
     # -- registration -----------------------------------------------------------------------
     def register_checkpoint(self, checkpoint_name: str, *, files: Sequence[str] | None = None,
-                            named_tensors: Mapping[str, torch.Tensor] | None = None, **_compat) -> None:
-        """Copy this rank's shard of `checkpoint_name` into host memory (both sources may be given)."""
+                            named_tensors: Mapping[str, torch.Tensor] | None = None,
+                            use_shared_memory_pool: bool = False, use_inplace_pin_memory: bool = True,
+                            **unknown) -> None:
+        """Copy this rank's shard of `checkpoint_name` into host memory (both sources may be given).
+
+        MoonshotAI's options, accepted with this meaning here:
+        `use_shared_memory_pool`: the chunks come from one shared pool kept across checkpoints: when
+        the checkpoint is unregistered its chunks stay allocated (and mapped by the engines) for the
+        next shared-pool registration of the same sizes, whatever `reuse_host_memory` says. One
+        registered checkpoint may use the pool at a time.
+        `use_inplace_pin_memory`: accepted and ignored. Files are always copied into the PS's own
+        chunks (memfd on CPU, pinned on CUDA) and never removed (MoonshotAI pins /dev/shm files in
+        place on CUDA and deletes them).
+        """
+        if unknown:
+            raise TypeError(f"register_checkpoint() got unexpected keyword argument(s) {sorted(unknown)}; it accepts "
+                            "files, named_tensors, use_shared_memory_pool, use_inplace_pin_memory")
+        for flag, v in (("use_shared_memory_pool", use_shared_memory_pool),
+                        ("use_inplace_pin_memory", use_inplace_pin_memory)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{flag} must be a bool, got {v!r}")
         if not checkpoint_name or not isinstance(checkpoint_name, str):
             raise ValueError(f"checkpoint name must be a non-empty string, got {checkpoint_name!r}")
         if checkpoint_name in self._checkpoints:
             raise ValueError(f"checkpoint {checkpoint_name!r} is already registered; unregister it first")
+        pool = self._host_pool
+        if use_shared_memory_pool:
+            if self._shared_pool_user is not None:
+                raise ValueError(f"the shared memory pool is used by checkpoint {self._shared_pool_user!r}; "
+                                 "unregister it before registering another one with use_shared_memory_pool=True")
+            pool = self._shared_pool
         try:
             ckpt = register_tensors(
-                checkpoint_name, files=files, named_tensors=named_tensors, alloc_host=self._host_pool.alloc,
+                checkpoint_name, files=files, named_tensors=named_tensors, alloc_host=pool.alloc,
                 align_bytes=self.config.align_bytes, max_chunk_bytes=self.config.max_chunk_bytes)
         finally:
-            self._host_pool.trim()  # what this registration did not reuse
+            pool.trim()  # what this registration did not reuse
+        if use_shared_memory_pool:
+            self._shared_pool_user = checkpoint_name
         if self._p2p is not None:
             for c in ckpt.chunks:
                 self._p2p.register(c.tensor.data_ptr(), c.tensor.numel())
@@ -187,6 +248,8 @@ class ParameterServer:
         if checkpoint_name not in self._checkpoints:
             raise ValueError(f"checkpoint {checkpoint_name!r} is not registered (have: {sorted(self._checkpoints)})")
         ckpt = self._checkpoints.pop(checkpoint_name)
+        if self._shared_pool_user == checkpoint_name:
+            self._shared_pool_user = None
         if self._p2p is not None:
             for c in ckpt.chunks:
                 self._p2p.unregister(c.tensor.data_ptr())
@@ -196,7 +259,11 @@ class ParameterServer:
 
     # -- metas ------------------------------------------------------------------------------
     def gather_metas(self, checkpoint_name: str) -> None:
-        """Collective: every rank learns every rank's tensor metas for `checkpoint_name`."""
+        """Collective: every rank learns every rank's tensor metas for `checkpoint_name`.
+
+        A name no rank registered is allowed (the join flow): the ranks then only learn each other's
+        device ids, pids and hosts, and `load_metas` adds the owners (another job) before `update`.
+        """
         self._ensure_pg()
         ckpt = self._checkpoints.get(checkpoint_name)
         mine = {
@@ -216,8 +283,7 @@ class ParameterServer:
         names = {r: e["name"] for r, e in enumerate(everyone)}
         if len(set(names.values())) != 1:
             raise ValueError(f"gather_metas called with different checkpoint names on different ranks: {names}")
-        if not any(e["registered"] for e in everyone):
-            raise ValueError(f"checkpoint {checkpoint_name!r} is not registered on any rank")
+        owners = [r for r, e in enumerate(everyone) if e["metas"]]
         rank_metas = {r: tuple(TensorMeta.from_wire(x) for x in e["metas"]) for r, e in enumerate(everyone)}
         plan.check_global_metas(rank_metas)
         checksums = None
@@ -229,9 +295,14 @@ class ParameterServer:
             checkpoint_name, {r: ms for r, ms in rank_metas.items() if ms},
             tuple(e["device_id"] for e in everyone), tuple(e["pid"] for e in everyone),
             tuple(e["host"] for e in everyone), checksums, handles,
-            {r: e["p2p_addr"] for r, e in enumerate(everyone) if e["p2p_addr"] and e["metas"]},
-            {r: e["chunk_ptrs"] for r, e in enumerate(everyone) if e["metas"]})
+            {r: everyone[r]["p2p_addr"] for r in owners if everyone[r]["p2p_addr"]},
+            {r: everyone[r]["chunk_ptrs"] for r in owners},
+            {r: everyone[r]["pid"] for r in owners}, {r: everyone[r]["host"] for r in owners})
         self._last_gathered = checkpoint_name
+        if not owners:  # the join flow: a new job learns its own ranks' info, then load_metas(owners' metas)
+            logger.info("rank %d: %r is registered on no rank of this job; load_metas() must name its owners",
+                        self._rank, checkpoint_name)
+            return
         if self._rank == 0:
             self.registry.publish_metas(checkpoint_name, self._global[checkpoint_name].to_dict())
         n = sum(len(ms) for ms in rank_metas.values())
@@ -254,21 +325,49 @@ class ParameterServer:
         self.load_metas(metas)
 
     def load_metas(self, metas: Mapping) -> None:
+        """Take the owners' side of `metas` (what `get_metas()` returned, here or in another job).
+
+        When `gather_metas` of the same name ran in this job before, this job's device ids, pids and
+        hosts are kept (engine addresses, dead-rank checks) and only the owners' tensor metas, chunk
+        handles, P2P addresses and chunk pointers are taken. Otherwise the next `update` first
+        gathers this job's rank info (every rank calls `update`). Local: no collective here.
+        """
+        if not isinstance(metas, Mapping):
+            raise ValueError(f"metas must be the dict get_metas() returned, got {type(metas).__name__}")
         g = GlobalMetas.from_dict(metas)
         if len(g.device_ids) != self._world_size:
             raise ValueError(f"metas describe {len(g.device_ids)} ranks but this world has {self._world_size}")
         plan.check_global_metas(g.rank_metas)
+        if not g.rank_metas:
+            raise ValueError(f"metas of {g.checkpoint!r} name no owner rank (were they gathered where it is registered?)")
+        mine = self._global.get(g.checkpoint)
+        if mine is not None and mine.job_local:
+            g = g.with_job(mine.device_ids, mine.pids, mine.hosts)
+        else:
+            g = replace(g, job_local=False)
         self._global[g.checkpoint] = g
         self._last_gathered = g.checkpoint
+
+    def _with_job_info(self, g: GlobalMetas) -> GlobalMetas:
+        """Collective over every rank: this job's device ids, pids and hosts in place of the loaded ones."""
+        mine = [self._transport.device_id(self._rank), os.getpid(), socket.gethostname()]
+        everyone = all_gather_obj(mine, self._world_size)
+        g = g.with_job(*zip(*everyone))
+        self._global[g.checkpoint] = g
+        return g
 
     # -- update -----------------------------------------------------------------------------
     def update(self, checkpoint_name: str, req_func: Callable[[list[tuple[str, str]]], None], *,
                timeout: timedelta | float | None = None, ranks: list[int] | None = None) -> UpdateMetrics | None:
-        """Collective: push `checkpoint_name` into the engines.
+        """Collective: push `checkpoint_name` into the engines. Every rank must call it.
 
-        `ranks=None`: every rank's engine (broadcast or local mode). `ranks=[...]`: P2P, only those ranks'
-        engines: they read every bucket from the owners' registered memory through Mooncake while the
-        other ranks return at once (None) and their engines keep serving. Every rank must call it.
+        `ranks=None` or `[]`: every rank's engine (broadcast, or local mode on one CPU host).
+        `ranks=[...]`: only those ranks' engines pull the weights from the owners' registered memory;
+        the other ranks return None at once and their engines keep serving. Owners on this host with
+        the CPU transport: the engines read the owners' chunks directly (local mode, nothing to
+        configure); else through Mooncake (`ParameterServerConfig(p2p=P2PConfig(...))` on owners and
+        receivers). Owners must keep the checkpoint registered until the receivers are done.
+        Owners in another job (`load_metas`) are always pulled from, also with `ranks=None`.
         """
         if req_func is None or not callable(req_func):
             raise ValueError("req_func must be a callable taking the list of (device_id, zmq_address) pairs")
@@ -279,32 +378,32 @@ class ParameterServer:
                 raise ValueError(f"unknown checkpoint {checkpoint_name!r}: nothing is registered")
             raise ValueError(f"no metas for checkpoint {checkpoint_name!r}: call gather_metas({checkpoint_name!r}) "
                              f"on every rank before update (registered here: {known})")
+        g = self._global[checkpoint_name]
+        if not g.rank_metas:
+            raise ValueError(f"no rank owns {checkpoint_name!r}: it is registered nowhere in this job; load the "
+                             "owners' metas (load_metas(metas from get_metas() where it is registered)) first")
         self._ensure_pg()
+        if not g.job_local:
+            g = self._with_job_info(g)
         cfg = self.config.update
         if timeout is not None:
             secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
             cfg = replace(cfg, engine_connect_timeout_s=secs, engine_timeout_s=secs, req_func_timeout_s=secs)
-        g = self._global[checkpoint_name]
         seq = self._update_seq
         self._update_seq += 1
+        pull = bool(ranks) or not g.owners_in_job
         group = None
-        if ranks:
-            if self._p2p is None:
-                raise ValueError("P2P update (ranks=[...]) needs ParameterServerConfig(p2p=P2PConfig(...))")
-            missing = [r for r in g.rank_metas if r not in g.p2p_addrs]
-            if missing:
-                raise ValueError(f"owner ranks {missing} of {checkpoint_name!r} have no P2P address: start every "
-                                 "parameter server with p2p enabled")
+        if pull:
             group = dist.new_group(members) if self._world_size > 1 else None  # collective over every rank
             if self._rank not in members:
                 return None  # not a receiver: our engine keeps serving, undisturbed
-        job = self._make_job(g, req_func, cfg, seq, group=group, members=members)
-        publish = self._rank == members[0]
-        if publish:
-            self.registry.begin_update(job.update_id, {"checkpoint": checkpoint_name, "ranks": members,
-                                                       "mode": job.mode, "started_at_s": time.time()})
-        metrics = None
+        publish, job, metrics = False, None, None
         try:
+            job = self._make_job(g, req_func, cfg, seq, group=group, members=members, pull=pull)
+            publish = self._rank == members[0]
+            if publish:
+                self.registry.begin_update(job.update_id, {"checkpoint": checkpoint_name, "ranks": members,
+                                                           "mode": job.mode, "started_at_s": time.time()})
             metrics = run_broadcast_update(job)
         except UpdateFailed as e:
             logger.error("rank %d: %s", self._rank, e)
@@ -316,7 +415,7 @@ class ParameterServer:
                 self.registry.end_update(job.update_id, checkpoint_name,
                                          metrics.to_dict() if metrics else {"ok": False})
         self.last_metrics = metrics
-        if self._rank == 0:
+        if self._rank == members[0]:
             logger.info(metrics.summary())
         if cfg.metrics_path:
             append_jsonl(cfg.metrics_path, metrics.to_dict())
@@ -331,10 +430,11 @@ class ParameterServer:
         return members
 
     def _make_job(self, g: GlobalMetas, req_func, cfg: UpdateConfig, seq: int, *, group=None,
-                  members: list[int]) -> UpdateJob:
+                  members: list[int], pull: bool) -> UpdateJob:
         n = len(members)
         budget = self._memory_budget_bytes(cfg)
-        budgets = all_gather_obj([budget, seq], n, group)
+        # one small exchange: memory budgets, the update number, whether our engine can map every owner's chunks
+        budgets = all_gather_obj([budget, seq, self._engine_can_map_owners(g)], n, group)
         if len({b[1] for b in budgets}) != 1:
             raise RuntimeError(f"ranks disagree on the update sequence number: {[b[1] for b in budgets]}")
         bucket_size = plan.choose_bucket_size(g.rank_metas, requested_bytes=cfg.bucket_size_bytes,
@@ -348,25 +448,47 @@ class ParameterServer:
                 groups.setdefault(d, []).append(r)
             raise ValueError(f"metas of {g.checkpoint!r} differ between ranks (ranks grouped by identical plans: "
                              f"{sorted(groups.values())}); gather_metas/load_metas must give every rank the same view")
+        cannot_map = [r for r, b in zip(members, budgets) if not b[2]]
+        mode = self._choose_mode(g, cfg, pull=pull, cannot_map=cannot_map)
         addresses = [(g.device_ids[r], self._zmq_address(g.pids[r], r, seq)) for r in range(self._world_size)]
         return UpdateJob(
             rank=self._rank, world_size=self._world_size, group=group, checkpoint=g.checkpoint,
-            ckpt=self._checkpoints.get(g.checkpoint), buckets=buckets, bucket_size_bytes=bucket_size,
-            checksums=g.checksums, transport=self._transport, zmq_ctx=self._zmq_ctx,
+            ckpt=self._checkpoints.get(g.checkpoint) if g.owners_in_job else None, buckets=buckets,
+            bucket_size_bytes=bucket_size, checksums=g.checksums, transport=self._transport, zmq_ctx=self._zmq_ctx,
             address=addresses[self._rank][1], addresses=addresses, req_func=req_func, cfg=cfg,
-            update_id=f"{self._run_id}-{seq}", mode="p2p" if group is not None or n < self._world_size
-            else self._choose_mode(g, cfg), rank_chunk_handles=g.chunk_handles, pids=g.pids, hosts=g.hosts,
-            members=members, p2p=self._p2p, p2p_addrs=g.p2p_addrs, chunk_ptrs=g.chunk_ptrs)
+            update_id=f"{self._run_id}-{seq}", mode=mode, rank_chunk_handles=g.chunk_handles, pids=g.pids,
+            hosts=g.hosts, members=members, p2p=self._p2p, p2p_addrs=g.p2p_addrs, chunk_ptrs=g.chunk_ptrs)
 
-    def _choose_mode(self, g: GlobalMetas, cfg: UpdateConfig) -> str:
-        one_host = len(set(g.hosts)) == 1 and self._transport.engines_map_host_chunks
-        owners_shared = all(len(g.chunk_handles.get(r, [])) > 0 for r in g.rank_metas)
-        if cfg.mode == "local" and not (one_host and owners_shared):
-            raise ValueError("mode='local' needs every rank on one host with CPU transport "
-                             f"(hosts: {sorted(set(g.hosts))}, transport: {self._transport.backend})")
-        if cfg.mode == "auto":
-            return "local" if one_host and owners_shared else "collective"
-        return cfg.mode
+    def _engine_can_map_owners(self, g: GlobalMetas) -> bool:
+        """Our engine (on this host) can map every owner's chunks: CPU transport, owners on this host."""
+        here = socket.gethostname()
+        return self._transport.engines_map_host_chunks and all(
+            g.owner_hosts.get(r) == here and g.chunk_handles.get(r) for r in g.rank_metas)
+
+    def _choose_mode(self, g: GlobalMetas, cfg: UpdateConfig, *, pull: bool, cannot_map: list[int]) -> str:
+        """`local` when every taking part rank's engine can map the owners' chunks (and the config allows);
+        otherwise a broadcast (`collective`) or, for a pull (`ranks=[...]`, owners in another job), Mooncake."""
+        local_ok = not cannot_map
+        if cfg.mode == "local" and not local_ok:
+            raise ValueError("mode='local' needs every owner on the receivers' host with CPU transport (ranks "
+                             f"{cannot_map} cannot map the owners' chunks; owner hosts: "
+                             f"{sorted(set(g.owner_hosts.values()))}, transport: {self._transport.backend})")
+        if local_ok and cfg.mode in ("auto", "local"):
+            return "local"
+        if not pull:
+            return "collective"
+        if local_ok and self._p2p is None:
+            return "local"  # mode='collective' asked for moving bytes, but there is no Mooncake: read in place
+        if self._p2p is None:
+            where = ("the owners are in another job: " if not g.owners_in_job else "") + \
+                f"ranks {cannot_map} cannot map the owners' chunks (owner hosts {sorted(set(g.owner_hosts.values()))})"
+            raise ValueError(f"update of {g.checkpoint!r} from the owners' memory: {where}; across hosts (or with the "
+                             "CUDA transport) start every parameter server with ParameterServerConfig(p2p=P2PConfig(...))")
+        missing = [r for r in g.rank_metas if r not in g.p2p_addrs]
+        if missing:
+            raise ValueError(f"owner ranks {missing} of {g.checkpoint!r} have no P2P address: start every "
+                             "parameter server with p2p enabled")
+        return "p2p"
 
     def _memory_budget_bytes(self, cfg: UpdateConfig) -> int:
         if cfg.memory_budget_bytes is not None:
@@ -387,6 +509,8 @@ class ParameterServer:
             ckpt.close()
         self._checkpoints.clear()
         self._host_pool.trim()
+        self._shared_pool.trim()
+        self._shared_pool_user = None
         self._global.clear()
         self._transport.release_shared()
         self._zmq_ctx.term()
