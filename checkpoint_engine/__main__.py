@@ -7,6 +7,12 @@ Rank 0 serves the HTTP API; every rank holds its shard of each registered checkp
   GET  /metas/NAME, POST /metas                  export / import global metas (JSON) for P2P recovery
   GET  /checkpoints                              what is registered, the last update's metrics
   DELETE /checkpoints/NAME, GET /health, POST /shutdown
+MoonshotAI checkpoint-engine's routes (200 + empty body, 500 + error text), each acting on every rank:
+  POST /v1/checkpoints/NAME/files {"files": [...]}  register (files split across ranks), no gather
+  POST /v1/checkpoints/NAME/gather-metas           gather metas
+  POST /v1/checkpoints/NAME/update {"ranks": [], "update_url": URL | null, "inference_group_ranks": [],
+                                    "timeout": 300.0, "uds": PATH | null}
+  DELETE /v1/checkpoints/NAME, GET /v1/healthz
 """
 
 from __future__ import annotations
@@ -50,6 +56,12 @@ def main(argv=None) -> int:
     from checkpoint_engine.logs import setup_logging
     from checkpoint_engine.ps import ParameterServer
 
+    try:
+        import aiohttp  # noqa: F401 - rank 0's HTTP server
+    except ImportError:
+        print("error: the daemon needs aiohttp: pip install aiohttp (or the package's [server] extra)",
+              file=sys.stderr)
+        return 2
     for var in ("RANK", "WORLD_SIZE"):
         if var not in os.environ:
             print(f"error: ${var} is not set: launch with torchrun --nproc-per-node N -m checkpoint_engine",

@@ -1,7 +1,8 @@
 """Client side of "tell the engine to connect": req_func helpers over HTTP (no pickle).
 
 Engines expose vLLM's `POST /collective_rpc` shape: {"method", "args", "kwargs", "timeout"}.
-`request_inference_to_update` is call-compatible with the anchor project's helper.
+`request_inference_to_update` is call-compatible with MoonshotAI checkpoint-engine's helper;
+`group_req_func` is the req_func behind that project's daemon route `POST /v1/checkpoints/NAME/update`.
 """
 
 from __future__ import annotations
@@ -81,5 +82,28 @@ def http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engine: i
             return
         mine = dict(socket_paths[first: first + ranks_per_engine])
         request_inference_to_update(url, mine, timeout=timeout_s, uds=uds)
+
+    return req_func
+
+
+def group_req_func(update_url: str | None, *, rank: int, group_ranks: Sequence[int], timeout_s: float = 300.0,
+                   uds: str | None = None) -> ReqFunc:
+    """req_func of MoonshotAI's update route: one engine at `update_url` serves the devices of
+    `group_ranks`; the group's first rank sends their socket paths (in the order given).
+
+    `update_url=None`: nothing is sent (the engines are told by someone else).
+    """
+    if not group_ranks:
+        raise ValueError("group_ranks must name at least one rank")
+    sender = min(group_ranks)
+
+    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+        if update_url is None or rank != sender:
+            return
+        bad = [r for r in group_ranks if not 0 <= r < len(socket_paths)]
+        if bad:
+            raise ValueError(f"inference_group_ranks {bad} are outside the {len(socket_paths)} ranks of this job")
+        request_inference_to_update(update_url, dict(socket_paths[r] for r in group_ranks), timeout=timeout_s,
+                                    uds=uds)
 
     return req_func

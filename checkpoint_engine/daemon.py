@@ -8,6 +8,12 @@ HTTP API (127.0.0.1 or a unix socket by default) and relays each command to all 
                             result    ◀──key res/n/<rank>─── (JSON; rank 0 gathers with a deadline)
 
 Commands are JSON (never pickle). A command failing on any rank is reported with every rank's error.
+
+Beside its own routes, rank 0 serves MoonshotAI checkpoint-engine's HTTP API (`compat_routes`) on the
+same commands: one server for the whole job (their daemon ran one per rank), so each of those
+routes is called once and acts on every rank; `files` are split across ranks as `POST /checkpoints`
+does. Their answers: 200 with an empty body, 500 with the error text (a JSON string), 422 naming the
+field of a bad request.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from checkpoint_engine.api import http_req_func
+from checkpoint_engine.api import group_req_func, http_req_func
 from checkpoint_engine.ps import ParameterServer
 
 logger = logging.getLogger(__name__)
@@ -30,7 +36,11 @@ IDLE_WAIT_S = 5.0
 
 
 class CommandError(ValueError):
-    """A command whose arguments are wrong: answered with HTTP 400."""
+    """A command whose arguments are wrong: answered with HTTP 400 (422 on the compat routes)."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field  # the request field at fault ("" when it is the request as a whole)
 
 
 class Relay:
@@ -79,17 +89,17 @@ def execute(ps: ParameterServer, cmd: dict) -> dict:
         mine = [f for i, f in enumerate(sorted(files)) if i % ps.world_size == ps.rank] \
             if cmd.get("split_files", True) else files
         ps.register_checkpoint(cmd["name"], files=mine)
-        ps.gather_metas(cmd["name"])
+        if cmd.get("gather", True):
+            ps.gather_metas(cmd["name"])
         return {"registered_files": mine, **ps.checkpoints()[cmd["name"]]}
+    if op == "gather_metas":
+        ps.gather_metas(cmd["name"])
+        return {}
     if op == "unregister":
         ps.unregister_checkpoint(cmd["name"])
         return {}
     if op == "update":
-        endpoints = cmd["endpoints"]
-        per = int(cmd.get("ranks_per_engine", 1))
-        endpoint = endpoints[ps.rank // per] if isinstance(endpoints, list) else endpoints
-        req = http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=float(cmd.get("timeout_s", 300)))
-        m = ps.update(cmd["name"], req, timeout=cmd.get("timeout_s"), ranks=cmd.get("ranks"))
+        m = ps.update(cmd["name"], _req_func(ps, cmd), timeout=cmd.get("timeout_s"), ranks=cmd.get("ranks"))
         return m.to_dict() if m is not None else {"skipped": "not a P2P receiver"}
     if op == "get_metas":
         return ps.get_metas(cmd["name"]) if ps.rank == 0 else {}
@@ -104,24 +114,65 @@ def execute(ps: ParameterServer, cmd: dict) -> dict:
     raise CommandError(f"unknown op {op!r}")
 
 
+def _req_func(ps: ParameterServer, cmd: dict):
+    timeout_s = float(cmd.get("timeout_s") or 300)
+    if "update_url" in cmd:  # MoonshotAI's route: one engine, the devices of inference_group_ranks
+        url = cmd["update_url"]
+        if isinstance(url, list):  # our extension: one URL per engine, each serving world/len ranks
+            per = ps.world_size // len(url)
+            first = ps.rank // per * per
+            return group_req_func(url[ps.rank // per], rank=ps.rank, group_ranks=list(range(first, first + per)),
+                                  timeout_s=timeout_s, uds=cmd.get("uds"))
+        group = cmd.get("inference_group_ranks") or cmd.get("ranks") or list(range(ps.world_size))
+        return group_req_func(url, rank=ps.rank, group_ranks=group, timeout_s=timeout_s, uds=cmd.get("uds"))
+    endpoints = cmd["endpoints"]
+    per = int(cmd.get("ranks_per_engine", 1))
+    endpoint = endpoints[ps.rank // per] if isinstance(endpoints, list) else endpoints
+    return http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=timeout_s)
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in value)
+
+
 def validate(cmd: dict) -> dict:
     """Check a command on rank 0 before it goes to every rank (HTTP 400 on failure)."""
     op = cmd.get("op")
-    if op in ("register", "unregister", "update") and not (isinstance(cmd.get("name"), str) and cmd["name"]):
-        raise CommandError(f"{op}: 'name' must be a non-empty string")
+    if op in ("register", "unregister", "update", "gather_metas") and not (isinstance(cmd.get("name"), str) and cmd["name"]):
+        raise CommandError(f"{op}: 'name' must be a non-empty string", "name")
     if op == "register":
         files = cmd.get("files")
         if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
-            raise CommandError("register: 'files' must be a non-empty list of safetensors paths")
+            raise CommandError("register: 'files' must be a non-empty list of safetensors paths", "files")
     if op == "load_metas" and not isinstance(cmd.get("metas"), dict):
-        raise CommandError("load_metas: 'metas' must be the JSON object GET /metas/NAME returned")
-    if op == "update" and cmd.get("ranks") is not None and not (
-            isinstance(cmd["ranks"], list) and all(isinstance(r, int) for r in cmd["ranks"])):
-        raise CommandError("update: 'ranks' must be a list of ints (P2P receivers) or null")
-    if op == "update":
+        raise CommandError("load_metas: 'metas' must be the JSON object GET /metas/NAME returned", "metas")
+    if op == "update" and cmd.get("ranks") is not None and not _int_list(cmd["ranks"]):
+        raise CommandError("update: 'ranks' must be a list of ints (P2P receivers) or null", "ranks")
+    timeout_s = cmd.get("timeout_s")
+    if op == "update" and timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
+            timeout_s, (int, float)) or not timeout_s > 0):
+        raise CommandError(f"update: 'timeout_s' must be a number > 0, got {timeout_s!r}", "timeout_s")
+    if op == "update" and "update_url" in cmd:
+        url = cmd["update_url"]
+        if isinstance(url, list):
+            if not url or not all(isinstance(u, str) for u in url) or cmd.get("world_size", len(url)) % len(url):
+                raise CommandError("update: a list 'update_url' must hold one URL per engine, the engines "
+                                   f"serving equal numbers of ranks (world size {cmd.get('world_size')})", "update_url")
+            if cmd.get("inference_group_ranks"):
+                raise CommandError("update: 'inference_group_ranks' applies to a single 'update_url' only",
+                                   "inference_group_ranks")
+        elif url is not None and not isinstance(url, str):
+            raise CommandError("update: 'update_url' must be a URL string, a list of them (one per engine) or null",
+                               "update_url")
+        if cmd.get("uds") is not None and not isinstance(cmd["uds"], str):
+            raise CommandError("update: 'uds' must be a unix socket path or null", "uds")
+        if not _int_list(cmd.get("inference_group_ranks", [])):
+            raise CommandError("update: 'inference_group_ranks' must be a list of ints", "inference_group_ranks")
+    elif op == "update":
         eps = cmd.get("endpoints")
         if not (isinstance(eps, str) or (isinstance(eps, list) and eps and all(isinstance(e, str) for e in eps))):
-            raise CommandError("update: 'endpoints' must be an engine URL or a list of URLs (one per engine)")
+            raise CommandError("update: 'endpoints' must be an engine URL or a list of URLs (one per engine)",
+                               "endpoints")
     return cmd
 
 
@@ -210,11 +261,106 @@ def make_app(driver: Driver, stop: asyncio.Event):
         return web.json_response({"ok": True})
 
     app = web.Application(client_max_size=4 * 2**20)
+    app.add_routes(compat_routes(driver))
     app.add_routes([web.get("/health", health), web.get("/checkpoints", inspect), web.post("/checkpoints", register),
                     web.delete("/checkpoints/{name}", unregister), web.post("/update", update),
                     web.get("/metas/{name}", get_metas), web.post("/metas", load_metas),
                     web.post("/shutdown", shutdown)])
     return app
+
+
+def compat_routes(driver: Driver) -> list:
+    """MoonshotAI checkpoint-engine's `/v1` routes, on the same commands as ours."""
+    import math
+
+    from aiohttp import web
+
+    def bad(field: str, msg: str) -> web.Response:  # FastAPI's answer to a request that fails validation
+        return web.json_response({"detail": [{"loc": ["body", field] if field else ["body"], "msg": msg,
+                                              "type": "value_error"}]}, status=422)
+
+    async def body(request, *, required: bool):
+        raw = await request.read()
+        if not raw.strip() and not required:
+            return {}
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    async def call(cmd: dict) -> web.Response:
+        try:
+            validate(cmd)
+        except CommandError as e:
+            return bad("timeout" if e.field == "timeout_s" else e.field, str(e))
+        result = await asyncio.get_running_loop().run_in_executor(None, driver.run, cmd)
+        if result["ok"]:
+            return web.Response(status=200)
+        text = "; ".join(f"rank {r}: {err}" for r, err in result["errors"].items())
+        return web.json_response(text, status=500)
+
+    async def files(request):
+        data = await body(request, required=True)
+        if data is None:
+            return bad("", "body must be a JSON object {\"files\": [...]}")
+        fs = data.get("files")
+        if not isinstance(fs, list) or not all(isinstance(f, str) for f in fs):
+            return bad("files", "'files' must be a list of safetensors paths")
+        return await call({"op": "register", "name": request.match_info["name"], "files": fs, "gather": False})
+
+    async def gather_metas(request):
+        return await call({"op": "gather_metas", "name": request.match_info["name"]})
+
+    async def update(request):
+        data = await body(request, required=False)
+        if data is None:
+            return bad("", "body must be a JSON object")
+        timeout = data.get("timeout", 300.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+                or timeout <= 0:
+            return bad("timeout", f"'timeout' must be a number of seconds > 0, got {timeout!r}")
+        for field in ("ranks", "inference_group_ranks"):
+            value = data.get(field, [])
+            if not _int_list(value) or not all(0 <= r < driver.ps.world_size for r in value):
+                return bad(field, f"'{field}' must be a list of ranks in [0, {driver.ps.world_size}), got {value!r}")
+        ranks, group = data.get("ranks", []), data.get("inference_group_ranks", [])
+        if ranks and group and not set(group) <= set(ranks):
+            return bad("inference_group_ranks", f"'inference_group_ranks' {group} must be among the P2P "
+                       f"receivers 'ranks' {ranks}: only they ask their engines to update")
+        return await call({"op": "update", "name": request.match_info["name"], "ranks": ranks,
+                           "update_url": data.get("update_url"), "inference_group_ranks": group,
+                           "timeout_s": float(timeout), "uds": data.get("uds"), "world_size": driver.ps.world_size})
+
+    async def unregister(request):
+        return await call({"op": "unregister", "name": request.match_info["name"]})
+
+    async def healthz(request):
+        return web.Response(status=200)
+
+    return [web.post("/v1/checkpoints/{name}/files", files), web.post("/v1/checkpoints/{name}/gather-metas", gather_metas),
+            web.post("/v1/checkpoints/{name}/update", update), web.delete("/v1/checkpoints/{name}", unregister),
+            web.get("/v1/healthz", healthz)]
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove a unix socket file left by a dead server; refuse to take over a live one."""
+    import os
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise RuntimeError(f"--uds {path} exists and is not a socket")
+    except FileNotFoundError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError:  # nobody listens: a leftover
+            os.unlink(path)
+            return
+    raise RuntimeError(f"--uds {path}: another server is listening there")
 
 
 async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> None:
@@ -223,6 +369,8 @@ async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> N
     stop = asyncio.Event()
     runner = web.AppRunner(make_app(driver, stop))
     await runner.setup()
+    if uds:
+        _clear_stale_socket(uds)
     site = web.UnixSite(runner, uds) if uds else web.TCPSite(runner, host, port)
     await site.start()
     where = uds or f"http://{host}:{port}"
@@ -238,3 +386,9 @@ async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> N
     finally:
         await runner.cleanup()
         await loop.run_in_executor(None, driver.run, {"op": "exit"})
+        if uds:
+            import contextlib
+            import os
+
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(uds)
