@@ -79,7 +79,9 @@ def test_daemon_register_update_shutdown(tmp_path):
         rpc(engines[1].url, "reset_weights")
         code, res = call("POST", base + "/update", {"name": "m", "endpoints": [e.url for e in engines], "ranks": [1]})
         assert code == 200 and res["ok"], res
-        assert res["ranks"][0]["result"] == {"skipped": "not a P2P receiver"} and res["ranks"][1]["result"]["mode"] == "p2p"
+        # on one CPU host the receiver reads the owners' chunks in place ("local"); Mooncake ("p2p") across hosts
+        assert res["ranks"][0]["result"] == {"skipped": "not a P2P receiver"}
+        assert res["ranks"][1]["result"]["mode"] in ("local", "p2p")
         assert engines[1].digest() == expected and engines[1].state()["version"] == 1
         assert engines[0].state()["version"] == 1
         code, res = call("GET", base + "/metas/m")
@@ -137,7 +139,7 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
     engines = [Engine(), Engine()]
     daemon = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "checkpoint_engine", "--uds", uds, "--collective-timeout-s", "60", "--p2p-host", "127.0.0.1"],
+         "-m", "checkpoint_engine", "--uds", uds, "--collective-timeout-s", "60"]  # as theirs: no P2P flags,
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rpc_urls = [e.url + "/collective_rpc" for e in engines]
     try:
