@@ -139,7 +139,7 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
     engines = [Engine(), Engine()]
     daemon = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "checkpoint_engine", "--uds", uds, "--collective-timeout-s", "60"]  # as theirs: no P2P flags,
+         "-m", "checkpoint_engine", "--uds", uds, "--collective-timeout-s", "60"],  # as theirs: no P2P flags
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rpc_urls = [e.url + "/collective_rpc" for e in engines]
     try:
