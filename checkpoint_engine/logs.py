@@ -15,10 +15,14 @@ class RankFilter(logging.Filter):
         return True
 
 
-def setup_logging(level: str = "INFO", rank: int = 0) -> None:
+def setup_logging(level: str | int = "INFO", rank: int | None = None) -> None:
+    """Configure the root logger once, in ``main()``: one format everywhere, the rank where there is one."""
     handler = logging.StreamHandler()
-    handler.addFilter(RankFilter(rank))
-    handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(name)s %(levelname)s: %(message)s"))
+    prefix = "%(asctime)s "
+    if rank is not None:
+        handler.addFilter(RankFilter(rank))
+        prefix += "[rank %(rank)s] "
+    handler.setFormatter(logging.Formatter(prefix + "%(name)s %(levelname)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(level.upper() if isinstance(level, str) else level)

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-delay-s", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=120.0, help="deadline for each wait on the PS")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging("INFO")
     engine = PlainEngine(args.device, args.fail_on_bucket, args.die_on_bucket, args.load_delay_s, args.timeout_s)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine))
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())

@@ -56,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(to_dict(config), indent=2))
         return 0
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging(args.log_level)
     if args.log_level == "INFO":  # one line per update from the checkpoint engine drowns the progress bar
         logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
     _environment(config.engine.kv_cache_gib, args.log_level)

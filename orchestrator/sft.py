@@ -319,7 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-eval-problems-per-level", type=int,
                         default=defaults.num_eval_problems_per_level)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging("INFO")
     config = SFTConfig(num_steps=args.num_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                        num_threads=args.num_threads, levels=tuple(args.levels),
                        autocast_dtype=args.autocast_dtype,

@@ -446,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                        reload_impl=args.reload_impl,
                        bucket_size_bytes=args.bucket_size_bytes, register_nice=args.register_nice,
                        vllm_args=vllm_args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging(args.log_level)
     launcher = Launcher(cfg)
     signal.signal(signal.SIGTERM, launcher.stop)
     signal.signal(signal.SIGINT, launcher.stop)

@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if world % len(args.engine_url):
         raise SystemExit(f"world size {world} is not a multiple of the {len(args.engine_url)} engine URLs")
     per_engine = world // len(args.engine_url)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging("WARNING", rank=rank)
     try:
         out = push(args.model, args.engine_url[rank // per_engine], rank=rank, world_size=world,
                    master_port=args.master_port, ranks_per_engine=per_engine, checkpoint_name=args.checkpoint_name,

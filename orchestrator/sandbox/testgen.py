@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args(argv)
 
-    import logging
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging("INFO")
     cfg = TestGenConfig(num_inputs=args.num_inputs, min_case_agreement=args.min_case_agreement,
                         min_solutions_passing=args.min_solutions_passing, seed=args.seed)
     problems = load_problems(args.problems)
