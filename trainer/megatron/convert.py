@@ -106,6 +106,31 @@ class Parallelism:
         return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
 
 
+def hf_param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """HF Qwen2 parameter names and shapes for ``shape``, in HF order."""
+    h, hd, ffn = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    q, kv = shape.num_attention_heads * hd, shape.num_query_groups * hd
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab_size, h)}
+    for layer in range(shape.num_layers):
+        p = f"model.layers.{layer}."
+        out[p + "self_attn.q_proj.weight"] = (q, h)
+        if shape.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (q,)
+        out[p + "self_attn.k_proj.weight"] = (kv, h)
+        if shape.qkv_bias:
+            out[p + "self_attn.k_proj.bias"] = (kv,)
+        out[p + "self_attn.v_proj.weight"] = (kv, h)
+        if shape.qkv_bias:
+            out[p + "self_attn.v_proj.bias"] = (kv,)
+        out.update({p + "self_attn.o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (ffn, h),
+                    p + "mlp.up_proj.weight": (ffn, h), p + "mlp.down_proj.weight": (h, ffn),
+                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    out["model.norm.weight"] = (h,)
+    if not shape.tie_word_embeddings:
+        out["lm_head.weight"] = (shape.vocab_size, h)
+    return out
+
+
 def stage_layers(num_layers: int, parallel: Parallelism, pp_rank: int) -> tuple[int, int]:
     """(offset, count) of PP stage ``pp_rank``: its local layer i is global layer offset + i."""
     if not 0 <= pp_rank < parallel.pp_size:
