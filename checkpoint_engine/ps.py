@@ -167,6 +167,11 @@ class ParameterServer:
     def world_size(self) -> int:
         return self._world_size
 
+    @property
+    def device_id(self) -> str:
+        """This rank's device id: the key of its engine's entry in the list req_func receives."""
+        return self._transport.device_id(self._rank)
+
     def checkpoints(self) -> dict[str, dict]:
         return {n: {"num_tensors": len(c.layout.metas), "nbytes": c.nbytes, "gathered": n in self._global}
                 for n, c in self._checkpoints.items()}
