@@ -1,0 +1,254 @@
+"""Prompt-set curation (k1.5 sections 2.2/2.3): format filters, the easy-to-hack filter, difficulty
+from the model's own pass rate.
+
+    python -m orchestrator.curation --problems IN.jsonl --out OUT.jsonl --model DIR
+
+::
+
+    IN.jsonl (one problem per line: prompt, answer [, id, level, ...])
+        │ format filters: unparsable line, empty prompt, prompt over max_prompt_tokens,
+        │                 answer the verifier can never accept ("uncheckable_answer")
+        ▼
+    engine.generate  ── num_samples (10) per prompt at a high temperature, with chain of thought
+        │                 ──▶ pass_rate = correct / num_samples, difficulty = 1 - pass_rate
+        └──────────── num_hack_tries (8) per prompt asked to answer directly (prompt + "#### ":
+                         no chain of thought) ──▶ any correct: dropped as "easy_to_hack"
+        ▼
+    OUT.jsonl: every input line, with pass_rate, difficulty, num_correct, num_direct_correct,
+               kept (bool) and reason ("kept" | the first filter that dropped it)
+
+It codes against the rollout engine interface (``orchestrator.engine.RolloutEngine``), so tests
+run it on scripted engines; the CLI builds the same vLLM engine the RL loop uses and syncs the
+model's weights into it through the checkpoint engine (the engine starts with dummy weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from orchestrator import task
+
+logger = logging.getLogger(__name__)
+
+DROP_REASONS = ("bad_record", "empty_prompt", "overlong_prompt", "uncheckable_answer", "easy_to_hack",
+                "too_easy")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurationConfig:
+    num_samples: int = 10  # pass rate samples per prompt (with chain of thought)
+    temperature: float = 1.0  # "high temperature" of the pass-rate samples
+    num_hack_tries: int = 8  # direct-answer tries per prompt (N of the easy-to-hack filter)
+    hack_temperature: float = 1.0
+    max_prompt_tokens: int = 128
+    max_response_tokens: int = 96
+    max_direct_answer_tokens: int = 8
+    max_pass_rate: float = 1.0  # drop prompts solved more often than this ("too_easy"); 1.0 keeps all
+    direct_answer_suffix: str = task.ANSWER_PREFIX  # appended to the prompt: answer without a chain of thought
+    request_chunk_problems: int = 256  # problems per engine.generate call
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "max_prompt_tokens", "max_response_tokens", "max_direct_answer_tokens",
+                     "request_chunk_problems"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"curation {name}={value!r} must be an int >= 1")
+        if isinstance(self.num_hack_tries, bool) or not isinstance(self.num_hack_tries, int) or self.num_hack_tries < 0:
+            raise ValueError(f"curation num_hack_tries={self.num_hack_tries!r} must be an int >= 0")
+        for name in ("temperature", "hack_temperature", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"curation {name}={getattr(self, name)!r} must be > 0")
+        if not 0 <= self.max_pass_rate <= 1:
+            raise ValueError(f"curation max_pass_rate={self.max_pass_rate!r} must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurationProblem:
+    """What curation needs of a problem; ``record`` is the input line, written back with the results."""
+
+    id: str
+    prompt: str
+    answer: str
+    record: dict
+
+
+def parse_record(line: str, index: int) -> tuple[CurationProblem | None, str | None]:
+    """(problem, None), or (None, why the line is not a problem)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"not JSON: {e}"
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    if not isinstance(record.get("prompt"), str) or "answer" not in record:
+        return None, "needs a string 'prompt' and an 'answer'"
+    answer = record["answer"]
+    if isinstance(answer, bool) or not isinstance(answer, (str, int)):
+        return None, f"answer {answer!r} is not a string or an integer"
+    return CurationProblem(str(record.get("id", index)), record["prompt"], str(answer), record), None
+
+
+def format_reason(problem: CurationProblem, encode: Callable[[Any], Sequence[int]], config: CurationConfig,
+                  is_correct: Callable[[Any, str], bool]) -> str | None:
+    """The format filter that drops ``problem``, or None."""
+    if not problem.prompt.strip():
+        return "empty_prompt"
+    if len(encode(problem)) > config.max_prompt_tokens:
+        return "overlong_prompt"
+    # the reference answer written the way a response writes it must pass the verifier
+    if not problem.answer.strip() or not is_correct(problem, task.ANSWER_PREFIX + problem.answer):
+        return "uncheckable_answer"
+    return None
+
+
+def _counts(engine, problems, encode_ids, decode, is_correct, copies, max_tokens, temperature, prefix, timeout_s,
+            response_prefix: str = "") -> list[int]:
+    from orchestrator.engine import GenRequest, SamplingSettings
+
+    if copies == 0:
+        return [0] * len(problems)
+    requests = [GenRequest(f"{prefix}{i}.{c}", tuple(encode_ids(p)), max_tokens)
+                for i, p in enumerate(problems) for c in range(copies)]
+    results = {r.request_id: r for r in engine.generate(requests, SamplingSettings(temperature=temperature),
+                                                        timeout_s=timeout_s)}
+    return [sum(bool(is_correct(p, response_prefix + decode(results[f"{prefix}{i}.{c}"].token_ids)))
+                for c in range(copies)) for i, p in enumerate(problems)]
+
+
+def curate(records: Sequence[str], engine: Any, encode: Callable[[str], Sequence[int]],
+           decode: Callable[[Sequence[int]], str], config: CurationConfig = CurationConfig(),
+           is_correct: Callable[[Any, str], bool] = task.is_correct) -> list[dict]:
+    """One output record per input line (see the module docstring). ``encode`` maps prompt text to ids."""
+    out: list[dict | None] = [None] * len(records)
+    checked: list[tuple[int, CurationProblem]] = []
+    for index, line in enumerate(records):
+        problem, error = parse_record(line, index)
+        if problem is None:
+            out[index] = {"line": index + 1, "error": error, "kept": False, "reason": "bad_record"}
+            continue
+        reason = format_reason(problem, lambda p: encode(p.prompt), config, is_correct)
+        if reason is not None:
+            out[index] = {**problem.record, "pass_rate": None, "difficulty": None, "kept": False, "reason": reason}
+        else:
+            checked.append((index, problem))
+    step = config.request_chunk_problems
+    for start in range(0, len(checked), step):
+        chunk = checked[start:start + step]
+        problems = [p for _, p in chunk]
+        solved = _counts(engine, problems, lambda p: encode(p.prompt), decode, is_correct, config.num_samples,
+                         config.max_response_tokens, config.temperature, "s", config.timeout_s)
+        # asked to answer directly: the prompt followed by the answer line's prefix; the check reads the
+        # answer as a response would write it
+        guessed = _counts(engine, problems, lambda p: encode(p.prompt + config.direct_answer_suffix), decode,
+                          is_correct, config.num_hack_tries, config.max_direct_answer_tokens,
+                          config.hack_temperature, "d", config.timeout_s, response_prefix=task.ANSWER_PREFIX)
+        for (index, problem), num_correct, num_guessed in zip(chunk, solved, guessed):
+            pass_rate = num_correct / config.num_samples
+            reason = ("easy_to_hack" if num_guessed > 0 else
+                      "too_easy" if pass_rate > config.max_pass_rate else "kept")
+            out[index] = {**problem.record, "pass_rate": pass_rate, "difficulty": 1.0 - pass_rate,
+                          "num_correct": num_correct, "num_samples": config.num_samples,
+                          "num_direct_correct": num_guessed, "num_hack_tries": config.num_hack_tries,
+                          "kept": reason == "kept", "reason": reason}
+    return [r for r in out if r is not None]
+
+
+def summarize(results: Sequence[dict]) -> dict:
+    reasons = {}
+    for r in results:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    rates = [r["pass_rate"] for r in results if r.get("pass_rate") is not None]
+    return {"num_problems": len(results), "num_kept": reasons.get("kept", 0), "reasons": reasons,
+            "mean_pass_rate": sum(rates) / len(rates) if rates else None}
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.curation",
+                                description="Curate a JSONL problem set with a model: format filters, the easy-to-hack "
+                                            "filter, pass rate (difficulty). The last printed line is a JSON summary.")
+    p.add_argument("--problems", required=True, help="input JSONL, one problem per line (prompt, answer, ...)")
+    p.add_argument("--out", required=True, help="output JSONL: every problem with pass_rate, kept and reason")
+    p.add_argument("--model", required=True, help="HF model directory (e.g. the SFT model)")
+    d = CurationConfig()
+    p.add_argument("--num-samples", type=int, default=d.num_samples)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--num-hack-tries", type=int, default=d.num_hack_tries)
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--max-response-tokens", type=int, default=d.max_response_tokens)
+    p.add_argument("--max-pass-rate", type=float, default=d.max_pass_rate,
+                   help="drop prompts solved more often than this (default 1.0: keep all)")
+    p.add_argument("--endpoint", default=None,
+                   help="a running vLLM server that already serves the model (default: an in-process vLLM)")
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p.parse_args(argv)
+
+
+def _engine(args: argparse.Namespace):
+    from orchestrator.config import EngineConfig, SyncConfig
+    from orchestrator.engine import make_engine
+
+    if args.endpoint:
+        return make_engine(EngineConfig(type="vllm_http", endpoint=args.endpoint), args.model), None
+    from orchestrator.weight_sync import WeightSync
+    from vllm_ext.tiny_model import load_state_dict_from_dir
+
+    engine = make_engine(EngineConfig(max_model_len=args.max_model_len), args.model)
+    sync = None
+    try:
+        sync = WeightSync(SyncConfig(), engine.weight_req_func(300.0))
+        sync.push(load_state_dict_from_dir(args.model), version=0)  # vLLM started on dummy weights
+    except BaseException:
+        if sync is not None:
+            sync.close()
+        engine.close()
+        raise
+    return engine, sync
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = CurationConfig(num_samples=args.num_samples, temperature=args.temperature,
+                                num_hack_tries=args.num_hack_tries, max_prompt_tokens=args.max_prompt_tokens,
+                                max_response_tokens=args.max_response_tokens, max_pass_rate=args.max_pass_rate)
+        lines = [line for line in pathlib.Path(args.problems).read_text().splitlines() if line.strip()]
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if args.log_level == "INFO" else args.log_level)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    engine, sync = _engine(args)
+    try:
+        results = curate(lines, engine, lambda text: list(tokenizer(text)["input_ids"]),
+                         lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True), config)
+    finally:
+        if sync is not None:
+            sync.close()
+        engine.close()
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in results))
+    print(json.dumps(summarize(results), sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
