@@ -3,6 +3,7 @@ rejection-sampling rules of long2short, the objective factory, and one real step
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -304,3 +305,39 @@ def test_dpo_train_prefers_the_chosen_responses(model_dir):
     stats = dpo.dpo_train(trainer, reference, pairs, beta=0.1, lr=3e-3, num_epochs=3, pairs_per_step=2)
     assert stats["num_steps"] == 3 and stats["first_loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert margin() > 1.0 and stats["last_loss"] < stats["first_loss"]
+
+
+# -- the benchmark's bookkeeping (no runs) ---------------------------------------------------------
+
+def _bench():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_algorithms.py"
+    spec = importlib.util.spec_from_file_location("bench_algorithms", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_summary_and_command(tmp_path):
+    bench = _bench()
+    # medians: k15 0.60, grpo 0.55, reinforce 0.50 -> k15 - best baseline (grpo) = 5 points
+    result = bench.summarize({"k15": [0.6, 0.7, 0.5], "grpo": [0.55, 0.4, 0.6], "reinforce": [0.5, 0.5, 0.5]})
+    assert result["final_heldout_accuracy"] == {"k15": 0.6, "grpo": 0.55, "reinforce": 0.5}
+    assert result["final_heldout_accuracy_min"]["grpo"] == 0.4 and result["final_heldout_accuracy_max"]["k15"] == 0.7
+    assert result["k15_minus_best_baseline_points"] == pytest.approx(5.0) and result["best_baseline"] == "grpo"
+    assert bench.summarize({"k15": [0.5]})["k15_minus_best_baseline_points"] is None
+    args = bench.parse_args(["--seeds", "2", "--iterations", "4", "--set", "rl.kl_coef=0.01"])
+    cmd = bench.job_command(args, "grpo", 1, tmp_path)
+    sets = [cmd[i + 1] for i, part in enumerate(cmd) if part == "--set"]
+    assert {"rl.algorithm=grpo", "rl.num_iterations=4", "rl.seed=1", "sampling.seed=1", "engine.seed=1",
+            "eval.num_sampled_problems=0"} <= set(sets) and sets[-1] == "rl.kl_coef=0.01"
+    load_config(args.config, sets)  # every override is a valid config key
+    (tmp_path / "summary.json").write_text(json.dumps({"heldout_accuracy_before": 0.3, "num_iterations": 2}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"iteration": 1, "evaluated": False, "heldout_accuracy": 0.3},
+        {"iteration": 2, "evaluated": True, "heldout_accuracy": 0.4}]))
+    assert bench.accuracy_curve(tmp_path) == [(0, 0.3), (2, 0.4)]
+    bench.plot({"k15": [[(0, 0.3), (2, 0.4)]], "grpo": [[(0, 0.3), (2, 0.35)]]}, tmp_path / "p.png", "t")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
