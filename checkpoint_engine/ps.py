@@ -61,8 +61,11 @@ class GlobalMetas:
     owner_hosts: dict[int, str] = field(default_factory=dict)  # per owner rank: its host
     job_local: bool = field(default=True, compare=False)  # device_ids/pids/hosts are this job's (not sent)
 
-    def __post_init__(self) -> None:  # metas of older writers: owners are ranks of the job described
-        for r in self.rank_metas:
+    def __post_init__(self) -> None:
+        if not len(self.device_ids) == len(self.pids) == len(self.hosts):
+            raise ValueError(f"device_ids, pids and hosts differ in length ({len(self.device_ids)}, "
+                             f"{len(self.pids)}, {len(self.hosts)})")
+        for r in self.rank_metas:  # metas of older writers: owners are ranks of the job described
             if r < len(self.pids):
                 self.owner_pids.setdefault(r, self.pids[r])
                 self.owner_hosts.setdefault(r, self.hosts[r])
