@@ -352,21 +352,30 @@ def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], shape: ModelShape, pa
 
 
 def megatron_to_hf(shards: Mapping[Rank, Mapping[str, torch.Tensor]], shape: ModelShape, parallel: Parallelism,
-                   norm_style: NormStyle = "local") -> dict[str, torch.Tensor]:
+                   norm_style: NormStyle = "local", out: Mapping[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
     """{(pp_rank, tp_rank): Megatron state dict} -> HF state dict (TP shards merged, PP stages joined).
 
-    Extra Megatron keys (``_extra_state``, RoPE buffers) are ignored; a missing tensor raises."""
+    ``out``: preallocated HF tensors to write into (e.g. views of the checkpoint engine's host
+    memory, so the conversion is the only copy); names it lacks are allocated. Extra Megatron keys
+    (``_extra_state``, RoPE buffers) are ignored; a missing tensor raises."""
     sources = hf_sources(shape, parallel, norm_style)
-    out: dict[str, torch.Tensor] = {}
+    result: dict[str, torch.Tensor] = {}
     for hf_name, pieces in sources.items():
         first = _megatron_tensor(shards, pieces[0])
         dims = list(first.shape)
         dims[pieces[0].dim] = sum(p.length for p in pieces)
-        out[hf_name] = tensor = torch.empty(dims, dtype=first.dtype, device=first.device)
+        tensor = None if out is None else out.get(hf_name)
+        if tensor is None:
+            tensor = torch.empty(dims, dtype=first.dtype, device=first.device)
+        elif list(tensor.shape) != dims or tensor.dtype != first.dtype:
+            raise ValueError(f"out[{hf_name!r}] is {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"expected {tuple(dims)} {first.dtype}")
+        result[hf_name] = tensor
         for p in pieces:
             tensor.narrow(p.dim, p.hf_start, p.length).copy_(
                 _megatron_tensor(shards, p).narrow(p.dim, p.mg_start, p.length))
-    return out
+    return result
 
 
 def _megatron_tensor(shards: Mapping[Rank, Mapping[str, torch.Tensor]], piece: Piece) -> torch.Tensor:

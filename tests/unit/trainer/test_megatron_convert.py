@@ -271,3 +271,19 @@ def test_one_rank_only():
     assert list(mine) == [(1, 1)]
     full = hf_to_megatron(hf, shape, parallel)
     assert all(torch.equal(mine[(1, 1)][n], full[(1, 1)][n]) for n in full[(1, 1)])
+
+
+def test_megatron_to_hf_into_preallocated_tensors():
+    shape, parallel = _shape(), Parallelism(tp_size=2)
+    hf = _random_hf(shape)
+    shards = hf_to_megatron(hf, shape, parallel)
+    flat = torch.zeros(sum(t.numel() for t in hf.values()))
+    out, offset = {}, 0
+    for name, tensor in hf.items():
+        out[name] = flat[offset:offset + tensor.numel()].view(tensor.shape)
+        offset += tensor.numel()
+    back = megatron_to_hf(shards, shape, parallel, out=out)
+    assert all(back[n] is out[n] and torch.equal(out[n], hf[n]) for n in hf)
+    assert torch.equal(flat, torch.cat([t.flatten() for t in hf.values()]))
+    with pytest.raises(ValueError, match="expected"):
+        megatron_to_hf(shards, shape, parallel, out={"lm_head.weight": torch.zeros(3)})
