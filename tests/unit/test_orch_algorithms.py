@@ -341,3 +341,35 @@ def test_bench_summary_and_command(tmp_path):
     assert bench.accuracy_curve(tmp_path) == [(0, 0.3), (2, 0.4)]
     bench.plot({"k15": [[(0, 0.3), (2, 0.4)]], "grpo": [[(0, 0.3), (2, 0.35)]]}, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- the loop passes the algorithm through ---------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["grpo", "reinforce"])
+def test_the_rl_job_runs_each_baseline(algorithm, tmp_path, monkeypatch):
+    from orchestrator.loop import run_job
+    from tests.unit.test_orch_loop_job import ScriptedEngine
+
+    model = tm.make_tiny_model(tmp_path / "model", SMALL, seed=5)
+    seen = []
+    real = policy.train_iteration
+
+    def spy(trainer, batch, config, rng, initial_policy=None):
+        seen.append((config.algorithm, config.kl_coef, initial_policy))
+        return real(trainer, batch, config, rng, initial_policy=initial_policy)
+
+    monkeypatch.setattr(policy, "train_iteration", spy)
+    config = load_config(None, [f"init_model_dir={model}", "rl.num_iterations=2", "rl.num_responses_per_prompt=2",
+                                "rl.num_threads=1", "data.train_levels=[2,4]", "data.num_train_problems=64",
+                                "data.heldout_levels=[2]", "data.num_heldout_per_level=4",
+                                "rollout.iteration_token_budget=256", "rollout.segment_max_tokens=64",
+                                "rollout.max_response_tokens=64", "eval.num_sampled_problems=0",
+                                f"rl.algorithm={algorithm}", "rl.kl_coef=0.05"])
+    summary = run_job(config, tmp_path / "run", progress_bar=False, engine_factory=lambda c, p: ScriptedEngine(p))
+    assert summary["num_iterations"] == 2 and seen and all(a == algorithm and k == 0.05 for a, k, _ in seen)
+    if algorithm == "grpo":  # the frozen initial policy is the model RL started from
+        initial = seen[0][2]
+        start = tm.load_state_dict_from_dir(model)
+        assert all(torch.equal(initial.named_tensors()[k], start[k]) for k in start)
+    else:
+        assert all(i is None for _, _, i in seen)
