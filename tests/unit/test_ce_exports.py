@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+QUALNAME = "checkpoint_engine.worker.VllmColocateWorkerExtension"  # what users pass to --worker-extension-cls
 
 
 def _run(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=False)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -47,9 +49,9 @@ def test_worker_extension_resolves_as_vllm_does():
     import importlib
 
     import checkpoint_engine
-    import checkpoint_engine.worker as worker
+    from checkpoint_engine import worker
 
-    module_name, obj_name = "checkpoint_engine.worker.VllmColocateWorkerExtension".rsplit(".", 1)
+    module_name, obj_name = QUALNAME.rsplit(".", 1)
     cls = getattr(importlib.import_module(module_name), obj_name)
     params = list(inspect.signature(cls.update_weights_from_ipc).parameters)
     assert params == ["self", "zmq_handles"]  # what request_inference_to_update's collective_rpc sends
@@ -75,7 +77,7 @@ def test_request_inference_to_update_keeps_their_signature():
     (None, 0, [0, 1], None),  # update_url None: no engine request
 ])
 def test_group_req_func_selects_sender_and_socket_paths(monkeypatch, url, rank, group, paths_sent):
-    import checkpoint_engine.api as api
+    from checkpoint_engine import api
 
     sent = []
     monkeypatch.setattr(api, "request_inference_to_update",
@@ -86,7 +88,7 @@ def test_group_req_func_selects_sender_and_socket_paths(monkeypatch, url, rank, 
 
 
 def test_group_req_func_rejects_ranks_outside_the_job():
-    import checkpoint_engine.api as api
+    from checkpoint_engine import api
 
     with pytest.raises(ValueError, match="at least one rank"):
         api.group_req_func("http://e", rank=0, group_ranks=[])
