@@ -10,6 +10,7 @@ A synthetic Qwen2-shaped checkpoint (GQA, qkv bias, untied embeddings) is sharde
   to_megatron_s    hf_to_megatron (the inverse, allocating), for reference
   memcpy_s         one copy of all the bytes, flat buffer to flat buffer (the floor)
 ratio_convert_vs_memcpy = memcpy_s / convert_s (1.0 = as fast as memcpy; target >= 0.5).
+Both run on --threads torch threads (1 by default).
 The last line printed is one JSON object.
 """
 
@@ -32,7 +33,10 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for both the memcpy and the conversion (0: torch's default). One "
+                        "thread by default: the ratio then measures the conversion's overhead, not thread "
+                        "scheduling on a shared machine")
     return p.parse_args(argv)
 
 
@@ -51,7 +55,7 @@ def main(argv=None) -> dict:
 
     from trainer.megatron.convert import ModelShape, Parallelism, hf_param_shapes, hf_to_megatron, megatron_to_hf
 
-    if args.threads is not None:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shape = ModelShape(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
