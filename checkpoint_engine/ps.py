@@ -62,9 +62,6 @@ class GlobalMetas:
     job_local: bool = field(default=True, compare=False)  # device_ids/pids/hosts are this job's (not sent)
 
     def __post_init__(self) -> None:
-        if not len(self.device_ids) == len(self.pids) == len(self.hosts):
-            raise ValueError(f"device_ids, pids and hosts differ in length ({len(self.device_ids)}, "
-                             f"{len(self.pids)}, {len(self.hosts)})")
         for r in self.rank_metas:  # metas of older writers: owners are ranks of the job described
             if r < len(self.pids):
                 self.owner_pids.setdefault(r, self.pids[r])
@@ -345,6 +342,9 @@ class ParameterServer:
         g = GlobalMetas.from_dict(metas)
         if len(g.device_ids) != self._world_size:
             raise ValueError(f"metas describe {len(g.device_ids)} ranks but this world has {self._world_size}")
+        if not len(g.device_ids) == len(g.pids) == len(g.hosts):
+            raise ValueError(f"malformed metas: device_ids, pids and hosts differ in length ({len(g.device_ids)}, "
+                             f"{len(g.pids)}, {len(g.hosts)})")
         plan.check_global_metas(g.rank_metas)
         if not g.rank_metas:
             raise ValueError(f"metas of {g.checkpoint!r} name no owner rank (were they gathered where it is registered?)")

@@ -215,7 +215,7 @@ def test_load_metas_keeps_this_jobs_rank_info_and_takes_the_owners():
         with pytest.raises(ValueError, match="metas describe 2 ranks but this world has 1"):
             joiner.load_metas({**theirs, "device_ids": ["a", "b"], "pids": [1, 2], "hosts": ["h", "h"]})
         with pytest.raises(ValueError, match="malformed metas.*differ in length"):
-            joiner.load_metas({**theirs, "device_ids": ["a", "b"]})
+            joiner.load_metas({**theirs, "pids": [1, 2]})
         with pytest.raises(ValueError, match="malformed metas"):
             joiner.load_metas({"checkpoint": "c"})
     finally:
