@@ -27,7 +27,7 @@ import zmq
 
 from checkpoint_engine import protocol as P
 from checkpoint_engine.config import UpdateConfig
-from checkpoint_engine.errors import UpdateFailed  # noqa: F401 - re-exported: callers import it from here
+from checkpoint_engine.errors import UpdateFailed  # also re-exported: callers import it from here
 from checkpoint_engine.host_memory import RegisteredCheckpoint
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics

@@ -338,7 +338,7 @@ class ParameterServer:
         gathers this job's rank info (every rank calls `update`). Local: no collective here.
         """
         if not isinstance(metas, Mapping):
-            raise ValueError(f"metas must be the dict get_metas() returned, got {type(metas).__name__}")
+            raise TypeError(f"metas must be the dict get_metas() returned, got {type(metas).__name__}")
         g = GlobalMetas.from_dict(metas)
         if len(g.device_ids) != self._world_size:
             raise ValueError(f"metas describe {len(g.device_ids)} ranks but this world has {self._world_size}")
