@@ -66,6 +66,7 @@ def transformer_config(hf_config: Mapping, *, tp_size: int = 1, pp_size: int = 1
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype if pp_size > 1 else None,
         use_cpu_initialization=use_cpu_initialization, perform_initialization=True,
         # CPU-safe: no fused CUDA kernels.
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,

@@ -13,21 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 from trainer.megatron import cpu_compat, model as mg_model  # noqa: E402
 from trainer.megatron.convert import ModelShape, Parallelism, megatron_to_hf  # noqa: E402
-from vllm_ext.tiny_model import VOCAB_SIZE, TinyModelConfig, random_state_dict  # noqa: E402
+from tests.unit.trainer.tiny import tiny_hf  # noqa: E402
+from vllm_ext.tiny_model import VOCAB_SIZE  # noqa: E402
 
 LOGITS_ATOL = 1e-5
-
-
-def tiny_hf(seed: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
-    """2 layers, hidden 128, GQA 4/2, with random biases and norm weights (HF's init has zeros/ones)."""
-    config = TinyModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=256, max_position_embeddings=64)
-    state = random_state_dict(config, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 100)
-    for name, tensor in state.items():
-        if name.endswith(".bias") or name.endswith("norm.weight"):
-            state[name] = tensor + 0.1 * torch.randn(tensor.shape, generator=gen)
-    return config.hf_config(), state
 
 
 def hf_logits(hf_config: dict, state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
