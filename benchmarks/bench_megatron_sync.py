@@ -9,8 +9,8 @@ A synthetic Qwen2-shaped checkpoint (GQA, qkv bias, untied embeddings) is sharde
   convert_alloc_s  the same, allocating the HF tensors (first-touch pages included)
   to_megatron_s    hf_to_megatron (the inverse, allocating), for reference
   memcpy_s         one copy of all the bytes, flat buffer to flat buffer (the floor)
+  memcpy_s is the faster of a 1-thread and a --threads memcpy
 ratio_convert_vs_memcpy = memcpy_s / convert_s (1.0 = as fast as memcpy; target >= 0.5).
-Both run on --threads torch threads (1 by default).
 The last line printed is one JSON object.
 """
 
@@ -33,10 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads for both the memcpy and the conversion (0: torch's default). One "
-                        "thread by default: the ratio then measures the conversion's overhead, not thread "
-                        "scheduling on a shared machine")
+    p.add_argument("--threads", type=int, default=0, help="torch threads of the process (0: torch's default)")
+    p.add_argument("--copy-threads", type=int, default=1,
+                   help="threads of the conversion's copies (convert.copy_threads_context; 0: the process's)")
     return p.parse_args(argv)
 
 
@@ -81,16 +80,27 @@ def main(argv=None) -> dict:
         out[name] = flat_dst[offset:offset + n].view(dims)
         offset += n
 
-    memcpy_s = _best_of(args.repeats, lambda: flat_dst.copy_(flat_src))
-    convert_s = _best_of(args.repeats, lambda: megatron_to_hf(shards, shape, parallel, out=out))
+    memcpy_threads_s = _best_of(args.repeats, lambda: flat_dst.copy_(flat_src))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    memcpy_1_thread_s = _best_of(args.repeats, lambda: flat_dst.copy_(flat_src))
+    torch.set_num_threads(threads)
+    memcpy_s = min(memcpy_threads_s, memcpy_1_thread_s)
+    copy_threads = args.copy_threads or None
+    flat_dst.zero_()
+    convert_s = _best_of(args.repeats, lambda: megatron_to_hf(shards, shape, parallel, out=out,
+                                                              copy_threads=copy_threads))
     if not torch.equal(flat_dst, flat_src):
         raise RuntimeError("conversion into preallocated tensors is not bit-exact")
-    convert_alloc_s = _best_of(args.repeats, lambda: megatron_to_hf(shards, shape, parallel))
-    to_megatron_s = _best_of(args.repeats, lambda: hf_to_megatron(hf, shape, parallel))
+    convert_alloc_s = _best_of(args.repeats, lambda: megatron_to_hf(shards, shape, parallel,
+                                                                    copy_threads=copy_threads))
+    to_megatron_s = _best_of(args.repeats, lambda: hf_to_megatron(hf, shape, parallel, copy_threads=copy_threads))
     gib = num_bytes / 2**30
     result = {
         "bench": "megatron_sync", "dtype": args.dtype, "tp": args.tp, "pp": args.pp,
-        "num_tensors": len(shapes), "size_gib": round(gib, 3), "torch_threads": torch.get_num_threads(),
+        "num_tensors": len(shapes), "size_gib": round(gib, 3), "torch_threads": threads,
+        "copy_threads": args.copy_threads, "memcpy_1_thread_s": round(memcpy_1_thread_s, 4),
+        "memcpy_threads_s": round(memcpy_threads_s, 4),
         "memcpy_s": round(memcpy_s, 4), "convert_s": round(convert_s, 4),
         "convert_alloc_s": round(convert_alloc_s, 4), "to_megatron_s": round(to_megatron_s, 4),
         "memcpy_gib_s": round(gib / memcpy_s, 2), "convert_gib_s": round(gib / convert_s, 2),

@@ -106,7 +106,7 @@ def main() -> int:
 
     from tests.unit.trainer.tiny import tiny_hf
     from trainer.megatron import model as mg_model
-    from trainer.megatron.convert import ModelShape, Parallelism, megatron_to_hf
+    from trainer.megatron.convert import ModelShape, megatron_to_hf
     from vllm_ext.tiny_model import VOCAB_SIZE
 
     rank = int(os.environ["RANK"])

@@ -287,3 +287,32 @@ def test_megatron_to_hf_into_preallocated_tensors():
     assert torch.equal(flat, torch.cat([t.flatten() for t in hf.values()]))
     with pytest.raises(ValueError, match="expected"):
         megatron_to_hf(shards, shape, parallel, out={"lm_head.weight": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
+def test_rank_slices_assemble_the_hf_checkpoint(tp, pp):
+    from trainer.megatron.convert import rank_slices
+
+    shape, parallel = _shape(), Parallelism(tp_size=tp, pp_size=pp)
+    hf = _random_hf(shape)
+    shards = hf_to_megatron(hf, shape, parallel)
+    rebuilt = {name: torch.full(dims, float("nan")) for name, dims in hf_param_shapes(shape).items()}
+    for rank, shard in shards.items():
+        for piece, view in rank_slices(shard, shape, parallel, rank):
+            assert view.data_ptr() >= min(t.data_ptr() for t in shard.values())  # a view, no copy
+            rebuilt[piece.hf_name].narrow(piece.dim, piece.hf_start, piece.length).copy_(view)
+    assert all(torch.equal(rebuilt[n], hf[n]) for n in hf)
+
+
+def test_copy_threads_restores_torch_threads():
+    from trainer.megatron.convert import copy_threads_context
+
+    before = torch.get_num_threads()
+    with copy_threads_context(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with copy_threads_context(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="copy_threads"):
+        with copy_threads_context(0):
+            pass
