@@ -1,2 +1,7 @@
-"""megatron-core backend: CPU redirects (``cpu_compat``), pure HF <-> Megatron conversion
-(``convert``, no megatron import) and GPTModel construction (``model``, imports megatron lazily)."""
+"""megatron-core backend.
+
+``cpu_compat``  the CPU redirects (explicit ``apply_cpu_redirects()``, never on import)
+``layout``      the HF <-> Megatron layout as a table of pieces (pure; no tensors, no megatron)
+``convert``     HF <-> Megatron state dicts and a rank's slices (pure torch; no megatron)
+``model``       GPTModel construction, process groups, loading HF weights (imports megatron lazily)
+"""

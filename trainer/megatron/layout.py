@@ -73,7 +73,7 @@ class ModelShape:
                    head_dim=head_dim, ffn_hidden_size=config["intermediate_size"],
                    vocab_size=config["vocab_size"],
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=bool(config.get("attention_bias", True)))
+                   qkv_bias=bool(config.get("attention_bias", config.get("model_type", "qwen2") == "qwen2")))
 
     @property
     def q_heads_per_group(self) -> int:

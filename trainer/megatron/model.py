@@ -9,7 +9,9 @@ as a megatron-core GPTModel, on CPU through gloo or on GPU.
     load_hf_weights(model, hf_state_dict) ── convert.hf_to_megatron for this rank ──▶ model
     megatron_state(model) ── this rank's tensors, Megatron names (for convert.megatron_to_hf)
 
-megatron is imported inside the functions, so importing this module is cheap.
+megatron is imported inside the functions, so importing this module is cheap. On CPU,
+build_gpt_model applies trainer.megatron.cpu_compat's redirects after importing the GPT stack;
+code that imports more of megatron later (optimizer, schedules) calls apply_cpu_redirects() again.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def build_gpt_model(hf_config: Mapping, config: MegatronModelConfig = MegatronMo
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
-        position_embedding_type="rope", rotary_base=int(_rope_theta(hf_config)),
+        position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
     )
     if torch.cuda.is_available():
         model = model.cuda()

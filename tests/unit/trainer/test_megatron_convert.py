@@ -316,3 +316,12 @@ def test_copy_threads_restores_torch_threads():
     with pytest.raises(ValueError, match="copy_threads"):
         with copy_threads_context(0):
             pass
+
+
+@pytest.mark.parametrize("extra,qkv_bias", [({"model_type": "qwen2"}, True), ({}, True),
+                                            ({"model_type": "llama"}, False),
+                                            ({"model_type": "llama", "attention_bias": True}, True)])
+def test_qkv_bias_from_hf_config(extra, qkv_bias):
+    config = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 24, "vocab_size": 32, **extra}
+    assert ModelShape.from_hf_config(config).qkv_bias is qkv_bias

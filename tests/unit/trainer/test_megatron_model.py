@@ -71,3 +71,26 @@ def test_tp1_backward_runs_on_cpu(parallel):
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_no_redirects_and_logits_equal_hf():
+    """On GPU: no CPU redirects, the TransformerEngine spec where installed (else local), HF's logits."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a default process group is already initialized in this pytest process")
+    hf_config, state = tiny_hf()
+    mg_model.init_parallel(1)
+    try:
+        config = mg_model.MegatronModelConfig(tp_size=1)
+        model, norm_style = mg_model.build_gpt_model(hf_config, config)
+        assert cpu_compat.active_cpu_redirects() == ()
+        mg_model.load_hf_weights(model, {n: t.cuda() for n, t in state.items()}, hf_config, config, norm_style)
+        ids = torch.randint(1, VOCAB_SIZE, (2, 24), generator=torch.Generator().manual_seed(7))
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids.cuda(), torch.arange(24).expand(2, -1).cuda(), None).cpu()
+        diff = (logits - hf_logits(hf_config, state, ids)).abs().max().item()
+        assert diff <= 1e-3, diff  # GPU kernels (TF32 where enabled) differ more than CPU's
+    finally:
+        mg_model.close_parallel()
