@@ -17,7 +17,7 @@ import torch
 
 from trainer.megatron.layout import (  # noqa: F401  (re-exported: the public conversion API)
     ModelShape, NormStyle, Parallelism, Piece, Rank, conversion_pieces, hf_param_shapes, hf_sources,
-    stage_layers,
+    sources_of_slice, stage_layers,
 )
 
 

@@ -167,6 +167,13 @@ class Piece:
             row_bytes *= size
         return self.hf_start * row_bytes, (self.hf_start + self.length) * row_bytes
 
+    def clip(self, start: int, stop: int) -> "Piece | None":
+        """The part of this piece that falls in HF slice [start, stop) along ``dim``, or None."""
+        lo, hi = max(start, self.hf_start), min(stop, self.hf_start + self.length)
+        if lo >= hi:
+            return None
+        return dataclasses.replace(self, hf_start=lo, mg_start=self.mg_start + lo - self.hf_start, length=hi - lo)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Segment:
@@ -305,4 +312,21 @@ def hf_sources(shape: ModelShape, parallel: Parallelism, norm_style: NormStyle =
             out.setdefault(piece.hf_name, []).append(piece)
     for pieces in out.values():
         pieces.sort(key=lambda p: p.hf_start)
+    return out
+
+
+def sources_of_slice(sources: Mapping[str, list[Piece]], hf_name: str, dim: int, start: int, stop: int
+                     ) -> list[Piece]:
+    """Which Megatron (rank, tensor, slice) pieces fill HF slice [start, stop) of ``hf_name`` along
+    ``dim``: what a destination that needs only a shard (an inference TP rank) must fetch.
+    ``sources`` is ``hf_sources(...)``. A slice along another dim than the pieces' is not expressible
+    as pieces (ValueError); slice whole pieces' rows instead."""
+    if hf_name not in sources:
+        raise ValueError(f"{hf_name!r} is not an HF tensor of this model")
+    pieces = sources[hf_name]
+    if pieces[0].dim != dim:
+        raise ValueError(f"{hf_name}: the Megatron pieces split dim {pieces[0].dim}, not dim {dim}")
+    out = [clipped for p in pieces if (clipped := p.clip(start, stop)) is not None]
+    if sum(p.length for p in out) != stop - start:
+        raise ValueError(f"{hf_name}: slice [{start}, {stop}) along dim {dim} is outside the tensor")
     return out

@@ -325,3 +325,29 @@ def test_qkv_bias_from_hf_config(extra, qkv_bias):
     config = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 24, "vocab_size": 32, **extra}
     assert ModelShape.from_hf_config(config).qkv_bias is qkv_bias
+
+
+def test_sources_of_an_inference_tp_shard():
+    from trainer.megatron.convert import sources_of_slice
+
+    shape = _shape(num_layers=1)  # 4 q heads of 4 rows, 2 groups
+    sources = hf_sources(shape, Parallelism(tp_size=2))
+    # an inference rank holding q heads 1..2 (rows 4..12) reads from both trainer TP ranks
+    got = [(p.tp_rank, p.mg_start, p.hf_start, p.length)
+           for p in sources_of_slice(sources, "model.layers.0.self_attn.q_proj.weight", 0, 4, 12)]
+    assert got == [(0, 4, 4, 4), (1, 0, 8, 4)]
+    # k of group 1 = rows 4..8 of k_proj sit after group 1's 8 q rows on trainer rank 1
+    got = [(p.tp_rank, p.mg_start, p.length)
+           for p in sources_of_slice(sources, "model.layers.0.self_attn.k_proj.weight", 0, 4, 8)]
+    assert got == [(1, 8, 4)]
+    # o_proj is split along dim 1 (inputs); a row slice is not expressible
+    with pytest.raises(ValueError, match="split dim 1"):
+        sources_of_slice(sources, "model.layers.0.self_attn.o_proj.weight", 0, 0, 8)
+    with pytest.raises(ValueError, match="outside"):
+        sources_of_slice(sources, "model.layers.0.self_attn.k_proj.weight", 0, 4, 9)
+    # the pieces really hold those rows
+    hf = _random_hf(shape)
+    shards = hf_to_megatron(hf, shape, Parallelism(tp_size=2))
+    for p in sources_of_slice(sources, "model.layers.0.self_attn.q_proj.weight", 0, 4, 12):
+        assert torch.equal(shards[(0, p.tp_rank)][p.mg_name].narrow(0, p.mg_start, p.length),
+                           hf[p.hf_name].narrow(0, p.hf_start, p.length))
