@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 
@@ -71,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = run_job(config, args.output_dir, progress_bar=not args.no_progress)
     finally:
+        start = time.monotonic()
         stop_reaper(reaper)
+        logging.getLogger("orchestrator").info("reaper done in %.2f s", time.monotonic() - start)
     print(summary.pop("summary_line"))
     print(f"metrics: {os.path.join(args.output_dir, 'metrics.jsonl')}  plot: "
           f"{os.path.join(args.output_dir, 'metrics.png')}")

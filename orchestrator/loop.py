@@ -373,10 +373,12 @@ class RLJob:
         for name in ("rollout", "sync", "engine"):
             component = getattr(self, name)
             if component is not None:
+                start = time.monotonic()
                 try:
                     component.close()
                 except Exception as e:  # noqa: BLE001 - close the others too
                     logger.warning("closing %s: %s", name, e)
+                logger.info("closed %s in %.2f s", name, time.monotonic() - start)
                 setattr(self, name, None)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 logger = logging.getLogger(__name__)
 
 
-def start_reaper(poll_s: float = 1.0, grace_s: float = 5.0, record_path: str | None = None) -> subprocess.Popen:
+def start_reaper(poll_s: float = 1.0, grace_s: float = 2.0, record_path: str | None = None) -> subprocess.Popen:
     """Spawn the reaper for this process; keep the returned Popen alive (its stdin is the lifeline)."""
     extra = [] if record_path is None else ["--record-path", record_path]
     return subprocess.Popen([sys.executable, "-m", "orchestrator.reaper", str(os.getpid()),
@@ -52,27 +52,47 @@ def _descendants(pid: int) -> dict[int, float]:
         return {}
 
 
-def _kill(recorded: dict[int, float], grace_s: float) -> int:
+def _gone(proc) -> bool:
     import psutil
 
-    alive = []
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE  # dead, waiting for a parent that may never reap it
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: list, timeout_s: float, poll_s: float = 0.05) -> list:
+    """Wait until every process has exited (zombies count as exited); the ones still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = [p for p in procs if not _gone(p)]
+        if not procs or time.monotonic() >= deadline:
+            return procs
+        time.sleep(poll_s)
+
+
+def _kill(recorded: dict[int, float], grace_s: float) -> list[str]:
+    """SIGTERM the recorded processes still alive, SIGKILL what is left after ``grace_s``; their names."""
+    import psutil
+
+    alive, names = [], []
     for pid, created in recorded.items():
         try:
             proc = psutil.Process(pid)
-            if proc.create_time() != created:  # the pid was reused by someone else
+            if proc.create_time() != created or _gone(proc):  # reused pid, or already dead
                 continue
+            names.append(f"{proc.name()}[{pid}]")
             proc.terminate()
             alive.append(proc)
         except psutil.NoSuchProcess:
             continue
-    _, still = psutil.wait_procs(alive, timeout=grace_s)
-    for proc in still:
+    for proc in _wait_gone(alive, grace_s):
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(still, timeout=grace_s)
-    return len(alive)
+    _wait_gone(alive, grace_s)
+    return names
 
 
 def _write_record(path: str, pids: Sequence[int]) -> None:
@@ -82,8 +102,8 @@ def _write_record(path: str, pids: Sequence[int]) -> None:
     os.replace(tmp, path)
 
 
-def watch(parent_pid: int, poll_s: float, grace_s: float, record_path: str | None = None) -> int:
-    """Record the parent's descendants until stdin closes; then end them. Returns how many were ended."""
+def watch(parent_pid: int, poll_s: float, grace_s: float, record_path: str | None = None) -> list[str]:
+    """Record the parent's descendants until stdin closes; then end them. Returns the ended ones' names."""
     recorded: dict[int, float] = {}
     me = os.getpid()
     while True:
@@ -101,13 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="End a process's descendants once it dies.")
     parser.add_argument("parent_pid", type=int)
     parser.add_argument("--poll-s", type=float, default=1.0)
-    parser.add_argument("--grace-s", type=float, default=5.0)
+    parser.add_argument("--grace-s", type=float, default=2.0)
     parser.add_argument("--record-path", default=None, help="write the recorded pids here (for tests)")
     args = parser.parse_args(argv)
     ended = watch(args.parent_pid, args.poll_s, args.grace_s, args.record_path)
     if ended:
-        print(f"orchestrator.reaper: ended {ended} leftover process(es) of pid {args.parent_pid}",
-              file=sys.stderr)
+        print(f"orchestrator.reaper: ended {len(ended)} leftover process(es) of pid {args.parent_pid}: "
+              f"{', '.join(ended)}", file=sys.stderr)
     return 0
 
 

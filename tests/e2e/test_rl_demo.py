@@ -167,3 +167,38 @@ def test_killed_run_resumes_with_its_stored_trajectories(sft_model_dir, tmp_path
     assert records[saved_iteration]["num_continued"] >= 1  # the first resumed iteration continued them
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["num_iterations"] == RESUME_ITERATIONS
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_ctrl_c_stops_within_seconds_and_resumes(sft_model_dir, tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the job's whole process group (vLLM's processes too)."""
+    out = tmp_path / "run"
+    cmd = _job(out, [*RESUME_RUN, "--set", "rl.num_iterations=2"])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a shell
+    try:
+        _wait_for(lambda: (out / "state" / "LATEST").exists(), 900, "the first iteration's checkpoint", proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        stop_s = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert rc in (-signal.SIGINT, 128 + signal.SIGINT, 1), proc.stderr.read()[-3000:]
+    # a few seconds here (engine close + reaper grace); the bound leaves room for a slow, busy CI machine
+    assert stop_s < 30, f"Ctrl-C took {stop_s:.1f} s to stop the job"
+    _wait_for(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
+              30, "the interrupted job's child processes to end")
+    saved_iteration = json.loads((out / "state" / (out / "state" / "LATEST").read_text().strip()
+                                  / "progress.json").read_text())["iteration"]
+    assert saved_iteration >= 1
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    resume = [json.loads(line) for line in (out / "resume.jsonl").read_text().splitlines()]
+    assert resume[0]["iteration"] == saved_iteration
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["num_iterations"] == 2
