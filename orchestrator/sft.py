@@ -41,10 +41,10 @@ logger = logging.getLogger(__name__)
 # Bump when the training recipe or the task's text format changes: old caches become stale.
 SFT_RECIPE_VERSION = 1
 DONE_FILE = "sft_done.json"
-# Speed and evaluation settings do not change the trained weights, so they stay out of the key
-# (a cache hit's summary reports the evaluation of the run that trained it).
-_NOT_IN_CACHE_KEY = ("num_threads", "eval_every_steps", "eval_levels", "num_eval_problems_per_level",
-                     "heldout_seed")
+# Evaluation settings do not change the trained weights, so they stay out of the key (a cache
+# hit's summary reports the evaluation of the run that trained it). The thread count and the
+# autocast dtype do: they change float reduction order, and training amplifies that.
+_NOT_IN_CACHE_KEY = ("eval_every_steps", "eval_levels", "num_eval_problems_per_level", "heldout_seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +99,11 @@ class SFTConfig:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+
+    def resolved(self) -> SFTConfig:
+        """This config with "auto" settings replaced by what this machine uses (part of the cache key)."""
+        return dataclasses.replace(self, autocast_dtype=resolve_autocast_dtype(self.autocast_dtype).chosen,
+                                   num_threads=num_threads_for(self.num_threads))
 
     def cache_key(self) -> str:
         """Hash of the recipe version and every field that can change the result."""
@@ -261,7 +266,7 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
     ``metrics.jsonl``, ``loss.png``, ``sft_done.json`` (config, timings, held-out accuracy).
     """
     choice = resolve_autocast_dtype(config.autocast_dtype)
-    config = dataclasses.replace(config, autocast_dtype=choice.chosen)
+    config = config.resolved()
     root = pathlib.Path(out_dir)
     final = root / f"sft-{config.cache_key()}"
     if (final / DONE_FILE).exists():

@@ -181,9 +181,12 @@ def test_lr_schedule(step, expected):
     assert sft.lr_at(step, config) == pytest.approx(expected)
 
 
-def test_cache_key_ignores_speed_and_eval_settings():
+def test_cache_key_ignores_eval_settings_only():
     base = sft.SFTConfig()
-    assert base.cache_key() == sft.SFTConfig(num_threads=2, eval_levels=(1,)).cache_key()
+    assert base.cache_key() == sft.SFTConfig(eval_levels=(1,), heldout_seed=3).cache_key()
+    # threads and dtype change reduction order, and so the trained weights
+    assert sft.SFTConfig(num_threads=1).cache_key() != sft.SFTConfig(num_threads=2).cache_key()
+    assert sft.SFTConfig(autocast_dtype="float32").cache_key() != sft.SFTConfig(autocast_dtype="bfloat16").cache_key()
     assert base.cache_key() != sft.SFTConfig(num_steps=601).cache_key()
 
 
@@ -200,7 +203,7 @@ def test_run_sft_writes_a_model_and_then_hits_the_cache(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     model_dir = sft.run_sft(TOY_SFT, tmp_path)
-    assert model_dir == tmp_path / f"sft-{TOY_SFT.cache_key()}" / "model"
+    assert model_dir == tmp_path / f"sft-{TOY_SFT.resolved().cache_key()}" / "model"
     records = [json.loads(line) for line in (model_dir.parent / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2] and all(r["loss"] > 0 for r in records)
     assert (model_dir.parent / "loss.png").stat().st_size > 0
