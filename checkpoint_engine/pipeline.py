@@ -336,7 +336,7 @@ def _finish(job, link, req, status, m) -> None:
                         check=lambda: req.error)
         if isinstance(msg, P.Error):
             err = f"engine failed in {msg.reason}"
-        elif not (isinstance(msg, P.Ack) and msg.index == -1):
+        elif not (isinstance(msg, P.Ack) and msg.index == P.DONE_ACK):
             err = f"engine sent unexpected {msg} after Done"
     except EngineFailure as e:
         err = e.describe()

@@ -9,7 +9,7 @@ the tag and the field types and raises ProtocolError naming what is wrong.
     Bucket(i, tensors@offsets)        ──────▶ run(views)            (buckets i and i+1 in flight)
                                       ◀────── Ack(i) | Error(i, reason)
     Done(update)                      ──────▶ post_hook()
-                                      ◀────── Ack(-1)  (engine now at version+1)
+                                      ◀────── Ack(DONE_ACK)  (engine now at version+1)
     Abort(reason)                     ──────▶ engine marks its weights incomplete
 """
 
@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import msgpack
 
 
+DONE_ACK = -1  # Ack (and Error) index that answers Done
 ABORT_ACK = -2  # Ack index that confirms an Abort
 
 
@@ -100,7 +101,7 @@ class Ready:
 @dataclass(frozen=True)
 class Ack:
     TAG: ClassVar[str] = "ack"
-    index: int  # bucket index, or -1 for Done
+    index: int  # bucket index, DONE_ACK or ABORT_ACK
 
 
 @dataclass(frozen=True)

@@ -153,10 +153,10 @@ def _serve(sock, hello, buffers, run, post_hook, state, timeout_s) -> EngineWeig
             except Exception as e:
                 failed = f"post_hook: {_short(e)}"
                 state.abort(failed)
-                sock.send(P.encode(P.Error(index=-1, reason=failed)))
+                sock.send(P.encode(P.Error(index=P.DONE_ACK, reason=failed)))
                 continue
             state.complete()
-            sock.send(P.encode(P.Ack(index=-1)))
+            sock.send(P.encode(P.Ack(index=P.DONE_ACK)))
             return state
         else:
             raise P.ProtocolError(f"unexpected {type(msg).__name__} during an update")
