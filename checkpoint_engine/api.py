@@ -13,11 +13,12 @@ import logging
 import os
 import socket
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+from checkpoint_engine.types import ReqFunc  # also importable from here
 
 logger = logging.getLogger(__name__)
 
-ReqFunc = Callable[[list[tuple[str, str]]], None]
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

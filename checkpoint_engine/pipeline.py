@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +33,10 @@ from checkpoint_engine.metrics import UpdateMetrics
 from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up
 from checkpoint_engine.transport import Transport
+from checkpoint_engine.types import ReqFunc
 
 logger = logging.getLogger(__name__)
 
-ReqFunc = Callable[[list[tuple[str, str]]], None]
 REASON_BYTES = 384
 
 

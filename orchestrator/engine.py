@@ -27,13 +27,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from checkpoint_engine.types import ReqFunc
 from orchestrator.config import EngineConfig
 from orchestrator.repeat import RepeatConfig, first_repeat_end
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_CLS = "vllm_ext.worker.VllmColocateWorkerExtension"
-ReqFunc = Callable[[list[tuple[str, str]]], None]
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", None: "abort"}
 
 

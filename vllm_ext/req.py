@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkpoint_engine.api import post_json
+from checkpoint_engine.types import ReqFunc  # also importable from here
 
 logger = logging.getLogger(__name__)
 
-ReqFunc = Callable[[list[tuple[str, str]]], None]
 UPDATE_METHOD = "update_weights_from_ipc"
 
 
