@@ -27,6 +27,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from checkpoint_engine.validate import check_int, check_number
 from orchestrator import task
 from orchestrator.cpu import AUTOCAST_DTYPES
 from orchestrator.length_penalty import LengthPenaltyConfig
@@ -40,17 +41,6 @@ logger = logging.getLogger(__name__)
 # Fields a resumed run may change (everything else must match the saved config).
 RESUMABLE_CHANGES = ("rl.num_iterations", "eval.every_iterations", "eval.num_sampled_problems",
                      "engine.start_timeout_s", "rollout.request_timeout_s", "sync.timeout_s")
-
-
-def _positive_int(owner: str, name: str, value: Any, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}.{name}={value!r} must be an int >= {low}")
-
-
-def _positive_number(owner: str, name: str, value: Any, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{owner}.{name}={value!r} must be a number {'>=' if allow_zero else '>'} 0")
 
 
 def _levels(owner: str, name: str, value: Sequence[int]) -> None:
@@ -73,8 +63,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _levels("data", "train_levels", self.train_levels)
         _levels("data", "heldout_levels", self.heldout_levels)
-        _positive_int("data", "num_train_problems", self.num_train_problems)
-        _positive_int("data", "num_heldout_per_level", self.num_heldout_per_level)
+        check_int("data.num_train_problems", self.num_train_problems)
+        check_int("data.num_heldout_per_level", self.num_heldout_per_level)
         w = self.train_level_weights
         if w is not None and (len(w) != len(self.train_levels) or min(w) < 0 or sum(w) <= 0):
             raise ValueError(f"data.train_level_weights={w!r} must be {len(self.train_levels)} "
@@ -117,18 +107,18 @@ class RLConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in ("k15", "grpo", "reinforce"):
             raise ValueError(f"rl.algorithm={self.algorithm!r} must be 'k15', 'grpo' or 'reinforce'")
-        _positive_number("rl", "clip_eps", self.clip_eps)
+        check_number("rl.clip_eps", self.clip_eps)
         if not self.clip_eps < 1:
             raise ValueError(f"rl.clip_eps={self.clip_eps!r} must be in (0, 1)")
-        _positive_number("rl", "kl_coef", self.kl_coef, allow_zero=True)
+        check_number("rl.kl_coef", self.kl_coef, allow_zero=True)
         for name in ("num_iterations", "num_minibatches", "num_epochs"):
-            _positive_int("rl", name, getattr(self, name))
+            check_int(f"rl.{name}", getattr(self, name))
         if self.num_threads is not None:
-            _positive_int("rl", "num_threads", self.num_threads)
-        _positive_int("rl", "num_responses_per_prompt", self.num_responses_per_prompt, low=2)
+            check_int("rl.num_threads", self.num_threads)
+        check_int("rl.num_responses_per_prompt", self.num_responses_per_prompt, 2)
         for name in ("tau", "lr", "grad_clip", "temperature"):
-            _positive_number("rl", name, getattr(self, name))
-        _positive_number("rl", "weight_decay", self.weight_decay, allow_zero=True)
+            check_number(f"rl.{name}", getattr(self, name))
+        check_number("rl.weight_decay", self.weight_decay, allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rl.top_p={self.top_p!r} must be in (0, 1]")
         if self.autocast_dtype not in AUTOCAST_DTYPES:
@@ -166,12 +156,12 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens",
                      "num_scoring_workers"):
-            _positive_int("rollout", name, getattr(self, name))
+            check_int(f"rollout.{name}", getattr(self, name))
         if self.max_new_groups_per_iteration is not None:
-            _positive_int("rollout", "max_new_groups_per_iteration", self.max_new_groups_per_iteration)
+            check_int("rollout.max_new_groups_per_iteration", self.max_new_groups_per_iteration)
         if not isinstance(self.exclude_stale_segments, bool):
             raise ValueError(f"rollout.exclude_stale_segments={self.exclude_stale_segments!r} must be a bool")
-        _positive_number("rollout", "request_timeout_s", self.request_timeout_s)
+        check_number("rollout.request_timeout_s", self.request_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +181,7 @@ class SamplingConfig:
             raise ValueError(f"sampling.priority_epsilon={self.priority_epsilon!r} must be in (0, 1]")
         if not 0 <= self.prior_success_rate <= 1:
             raise ValueError(f"sampling.prior_success_rate={self.prior_success_rate!r} must be in [0, 1]")
-        _positive_number("sampling", "prior_weight", self.prior_weight)
+        check_number("sampling.prior_weight", self.prior_weight)
         if not 0 < self.stats_decay <= 1:
             raise ValueError(f"sampling.stats_decay={self.stats_decay!r} must be in (0, 1]")
 
@@ -248,8 +238,8 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"engine.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_gib"):
-            _positive_int("engine", name, getattr(self, name))
-        _positive_number("engine", "start_timeout_s", self.start_timeout_s)
+            check_int(f"engine.{name}", getattr(self, name))
+        check_number("engine.start_timeout_s", self.start_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,8 +251,8 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         if self.bucket_size_bytes is not None:
-            _positive_int("sync", "bucket_size_bytes", self.bucket_size_bytes)
-        _positive_number("sync", "timeout_s", self.timeout_s)
+            check_int("sync.bucket_size_bytes", self.bucket_size_bytes)
+        check_number("sync.timeout_s", self.timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,9 +265,9 @@ class EvalConfig:
     sft_match_tolerance: float = 0.05  # vLLM vs transformers greedy accuracy of the SFT model
 
     def __post_init__(self) -> None:
-        _positive_int("eval", "every_iterations", self.every_iterations)
-        _positive_int("eval", "num_sampled_problems", self.num_sampled_problems, low=0)
-        _positive_int("eval", "num_samples_per_problem", self.num_samples_per_problem)
+        check_int("eval.every_iterations", self.every_iterations)
+        check_int("eval.num_sampled_problems", self.num_sampled_problems, 0)
+        check_int("eval.num_samples_per_problem", self.num_samples_per_problem)
         if not 0 <= self.sft_match_tolerance <= 1:
             raise ValueError(f"eval.sft_match_tolerance={self.sft_match_tolerance!r} must be in [0, 1]")
 

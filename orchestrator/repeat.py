@@ -22,21 +22,18 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from checkpoint_engine.validate import check_int
+
 __all__ = ["RepeatConfig", "RepeatDetector", "detect_repeat", "find_tail_repeat", "first_repeat_end"]
 
 logger = logging.getLogger(__name__)
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 def _check_rule(min_ngram: int, max_ngram: int, min_repeats: int, min_tail_tokens: int) -> None:
-    _check_int("min_ngram", min_ngram, 1)
-    _check_int("max_ngram", max_ngram, 1)
-    _check_int("min_repeats", min_repeats, 2)
-    _check_int("min_tail_tokens", min_tail_tokens, 0)
+    check_int("min_ngram", min_ngram, 1)
+    check_int("max_ngram", max_ngram, 1)
+    check_int("min_repeats", min_repeats, 2)
+    check_int("min_tail_tokens", min_tail_tokens, 0)
     if max_ngram < min_ngram:
         raise ValueError(f"max_ngram ({max_ngram}) must be >= min_ngram ({min_ngram})")
 

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from checkpoint_engine.validate import check_int
 from orchestrator.fsutil import atomic_write_text
 
 __all__ = [
@@ -46,11 +47,6 @@ logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "repeat", "abort")
 _STATE_VERSION = 1
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"PartialRolloutConfig.{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -71,9 +67,9 @@ class PartialRolloutConfig:
 
     def __post_init__(self) -> None:
         for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens", "num_responses_per_prompt"):
-            _positive_int(name, getattr(self, name))
+            check_int(f"PartialRolloutConfig.{name}", getattr(self, name))
         if self.max_new_groups_per_iteration is not None:
-            _positive_int("max_new_groups_per_iteration", self.max_new_groups_per_iteration)
+            check_int("PartialRolloutConfig.max_new_groups_per_iteration", self.max_new_groups_per_iteration)
         if not isinstance(self.exclude_stale_segments, bool):
             raise ValueError(
                 f"PartialRolloutConfig.exclude_stale_segments must be a bool, got {self.exclude_stale_segments!r}"

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from checkpoint_engine.validate import check_int
 from orchestrator import task
 from orchestrator.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
 
@@ -75,15 +76,10 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "batch_size", "num_threads", "num_layers", "hidden_size"):
-            value = getattr(self, name)
-            if name == "num_threads" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+            if not (name == "num_threads" and getattr(self, name) is None):
+                check_int(name, getattr(self, name))
         for name in ("warmup_steps", "num_eval_problems_per_level", "eval_every_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative int")
+            check_int(name, getattr(self, name), 0)
         if not self.levels or any(level not in task.LEVELS for level in self.levels):
             raise ValueError(f"levels={self.levels!r} must be a non-empty subset of {sorted(task.LEVELS)}")
         if any(level not in task.LEVELS for level in self.eval_levels):

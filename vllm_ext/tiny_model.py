@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from checkpoint_engine.validate import check_int
+
 logger = logging.getLogger(__name__)
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -90,9 +92,7 @@ class TinyModelConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads",
                      "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+            check_int(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}")

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+from checkpoint_engine.validate import check_int, check_number
 
 from .models import RunRequest
 
 MIB = 1 << 20
-
-
-def _positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def _positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -67,11 +57,11 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_timeout_s", "compile_timeout_s", "setup_timeout_s", "kill_grace_s"):
-            _positive(name, getattr(self, name))
+            check_number(name, getattr(self, name))
         for name in ("tmpfs_size_mb", "num_uids", "min_memory_mb", "max_memory_mb", "max_code_bytes",
                      "max_stdin_bytes", "max_stdout_bytes", "max_stderr_bytes", "max_binary_bytes",
                      "max_processes", "max_file_size_mb", "max_open_files", "compile_memory_mb"):
-            _positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if isinstance(self.pool_size, bool) or not isinstance(self.pool_size, int) or self.pool_size < 0:
             raise ValueError(f"pool_size must be an integer >= 0, got {self.pool_size!r}")
         if self.min_memory_mb > self.max_memory_mb:
@@ -127,9 +117,9 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
-        _positive_int("num_workers", self.num_workers)
-        _positive_int("max_judge_cases", self.max_judge_cases)
-        _positive("queue_timeout_s", self.queue_timeout_s)
+        check_int("num_workers", self.num_workers)
+        check_int("max_judge_cases", self.max_judge_cases)
+        check_number("queue_timeout_s", self.queue_timeout_s)
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
         if not self.host:

@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Protocol, Sequence
 
+from checkpoint_engine.validate import check_int
+
 from .judge import normalize_output
 from .models import COMPARE_MODES, RunRequest, RunResult, TestCase
 
@@ -47,9 +49,7 @@ class TestGenConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_inputs", "min_case_agreement", "min_solutions_passing", "memory_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name))
         for name in ("generator_timeout_s", "solution_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
