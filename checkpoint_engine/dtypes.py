@@ -1,4 +1,8 @@
-"""Wire names for tensor dtypes (messages carry strings, never pickled dtype objects)."""
+"""The one dtype table: wire names <-> torch dtypes <-> safetensors header codes.
+
+Messages carry names, never pickled dtype objects. Every lookup raises ValueError naming the dtype
+and the known ones.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +52,12 @@ def dtype_from_safetensors(code: str) -> str:
     try:
         return _SAFETENSORS[code]
     except KeyError:
-        raise ValueError(f"unsupported safetensors dtype {code!r}") from None
+        raise ValueError(f"unsupported safetensors dtype {code!r}; supported: {sorted(_SAFETENSORS)}") from None
+
+
+def torch_dtype_from_safetensors(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors header code ("F32", "BF16", ...)."""
+    return dtype_from_name(dtype_from_safetensors(code))
 
 
 def itemsize(name: str) -> int:

@@ -22,20 +22,18 @@ import logging
 import math
 import pathlib
 import string
+import typing
 from typing import Literal
 
 import torch
 
+from checkpoint_engine.dtypes import dtype_from_name
 from checkpoint_engine.validate import check_int
 
 logger = logging.getLogger(__name__)
 
 DType = Literal["float32", "bfloat16", "float16"]
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: tuple[str, ...] = typing.get_args(DType)
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -99,8 +97,8 @@ class TinyModelConfig:
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        if self.dtype not in _TORCH_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(_TORCH_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         if not (self.init_std > 0 and math.isfinite(self.init_std)):
             raise ValueError(f"init_std={self.init_std!r} must be a positive finite float")
         if not self.rope_theta > 0:
@@ -120,9 +118,9 @@ class TinyModelConfig:
         """
         if size_bytes < 1:
             raise ValueError(f"size_bytes={size_bytes!r} must be positive")
-        if dtype not in _TORCH_DTYPES:
-            raise ValueError(f"dtype={dtype!r} must be one of {sorted(_TORCH_DTYPES)}")
-        num_params = size_bytes // _TORCH_DTYPES[dtype].itemsize
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
+        num_params = size_bytes // dtype_from_name(dtype).itemsize
         hidden = _HIDDEN_SIZE_LADDER[0]
         for candidate in _HIDDEN_SIZE_LADDER:
             if 8 * _layer_params(candidate, 4 * candidate) <= num_params:
@@ -145,7 +143,7 @@ class TinyModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.dtype]
+        return dtype_from_name(self.dtype)
 
     def num_params(self) -> int:
         return sum(math.prod(shape) for shape in param_shapes(self).values())
