@@ -273,6 +273,26 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    """Which training backend the RL job uses (``orchestrator.trainer.make_trainer``).
+
+    ``type``: "hf" (transformers, in process) or "megatron" (a megatron-core GPTModel initialized
+    from the same SFT model; its weights are converted to HF layout for every weight sync).
+    ``tp_size``: Megatron tensor parallelism; the in-process trainer runs at 1."""
+
+    type: Literal["hf", "megatron"] = "hf"
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.type not in ("hf", "megatron"):
+            raise ValueError(f"trainer.type={self.type!r} must be 'hf' or 'megatron'")
+        check_int("trainer.tp_size", self.tp_size)
+        if self.tp_size != 1:
+            raise ValueError(f"trainer.tp_size={self.tp_size}: the RL job's trainer runs in its own process at "
+                             "tp_size=1 (TP=2 runs under torchrun: tests/dist/test_megatron_tp.py)")
+
+
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
     """The whole job: SFT warm-up (cached), then RL."""
 
@@ -281,6 +301,7 @@ class JobConfig:
     init_model_dir: str | None = None  # start RL from this HF model dir instead of the SFT warm-up
     data: DataConfig = DataConfig()
     rl: RLConfig = RLConfig()
+    trainer: TrainerSection = TrainerSection()
     rollout: RolloutConfig = RolloutConfig()
     sampling: SamplingConfig = SamplingConfig()
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig(weight=0.5, warmup_iterations=10)

@@ -2,7 +2,8 @@
 
 ::
 
-    run_sft (cache) ──▶ SFT model dir ──▶ HFTrainer (float32, CPU)        vLLM AsyncLLM (dummy weights)
+    run_sft (cache) ──▶ SFT model dir ──▶ trainer (trainer.type: "hf" HFTrainer  vLLM AsyncLLM (dummy weights)
+                                              | "megatron" MegatronTrainer, weights converted to HF layout)
                                               │ named_tensors                      ▲
                                               └──▶ WeightSync: ParameterServer ────┘ v0 (before any rollout)
     initial greedy eval on held-out (vLLM) = "before"; checked against transformers' SFT accuracy
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 def check_resumable(saved: dict, current: dict) -> None:
     """A resumed run may change only RESUMABLE_CHANGES; anything else needs a new output dir."""
+    if "trainer" not in saved:  # a run saved before the trainer section existed trained with the hf backend
+        saved = {**saved, "trainer": {"type": "hf", "tp_size": 1}}
     bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
     if bad:
         raise ValueError(f"the output dir holds a run with a different config ({', '.join(bad)}); use another "
@@ -68,16 +71,12 @@ def make_sampler(config: JobConfig, problems: list) -> ProblemSampler:
 
 def load_weights(trainer, model_dir: pathlib.Path) -> None:
     """Copy a checkpoint's weights into the trainer's model (names as HF saved them)."""
-    import torch
-
     from vllm_ext.tiny_model import load_state_dict_from_dir
 
-    state = load_state_dict_from_dir(model_dir)
-    with torch.no_grad():
-        missing, unexpected = trainer.model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if m not in ("lm_head.weight",)]:
-        raise RuntimeError(f"checkpoint {model_dir} does not match the model (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
+    try:
+        trainer.load_hf_weights(load_state_dict_from_dir(model_dir))
+    except RuntimeError as e:
+        raise RuntimeError(f"checkpoint {model_dir}: {e}") from None
 
 
 class RLJob:
@@ -92,6 +91,7 @@ class RLJob:
         self.engine_factory = engine_factory
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         self.engine = None
+        self.trainer = None
         self.initial_policy = None
         self.sync = None
         self.rollout = None
@@ -112,7 +112,7 @@ class RLJob:
         from orchestrator import sft
         from orchestrator.engine import SamplingSettings, make_engine
         from orchestrator.rollout import Rollout
-        from orchestrator.trainer import HFTrainer, TrainerConfig
+        from orchestrator.trainer import HFTrainer, TrainerConfig, make_trainer
         from orchestrator.weight_sync import WeightSync
 
         c = self.config
@@ -125,11 +125,12 @@ class RLJob:
             self.sft_summary = sft.sft_summary(self.sft_model_dir)
         saved = checkpointing.load_latest(self.out / "state")
         self.start_iteration = 0 if saved is None else saved.iteration
-        self.trainer = HFTrainer(self.sft_model_dir, TrainerConfig(
+        self.trainer = make_trainer(c.trainer.type, self.sft_model_dir, TrainerConfig(
             lr=c.rl.lr, optimizer=c.rl.optimizer, eps=c.rl.adam_eps, weight_decay=c.rl.weight_decay,
             grad_clip=c.rl.grad_clip, num_threads=c.rl.num_threads,
-            seed=c.rl.seed, autocast_dtype=c.rl.autocast_dtype))
-        # GRPO's KL reference: the policy RL started from, frozen (a resumed run starts it from the same dir)
+            seed=c.rl.seed, autocast_dtype=c.rl.autocast_dtype), tp_size=c.trainer.tp_size)
+        # GRPO's KL reference: the policy RL started from, frozen (a resumed run starts it from the same dir).
+        # Always a transformers model: it is never trained, and its log-probs equal Megatron's (1e-5).
         self.initial_policy = (HFTrainer(self.sft_model_dir, self.trainer.config)
                                if c.rl.algorithm == "grpo" and c.rl.kl_coef > 0 else None)
         self.tokenizer = AutoTokenizer.from_pretrained(self.sft_model_dir)
@@ -357,7 +358,7 @@ class RLJob:
             "sft_transformers_by_level": self.progress.get("sft_reference_by_level"),
             "sft_model_dir": str(self.sft_model_dir),
             "autocast": self.trainer.dtype_choice.to_dict(), "sft_autocast": self.sft_summary.get("autocast"),
-            "trainer_num_threads": self.trainer.num_threads,
+            "trainer_num_threads": self.trainer.num_threads, "trainer": self.config.trainer.type,
         }
         if records:
             self._plot(records)
@@ -370,9 +371,9 @@ class RLJob:
         plot_metrics(records, self.out / "metrics.png", before["heldout_accuracy"], before.get("heldout_pass_at_1"))
 
     def close(self) -> None:
-        for name in ("rollout", "sync", "engine"):
+        for name in ("rollout", "sync", "engine", "trainer"):
             component = getattr(self, name)
-            if component is not None:
+            if component is not None and hasattr(component, "close"):
                 start = time.monotonic()
                 try:
                     component.close()

@@ -8,9 +8,11 @@
                      ├──▶ named_tensors()  {HF name: tensor}  ──▶ checkpoint engine register
                      └──▶ save(dir)        HF dir (config, tokenizer, safetensors) ──▶ vLLM
 
-``Trainer`` is the protocol the RL loop codes against, so another backend (Megatron) can be
-injected later. Weights are trained in float32; ``named_tensors`` and ``save`` cast them back to
-the dtypes the source directory stored.
+``Trainer`` is the protocol the RL loop codes against; ``make_trainer`` picks the backend
+(``"hf"``: this module's HFTrainer; ``"megatron"``: ``trainer.megatron.trainer.MegatronTrainer``, a
+megatron-core GPTModel whose ``named_tensors`` are converted to HF layout for the weight sync).
+Weights are trained in float32; ``named_tensors`` and ``save`` cast them back to the dtypes the
+source directory stored.
 """
 
 from __future__ import annotations
@@ -91,7 +93,68 @@ class Trainer(Protocol):
 
     def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]: ...
 
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
     def save(self, out_dir: str | pathlib.Path) -> pathlib.Path: ...
+
+
+TrainerBackend = Literal["hf", "megatron"]
+
+
+def make_trainer(backend: TrainerBackend, model_dir: str | pathlib.Path, config: TrainerConfig | None = None, *,
+                 tp_size: int = 1) -> Trainer:
+    """The one factory of training backends: ``"hf"`` (transformers) or ``"megatron"`` (megatron-core)."""
+    if backend == "hf":
+        if tp_size != 1:
+            raise ValueError(f"the hf trainer has no tensor parallelism (tp_size={tp_size})")
+        return HFTrainer(model_dir, config)
+    if backend == "megatron":
+        from trainer.megatron.model import MegatronModelConfig
+        from trainer.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(model_dir, config, MegatronModelConfig(tp_size=tp_size))
+    raise ValueError(f"trainer backend {backend!r} must be 'hf' or 'megatron'")
+
+
+def disk_dtypes(model_dir: str | pathlib.Path) -> dict[str, torch.dtype]:
+    """{tensor name: dtype} as the model directory's safetensors store them."""
+    from safetensors import safe_open
+
+    from vllm_ext.tiny_model import safetensors_files
+
+    out: dict[str, torch.dtype] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                out[name] = _SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()]
+    return out
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainerConfig, lr: float) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only: the one optimizer recipe of every backend."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps)
+
+
+def save_hf_dir(source_dir: str | pathlib.Path, out_dir: str | pathlib.Path, named_tensors: dict[str, torch.Tensor],
+                config: TrainerConfig, extra: dict | None = None) -> pathlib.Path:
+    """Write a HF model directory: non-weight files copied from ``source_dir``, ``named_tensors``."""
+    from vllm_ext.tiny_model import write_safetensors
+
+    source, out = pathlib.Path(source_dir), pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for file_name in _NON_WEIGHT_FILES:
+        src = source / file_name
+        if src.exists() and src.resolve() != (out / file_name).resolve():
+            shutil.copyfile(src, out / file_name)
+    write_safetensors(out, named_tensors)
+    (out / "trainer_config.json").write_text(json.dumps({**dataclasses.asdict(config), **(extra or {})}, indent=2))
+    return out
 
 
 def pad_sequences(prompt_ids_list: Sequence[Sequence[int]], response_ids_list: Sequence[Sequence[int]],
@@ -129,10 +192,7 @@ class HFTrainer:
     """Trains a ``transformers`` causal LM loaded from a model directory (float32 on CPU)."""
 
     def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None) -> None:
-        from safetensors import safe_open
         from transformers import AutoModelForCausalLM
-
-        from vllm_ext.tiny_model import safetensors_files
 
         self.config = TrainerConfig() if config is None else config
         self.source_dir = pathlib.Path(model_dir)
@@ -143,12 +203,7 @@ class HFTrainer:
         torch.manual_seed(self.config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=torch.float32)
         self.model.train()
-        self._disk_dtypes: dict[str, torch.dtype] = {}
-        for path in safetensors_files(self.source_dir):
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    self._disk_dtypes[name] = f.get_slice(name).get_dtype()
-        self._disk_dtypes = {n: _SAFETENSORS_DTYPES[d] for n, d in self._disk_dtypes.items()}
+        self._disk_dtypes = disk_dtypes(self.source_dir)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         missing = sorted(set(self._disk_dtypes) - set(params))
         if missing:
@@ -159,14 +214,7 @@ class HFTrainer:
         self.optimizer = self._new_optimizer()
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": self.config.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        if self.config.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=self._lr)
-        return torch.optim.AdamW(groups, lr=self._lr, betas=(self.config.beta1, self.config.beta2),
-                                 eps=self.config.eps)
+        return make_optimizer(self.model, self.config, self._lr)
 
     def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]],
                           response_ids_list: Sequence[Sequence[int]],
@@ -226,16 +274,14 @@ class HFTrainer:
             out[name] = tensor.clone() if copy and tensor.data_ptr() == param.data_ptr() else tensor
         return out
 
+    @torch.no_grad()
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a checkpoint's weights (names as HF saved them) into the model."""
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected or [m for m in missing if m not in ("lm_head.weight",)]:
+            raise RuntimeError(f"checkpoint does not match the model (missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]})")
+
     def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
         """Write a HF model directory (config and tokenizer copied from the source, new weights)."""
-        from vllm_ext.tiny_model import write_safetensors
-
-        out = pathlib.Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for file_name in _NON_WEIGHT_FILES:
-            src = self.source_dir / file_name
-            if src.exists() and src.resolve() != (out / file_name).resolve():
-                shutil.copyfile(src, out / file_name)
-        write_safetensors(out, self.named_tensors())
-        (out / "trainer_config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
-        return out
+        return save_hf_dir(self.source_dir, out_dir, self.named_tensors(), self.config)

@@ -1,0 +1,184 @@
+"""``MegatronTrainer``: the orchestrator's ``Trainer`` protocol on a megatron-core GPTModel.
+
+::
+
+    SFT HF model dir ──load_state_dict_from_dir──▶ convert.hf_to_megatron (this rank) ──▶ GPTModel
+        (model.build_gpt_model: local spec + CPU redirects on CPU, TE spec on GPU where installed)
+    sequence_logprobs / token_logprobs ── GPTModel forward (causal mask, right padding) ──▶ [batch]
+    backward / step ── torch AdamW (or SGD) over the GPTModel's parameters, clip, zero grad
+    reset_optimizer / set_lr ── as HFTrainer (k1.5 resets the optimizer every iteration)
+    named_tensors() ── convert.megatron_to_hf(out=persistent HF buffers) ──▶ {HF name: tensor}
+                       (the conversion is the one copy; the ParameterServer registers these)
+    save(dir) / load_hf_weights(state) ── HF layout on disk, like HFTrainer (resume works unchanged)
+
+Runs in the caller's process at TP=1 (a gloo world of one on CPU, made by ``model.init_parallel``
+unless a process group already exists). The optimizer is plain torch (not megatron's distributed
+optimizer): at TP=1 every parameter is whole, so clipping and AdamW equal HFTrainer's.
+TP > 1 needs the ranks of a torchrun job (see the package docstring and docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from orchestrator.cpu import num_threads_for, resolve_autocast_dtype
+from orchestrator.loss import sequence_logprobs as _masked_sequence_logprobs
+from orchestrator.loss import token_logprobs as _masked_token_logprobs
+from orchestrator.trainer import TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
+from trainer.megatron.convert import ModelShape, megatron_to_hf
+from trainer.megatron.model import MegatronModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronTrainer:
+    """Trains a megatron-core GPTModel initialized from a HF (Qwen2) model directory."""
+
+    def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None,
+                 megatron: MegatronModelConfig | None = None) -> None:
+        import torch.distributed as dist
+
+        from trainer.megatron import model as mg_model
+        from vllm_ext.tiny_model import load_state_dict_from_dir
+
+        self.config = TrainerConfig() if config is None else config
+        self.megatron = MegatronModelConfig() if megatron is None else megatron
+        if self.megatron.tp_size * self.megatron.pp_size != 1 and not dist.is_initialized():
+            raise ValueError(f"tp_size={self.megatron.tp_size}, pp_size={self.megatron.pp_size}: model "
+                             "parallelism needs the ranks of a torchrun job; in-process the trainer runs at TP=1")
+        if self.megatron.pp_size != 1:
+            raise NotImplementedError("MegatronTrainer trains without pipeline parallelism (pp_size=1)")
+        self.source_dir = pathlib.Path(model_dir)
+        self.num_threads = num_threads_for(self.config.num_threads)
+        torch.set_num_threads(self.num_threads)
+        self.dtype_choice = resolve_autocast_dtype(self.config.autocast_dtype)
+        self._autocast_bf16 = self.dtype_choice.chosen == "bfloat16"
+        torch.manual_seed(self.config.seed)
+        self.hf_config = json.loads((self.source_dir / "config.json").read_text())
+        self.shape = ModelShape.from_hf_config(self.hf_config)
+        self._owns_parallel = not dist.is_initialized()
+        mg_model.init_parallel(self.megatron.tp_size, self.megatron.pp_size)
+        state = load_state_dict_from_dir(self.source_dir)
+        self._disk_dtypes = disk_dtypes(self.source_dir)
+        self.model, self.norm_style = mg_model.build_gpt_model(self.hf_config, self.megatron)
+        self.model.train()
+        self.load_hf_weights(state)
+        pad = self.hf_config.get("pad_token_id")
+        self.pad_id = int(pad if pad is not None else 0)
+        self._lr = self.config.lr
+        self.optimizer = make_optimizer(self.model, self.config, self._lr)
+        self._out: dict[str, torch.Tensor] | None = None  # persistent float32 HF buffers of named_tensors
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, vocab] float32 logits; right padding needs no mask beyond the causal one."""
+        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        device = next(self.model.parameters()).device
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._autocast_bf16):
+            logits = self.model(ids.to(device), positions.to(device), None)
+        return logits.float().cpu() if logits.device.type != "cpu" else logits.float()
+
+    def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]],
+                          response_ids_list: Sequence[Sequence[int]],
+                          response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Sum of the response tokens' log-probs per sequence ([batch], float32, with grad)."""
+        ids, _, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks, self.pad_id)
+        logits = self._logits(ids)
+        return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
+
+    def token_logprobs(self, prompt_ids_list: Sequence[Sequence[int]], response_ids_list: Sequence[Sequence[int]],
+                       response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """[batch, longest response] per-token log-probs, response-aligned, zero past each end (GRPO)."""
+        ids, _, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks, self.pad_id)
+        per_token = _masked_token_logprobs(self._logits(ids)[:, :-1], ids[:, 1:], loss_mask)
+        width = max(1, max(len(r) for r in response_ids_list))
+        starts = torch.tensor([len(p) - 1 for p in prompt_ids_list]).unsqueeze(1)
+        index = (starts + torch.arange(width).unsqueeze(0)).clamp(max=per_token.shape[1] - 1)
+        inside = torch.arange(width).unsqueeze(0) < torch.tensor([len(r) for r in response_ids_list]).unsqueeze(1)
+        return per_token.gather(1, index) * inside
+
+    # -- optimization -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        if loss.dim() != 0:
+            raise ValueError(f"loss must be a scalar, got shape {tuple(loss.shape)}")
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()!r}")
+        loss.backward()
+
+    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]:
+        if loss is not None:
+            self.backward(loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(f"non-finite gradient norm {grad_norm.item()!r}; step skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": self._lr}
+
+    def reset_optimizer(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer = make_optimizer(self.model, self.config, self._lr)
+
+    def set_lr(self, lr: float) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr={lr!r} must be > 0")
+        self._lr = float(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+
+    # -- weights in HF layout ---------------------------------------------------------------------
+    def megatron_state(self) -> dict[str, torch.Tensor]:
+        from trainer.megatron.model import megatron_state
+
+        return megatron_state(self.model)
+
+    def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        """The weights in HF layout under the source directory's names and dtypes.
+
+        One conversion copy (``convert.megatron_to_hf``) into buffers kept between calls: the
+        tensors returned are overwritten by the next call unless ``copy`` is set."""
+        if self._out is None:
+            self._out = {}
+        with torch.no_grad():
+            hf = megatron_to_hf({(0, 0): self.megatron_state()}, self.shape, self.megatron.parallelism,
+                                norm_style=self.norm_style, out=self._out)
+        for name, tensor in hf.items():
+            self._out.setdefault(name, tensor)
+        out = {}
+        for name, tensor in hf.items():
+            t = tensor.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.to(self._disk_dtypes.get(name, t.dtype))
+            out[name] = t.clone() if copy and t.data_ptr() == tensor.data_ptr() else t
+        return out
+
+    @torch.no_grad()
+    def load_hf_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy a HF state dict (e.g. a saved checkpoint) into the GPTModel (this rank's share)."""
+        from trainer.megatron import model as mg_model
+
+        param = next(self.model.parameters())
+        state = {name: tensor.to(device=param.device, dtype=param.dtype) for name, tensor in state_dict.items()}
+        mg_model.load_hf_weights(self.model, state, self.hf_config, self.megatron, self.norm_style)
+
+    def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
+        """A HF model directory (config and tokenizer from the source, the converted weights)."""
+        return save_hf_dir(self.source_dir, out_dir, self.named_tensors(), self.config,
+                           extra={"backend": "megatron", "tp_size": self.megatron.tp_size})
+
+    def close(self) -> None:
+        """Tear down the process group if this trainer made it (tests build several trainers)."""
+        if self._owns_parallel:
+            from trainer.megatron import model as mg_model
+            from trainer.megatron.cpu_compat import remove_cpu_redirects
+
+            mg_model.close_parallel()
+            remove_cpu_redirects()
+            self._owns_parallel = False
