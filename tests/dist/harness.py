@@ -78,6 +78,23 @@ class Engine:
         return self.proc.returncode
 
 
+def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """End a process started with ``start_new_session=True`` and everything in its session (torchrun's
+    ranks outlive a killed torchrun otherwise)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout_s)
+
+
 def run_ranks(world: int, args_for_rank, timeout_s: float = 120.0, kill_rank_after=None) -> list[tuple[int, str]]:
     """Run `python -m tests.dist.scenario` for every rank; return [(exit code, output)] per rank."""
     port = free_port()

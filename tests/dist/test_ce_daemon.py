@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint_engine.checksum import tensor_checksum
-from tests.dist.harness import REPO, Engine, _env, free_port, get_json
+from tests.dist.harness import REPO, Engine, _env, free_port, get_json, stop_group
 
 
 def call(method: str, url: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, dict]:
@@ -48,7 +48,7 @@ def test_daemon_register_update_shutdown(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          "-m", "checkpoint_engine", "--port", str(port), "--collective-timeout-s", "60",
          "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), "--p2p-host", "127.0.0.1"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -98,9 +98,7 @@ def test_daemon_register_update_shutdown(tmp_path):
         out, _ = daemon.communicate(timeout=60)
         assert daemon.returncode == 0, out
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
-            daemon.wait()
+        stop_group(daemon)  # torchrun and its ranks, whatever state the test left them in
         for e in engines:
             e.stop()
 
@@ -140,7 +138,7 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
     daemon = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          "-m", "checkpoint_engine", "--uds", uds, "--collective-timeout-s", "60"],  # as theirs: no P2P flags
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     rpc_urls = [e.url + "/collective_rpc" for e in engines]
     try:
         deadline = time.monotonic() + 90
@@ -193,8 +191,6 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
         assert daemon.returncode == 0, out
         assert not os.path.exists(uds)  # removed on exit
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
-            daemon.wait()
+        stop_group(daemon)  # torchrun and its ranks, whatever state the test left them in
         for e in engines:
             e.stop()
