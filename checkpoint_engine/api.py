@@ -7,55 +7,16 @@ Engines expose vLLM's `POST /collective_rpc` shape: {"method", "args", "kwargs",
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import os
-import socket
-import urllib.parse
 from collections.abc import Sequence
 
+from checkpoint_engine.httpjson import HTTPError, post_json  # also importable from here
 from checkpoint_engine.types import ReqFunc  # also importable from here
 
+__all__ = ["HTTPError", "ReqFunc", "group_req_func", "http_req_func", "post_json", "request_inference_to_update"]
+
 logger = logging.getLogger(__name__)
-
-
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, uds: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self._uds = uds
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._uds)
-
-
-def post_json(url: str, body: dict, *, timeout_s: float, uds: str | None = None) -> dict:
-    """POST JSON, return the decoded JSON answer; RuntimeError names the URL and the problem."""
-    parts = urllib.parse.urlsplit(url)
-    if uds:
-        conn: http.client.HTTPConnection = _UnixHTTPConnection(uds, timeout_s)
-    elif parts.scheme == "http":
-        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
-    else:
-        raise ValueError(f"only http:// URLs are supported, got {url!r}")
-    path = parts.path or "/"
-    try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        text = resp.read().decode(errors="replace")
-    except (OSError, http.client.HTTPException) as e:
-        raise RuntimeError(f"POST {url} failed: {type(e).__name__}: {e}") from None
-    finally:
-        conn.close()
-    if resp.status >= 400:
-        raise RuntimeError(f"POST {url} answered HTTP {resp.status}: {text[:2000]}")
-    try:
-        return json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        raise RuntimeError(f"POST {url} answered non-JSON: {text[:500]!r}") from None
 
 
 def request_inference_to_update(url: str, socket_paths: dict[str, str], timeout: float = 300.0,

@@ -21,3 +21,14 @@ class UpdateFailed(CheckpointEngineError):
         self.failures = failures
         detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
         super().__init__(f"{REMOTE_ERRORS}: weight update aborted on all ranks ({detail})")
+
+
+class HTTPError(CheckpointEngineError):
+    """An HTTP server answered with a status >= 400 (`checkpoint_engine.httpjson`'s client).
+
+    `status` is the HTTP status code and `text` the answer's body, so callers branch on the code.
+    """
+
+    def __init__(self, method: str, url: str, status: int, text: str):
+        self.method, self.url, self.status, self.text = method, url, status, text
+        super().__init__(f"{method} {url} answered HTTP {status}: {text[:2000]}")

@@ -1,12 +1,94 @@
-"""A quiet stdlib HTTP handler base that answers JSON (the plain engine's server, test doubles)."""
+"""JSON over HTTP, both sides, stdlib only: the one client of the project and a quiet handler base.
+
+    call_json(method, url, body)   ──▶ the decoded answer; HTTPError(.status, .text) for status >= 400,
+                                       RuntimeError when unreachable or not JSON
+    status_json(method, url, body) ──▶ (status, decoded answer) for any status (probes, tests);
+                                       an unreachable server raises OSError
+    post_json(url, body)           ──▶ call_json("POST", ...)
+    JsonRequestHandler             ──   server side: reply(status, body), read_json()
+
+URLs are ``http://host:port/path``; ``uds=PATH`` sends the request over a Unix socket instead.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import socket
+import urllib.parse
 from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from checkpoint_engine.errors import HTTPError
+
+__all__ = ["HTTPError", "JsonRequestHandler", "call_json", "post_json", "status_json"]
 
 logger = logging.getLogger(__name__)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, uds: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._uds = uds
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._uds)
+
+
+def _request(method: str, url: str, body: Any, timeout_s: float, uds: str | None) -> tuple[int, str]:
+    """(status, body text) of one request; OSError (ConnectionError for protocol failures) when it fails."""
+    parts = urllib.parse.urlsplit(url)
+    if uds:
+        conn: http.client.HTTPConnection = _UnixHTTPConnection(uds, timeout_s)
+    elif parts.scheme == "http":
+        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    else:
+        raise ValueError(f"only http:// URLs are supported, got {url!r}")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    data = None if body is None else json.dumps(body)
+    headers = {} if body is None else {"Content-Type": "application/json"}
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    except http.client.HTTPException as e:
+        raise ConnectionError(f"{type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+
+
+def status_json(method: str, url: str, body: Any = None, *, timeout_s: float,
+                uds: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, decoded JSON answer) whatever the status: {} for an empty answer, {"raw": text}
+    for one that is not JSON. An unreachable server raises OSError."""
+    status, text = _request(method, url, body, timeout_s, uds)
+    try:
+        return status, json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return status, {"raw": text}
+
+
+def call_json(method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None) -> Any:
+    """The decoded JSON answer ({} when empty). HTTPError (with `.status`) for status >= 400;
+    RuntimeError naming the URL when the server cannot be reached or answers non-JSON."""
+    try:
+        status, text = _request(method, url, body, timeout_s, uds)
+    except OSError as e:
+        raise RuntimeError(f"{method} {url} failed: {type(e).__name__}: {e}") from None
+    if status >= 400:
+        raise HTTPError(method, url, status, text)
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        raise RuntimeError(f"{method} {url} answered non-JSON: {text[:500]!r}") from None
+
+
+def post_json(url: str, body: Any, *, timeout_s: float, uds: str | None = None) -> Any:
+    """POST JSON, return the decoded JSON answer (see `call_json` for the errors)."""
+    return call_json("POST", url, body, timeout_s=timeout_s, uds=uds)
 
 
 class JsonRequestHandler(BaseHTTPRequestHandler):

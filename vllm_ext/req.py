@@ -12,16 +12,13 @@ computed with the old weights must not be reused for new requests.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpoint_engine.api import post_json
+from checkpoint_engine.httpjson import HTTPError, post_json, status_json
 from checkpoint_engine.types import ReqFunc  # also importable from here
 
 logger = logging.getLogger(__name__)
@@ -40,14 +37,15 @@ def collective_rpc(endpoint: str, method: str, *, args: Sequence[Any] = (), kwar
     body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout_s}
     try:
         answer = post_json(url, body, timeout_s=timeout_s + 15.0)
-    except RuntimeError as e:
-        text = str(e)
-        if "HTTP 404" in text:
+    except HTTPError as e:
+        if e.status == 404:
             raise EngineRpcError(f"{url} does not exist: start `vllm serve` with VLLM_SERVER_DEV_MODE=1 "
                                  f"(dev mode enables /collective_rpc)") from None
-        if "HTTP 503" in text and "weights" in text:
-            raise EngineRpcError(f"{method} on {endpoint}: {text}") from None
-        raise EngineRpcError(f"{method} on {endpoint} failed: {text}") from None
+        if e.status == 503 and "weights" in e.text:
+            raise EngineRpcError(f"{method} on {endpoint}: {e}") from None
+        raise EngineRpcError(f"{method} on {endpoint} failed: {e}") from None
+    except RuntimeError as e:
+        raise EngineRpcError(f"{method} on {endpoint} failed: {e}") from None
     if not isinstance(answer, dict) or "results" not in answer:
         raise EngineRpcError(f"{method} on {endpoint}: unexpected answer {str(answer)[:300]}")
     return answer["results"]
@@ -137,14 +135,7 @@ def _reset_best_effort(reset: Callable[[], Any], where: str) -> None:
 
 def get_json(url: str, *, timeout_s: float = 10.0) -> tuple[int, dict]:
     """GET a JSON document; return (HTTP status, body). Connection errors raise OSError."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except json.JSONDecodeError:
-            return e.code, {}
+    return status_json("GET", url, timeout_s=timeout_s)
 
 
 def wait_until_healthy(endpoint: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None,
@@ -159,7 +150,7 @@ def wait_until_healthy(endpoint: str, *, timeout_s: float, is_alive: Callable[[]
             status, _ = get_json(endpoint.rstrip("/") + "/health", timeout_s=2.0)
             if status == 200:
                 return time.monotonic() - start
-        except (OSError, json.JSONDecodeError):
+        except OSError:
             pass
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"{endpoint} did not become healthy within {timeout_s:.0f} s")

@@ -12,11 +12,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkpoint_engine.httpjson import status_json
 from checkpoint_engine.procs import die_with_parent
 from vllm_ext.launch import EXTENSION, free_port
 
@@ -33,17 +32,8 @@ def child_env(**extra: str) -> dict:
 
 
 def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw or b"{}")
-        except json.JSONDecodeError:
-            return e.code, {"raw": raw.decode(errors="replace")}
+    """(status, decoded answer) whatever the status (see `checkpoint_engine.httpjson.status_json`)."""
+    return status_json(method, url, body, timeout_s=timeout_s)
 
 
 def post_completions(base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *,
@@ -92,7 +82,7 @@ class ServerProcess:
                 status, body = http_json("GET", self.url + path, timeout_s=5.0)
                 if ok(status, body):
                     return body
-            except (OSError, json.JSONDecodeError):
+            except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.url}{path} not ready within {timeout_s:.0f} s; log:\n{self.log_tail()}")

@@ -104,20 +104,11 @@ def test_daemon_register_update_shutdown(tmp_path):
 
 
 # -- MoonshotAI checkpoint-engine's HTTP API on the same daemon, over a unix socket ---------------
-def uds_call(uds: str, method: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, str]:
-    """One HTTP request over a unix socket; (status, raw body text)."""
-    import http.client
+def uds_call(uds: str, method: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, object]:
+    """One HTTP request over a unix socket; (status, decoded JSON answer, {} when empty)."""
+    from checkpoint_engine.httpjson import status_json
 
-    from checkpoint_engine.api import _UnixHTTPConnection
-
-    conn: http.client.HTTPConnection = _UnixHTTPConnection(uds, timeout_s)
-    try:
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
+    return status_json(method, "http://localhost" + path, body, timeout_s=timeout_s, uds=uds)
 
 
 def test_daemon_moonshot_routes_over_uds(tmp_path):
@@ -145,31 +136,31 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
         while True:
             assert daemon.poll() is None, daemon.stdout.read()
             try:
-                assert uds_call(uds, "GET", "/v1/healthz", timeout_s=1.0) == (200, "")
+                assert uds_call(uds, "GET", "/v1/healthz", timeout_s=1.0) == (200, {})
                 break
             except OSError:
                 assert time.monotonic() < deadline, "daemon did not come up"
                 time.sleep(0.1)
         v1 = "/v1/checkpoints/m"
         # bad requests: 422 naming the field (FastAPI's shape), nothing sent to the ranks
-        code, text = uds_call(uds, "POST", v1 + "/files", {"files": "model.safetensors"})
-        assert code == 422 and json.loads(text)["detail"][0]["loc"] == ["body", "files"], text
-        code, text = uds_call(uds, "POST", v1 + "/update", {"inference_group_ranks": [5]})
-        assert code == 422 and json.loads(text)["detail"][0]["loc"] == ["body", "inference_group_ranks"], text
-        code, text = uds_call(uds, "POST", v1 + "/update", {"timeout": -1})
-        assert code == 422 and json.loads(text)["detail"][0]["loc"] == ["body", "timeout"], text
-        code, text = uds_call(uds, "POST", v1 + "/update", {"update_url": 7})
-        assert code == 422 and json.loads(text)["detail"][0]["loc"] == ["body", "update_url"], text
-        code, text = uds_call(uds, "POST", v1 + "/update", {"ranks": [0], "inference_group_ranks": [1]})
-        assert code == 422 and "inference_group_ranks" in text, text
+        code, answer = uds_call(uds, "POST", v1 + "/files", {"files": "model.safetensors"})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "files"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"inference_group_ranks": [5]})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "inference_group_ranks"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"timeout": -1})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "timeout"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"update_url": 7})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "update_url"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"ranks": [0], "inference_group_ranks": [1]})
+        assert code == 422 and "inference_group_ranks" in str(answer), answer
 
-        assert uds_call(uds, "POST", v1 + "/files", {"files": files}) == (200, "")
+        assert uds_call(uds, "POST", v1 + "/files", {"files": files}) == (200, {})
         # registered but not gathered: the update fails with the error text (a JSON string), 500
-        code, text = uds_call(uds, "POST", v1 + "/update", {"update_url": rpc_urls[0]})
-        assert code == 500 and "gather_metas" in json.loads(text), text
-        assert uds_call(uds, "POST", v1 + "/gather-metas") == (200, "")
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"update_url": rpc_urls[0]})
+        assert code == 500 and "gather_metas" in answer, answer
+        assert uds_call(uds, "POST", v1 + "/gather-metas") == (200, {})
         # one URL per engine (our extension of update_url): a broadcast update of both engines
-        assert uds_call(uds, "POST", v1 + "/update", {"update_url": rpc_urls, "timeout": 30}) == (200, "")
+        assert uds_call(uds, "POST", v1 + "/update", {"update_url": rpc_urls, "timeout": 30}) == (200, {})
         expected = {k: tensor_checksum(v) for k, v in tensors.items()}
         for e in engines:
             assert e.digest() == expected and e.state()["version"] == 1
@@ -178,14 +169,14 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
 
         rpc(engines[1].url, "reset_weights")
         body = {"ranks": [1], "update_url": rpc_urls[1], "inference_group_ranks": [1], "timeout": 30}
-        assert uds_call(uds, "POST", v1 + "/update", body) == (200, "")
+        assert uds_call(uds, "POST", v1 + "/update", body) == (200, {})
         assert engines[1].digest() == expected and engines[1].state()["version"] == 1
         assert engines[0].state()["version"] == 1  # not touched
-        code, text = uds_call(uds, "GET", "/checkpoints")  # our own routes answer on the same socket
-        assert code == 200 and json.loads(text)["ranks"][0]["result"]["checkpoints"]["m"]["gathered"] is True
-        assert uds_call(uds, "DELETE", v1) == (200, "")
-        code, text = uds_call(uds, "DELETE", v1)
-        assert code == 500 and "not registered" in json.loads(text), text
+        code, answer = uds_call(uds, "GET", "/checkpoints")  # our own routes answer on the same socket
+        assert code == 200 and answer["ranks"][0]["result"]["checkpoints"]["m"]["gathered"] is True
+        assert uds_call(uds, "DELETE", v1) == (200, {})
+        code, answer = uds_call(uds, "DELETE", v1)
+        assert code == 500 and "not registered" in answer, answer
         assert uds_call(uds, "POST", "/shutdown")[0] == 200
         out, _ = daemon.communicate(timeout=60)
         assert daemon.returncode == 0, out
