@@ -72,13 +72,13 @@ def first_answer_s(server, url: str, model: str, t0: float, timeout_s: float) ->
 def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) -> dict:
     from checkpoint_engine.config import ParameterServerConfig
     from checkpoint_engine.ps import ParameterServer
-    from vllm_ext.launch import model_safetensors_files
+    from checkpoint_engine.hf_dir import safetensors_files
     from vllm_ext.req import collective_rpc, reset_prefix_cache_http, vllm_http_req_func
     from vllm_ext.testing import completion_token_ids
 
     ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
     t0 = time.perf_counter()
-    ps.register_checkpoint("bench", files=model_safetensors_files(str(model_dir)))
+    ps.register_checkpoint("bench", files=[str(f) for f in safetensors_files(model_dir)])
     ps.gather_metas("bench")
     register_s = time.perf_counter() - t0
     req = vllm_http_req_func(url, rank=0, timeout_s=600.0)
@@ -142,10 +142,9 @@ def save_copy_s(model_dir: Path) -> float:
 
     from safetensors.torch import save_file
 
-    from vllm_ext.launch import model_safetensors_files
-    from vllm_ext.tiny_model import load_state_dict_from_dir
+    from checkpoint_engine.hf_dir import read_tensors, safetensors_files
 
-    tensors = load_state_dict_from_dir(model_dir)
+    tensors = read_tensors(model_dir)
     out = model_dir.parent / "saved"
     out.mkdir(exist_ok=True)
     t0 = time.perf_counter()
@@ -153,7 +152,7 @@ def save_copy_s(model_dir: Path) -> float:
     os.sync()
     elapsed = time.perf_counter() - t0
     shutil.rmtree(out)
-    assert model_safetensors_files(str(model_dir))
+    assert safetensors_files(model_dir)
     return elapsed
 
 

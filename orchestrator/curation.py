@@ -201,14 +201,14 @@ def _engine(args: argparse.Namespace):
 
     if args.endpoint:
         return make_engine(EngineConfig(type="vllm_http", endpoint=args.endpoint), args.model), None
+    from checkpoint_engine.hf_dir import read_tensors
     from orchestrator.weight_sync import WeightSync
-    from vllm_ext.tiny_model import load_state_dict_from_dir
 
     engine = make_engine(EngineConfig(max_model_len=args.max_model_len), args.model)
     sync = None
     try:
         sync = WeightSync(SyncConfig(), engine.weight_req_func(300.0))
-        sync.push(load_state_dict_from_dir(args.model), version=0)  # vLLM started on dummy weights
+        sync.push(read_tensors(args.model), version=0)  # vLLM started on dummy weights
     except BaseException:
         if sync is not None:
             sync.close()

@@ -119,16 +119,10 @@ def free_port() -> int:
 
 
 def model_safetensors_files(model_dir: str) -> list[str]:
-    """The model directory's safetensors files (index order when sharded)."""
-    d = Path(model_dir)
-    index = d / "model.safetensors.index.json"
-    if index.exists():
-        names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
-        return [str(d / n) for n in names]
-    files = sorted(str(p) for p in d.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {model_dir!r} holds no .safetensors file")
-    return files
+    """The model directory's safetensors files as strings (`checkpoint_engine.hf_dir.safetensors_files`)."""
+    from checkpoint_engine.hf_dir import safetensors_files
+
+    return [str(p) for p in safetensors_files(model_dir)]
 
 
 def engine_settings(cfg: LaunchConfig) -> dict:

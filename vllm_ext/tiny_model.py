@@ -28,6 +28,9 @@ from typing import Literal
 import torch
 
 from checkpoint_engine.dtypes import dtype_from_name
+from checkpoint_engine.hf_dir import DEFAULT_MAX_SHARD_SIZE_BYTES, read_tensors, write_safetensors
+from checkpoint_engine.hf_dir import plan_shards as plan_shards  # re-exported: HF dir I/O lives in hf_dir
+from checkpoint_engine.hf_dir import safetensors_files as safetensors_files
 from checkpoint_engine.validate import check_int
 
 logger = logging.getLogger(__name__)
@@ -45,7 +48,6 @@ VOCAB_SIZE = 128
 CHARACTERS: tuple[str, ...] = ("\n", "\t") + tuple(
     c for c in string.printable if c not in "\n\t\r\x0b\x0c"
 )
-DEFAULT_MAX_SHARD_SIZE_BYTES = 256 * 1024**2
 _HIDDEN_SIZE_LADDER = (256, 512, 1024, 2048, 4096)
 _HEAD_DIM = 64
 
@@ -307,54 +309,6 @@ def write_model_dir(out_dir: str | pathlib.Path, config: TinyModelConfig,
     return out
 
 
-def write_safetensors(out_dir: str | pathlib.Path, state_dict: dict[str, torch.Tensor], *,
-                      max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> list[pathlib.Path]:
-    """Write ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger.
-
-    Removes weight files a previous write left in ``out_dir``. Returns the files written.
-    """
-    from safetensors.torch import save_file
-
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        stale.unlink()
-    shards = plan_shards({k: v.numel() * v.element_size() for k, v in state_dict.items()},
-                         max_shard_size_bytes)
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(_contiguous(state_dict, shards[0]), str(out / "model.safetensors"), metadata=metadata)
-        return [out / "model.safetensors"]
-    weight_map, files = {}, []
-    for index, names in enumerate(shards):
-        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(_contiguous(state_dict, names), str(out / file_name), metadata=metadata)
-        weight_map.update({name: file_name for name in names})
-        files.append(out / file_name)
-    total = sum(v.numel() * v.element_size() for v in state_dict.values())
-    _write_json(out / "model.safetensors.index.json",
-                {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files
-
-
-def plan_shards(sizes_bytes: dict[str, int], max_shard_size_bytes: int) -> list[list[str]]:
-    """Group names (in order) into shards of at most ``max_shard_size_bytes`` each.
-
-    A single tensor larger than the limit gets a shard of its own.
-    """
-    if max_shard_size_bytes < 1:
-        raise ValueError(f"max_shard_size_bytes={max_shard_size_bytes!r} must be positive")
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, size in sizes_bytes.items():
-        if shards[-1] and used + size > max_shard_size_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
 def make_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig | None = None, *,
                     seed: int | None = None,
                     max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> pathlib.Path:
@@ -370,35 +324,10 @@ def make_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig | None 
     return out
 
 
-def safetensors_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
-    """The safetensors files of a model directory, in index order."""
-    directory = pathlib.Path(model_dir)
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in dict.fromkeys(weight_map.values())]
-    single = directory / "model.safetensors"
-    if single.exists():
-        return [single]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model_dir={str(model_dir)!r} holds no .safetensors file")
-    return files
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def load_state_dict_from_dir(model_dir: str | pathlib.Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory's safetensors files (single or sharded)."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
-        out.update(load_file(str(path)))
-    return out
-
-
-def _contiguous(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    return {name: state_dict[name].detach().contiguous() for name in names}
-
-
-def _write_json(path: pathlib.Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    return read_tensors(model_dir)
