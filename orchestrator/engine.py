@@ -33,7 +33,6 @@ from orchestrator.repeat import RepeatConfig, first_repeat_end
 
 logger = logging.getLogger(__name__)
 
-EXTENSION_CLS = "vllm_ext.worker.VllmColocateWorkerExtension"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", None: "abort"}
 
 
@@ -123,11 +122,13 @@ class AsyncVllmEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from vllm_ext.launch import EXTENSION
+
         c = self.config
         args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", dtype=c.dtype,
                                max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
                                block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
-                               seed=c.seed, worker_extension_cls=EXTENSION_CLS, disable_log_stats=True)
+                               seed=c.seed, worker_extension_cls=EXTENSION, disable_log_stats=True)
         return AsyncLLM.from_engine_args(args)
 
     def _call(self, coro, timeout_s: float, what: str) -> Any:
@@ -187,21 +188,16 @@ class AsyncVllmEngine:
         return result
 
     def weight_req_func(self, timeout_s: float) -> ReqFunc:
-        from vllm_ext.req import UPDATE_METHOD, check_reports
+        from vllm_ext.req import rpc_req_func
 
-        def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
-            try:
-                results = self._call(self._llm.collective_rpc(UPDATE_METHOD, timeout=timeout_s,
-                                                              args=(dict(socket_paths),)),
-                                     timeout_s + 30.0, "weight update")
-            finally:
-                try:  # KV blocks computed with the old weights must not be reused
-                    self._call(self._llm.reset_prefix_cache(), 60.0, "prefix cache reset")
-                except Exception as e:  # noqa: BLE001 - the update's own outcome is what matters
-                    logger.warning("could not reset the prefix cache: %s", e)
-            check_reports(list(results), "in-process vLLM")
+        def collective_rpc(method: str, *, timeout: float, args: tuple) -> list:
+            return self._call(self._llm.collective_rpc(method, timeout=timeout, args=args), timeout + 30.0,
+                              "weight update")
 
-        return req_func
+        def reset_prefix_cache() -> None:  # KV blocks computed with the old weights must not be reused
+            self._call(self._llm.reset_prefix_cache(), 60.0, "prefix cache reset")
+
+        return rpc_req_func(collective_rpc, reset_prefix_cache, "in-process vLLM", timeout_s=timeout_s)
 
     def close(self) -> None:
         if self._llm is not None:

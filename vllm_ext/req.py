@@ -4,6 +4,7 @@
         vllm_http_req_func: POST {endpoint}/collective_rpc {"method": "update_weights_from_ipc", ...}
                             then POST {endpoint}/reset_prefix_cache
         llm_req_func:       llm.collective_rpc("update_weights_from_ipc", ...); llm.reset_prefix_cache()
+        rpc_req_func:       the same over any collective_rpc/reset pair (the orchestrator's AsyncLLM)
 
 The HTTP route exists only when the server runs with `VLLM_SERVER_DEV_MODE=1`. After an update
 (or an aborted one, which may have changed some layers) the prefix cache is reset: KV blocks
@@ -111,17 +112,24 @@ def vllm_http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engi
 
 def llm_req_func(llm, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True) -> ReqFunc:
     """req_func for an in-process `vllm.LLM` (one PS rank per LLM; call `ps.update` while it is idle)."""
+    return rpc_req_func(llm.collective_rpc, llm.reset_prefix_cache if reset_prefix_cache else None,
+                        "in-process LLM", timeout_s=timeout_s)
+
+
+def rpc_req_func(collective_rpc: Callable[..., Sequence], reset_prefix_cache: Callable[[], Any] | None,
+                 where: str, *, timeout_s: float) -> ReqFunc:
+    """req_func over an in-process engine's `collective_rpc(method, timeout=, args=)` (vllm.LLM's shape;
+    an AsyncLLM's caller wraps its coroutines), then `reset_prefix_cache()` (best effort) unless None."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
 
     def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
-        mine = dict(socket_paths)
         try:
-            results = llm.collective_rpc(UPDATE_METHOD, timeout=timeout_s, args=(mine,))
+            results = collective_rpc(UPDATE_METHOD, timeout=timeout_s, args=(dict(socket_paths),))
         finally:
-            if reset_prefix_cache:
-                _reset_best_effort(llm.reset_prefix_cache, "in-process LLM")
-        check_reports(list(results), "in-process LLM")
+            if reset_prefix_cache is not None:
+                _reset_best_effort(reset_prefix_cache, where)
+        check_reports(list(results), where)
 
     return req_func
 
