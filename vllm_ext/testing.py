@@ -72,20 +72,23 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def wait_for(self, path: str, *, timeout_s: float, ok=lambda status, body: status == 200) -> dict:
-        """Poll GET url+path until `ok(status, body)`; return the body."""
+    def wait_for(self, path: str, *, timeout_s: float, ok=lambda status, body: status == 200,
+                 base_url: str | None = None) -> dict:
+        """Poll GET base_url+path (default: this server's url) while this process lives, until
+        `ok(status, body)`; return the body."""
+        url = (base_url or self.url) + path
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive():
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.log_tail()}")
             try:
-                status, body = http_json("GET", self.url + path, timeout_s=5.0)
+                status, body = http_json("GET", url, timeout_s=5.0)
                 if ok(status, body):
                     return body
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.url}{path} not ready within {timeout_s:.0f} s; log:\n{self.log_tail()}")
+                raise TimeoutError(f"{url} not ready within {timeout_s:.0f} s; log:\n{self.log_tail()}")
             time.sleep(0.05)  # readiness polling interval, bounded by the deadline
 
     def stop(self, timeout_s: float = 60.0) -> int:
@@ -127,18 +130,8 @@ class LaunchedServer(ServerProcess):
     def wait_engine_healthy(self, timeout_s: float = 600.0) -> str:
         """The internal vLLM URL once vLLM itself answers /health (weights may still be dummy)."""
         engine_url = self.wait_listening()["engine_url"]
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self.alive():
-                raise RuntimeError(f"launcher exited with {self.proc.returncode}; log:\n{self.log_tail()}")
-            try:
-                if http_json("GET", engine_url + "/health", timeout_s=5.0)[0] == 200:
-                    return engine_url
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM behind {self.url} not healthy within {timeout_s:.0f} s; log:\n{self.log_tail()}")
-            time.sleep(0.1)  # readiness polling interval, bounded by the deadline
+        self.wait_for("/health", timeout_s=timeout_s, base_url=engine_url)
+        return engine_url
 
 
 def vllm_serve_command(model_dir: str | Path, port: int, *, vllm_args: Sequence[str] = CPU_ENGINE_ARGS,
