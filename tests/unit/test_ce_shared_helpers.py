@@ -70,8 +70,7 @@ class _Server(httpjson.JsonRequestHandler):
 @pytest.fixture
 def base_url():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
