@@ -11,6 +11,18 @@ A synthetic Qwen2-shaped checkpoint (GQA, qkv bias, untied embeddings) is sharde
   memcpy_s         one copy of all the bytes, flat buffer to flat buffer (the floor)
   memcpy_s is the faster of a 1-thread and a --threads memcpy
 ratio_convert_vs_memcpy = memcpy_s / convert_s (1.0 = as fast as memcpy; target >= 0.5).
+
+    python benchmarks/bench_megatron_sync.py --vllm [--model-dir DIR] [--steps 3]
+
+adds the trainer-step-end to vLLM-serving split, measured the way the RL loop syncs
+(orchestrator.weight_sync: an in-process ParameterServer, CPU transport) from a MegatronTrainer (TP=1,
+this process) into a real vLLM LLM (CPU, started on dummy weights) after each of --steps training steps:
+  step_convert_s   trainer.named_tensors(): megatron_to_hf into the trainer's persistent HF buffers
+  step_register_s  ParameterServer.register_checkpoint + gather_metas (copy into host/shared memory)
+  step_update_s    ParameterServer.update: buckets to the engine and its in-place reload
+  step_serve_s     the first greedy request (1 token) served after the update
+  step_total_s     the sum (median over steps for every field)
+(default model: the tiny demo shape, written to a temporary dir.)
 The last line printed is one JSON object.
 """
 
@@ -36,7 +48,79 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads of the process (0: torch's default)")
     p.add_argument("--copy-threads", type=int, default=1,
                    help="threads of the conversion's copies (convert.copy_threads_context; 0: the process's)")
+    p.add_argument("--vllm", action="store_true",
+                   help="also time trainer step end -> vLLM serving (convert / register / update / serve)")
+    p.add_argument("--model-dir", default=None, help="--vllm: HF model dir (default: a tiny demo-shaped model)")
+    p.add_argument("--steps", type=int, default=3, help="--vllm: training steps, one sync after each")
     return p.parse_args(argv)
+
+
+def step_to_serving(model_dir: str | None, steps: int) -> dict:
+    """Median seconds per stage from the end of a Megatron training step to vLLM serving the new weights."""
+    import os
+    import statistics
+    import tempfile
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.ps import ParameterServer
+    from orchestrator.trainer import TrainerConfig, make_trainer
+    from vllm_ext.launch import EXTENSION
+    from vllm_ext.req import llm_req_func
+    from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
+
+    tmp = None
+    if model_dir is None:
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = str(make_tiny_model(pathlib_path(tmp.name) / "model", TinyModelConfig.tiny(), seed=0))
+    llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0,
+              worker_extension_cls=EXTENSION)
+    trainer = make_trainer("megatron", model_dir, TrainerConfig(lr=1e-4, autocast_dtype="float32"))
+    ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(
+        transport="cpu", update=UpdateConfig(), reuse_host_memory=True))
+    req = llm_req_func(llm, timeout_s=300.0)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts, responses = [(1, 20, 21, 22)] * 4, [(30, 31, 32, 33, 34, 35)] * 4
+    fields: dict[str, list[float]] = {k: [] for k in ("convert", "register", "update", "serve")}
+    previous = None
+    try:
+        for step in range(steps + 1):  # step 0 warms the engine's mappings and the PS's host memory
+            trainer.step(-trainer.sequence_logprobs(prompts, responses).mean())
+            t0 = time.perf_counter()
+            named = trainer.named_tensors()
+            t1 = time.perf_counter()
+            name = f"policy-v{step}"
+            ps.register_checkpoint(name, named_tensors=named)
+            ps.gather_metas(name)
+            t2 = time.perf_counter()
+            ps.update(name, req)
+            t3 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": [1, 20, 21]}], params, use_tqdm=False)
+            t4 = time.perf_counter()
+            if previous is not None:
+                ps.unregister_checkpoint(previous)
+            previous = name
+            if step:
+                for key, value in zip(fields, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    fields[key].append(value)
+        num_bytes = sum(t.numel() * t.element_size() for t in named.values())
+    finally:
+        ps.close()
+        trainer.close()
+        if tmp is not None:
+            tmp.cleanup()
+    out = {f"step_{key}_s": round(statistics.median(values), 4) for key, values in fields.items()}
+    out["step_total_s"] = round(sum(out.values()), 4)
+    out.update(step_model_mib=round(num_bytes / 2**20, 1), step_count=steps)
+    return out
+
+
+def pathlib_path(path: str):
+    import pathlib
+
+    return pathlib.Path(path)
 
 
 def _best_of(repeats: int, fn) -> float:
@@ -108,6 +192,11 @@ def main(argv=None) -> dict:
         "ratio_convert_vs_memcpy": round(memcpy_s / convert_s, 3),
         "ratio_convert_alloc_vs_memcpy": round(memcpy_s / convert_alloc_s, 3),
     }
+    if args.vllm:
+        result.update(step_to_serving(args.model_dir, args.steps))
+        print(f"step end -> vLLM serving ({result['step_model_mib']} MiB): convert {result['step_convert_s']} s, "
+              f"register {result['step_register_s']} s, update {result['step_update_s']} s, "
+              f"first request {result['step_serve_s']} s")
     print(f"{gib:.2f} GiB in {len(shapes)} tensors, TP={args.tp} PP={args.pp}, {args.dtype}: "
           f"memcpy {result['memcpy_gib_s']} GiB/s, convert {result['convert_gib_s']} GiB/s "
           f"(allocating: {result['convert_alloc_gib_s']}), HF->Megatron {result['to_megatron_gib_s']} GiB/s")
