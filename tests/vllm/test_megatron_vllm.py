@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 20, 21, 11, 22, 23, 14], [1, 40, 41, 42, 43], [1, 70], [1, 50, 60, 70, 80, 90, 100]]
 MAX_TOKENS = 16
 
