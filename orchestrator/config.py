@@ -278,7 +278,8 @@ class TrainerSection:
 
     ``type``: "hf" (transformers, in process) or "megatron" (a megatron-core GPTModel initialized
     from the same SFT model; its weights are converted to HF layout for every weight sync).
-    ``tp_size``: Megatron tensor parallelism; the in-process trainer runs at 1."""
+    ``tp_size``: Megatron tensor parallelism. 1: the GPTModel lives in the job's process; > 1: the
+    job's process is TP rank 0 and starts the other ranks (``trainer.megatron.tp``) over gloo."""
 
     type: Literal["hf", "megatron"] = "hf"
     tp_size: int = 1
@@ -287,9 +288,8 @@ class TrainerSection:
         if self.type not in ("hf", "megatron"):
             raise ValueError(f"trainer.type={self.type!r} must be 'hf' or 'megatron'")
         check_int("trainer.tp_size", self.tp_size)
-        if self.tp_size != 1:
-            raise ValueError(f"trainer.tp_size={self.tp_size}: the RL job's trainer runs in its own process at "
-                             "tp_size=1 (TP=2 runs under torchrun: tests/dist/test_megatron_tp.py)")
+        if self.tp_size != 1 and self.type != "megatron":
+            raise ValueError(f"trainer.tp_size={self.tp_size}: only the megatron trainer is tensor parallel")
 
 
 @dataclasses.dataclass(frozen=True)

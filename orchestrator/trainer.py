@@ -112,6 +112,10 @@ def make_trainer(backend: TrainerBackend, model_dir: str | pathlib.Path, config:
         from trainer.megatron.model import MegatronModelConfig
         from trainer.megatron.trainer import MegatronTrainer
 
+        if tp_size > 1:  # this process is TP rank 0; it starts the other ranks (trainer.megatron.tp)
+            from trainer.megatron.tp import TPMegatronTrainer
+
+            return TPMegatronTrainer(model_dir, config, tp_size=tp_size)
         return MegatronTrainer(model_dir, config, MegatronModelConfig(tp_size=tp_size))
     raise ValueError(f"trainer backend {backend!r} must be 'hf' or 'megatron'")
 

@@ -113,13 +113,35 @@ class MegatronTrainer:
     def step(self, loss: torch.Tensor | None = None) -> dict[str, float]:
         if loss is not None:
             self.backward(loss)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        grad_norm = self._clip_grad_norm()
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise RuntimeError(f"non-finite gradient norm {grad_norm.item()!r}; step skipped")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(grad_norm), "lr": self._lr}
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clip by the whole model's gradient norm (torch's rule). At TP > 1 a rank holds slices of the
+        split parameters and a copy of the replicated ones: their squares are summed over the TP group,
+        each replicated parameter counted once; every rank then scales by the same coefficient."""
+        if self.megatron.tp_size == 1:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+        grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float64)
+        for param, grad in grads:
+            if param_is_not_tensor_parallel_duplicate(param):
+                square += grad.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(square, group=parallel_state.get_tensor_model_parallel_group())
+        total = square.sqrt().float()
+        coef = torch.clamp(self.config.grad_clip / (total + 1e-6), max=1.0)
+        for _, grad in grads:
+            grad.detach().mul_(coef.to(grad.device))
+        return total
 
     def reset_optimizer(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -138,6 +160,32 @@ class MegatronTrainer:
 
         return megatron_state(self.model)
 
+    def gather_shards(self) -> dict:
+        """{(pp, tp): Megatron state} of every TP rank, on TP rank 0 (others send theirs and get {}).
+        Collective at TP > 1: every rank of the group calls it."""
+        from trainer.megatron import model as mg_model
+
+        mine = self.megatron_state()
+        if self.megatron.tp_size == 1:
+            return {(0, 0): mine}
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        if mg_model.this_rank()[1] != 0:
+            for name in sorted(mine):
+                dist.send(mine[name].detach().contiguous().cpu(), dst=ranks[0])
+            return {}
+        shards = {(0, 0): mine}
+        for tp_rank, src in enumerate(ranks[1:], start=1):
+            received = {}
+            for name in sorted(mine):  # TP ranks hold the same names and shapes
+                received[name] = torch.empty(mine[name].shape, dtype=mine[name].dtype)
+                dist.recv(received[name], src=src)
+            shards[(0, tp_rank)] = received
+        return shards
+
     def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]:
         """The weights in HF layout under the source directory's names and dtypes.
 
@@ -146,7 +194,7 @@ class MegatronTrainer:
         if self._out is None:
             self._out = {}
         with torch.no_grad():
-            hf = megatron_to_hf({(0, 0): self.megatron_state()}, self.shape, self.megatron.parallelism,
+            hf = megatron_to_hf(self.gather_shards(), self.shape, self.megatron.parallelism,
                                 norm_style=self.norm_style, out=self._out)
         for name, tensor in hf.items():
             self._out.setdefault(name, tensor)
