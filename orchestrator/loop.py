@@ -359,6 +359,7 @@ class RLJob:
             "sft_model_dir": str(self.sft_model_dir),
             "autocast": self.trainer.dtype_choice.to_dict(), "sft_autocast": self.sft_summary.get("autocast"),
             "trainer_num_threads": self.trainer.num_threads, "trainer": self.config.trainer.type,
+            "trainer_tp_size": self.config.trainer.tp_size,
         }
         if records:
             self._plot(records)

@@ -4,4 +4,11 @@
 ``layout``      the HF <-> Megatron layout as a table of pieces (pure; no tensors, no megatron)
 ``convert``     HF <-> Megatron state dicts and a rank's slices (pure torch; no megatron)
 ``model``       GPTModel construction, process groups, loading HF weights (imports megatron lazily)
+``trainer``     ``MegatronTrainer``: the orchestrator's ``Trainer`` protocol on a GPTModel (one TP rank;
+                the whole model at TP=1, in the RL job's process); ``named_tensors`` = megatron_to_hf
+``tp``          ``TPMegatronTrainer``: TP > 1 inside the RL job (the job's process is TP rank 0 and
+                starts the follower ranks, ``python -m trainer.megatron.tp``, over gloo)
+
+``orchestrator.trainer.make_trainer("megatron", model_dir, config, tp_size=...)`` picks between them
+(the RL job's ``trainer`` config section: ``{"type": "megatron", "tp_size": 2}``).
 """

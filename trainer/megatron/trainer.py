@@ -56,8 +56,13 @@ class MegatronTrainer:
         self.source_dir = pathlib.Path(model_dir)
         self.num_threads = num_threads_for(self.config.num_threads)
         torch.set_num_threads(self.num_threads)
-        self.dtype_choice = resolve_autocast_dtype(self.config.autocast_dtype)
-        self._autocast_bf16 = self.dtype_choice.chosen == "bfloat16"
+        if self.config.autocast_dtype == "bfloat16":
+            raise ValueError("autocast_dtype='bfloat16': megatron-core's linear layers are custom autograd "
+                             "functions that CPU autocast does not cast (float32 and bfloat16 meet in one matmul); "
+                             "the Megatron trainer runs float32 ('auto' resolves to it)")
+        # "auto" -> float32: see above (a bf16 Megatron would set MegatronModelConfig.params_dtype instead)
+        self.dtype_choice = resolve_autocast_dtype("float32")
+        self._autocast_bf16 = False
         torch.manual_seed(self.config.seed)
         self.hf_config = json.loads((self.source_dir / "config.json").read_text())
         self.shape = ModelShape.from_hf_config(self.hf_config)

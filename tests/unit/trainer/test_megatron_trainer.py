@@ -14,6 +14,7 @@ On one tiny Qwen2 model directory (random weights, biases and norms), float32:
 
 from __future__ import annotations
 
+import pathlib
 import random
 
 import pytest
@@ -28,6 +29,7 @@ from orchestrator.trainer import HFTrainer, TrainerConfig, make_trainer  # noqa:
 from tests.unit.trainer.tiny import tiny_hf  # noqa: E402
 from vllm_ext.tiny_model import VOCAB_SIZE, TinyModelConfig, load_state_dict_from_dir, write_model_dir  # noqa: E402
 
+REPO = pathlib.Path(__file__).resolve().parents[3]
 LOGPROB_ATOL = 1e-4
 STEP_ATOL = {"sgd": 1e-6, "adamw": 1e-4}
 STEP_MEAN_ATOL = 1e-6
@@ -148,3 +150,27 @@ def test_factory_rejects_unknown_backend(model_dir):
         make_trainer("deepspeed", model_dir)
     with pytest.raises(ValueError, match="tensor parallelism"):
         make_trainer("hf", model_dir, tp_size=2)
+
+
+def test_autocast_auto_resolves_to_float32_and_bfloat16_is_refused(model_dir):
+    mg = make_trainer("megatron", model_dir, TrainerConfig(autocast_dtype="auto", num_threads=1))
+    try:
+        assert mg.dtype_choice.chosen == "float32"
+    finally:
+        mg.close()
+    with pytest.raises(ValueError, match="custom autograd"):
+        make_trainer("megatron", model_dir, TrainerConfig(autocast_dtype="bfloat16"))
+    assert not torch.distributed.is_initialized()
+
+
+def test_trainer_config_section():
+    from orchestrator.config import load_config
+
+    assert load_config().trainer.type == "hf"
+    config = load_config("configs/megatron.json")
+    assert config.trainer.type == "megatron"
+    assert load_config(None, ["trainer.type=megatron", "trainer.tp_size=2"]).trainer.tp_size == 2
+    with pytest.raises(ValueError, match="only the megatron trainer"):
+        load_config(None, ["trainer.tp_size=2"])
+    with pytest.raises(ValueError, match="trainer.type"):
+        load_config(None, ["trainer.type=deepspeed"])
