@@ -1,5 +1,6 @@
-"""A short RL run with the Megatron trainer (configs/megatron.json): real vLLM (CPU), real checkpoint
-engine, a megatron-core GPTModel (TP=1, in the job's process) initialized from the shared SFT model.
+"""Short RL runs with the Megatron trainer (configs/megatron.json): real vLLM (CPU), real checkpoint
+engine, a megatron-core GPTModel initialized from the shared SFT model, at TP=1 (in the job's process)
+and TP=2 (the job's process is TP rank 0 and starts rank 1: trainer.megatron.tp).
 
 Asserts what makes the backend real in the loop:
 - every iteration's metrics are written (the torch e2e test's checks), training steps were taken and
@@ -8,10 +9,10 @@ Asserts what makes the backend real in the loop:
   weights) equals what transformers measured on the same problems: the Megatron -> HF conversion
   and the sync are exact;
 - the summary names the megatron trainer, and the last saved state is a loadable HF directory.
-- held-out greedy accuracy rises by at least GAIN_MIN_POINTS (measured on 2 runs from the same SFT
-  model, 2026-11-24: 37.5% -> 51.6% (+14.1) and 37.5% -> 46.9% (+9.4); the check asks for a rise
-  with a margin of one held-out problem of 128).
-Runtime: ~2 minutes on 2 cores after the SFT fixture (116 s measured, vLLM start included).
+- held-out greedy accuracy rises by at least GAIN_MIN_POINTS (measured from the same SFT model,
+  2026-11-24: TP=1 37.5% -> 51.6% (+14.1), 46.9% (+9.4), 47.7% (+10.2); TP=2 -> 44.5% (+7.0),
+  43.0% (+5.5); the check asks for a rise with a margin of one held-out problem of 128).
+Runtime: 200 s for both runs on 2 cores after the SFT fixture (vLLM starts included).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import pathlib
 import subprocess
 
+import psutil
 import pytest
 
 from tests.e2e.test_rl_demo import COMMON, REPO, _check_metrics, _env, sft_model_dir  # noqa: F401 (fixture)
@@ -43,16 +45,17 @@ def start_model_dir(request) -> pathlib.Path:
     return pathlib.Path(given) if given else request.getfixturevalue("sft_model_dir")
 
 
-@pytest.fixture(scope="module")
-def megatron_run(start_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def megatron_run(request, start_model_dir, tmp_path_factory):
     pytest.importorskip("megatron.core")
     sft_model_dir = start_model_dir
     out = tmp_path_factory.mktemp("rl_megatron") / "run"
     cmd = [__import__("sys").executable, "-m", "orchestrator", "--config", str(MEGATRON), "--output-dir", str(out),
-           "--no-progress", *COMMON, "--set", f"init_model_dir={sft_model_dir}", *SHORT]
+           "--no-progress", *COMMON, "--set", f"init_model_dir={sft_model_dir}", *SHORT,
+           "--set", f"trainer.tp_size={request.param}"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), out, sft_model_dir
+    return json.loads(proc.stdout.strip().splitlines()[-1]), out, sft_model_dir, request.param
 
 
 @pytest.mark.e2e
@@ -60,10 +63,14 @@ def megatron_run(start_model_dir, tmp_path_factory):
 def test_megatron_rl_run_trains_syncs_and_reports(megatron_run):
     from vllm_ext.tiny_model import load_state_dict_from_dir
 
-    summary, out, sft_dir = megatron_run
+    summary, out, sft_dir, tp_size = megatron_run
     records = _check_metrics(out, ITERATIONS)
     assert summary["trainer"] == "megatron"
     assert json.loads((out / "config.json").read_text())["trainer"]["type"] == "megatron"
+    assert summary["trainer_tp_size"] == tp_size
+    followers = [p for p in psutil.process_iter(["cmdline"])
+                 if "trainer.megatron.tp" in (p.info["cmdline"] or []) and str(sft_dir) in " ".join(p.info["cmdline"] or [])]
+    assert not followers, "TP follower ranks outlived the job"
     assert summary["sft_match_checked"] is True
     assert summary["sft_match_ok"] is True and summary["sft_match_gap"] == 0, (
         f"vLLM {summary['sft_vllm_by_level']} vs transformers {summary['sft_transformers_by_level']}")
