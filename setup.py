@@ -4,8 +4,11 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 # one version, kept in checkpoint_engine/__init__.py (read as text: no import at build time)
-VERSION = re.search(r'^__version__ = "([^"]+)"', Path(__file__).with_name("checkpoint_engine").joinpath(
-    "__init__.py").read_text(), re.MULTILINE).group(1)
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"',
+    Path(__file__).with_name("checkpoint_engine").joinpath("__init__.py").read_text(),
+    re.MULTILINE,
+).group(1)
 
 setup(
     name="ckpt-engine-rl",

@@ -48,10 +48,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=1, help="held-out evaluation every N iterations")
     p.add_argument("--out-dir", default=str(REPO / "runs" / "bench_algorithms"))
     p.add_argument("--sft-cache-dir", default=str(REPO / ".cache" / "sft"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override for every run (e.g. rl.kl_coef=0.01); repeatable")
-    p.add_argument("--sampled-eval", action="store_true",
-                   help="keep the demo's sampled pass@1 evaluation (off by default: greedy accuracy only)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run (e.g. rl.kl_coef=0.01); repeatable",
+    )
+    p.add_argument(
+        "--sampled-eval",
+        action="store_true",
+        help="keep the demo's sampled pass@1 evaluation (off by default: greedy accuracy only)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of one run")
     args = p.parse_args(argv)
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -64,14 +73,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def job_command(args: argparse.Namespace, algorithm: str, seed: int, out: pathlib.Path) -> list[str]:
-    sets = [f"sft_cache_dir={args.sft_cache_dir}", f"rl.algorithm={algorithm}", f"rl.num_iterations={args.iterations}",
-            f"rl.seed={seed}", f"sampling.seed={seed}", f"engine.seed={seed}",
-            f"eval.every_iterations={args.eval_every}"]
+    sets = [
+        f"sft_cache_dir={args.sft_cache_dir}",
+        f"rl.algorithm={algorithm}",
+        f"rl.num_iterations={args.iterations}",
+        f"rl.seed={seed}",
+        f"sampling.seed={seed}",
+        f"engine.seed={seed}",
+        f"eval.every_iterations={args.eval_every}",
+    ]
     if not args.sampled_eval:
         sets.append("eval.num_sampled_problems=0")
     sets += args.overrides
-    return [sys.executable, "-m", "orchestrator", "--config", args.config, "--output-dir", str(out), "--no-progress",
-            *[part for s in sets for part in ("--set", s)]]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "--config",
+        args.config,
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        *[part for s in sets for part in ("--set", s)],
+    ]
 
 
 def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> pathlib.Path:
@@ -85,8 +109,14 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> pathlib.Path
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     start = time.monotonic()
     with open(out / "job.log", "a") as log:
-        proc = subprocess.run(job_command(args, algorithm, seed, out), cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=args.timeout_s)
+        proc = subprocess.run(
+            job_command(args, algorithm, seed, out),
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=args.timeout_s,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"{algorithm} seed {seed} failed (rc {proc.returncode}); see {out / 'job.log'}")
     logger.info("%s seed %d: done in %.0f s", algorithm, seed, time.monotonic() - start)
@@ -97,8 +127,9 @@ def accuracy_curve(run_dir: pathlib.Path) -> list[tuple[int, float]]:
     """(iteration, held-out greedy accuracy): iteration 0 is the model before RL, then each evaluation."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [(0, summary["heldout_accuracy_before"])] + [(r["iteration"], r["heldout_accuracy"])
-                                                        for r in records if r.get("evaluated")]
+    return [(0, summary["heldout_accuracy_before"])] + [
+        (r["iteration"], r["heldout_accuracy"]) for r in records if r.get("evaluated")
+    ]
 
 
 def summarize(finals: Mapping[str, Sequence[float]]) -> dict:
@@ -110,8 +141,9 @@ def summarize(finals: Mapping[str, Sequence[float]]) -> dict:
         out["final_heldout_accuracy_max"][algorithm] = max(values)
     medians = out["final_heldout_accuracy"]
     baselines = [a for a in medians if a != "k15"]
-    out["k15_minus_best_baseline_points"] = (100 * (medians["k15"] - max(medians[a] for a in baselines))
-                                             if "k15" in medians and baselines else None)
+    out["k15_minus_best_baseline_points"] = (
+        100 * (medians["k15"] - max(medians[a] for a in baselines)) if "k15" in medians and baselines else None
+    )
     out["best_baseline"] = max(baselines, key=lambda a: medians[a]) if baselines else None
     return out
 
@@ -126,8 +158,15 @@ def plot(curves: Mapping[str, Sequence[Sequence[tuple[int, float]]]], path: path
     for color, (algorithm, runs) in zip(("tab:blue", "tab:orange", "tab:green"), curves.items()):
         for i, curve in enumerate(runs):
             xs, ys = zip(*curve)
-            ax.plot(xs, [100 * y for y in ys], color=color, marker="o", markersize=3, alpha=0.8,
-                    label=algorithm if i == 0 else None)
+            ax.plot(
+                xs,
+                [100 * y for y in ys],
+                color=color,
+                marker="o",
+                markersize=3,
+                alpha=0.8,
+                label=algorithm if i == 0 else None,
+            )
     ax.set_xlabel("RL iteration")
     ax.set_ylabel("held-out greedy accuracy (%)")
     ax.set_title(title)
@@ -148,11 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for algorithm in args.algorithms:
             curves.setdefault(algorithm, []).append(accuracy_curve(run_one(args, algorithm, seed)))
     finals = {a: [curve[-1][1] for curve in runs] for a, runs in curves.items()}
-    result = {**summarize(finals), "seeds": args.seeds, "iterations": args.iterations,
-              "before": statistics.median(c[0][1] for runs in curves.values() for c in runs),
-              "plot": str(out_dir / "algorithms.png")}
-    plot(curves, out_dir / "algorithms.png",
-         f"{', '.join(args.algorithms)}: {args.seeds} seed(s) x {args.iterations} iterations")
+    result = {
+        **summarize(finals),
+        "seeds": args.seeds,
+        "iterations": args.iterations,
+        "before": statistics.median(c[0][1] for runs in curves.values() for c in runs),
+        "plot": str(out_dir / "algorithms.png"),
+    }
+    plot(
+        curves,
+        out_dir / "algorithms.png",
+        f"{', '.join(args.algorithms)}: {args.seeds} seed(s) x {args.iterations} iterations",
+    )
     (out_dir / "results.json").write_text(json.dumps({**result, "curves": curves}, indent=2) + "\n")
     print(json.dumps(result, sort_keys=True))
     return 0

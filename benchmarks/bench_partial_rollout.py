@@ -54,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--kv-cache-gib", type=int, default=1)
     p.add_argument(
-        "--block-size", type=int, default=32,
+        "--block-size",
+        type=int,
+        default=32,
         help="KV block size; prefix caching reuses only full blocks, so a continued trajectory recomputes "
         "at most block_size-1 tokens of its earlier segments (vLLM's CPU default is 128)",
     )
@@ -70,9 +72,14 @@ def build_tiny_qwen2(out_dir: str, args: argparse.Namespace) -> None:
     import transformers
 
     config = transformers.Qwen2Config(
-        vocab_size=256, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=args.prompt_tokens + args.max_response_tokens + 64, tie_word_embeddings=True,
+        vocab_size=256,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.prompt_tokens + args.max_response_tokens + 64,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(args.seed)
     transformers.Qwen2ForCausalLM(config).save_pretrained(out_dir)
@@ -207,7 +214,10 @@ def measure(llm, args: argparse.Namespace) -> dict:
         _run_round(full, partial, totals)
         logger.info(
             "round %d/%d: full %.2fs/%d tok, partial %.2fs/%d tok (totals)",
-            r + 1, args.rounds, *totals["full"][:2], *totals["partial"][:2],
+            r + 1,
+            args.rounds,
+            *totals["full"][:2],
+            *totals["partial"][:2],
         )
     out = {mode: _summary(*totals[mode]) for mode in ("full", "partial")}
     out["partial"]["generated_tokens"] = partial.generated_tokens - generated_before
@@ -239,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_partial_rollout_") as model_dir:
         build_tiny_qwen2(model_dir, args)
         llm = LLM(
-            model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=args.seed,
-            block_size=args.block_size, enable_prefix_caching=True,
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            seed=args.seed,
+            block_size=args.block_size,
+            enable_prefix_caching=True,
             max_model_len=args.prompt_tokens + args.max_response_tokens + 8,
         )
         try:
@@ -262,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         f"partial (counting the buffer fill-up too): "
         f"{result['partial_including_warmup']['ms_per_trained_token']:.3f} ms/trained token"
     )
-    print(
-        f"partial_over_full_time_ratio = {result['partial_over_full_time_ratio']:.3f} (target <= {TARGET_RATIO})"
-    )
+    print(f"partial_over_full_time_ratio = {result['partial_over_full_time_ratio']:.3f} (target <= {TARGET_RATIO})")
     print(json.dumps(result))
     return 0
 

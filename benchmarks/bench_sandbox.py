@@ -32,8 +32,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-starts", type=int, default=200, help="runs per start-latency series")
     p.add_argument("--load-s", type=float, default=10.0, help="duration of the throughput run")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight during the throughput run (default 4 x cores)")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="requests in flight during the throughput run (default 4 x cores)"
+    )
     p.add_argument("--python", default="/usr/bin/python3", help="interpreter, inside and plain")
     return p.parse_args()
 
@@ -87,9 +88,23 @@ def start_service(port: int, workers: int) -> subprocess.Popen:
 
     from checkpoint_engine.procs import die_with_parent
 
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.sandbox", "--port", str(port),
-                             "--workers", str(workers), "--max-queue", "1024",
-                             "--log-level", "WARNING"], cwd=REPO, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.sandbox",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--max-queue",
+            "1024",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=REPO,
+        preexec_fn=die_with_parent,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -112,8 +127,7 @@ async def load(url: str, concurrency: int, duration_s: float) -> tuple[int, int,
 
     counts = {"ok": 0, "other": 0}
     body = {"language": "python", "code": TRIVIAL}
-    async with httpx.AsyncClient(base_url=url, timeout=60,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
         started = time.perf_counter()
         stop_at = started + duration_s
 
@@ -146,8 +160,7 @@ def measure_throughput(cores: int, concurrency: int, duration_s: float) -> dict:
         service = psutil.Process(proc.pid)
         cpu0 = _cpu_s(service.cpu_times())
         self0 = resource.getrusage(resource.RUSAGE_SELF)
-        ok, other, elapsed = asyncio.run(load(f"http://127.0.0.1:{port}", concurrency,
-                                              duration_s))
+        ok, other, elapsed = asyncio.run(load(f"http://127.0.0.1:{port}", concurrency, duration_s))
         cpu1 = _cpu_s(service.cpu_times())
         self1 = resource.getrusage(resource.RUSAGE_SELF)
     finally:
@@ -157,9 +170,14 @@ def measure_throughput(cores: int, concurrency: int, duration_s: float) -> dict:
         raise RuntimeError(f"sandbox service exited with {rc}")
     client_cpu_s = (self1.ru_utime - self0.ru_utime) + (self1.ru_stime - self0.ru_stime)
     cpu_s = (cpu1 - cpu0) + client_cpu_s
-    return {"ok": ok, "other": other, "elapsed_s": elapsed, "runs_per_s": ok / elapsed,
-            "cpu_ms_per_run": 1e3 * cpu_s / max(ok, 1),
-            "client_cpu_ms_per_run": 1e3 * client_cpu_s / max(ok, 1)}
+    return {
+        "ok": ok,
+        "other": other,
+        "elapsed_s": elapsed,
+        "runs_per_s": ok / elapsed,
+        "cpu_ms_per_run": 1e3 * cpu_s / max(ok, 1),
+        "client_cpu_ms_per_run": 1e3 * client_cpu_s / max(ok, 1),
+    }
 
 
 def main() -> int:
@@ -185,12 +203,16 @@ def main() -> int:
         print(f"start {name:8s} p50 {p50[name] * 1e3:7.2f} ms   p99 {p99[name] * 1e3:7.2f} ms")
     thr = measure_throughput(cores, concurrency, args.load_s)
     per_core = thr["runs_per_s"] / cores
-    print(f"throughput: {thr['ok']} runs in {thr['elapsed_s']:.1f} s over HTTP with {concurrency} "
-          f"in flight = {thr['runs_per_s']:.1f}/s = {per_core:.1f}/s per core ({cores} cores); "
-          f"{thr['other']} other answers")
-    print(f"cpu per run: {thr['cpu_ms_per_run']:.2f} ms (service + sandboxes + client; client "
-          f"{thr['client_cpu_ms_per_run']:.2f} ms) = {1e3 / thr['cpu_ms_per_run']:.0f} runs per "
-          f"CPU-second; 1-min load average {os.getloadavg()[0]:.1f} on {cores} cores")
+    print(
+        f"throughput: {thr['ok']} runs in {thr['elapsed_s']:.1f} s over HTTP with {concurrency} "
+        f"in flight = {thr['runs_per_s']:.1f}/s = {per_core:.1f}/s per core ({cores} cores); "
+        f"{thr['other']} other answers"
+    )
+    print(
+        f"cpu per run: {thr['cpu_ms_per_run']:.2f} ms (service + sandboxes + client; client "
+        f"{thr['client_cpu_ms_per_run']:.2f} ms) = {1e3 / thr['cpu_ms_per_run']:.0f} runs per "
+        f"CPU-second; 1-min load average {os.getloadavg()[0]:.1f} on {cores} cores"
+    )
     ratio = p50["sandbox"] / p50["plain"]
     result = {
         "sandbox_start_p50_s": round(p50["sandbox"], 5),

@@ -37,9 +37,12 @@ def parse_args(argv=None):
     p.add_argument("--bucket-size-mib", type=int, default=None)
     p.add_argument("--tmp", default="/tmp/ckpt-engine-bench")
     p.add_argument("--skip-naive", action="store_true")
-    p.add_argument("--modes", default="auto,collective",
-                   help="update modes to measure (auto, collective, local, p2p); the first one is `update_s` "
-                        "(auto = local on one host)")
+    p.add_argument(
+        "--modes",
+        default="auto,collective",
+        help="update modes to measure (auto, collective, local, p2p); the first one is `update_s` "
+        "(auto = local on one host)",
+    )
     return p.parse_args(argv)
 
 
@@ -48,12 +51,20 @@ def tensor_specs(a) -> list[tuple[str, tuple[int, ...]]]:
     specs = [("model.embed_tokens.weight", (a.vocab, h))]
     for L in range(a.layers):
         p = f"model.layers.{L}."
-        specs += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
-                  (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.k_proj.bias", (kv,)),
-                  (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.v_proj.bias", (kv,)),
-                  (p + "self_attn.o_proj.weight", (h, h)), (p + "mlp.gate_proj.weight", (i, h)),
-                  (p + "mlp.up_proj.weight", (i, h)), (p + "mlp.down_proj.weight", (h, i)),
-                  (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        specs += [
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.q_proj.bias", (h,)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.bias", (kv,)),
+            (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "mlp.gate_proj.weight", (i, h)),
+            (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
     specs += [("model.norm.weight", (h,)), ("lm_head.weight", (a.vocab, h))]
     return specs
 
@@ -84,10 +95,9 @@ def engine_main(conn) -> None:
     import torch
     import zmq
 
+    from checkpoint_engine.shm import MappingCache
     from checkpoint_engine.state import EngineWeightState
     from checkpoint_engine.worker import update_weights_from_ipc
-
-    from checkpoint_engine.shm import MappingCache
 
     torch.set_num_threads(1)
     ctx, state, weights = zmq.Context(), EngineWeightState(), {}
@@ -105,8 +115,15 @@ def engine_main(conn) -> None:
         if cmd["op"] == "exit":
             return
         if cmd["op"] == "ours":
-            update_weights_from_ipc(ctx, cmd["address"], None, run=lambda named: [put(n, t) for n, t in named],
-                                    state=state, timeout_s=300, mapping_cache=mappings)
+            update_weights_from_ipc(
+                ctx,
+                cmd["address"],
+                None,
+                run=lambda named: [put(n, t) for n, t in named],
+                state=state,
+                timeout_s=300,
+                mapping_cache=mappings,
+            )
         elif cmd["op"] == "naive":
             sock = ctx.socket(zmq.PAIR)
             sock.connect(cmd["address"])
@@ -162,8 +179,13 @@ def measure_naive(ps, name, rank, world, conn, seq) -> float:
     for tname, owner, meta in order:
         buf = ckpt.view(meta) if owner == rank else torch.empty(meta.shape, dtype=torch.bfloat16)
         dist.broadcast(buf, src=owner)
-        sock.send_multipart([json.dumps({"name": tname, "shape": list(meta.shape)}).encode(),
-                             memoryview(buf.view(torch.uint8).numpy())], copy=False)
+        sock.send_multipart(
+            [
+                json.dumps({"name": tname, "shape": list(meta.shape)}).encode(),
+                memoryview(buf.view(torch.uint8).numpy()),
+            ],
+            copy=False,
+        )
     sock.send(b"done")
     if not sock.poll(300_000):
         raise TimeoutError("naive engine did not finish")
@@ -236,8 +258,9 @@ def main() -> int:
     from checkpoint_engine.p2p import P2PConfig
 
     modes = args.modes.split(",")
-    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=bucket),
-                                p2p=P2PConfig() if "p2p" in modes else None)
+    cfg = ParameterServerConfig(
+        transport="cpu", update=UpdateConfig(bucket_size_bytes=bucket), p2p=P2PConfig() if "p2p" in modes else None
+    )
     ps = ParameterServer(config=cfg)
     import psutil
 
@@ -272,7 +295,9 @@ def main() -> int:
     buffers = 2 * m.bucket_size_bytes if ("collective" in timings or "p2p" in timings) else 0
     bound = [measure_bound(total, rank) for _ in range(args.repeats + 1)]
     memcpy = [measure_memcpy(total) for _ in range(args.repeats + 1)]
-    naive = [] if args.skip_naive else [measure_naive(ps, "bench", rank, world, parent, i) for i in range(args.repeats + 1)]
+    naive = (
+        [] if args.skip_naive else [measure_naive(ps, "bench", rank, world, parent, i) for i in range(args.repeats + 1)]
+    )
     parent.send_bytes(json.dumps({"op": "exit"}).encode())
     engine.join(30)
 
@@ -283,11 +308,17 @@ def main() -> int:
         update_s = statistics.median(timings[modes[0]][1:])
         bound_s = statistics.median(bound[1:])
         result = {
-            "bench": "bench_update", "world_size": world, "total_gib": round(total / 2**30, 3),
-            "num_tensors": num_tensors, "bucket_size_mib": round(m.bucket_size_bytes / 2**20, 1),
-            "num_buckets": m.num_buckets, "mode": m.mode, "update_s": round(update_s, 4),
+            "bench": "bench_update",
+            "world_size": world,
+            "total_gib": round(total / 2**30, 3),
+            "num_tensors": num_tensors,
+            "bucket_size_mib": round(m.bucket_size_bytes / 2**20, 1),
+            "num_buckets": m.num_buckets,
+            "mode": m.mode,
+            "update_s": round(update_s, 4),
             "update_gib_per_s": round(total / 2**30 / update_s, 3),
-            "bound_s": round(bound_s, 4), "ratio_to_bound": round(update_s / bound_s, 3),
+            "bound_s": round(bound_s, 4),
+            "ratio_to_bound": round(update_s / bound_s, 3),
         }
         for mode, ts in timings.items():
             med = statistics.median(ts[1:])
@@ -297,19 +328,25 @@ def main() -> int:
                 result["memcpy_s"] = round(statistics.median(memcpy[1:]), 4)
                 result["local_ratio_to_memcpy"] = round(med / statistics.median(memcpy[1:]), 3)
             result[f"{last[mode].mode}_all_s"] = [round(x, 4) for x in ts]
-            result[f"{last[mode].mode}_stages_s"] = {k: round(getattr(last[mode], k), 4) for k in (
-                "setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s")}
-        result.update({
-            "peak_rss_gib": [round(int(p[0]) / 2**30, 3) for p in peaks],
-            "registered_plus_buffers_gib": [round(int(p[1]) / 2**30, 3) for p in peaks],
-            "rss_overhead": [round(int(p[0]) / int(p[1]) - 1, 3) for p in peaks],
-        })
+            result[f"{last[mode].mode}_stages_s"] = {
+                k: round(getattr(last[mode], k), 4)
+                for k in ("setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s")
+            }
+        result.update(
+            {
+                "peak_rss_gib": [round(int(p[0]) / 2**30, 3) for p in peaks],
+                "registered_plus_buffers_gib": [round(int(p[1]) / 2**30, 3) for p in peaks],
+                "rss_overhead": [round(int(p[0]) / int(p[1]) - 1, 3) for p in peaks],
+            }
+        )
         if naive:
             naive_s = statistics.median(naive[1:])
             result.update(naive_s=round(naive_s, 4), speedup_vs_naive=round(naive_s / update_s, 3))
-        result["targets"] = {"ratio_to_bound<=1.3": result["ratio_to_bound"] <= 1.3,
-                             "speedup_vs_naive>=2": result.get("speedup_vs_naive", 0) >= 2,
-                             "rss_overhead<=0.10": max(result["rss_overhead"]) <= 0.10}
+        result["targets"] = {
+            "ratio_to_bound<=1.3": result["ratio_to_bound"] <= 1.3,
+            "speedup_vs_naive>=2": result.get("speedup_vs_naive", 0) >= 2,
+            "rss_overhead<=0.10": max(result["rss_overhead"]) <= 0.10,
+        }
         if "local_ratio_to_memcpy" in result:
             result["targets"]["local_ratio_to_memcpy<=1.2"] = result["local_ratio_to_memcpy"] <= 1.2
         print(json.dumps(result), flush=True)

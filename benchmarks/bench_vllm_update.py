@@ -71,8 +71,8 @@ def first_answer_s(server, url: str, model: str, t0: float, timeout_s: float) ->
 
 def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) -> dict:
     from checkpoint_engine.config import ParameterServerConfig
-    from checkpoint_engine.ps import ParameterServer
     from checkpoint_engine.hf_dir import safetensors_files
+    from checkpoint_engine.ps import ParameterServer
     from vllm_ext.req import collective_rpc, reset_prefix_cache_http, vllm_http_req_func
     from vllm_ext.testing import completion_token_ids
 
@@ -96,44 +96,68 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
             ps.update("bench", req)
             update.append(time.perf_counter() - t0)
             state = collective_rpc(url, "weights_state")[0]
-            engine_side.append({**state["last_update"], "reload_impl": state.get("reload_impl"),
-                                "direct_reload": state.get("direct_reload_last")})
+            engine_side.append(
+                {
+                    **state["last_update"],
+                    "reload_impl": state.get("reload_impl"),
+                    "direct_reload": state.get("direct_reload_last"),
+                }
+            )
             ps_side.append(ps.last_metrics.to_dict() if ps.last_metrics else None)
             save.append(save_copy_s(model_dir))
         correct = completion_token_ids(url, str(model_dir), PROMPTS, MAX_TOKENS) == reference
     finally:
         ps.close()
-    return {"reload_from_disk_s": statistics.median(disk), "update_s": statistics.median(update),
-            "reload_from_disk_runs_s": [round(x, 4) for x in disk], "update_runs_s": [round(x, 4) for x in update],
-            "ps_register_s": round(register_s, 3), "engine_side_last": engine_side[-1], "update_correct": correct,
-            "ps_side_last": ps_side[-1],
-            "save_to_disk_s": statistics.median(save)}
+    return {
+        "reload_from_disk_s": statistics.median(disk),
+        "update_s": statistics.median(update),
+        "reload_from_disk_runs_s": [round(x, 4) for x in disk],
+        "update_runs_s": [round(x, 4) for x in update],
+        "ps_register_s": round(register_s, 3),
+        "engine_side_last": engine_side[-1],
+        "update_correct": correct,
+        "ps_side_last": ps_side[-1],
+        "save_to_disk_s": statistics.median(save),
+    }
 
 
 def measure_variant(key: str, receiver: dict, model_dir: Path, out: Path, args, reference: list) -> dict:
     """Update/disk-reload pairs on a server whose receiver runs with `receiver` settings."""
-    server, _, answer = timed_disk_start(model_dir, out / f"disk_start_{key}.log", args.startup_timeout_s,
-                                         receiver=receiver)
+    server, _, answer = timed_disk_start(
+        model_dir, out / f"disk_start_{key}.log", args.startup_timeout_s, receiver=receiver
+    )
     try:
         res = measure_updates(server.url, model_dir, args.repeats, reference)
     finally:
         server.stop()
     res["update_correct"] &= answer == reference
-    print(f"{key} ({receiver}): update {res['update_s']:.3f} s vs reload from disk {res['reload_from_disk_s']:.3f} s",
-          flush=True)
+    print(
+        f"{key} ({receiver}): update {res['update_s']:.3f} s vs reload from disk {res['reload_from_disk_s']:.3f} s",
+        flush=True,
+    )
     return res
 
 
 def variant_figures(res: dict | None) -> dict:
     """The JSON fields of one receiver variant (all None when it was skipped)."""
-    keys = ("update_s", "reload_from_disk_s", "ratio_vs_disk_reload", "update_runs_s", "reload_from_disk_runs_s",
-            "engine_side_last")
+    keys = (
+        "update_s",
+        "reload_from_disk_s",
+        "ratio_vs_disk_reload",
+        "update_runs_s",
+        "reload_from_disk_runs_s",
+        "engine_side_last",
+    )
     if res is None:
         return dict.fromkeys(keys)
-    return {"update_s": round(res["update_s"], 4), "reload_from_disk_s": round(res["reload_from_disk_s"], 4),
-            "ratio_vs_disk_reload": round(res["update_s"] / res["reload_from_disk_s"], 3),
-            "update_runs_s": res["update_runs_s"], "reload_from_disk_runs_s": res["reload_from_disk_runs_s"],
-            "engine_side_last": res["engine_side_last"]}
+    return {
+        "update_s": round(res["update_s"], 4),
+        "reload_from_disk_s": round(res["reload_from_disk_s"], 4),
+        "ratio_vs_disk_reload": round(res["update_s"] / res["reload_from_disk_s"], 3),
+        "update_runs_s": res["update_runs_s"],
+        "reload_from_disk_runs_s": res["reload_from_disk_runs_s"],
+        "engine_side_last": res["engine_side_last"],
+    }
 
 
 def save_copy_s(model_dir: Path) -> float:
@@ -156,8 +180,9 @@ def save_copy_s(model_dir: Path) -> float:
     return elapsed
 
 
-def timed_disk_start(model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None,
-                     extension: bool = True):
+def timed_disk_start(
+    model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None, extension: bool = True
+):
     from vllm_ext.launch import free_port
     from vllm_ext.testing import ServerProcess, child_env, vllm_serve_command
 
@@ -213,12 +238,21 @@ def fast_start(model_dir: Path, log: Path, mode: str, timeout_s: float) -> tuple
     return ready_s, answer, weights_s
 
 
-def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, timeout_s: float,
-                   with_push: bool, with_plain: bool, cold: bool) -> dict:
+def measure_starts(
+    model_dir: Path,
+    out: Path,
+    reference: list,
+    repeats: int,
+    timeout_s: float,
+    with_push: bool,
+    with_plain: bool,
+    cold: bool,
+) -> dict:
     """Fast start(s) and disk start(s), alternating `repeats` times, so drifting machine load hits all alike.
     `cold`: the checkpoint's files are evicted from the page cache before every start."""
-    runs: dict[str, list] = {k: [] for k in ("fast", "disk", "plain", "push", "fast_weights", "push_weights",
-                                             "disk_load", "plain_load")}
+    runs: dict[str, list] = {
+        k: [] for k in ("fast", "disk", "plain", "push", "fast_weights", "push_weights", "disk_load", "plain_load")
+    }
     correct = True
 
     def before_start() -> None:
@@ -237,12 +271,15 @@ def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, ti
         runs["disk"].append(disk_s)
         runs["disk_load"].append(vllm_load_weights_s(disk.log_path))
         correct &= disk_answer == reference
-        line = (f"start {i}: fast start (weights into vLLM's load step) first answer after {ready_s:.1f} s "
-                f"(load step {weights_s:.2f} s), disk start {disk_s:.1f} s (load {runs['disk_load'][-1]} s)")
+        line = (
+            f"start {i}: fast start (weights into vLLM's load step) first answer after {ready_s:.1f} s "
+            f"(load step {weights_s:.2f} s), disk start {disk_s:.1f} s (load {runs['disk_load'][-1]} s)"
+        )
         if with_plain:
             before_start()
-            plain, plain_s, plain_answer = timed_disk_start(model_dir, out / f"plain_start_{i}.log", timeout_s,
-                                                            extension=False)
+            plain, plain_s, plain_answer = timed_disk_start(
+                model_dir, out / f"plain_start_{i}.log", timeout_s, extension=False
+            )
             plain.stop()
             runs["plain"].append(plain_s)
             runs["plain_load"].append(vllm_load_weights_s(plain.log_path))
@@ -256,9 +293,13 @@ def measure_starts(model_dir: Path, out: Path, reference: list, repeats: int, ti
             correct &= push_answer == reference
             line += f", push start {push_s:.1f} s (push {push_weights_s:.2f} s)"
         print(line, flush=True)
-    out_d = {"fast_s": statistics.median(runs["fast"]), "disk_s": statistics.median(runs["disk"]), "correct": correct,
-             "push_s": statistics.median(runs["push"]) if runs["push"] else None,
-             "plain_s": statistics.median(runs["plain"]) if runs["plain"] else None}
+    out_d = {
+        "fast_s": statistics.median(runs["fast"]),
+        "disk_s": statistics.median(runs["disk"]),
+        "correct": correct,
+        "push_s": statistics.median(runs["push"]) if runs["push"] else None,
+        "plain_s": statistics.median(runs["plain"]) if runs["plain"] else None,
+    }
     for key in ("fast", "disk", "plain", "push"):
         out_d[f"{key}_runs_s"] = [round(x, 2) for x in runs[key]]
     for key in ("fast_weights", "push_weights"):
@@ -280,19 +321,38 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=0.55)
     p.add_argument("--repeats", type=int, default=7, help="update / disk-reload pairs")
-    p.add_argument("--start-repeats", type=int, default=2,
-                   help="fast-start / disk-start pairs (0: measure updates only, start figures are null)")
-    p.add_argument("--skip-zero-copy", action="store_true",
-                   help="do not measure the receiver with weight_cache off (one vLLM start less)")
-    p.add_argument("--skip-vllm-impl", action="store_true",
-                   help="do not measure the receiver with vLLM's own reload (one vLLM start less)")
-    p.add_argument("--skip-push-start", action="store_true",
-                   help="do not measure `--initial-mode push` starts (dummy weights + push once healthy)")
-    p.add_argument("--skip-plain-start", action="store_true",
-                   help="do not measure plain `vllm serve` starts (without the worker extension)")
-    p.add_argument("--cold-checkpoint", action="store_true",
-                   help="evict the checkpoint's files from the page cache before every timed start (a new "
-                        "checkpoint, or one on storage the node has not read yet); default: warm page cache")
+    p.add_argument(
+        "--start-repeats",
+        type=int,
+        default=2,
+        help="fast-start / disk-start pairs (0: measure updates only, start figures are null)",
+    )
+    p.add_argument(
+        "--skip-zero-copy",
+        action="store_true",
+        help="do not measure the receiver with weight_cache off (one vLLM start less)",
+    )
+    p.add_argument(
+        "--skip-vllm-impl",
+        action="store_true",
+        help="do not measure the receiver with vLLM's own reload (one vLLM start less)",
+    )
+    p.add_argument(
+        "--skip-push-start",
+        action="store_true",
+        help="do not measure `--initial-mode push` starts (dummy weights + push once healthy)",
+    )
+    p.add_argument(
+        "--skip-plain-start",
+        action="store_true",
+        help="do not measure plain `vllm serve` starts (without the worker extension)",
+    )
+    p.add_argument(
+        "--cold-checkpoint",
+        action="store_true",
+        help="evict the checkpoint's files from the page cache before every timed start (a new "
+        "checkpoint, or one on storage the node has not read yet); default: warm page cache",
+    )
     p.add_argument("--out-dir", default="/tmp/bench_vllm_update")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     args = p.parse_args()
@@ -323,13 +383,24 @@ def main() -> int:
         variants["zero_copy"] = {"weight_cache": False}
     if not args.skip_vllm_impl:  # vLLM's own reload_weights instead of the direct CPU reload
         variants["vllm_impl"] = {"reload_impl": "vllm"}
-    measured = {key: measure_variant(key, receiver, model_dir, out, args, reference)
-                for key, receiver in variants.items()}
+    measured = {
+        key: measure_variant(key, receiver, model_dir, out, args, reference) for key, receiver in variants.items()
+    }
 
-    starts = (measure_starts(model_dir, out, reference, args.start_repeats, args.startup_timeout_s,
-                             with_push=not args.skip_push_start, with_plain=not args.skip_plain_start,
-                             cold=args.cold_checkpoint)
-              if args.start_repeats > 0 else None)
+    starts = (
+        measure_starts(
+            model_dir,
+            out,
+            reference,
+            args.start_repeats,
+            args.startup_timeout_s,
+            with_push=not args.skip_push_start,
+            with_plain=not args.skip_plain_start,
+            cold=args.cold_checkpoint,
+        )
+        if args.start_repeats > 0
+        else None
+    )
 
     def start(key: str, digits: int = 2):
         return None if starts is None else round(starts[key], digits) if isinstance(starts[key], float) else starts[key]
@@ -353,7 +424,9 @@ def main() -> int:
         "push_start_ready_s": start("push_s"),  # --initial-mode push: dummy weights, pushed once healthy
         "ratio_push_vs_disk_start": start_ratio("push_s"),
         "save_to_disk_s": round(upd["save_to_disk_s"], 4),
-        "ratio_vs_save_and_disk_reload": round(upd["update_s"] / (upd["save_to_disk_s"] + upd["reload_from_disk_s"]), 3),
+        "ratio_vs_save_and_disk_reload": round(
+            upd["update_s"] / (upd["save_to_disk_s"] + upd["reload_from_disk_s"]), 3
+        ),
         "warmup_disk_start_ready_s": round(first_start_s, 2),
         "update_correct": upd["update_correct"],
         "fast_start_correct": start("correct"),
@@ -370,13 +443,19 @@ def main() -> int:
         "reload_from_disk_runs_s": upd["reload_from_disk_runs_s"],
         "engine_side_last": upd["engine_side_last"],
         "ps_side_last": upd["ps_side_last"],
-        **{f"{key}_{field}": value for key in ("zero_copy", "vllm_impl")
-           for field, value in variant_figures(measured.get(key)).items()},
+        **{
+            f"{key}_{field}": value
+            for key in ("zero_copy", "vllm_impl")
+            for field, value in variant_figures(measured.get(key)).items()
+        },
         "ps_register_s": upd["ps_register_s"],
     }
     print(json.dumps(result), flush=True)
-    ok = (result["update_correct"] and result["fast_start_correct"] is not False
-          and all(v["update_correct"] for v in measured.values()))
+    ok = (
+        result["update_correct"]
+        and result["fast_start_correct"] is not False
+        and all(v["update_correct"] for v in measured.values())
+    )
     return 0 if ok else 1
 
 

@@ -23,8 +23,14 @@ _LAZY: dict[str, str] = {
     "P2PStore": "checkpoint_engine.p2p",
 }
 
-__all__ = ["P2PStore", "ParameterServer", "VllmColocateWorkerExtension", "__version__",
-           "request_inference_to_update", "update_weights_from_ipc"]
+__all__ = [
+    "P2PStore",
+    "ParameterServer",
+    "VllmColocateWorkerExtension",
+    "__version__",
+    "request_inference_to_update",
+    "update_weights_from_ipc",
+]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from checkpoint_engine.api import request_inference_to_update

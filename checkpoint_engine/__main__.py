@@ -22,8 +22,9 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m checkpoint_engine", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m checkpoint_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--uds", default=None, help="serve on this unix socket instead of TCP")
@@ -33,8 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collective-timeout-s", type=float, default=300.0)
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON line per update (per rank)")
     p.add_argument("--progress", action="store_true", help="progress bar on rank 0 during updates")
-    p.add_argument("--metadata-url", default=None, help="etcd://host:port/prefix for global metadata "
-                   "(default: in-process)")
+    p.add_argument(
+        "--metadata-url", default=None, help="etcd://host:port/prefix for global metadata (default: in-process)"
+    )
     p.add_argument("--p2p-host", default=None, help="start Mooncake's transfer engine on this address (P2P)")
     p.add_argument("--p2p-protocol", choices=["tcp", "rdma"], default="tcp")
     p.add_argument("--p2p-device", default="", help="RDMA device names for Mooncake (rdma protocol)")
@@ -59,13 +61,14 @@ def main(argv=None) -> int:
     try:
         import aiohttp  # noqa: F401 - rank 0's HTTP server
     except ImportError:
-        print("error: the daemon needs aiohttp: pip install aiohttp (or the package's [server] extra)",
-              file=sys.stderr)
+        print("error: the daemon needs aiohttp: pip install aiohttp (or the package's [server] extra)", file=sys.stderr)
         return 2
     for var in ("RANK", "WORLD_SIZE"):
         if var not in os.environ:
-            print(f"error: ${var} is not set: launch with torchrun --nproc-per-node N -m checkpoint_engine",
-                  file=sys.stderr)
+            print(
+                f"error: ${var} is not set: launch with torchrun --nproc-per-node N -m checkpoint_engine",
+                file=sys.stderr,
+            )
             return 2
     rank = int(os.environ["RANK"])
     setup_logging(args.log_level, rank)
@@ -73,15 +76,24 @@ def main(argv=None) -> int:
     from checkpoint_engine.p2p import P2PConfig
 
     p2p = P2PConfig(args.p2p_host, args.p2p_protocol, args.p2p_device) if args.p2p_host else None
-    cfg = ParameterServerConfig(transport=args.transport, collective_timeout_s=args.collective_timeout_s, p2p=p2p,
-                                metadata_url=args.metadata_url,
-                                update=UpdateConfig(bucket_size_bytes=bucket, mode=args.mode,
-                                                    metrics_path=args.metrics_jsonl, progress=args.progress))
+    cfg = ParameterServerConfig(
+        transport=args.transport,
+        collective_timeout_s=args.collective_timeout_s,
+        p2p=p2p,
+        metadata_url=args.metadata_url,
+        update=UpdateConfig(
+            bucket_size_bytes=bucket, mode=args.mode, metrics_path=args.metrics_jsonl, progress=args.progress
+        ),
+    )
     ps = ParameterServer(config=cfg)
     try:
         ps.init_process_group()
-        relay = Relay(dist.distributed_c10d._get_default_store(), rank, ps.world_size,
-                      result_timeout_s=args.collective_timeout_s + 60)
+        relay = Relay(
+            dist.distributed_c10d._get_default_store(),
+            rank,
+            ps.world_size,
+            result_timeout_s=args.collective_timeout_s + 60,
+        )
         if rank == 0:
             asyncio.run(serve_http(Driver(ps, relay), args.host, args.port, args.uds))
         else:

@@ -19,15 +19,26 @@ __all__ = ["HTTPError", "ReqFunc", "group_req_func", "http_req_func", "post_json
 logger = logging.getLogger(__name__)
 
 
-def request_inference_to_update(url: str, socket_paths: dict[str, str], timeout: float = 300.0,
-                                uds: str | None = None) -> dict:
+def request_inference_to_update(
+    url: str, socket_paths: dict[str, str], timeout: float = 300.0, uds: str | None = None
+) -> dict:
     """Ask an engine (vLLM dev server or plain engine) to run `update_weights_from_ipc` now."""
-    return post_json(url, {"method": "update_weights_from_ipc", "args": [socket_paths], "timeout": timeout},
-                     timeout_s=timeout + 10.0, uds=uds)
+    return post_json(
+        url,
+        {"method": "update_weights_from_ipc", "args": [socket_paths], "timeout": timeout},
+        timeout_s=timeout + 10.0,
+        uds=uds,
+    )
 
 
-def http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engine: int = 1,
-                  timeout_s: float = 300.0, uds: str | None = None) -> ReqFunc:
+def http_req_func(
+    endpoint: str,
+    *,
+    rank: int | None = None,
+    ranks_per_engine: int = 1,
+    timeout_s: float = 300.0,
+    uds: str | None = None,
+) -> ReqFunc:
     """req_func for rank `rank` whose engine (serving `ranks_per_engine` devices) is at `endpoint`.
 
     Only the first rank of each engine sends the request, carrying its devices' socket paths.
@@ -42,14 +53,15 @@ def http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engine: i
     def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
         if rank != first:
             return
-        mine = dict(socket_paths[first: first + ranks_per_engine])
+        mine = dict(socket_paths[first : first + ranks_per_engine])
         request_inference_to_update(url, mine, timeout=timeout_s, uds=uds)
 
     return req_func
 
 
-def group_req_func(update_url: str | None, *, rank: int, group_ranks: Sequence[int], timeout_s: float = 300.0,
-                   uds: str | None = None) -> ReqFunc:
+def group_req_func(
+    update_url: str | None, *, rank: int, group_ranks: Sequence[int], timeout_s: float = 300.0, uds: str | None = None
+) -> ReqFunc:
     """req_func of MoonshotAI's update route: one engine at `update_url` serves the devices of
     `group_ranks`; the group's first rank sends their socket paths (in the order given).
 
@@ -65,7 +77,6 @@ def group_req_func(update_url: str | None, *, rank: int, group_ranks: Sequence[i
         bad = [r for r in group_ranks if not 0 <= r < len(socket_paths)]
         if bad:
             raise ValueError(f"inference_group_ranks {bad} are outside the {len(socket_paths)} ranks of this job")
-        request_inference_to_update(update_url, dict(socket_paths[r] for r in group_ranks), timeout=timeout_s,
-                                    uds=uds)
+        request_inference_to_update(update_url, dict(socket_paths[r] for r in group_ranks), timeout=timeout_s, uds=uds)
 
     return req_func

@@ -73,8 +73,12 @@ class Relay:
             self.store.wait(keys, timedelta(seconds=self.result_timeout_s))
         except dist.DistStoreError:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            return [{"ok": False, "error": f"rank {r} did not answer within {self.result_timeout_s:.0f} s"}
-                    if r in missing else json.loads(self.store.get(keys[r])) for r in range(self.world_size)]
+            return [
+                {"ok": False, "error": f"rank {r} did not answer within {self.result_timeout_s:.0f} s"}
+                if r in missing
+                else json.loads(self.store.get(keys[r]))
+                for r in range(self.world_size)
+            ]
         return [json.loads(self.store.get(k)) for k in keys]
 
     def done(self) -> None:
@@ -86,8 +90,11 @@ def execute(ps: ParameterServer, cmd: dict) -> dict:
     op = cmd.get("op")
     if op == "register":
         files = cmd.get("files") or []
-        mine = [f for i, f in enumerate(sorted(files)) if i % ps.world_size == ps.rank] \
-            if cmd.get("split_files", True) else files
+        mine = (
+            [f for i, f in enumerate(sorted(files)) if i % ps.world_size == ps.rank]
+            if cmd.get("split_files", True)
+            else files
+        )
         ps.register_checkpoint(cmd["name"], files=mine)
         if cmd.get("gather", True):
             ps.gather_metas(cmd["name"])
@@ -107,8 +114,7 @@ def execute(ps: ParameterServer, cmd: dict) -> dict:
         ps.load_metas(cmd["metas"])
         return {}
     if op == "inspect":
-        return {"checkpoints": ps.checkpoints(),
-                "last_update": ps.last_metrics.to_dict() if ps.last_metrics else None}
+        return {"checkpoints": ps.checkpoints(), "last_update": ps.last_metrics.to_dict() if ps.last_metrics else None}
     if op == "exit":
         return {}
     raise CommandError(f"unknown op {op!r}")
@@ -121,8 +127,13 @@ def _req_func(ps: ParameterServer, cmd: dict):
         if isinstance(url, list):  # our extension: one URL per engine, each serving world/len ranks
             per = ps.world_size // len(url)
             first = ps.rank // per * per
-            return group_req_func(url[ps.rank // per], rank=ps.rank, group_ranks=list(range(first, first + per)),
-                                  timeout_s=timeout_s, uds=cmd.get("uds"))
+            return group_req_func(
+                url[ps.rank // per],
+                rank=ps.rank,
+                group_ranks=list(range(first, first + per)),
+                timeout_s=timeout_s,
+                uds=cmd.get("uds"),
+            )
         group = cmd.get("inference_group_ranks") or cmd.get("ranks") or list(range(ps.world_size))
         return group_req_func(url, rank=ps.rank, group_ranks=group, timeout_s=timeout_s, uds=cmd.get("uds"))
     endpoints = cmd["endpoints"]
@@ -138,7 +149,9 @@ def _int_list(value) -> bool:
 def validate(cmd: dict) -> dict:
     """Check a command on rank 0 before it goes to every rank (HTTP 400 on failure)."""
     op = cmd.get("op")
-    if op in ("register", "unregister", "update", "gather_metas") and not (isinstance(cmd.get("name"), str) and cmd["name"]):
+    if op in ("register", "unregister", "update", "gather_metas") and not (
+        isinstance(cmd.get("name"), str) and cmd["name"]
+    ):
         raise CommandError(f"{op}: 'name' must be a non-empty string", "name")
     if op == "register":
         files = cmd.get("files")
@@ -149,21 +162,29 @@ def validate(cmd: dict) -> dict:
     if op == "update" and cmd.get("ranks") is not None and not _int_list(cmd["ranks"]):
         raise CommandError("update: 'ranks' must be a list of ints (P2P receivers) or null", "ranks")
     timeout_s = cmd.get("timeout_s")
-    if op == "update" and timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
-            timeout_s, (int, float)) or not timeout_s > 0):
+    if (
+        op == "update"
+        and timeout_s is not None
+        and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0)
+    ):
         raise CommandError(f"update: 'timeout_s' must be a number > 0, got {timeout_s!r}", "timeout_s")
     if op == "update" and "update_url" in cmd:
         url = cmd["update_url"]
         if isinstance(url, list):
             if not url or not all(isinstance(u, str) for u in url) or cmd.get("world_size", len(url)) % len(url):
-                raise CommandError("update: a list 'update_url' must hold one URL per engine, the engines "
-                                   f"serving equal numbers of ranks (world size {cmd.get('world_size')})", "update_url")
+                raise CommandError(
+                    "update: a list 'update_url' must hold one URL per engine, the engines "
+                    f"serving equal numbers of ranks (world size {cmd.get('world_size')})",
+                    "update_url",
+                )
             if cmd.get("inference_group_ranks"):
-                raise CommandError("update: 'inference_group_ranks' applies to a single 'update_url' only",
-                                   "inference_group_ranks")
+                raise CommandError(
+                    "update: 'inference_group_ranks' applies to a single 'update_url' only", "inference_group_ranks"
+                )
         elif url is not None and not isinstance(url, str):
-            raise CommandError("update: 'update_url' must be a URL string, a list of them (one per engine) or null",
-                               "update_url")
+            raise CommandError(
+                "update: 'update_url' must be a URL string, a list of them (one per engine) or null", "update_url"
+            )
         if cmd.get("uds") is not None and not isinstance(cmd["uds"], str):
             raise CommandError("update: 'uds' must be a unix socket path or null", "uds")
         if not _int_list(cmd.get("inference_group_ranks", [])):
@@ -171,8 +192,9 @@ def validate(cmd: dict) -> dict:
     elif op == "update":
         eps = cmd.get("endpoints")
         if not (isinstance(eps, str) or (isinstance(eps, list) and eps and all(isinstance(e, str) for e in eps))):
-            raise CommandError("update: 'endpoints' must be an engine URL or a list of URLs (one per engine)",
-                               "endpoints")
+            raise CommandError(
+                "update: 'endpoints' must be an engine URL or a list of URLs (one per engine)", "endpoints"
+            )
     return cmd
 
 
@@ -189,7 +211,7 @@ def _run(ps: ParameterServer, cmd: dict) -> dict:
     t0 = time.perf_counter()
     try:
         return {"ok": True, "result": execute(ps, cmd), "elapsed_s": round(time.perf_counter() - t0, 4)}
-    except Exception as e:  # noqa: BLE001 - every rank's error goes back to the caller
+    except Exception as e:
         logger.exception("command %s failed", cmd.get("op"))
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
@@ -228,11 +250,13 @@ def make_app(driver: Driver, stop: asyncio.Event):
         try:
             data = await request.json()
         except (json.JSONDecodeError, ValueError):
-            raise web.HTTPBadRequest(text=json.dumps({"ok": False, "error": "body must be JSON"}),
-                                     content_type="application/json") from None
+            raise web.HTTPBadRequest(
+                text=json.dumps({"ok": False, "error": "body must be JSON"}), content_type="application/json"
+            ) from None
         if not isinstance(data, dict):
-            raise web.HTTPBadRequest(text=json.dumps({"ok": False, "error": "body must be a JSON object"}),
-                                     content_type="application/json")
+            raise web.HTTPBadRequest(
+                text=json.dumps({"ok": False, "error": "body must be a JSON object"}), content_type="application/json"
+            )
         return data
 
     async def register(request):
@@ -262,10 +286,18 @@ def make_app(driver: Driver, stop: asyncio.Event):
 
     app = web.Application(client_max_size=4 * 2**20)
     app.add_routes(compat_routes(driver))
-    app.add_routes([web.get("/health", health), web.get("/checkpoints", inspect), web.post("/checkpoints", register),
-                    web.delete("/checkpoints/{name}", unregister), web.post("/update", update),
-                    web.get("/metas/{name}", get_metas), web.post("/metas", load_metas),
-                    web.post("/shutdown", shutdown)])
+    app.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/checkpoints", inspect),
+            web.post("/checkpoints", register),
+            web.delete("/checkpoints/{name}", unregister),
+            web.post("/update", update),
+            web.get("/metas/{name}", get_metas),
+            web.post("/metas", load_metas),
+            web.post("/shutdown", shutdown),
+        ]
+    )
     return app
 
 
@@ -276,8 +308,9 @@ def compat_routes(driver: Driver) -> list:
     from aiohttp import web
 
     def bad(field: str, msg: str) -> web.Response:  # FastAPI's answer to a request that fails validation
-        return web.json_response({"detail": [{"loc": ["body", field] if field else ["body"], "msg": msg,
-                                              "type": "value_error"}]}, status=422)
+        return web.json_response(
+            {"detail": [{"loc": ["body", field] if field else ["body"], "msg": msg, "type": "value_error"}]}, status=422
+        )
 
     async def body(request, *, required: bool):
         raw = await request.read()
@@ -303,7 +336,7 @@ def compat_routes(driver: Driver) -> list:
     async def files(request):
         data = await body(request, required=True)
         if data is None:
-            return bad("", "body must be a JSON object {\"files\": [...]}")
+            return bad("", 'body must be a JSON object {"files": [...]}')
         fs = data.get("files")
         if not isinstance(fs, list) or not all(isinstance(f, str) for f in fs):
             return bad("files", "'files' must be a list of safetensors paths")
@@ -317,8 +350,12 @@ def compat_routes(driver: Driver) -> list:
         if data is None:
             return bad("", "body must be a JSON object")
         timeout = data.get("timeout", 300.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-                or timeout <= 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
             return bad("timeout", f"'timeout' must be a number of seconds > 0, got {timeout!r}")
         for field in ("ranks", "inference_group_ranks"):
             value = data.get(field, [])
@@ -326,11 +363,23 @@ def compat_routes(driver: Driver) -> list:
                 return bad(field, f"'{field}' must be a list of ranks in [0, {driver.ps.world_size}), got {value!r}")
         ranks, group = data.get("ranks", []), data.get("inference_group_ranks", [])
         if ranks and group and not set(group) <= set(ranks):
-            return bad("inference_group_ranks", f"'inference_group_ranks' {group} must be among the P2P "
-                       f"receivers 'ranks' {ranks}: only they ask their engines to update")
-        return await call({"op": "update", "name": request.match_info["name"], "ranks": ranks,
-                           "update_url": data.get("update_url"), "inference_group_ranks": group,
-                           "timeout_s": float(timeout), "uds": data.get("uds"), "world_size": driver.ps.world_size})
+            return bad(
+                "inference_group_ranks",
+                f"'inference_group_ranks' {group} must be among the P2P "
+                f"receivers 'ranks' {ranks}: only they ask their engines to update",
+            )
+        return await call(
+            {
+                "op": "update",
+                "name": request.match_info["name"],
+                "ranks": ranks,
+                "update_url": data.get("update_url"),
+                "inference_group_ranks": group,
+                "timeout_s": float(timeout),
+                "uds": data.get("uds"),
+                "world_size": driver.ps.world_size,
+            }
+        )
 
     async def unregister(request):
         return await call({"op": "unregister", "name": request.match_info["name"]})
@@ -338,9 +387,13 @@ def compat_routes(driver: Driver) -> list:
     async def healthz(request):
         return web.Response(status=200)
 
-    return [web.post("/v1/checkpoints/{name}/files", files), web.post("/v1/checkpoints/{name}/gather-metas", gather_metas),
-            web.post("/v1/checkpoints/{name}/update", update), web.delete("/v1/checkpoints/{name}", unregister),
-            web.get("/v1/healthz", healthz)]
+    return [
+        web.post("/v1/checkpoints/{name}/files", files),
+        web.post("/v1/checkpoints/{name}/gather-metas", gather_metas),
+        web.post("/v1/checkpoints/{name}/update", update),
+        web.delete("/v1/checkpoints/{name}", unregister),
+        web.get("/v1/healthz", healthz),
+    ]
 
 
 def _clear_stale_socket(path: str) -> None:

@@ -34,16 +34,19 @@ def use_backend(name: str | None) -> None:
     if name is None or name == "" or name == "torch":
         _backend = "torch"
         return
-    raise ValueError(f"unsupported distributed backend {name!r}: this checkpoint engine supports "
-                     f"{', '.join(map(repr, SUPPORTED_BACKENDS))} (or None / '' for the default, torch.distributed)")
+    raise ValueError(
+        f"unsupported distributed backend {name!r}: this checkpoint engine supports "
+        f"{', '.join(map(repr, SUPPORTED_BACKENDS))} (or None / '' for the default, torch.distributed)"
+    )
 
 
 def backend() -> str:
     return _backend
 
 
-def init_process_group(rank: int | None = None, world_size: int | None = None, store: _td.Store | None = None,
-                       **kw: Any) -> None:
+def init_process_group(
+    rank: int | None = None, world_size: int | None = None, store: _td.Store | None = None, **kw: Any
+) -> None:
     """Create the default process group; `backend` defaults to nccl with CUDA, else gloo.
 
     With no `store` and no `init_method`, torch reads torchrun's environment (MASTER_ADDR/PORT).
@@ -82,8 +85,9 @@ def all_gather_object(object_list: list, obj: Any, group: _td.ProcessGroup | Non
     _td.all_gather_object(object_list, obj, group=group)
 
 
-def all_reduce(tensor: torch.Tensor, op: _td.ReduceOp.RedOpType = _td.ReduceOp.SUM,
-               group: _td.ProcessGroup | None = None) -> None:
+def all_reduce(
+    tensor: torch.Tensor, op: _td.ReduceOp.RedOpType = _td.ReduceOp.SUM, group: _td.ProcessGroup | None = None
+) -> None:
     _td.all_reduce(tensor, op=op, group=group)
 
 

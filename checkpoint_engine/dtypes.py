@@ -28,9 +28,18 @@ _NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 
 # safetensors header names -> our names
 _SAFETENSORS: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
-    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 
 

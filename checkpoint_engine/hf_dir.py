@@ -58,8 +58,7 @@ def read_tensors(model_dir: str | pathlib.Path, names: Iterable[str] | None = No
                     out[name] = f.get_tensor(name)
     missing = sorted(wanted - set(out)) if wanted is not None else []
     if missing:
-        raise ValueError(f"model directory {str(model_dir)!r} lacks tensors {missing[:5]} "
-                         f"({len(missing)} missing)")
+        raise ValueError(f"model directory {str(model_dir)!r} lacks tensors {missing[:5]} ({len(missing)} missing)")
     return out
 
 
@@ -93,8 +92,12 @@ def plan_shards(sizes_bytes: Mapping[str, int], max_shard_size_bytes: int) -> li
     return shards
 
 
-def write_safetensors(out_dir: str | pathlib.Path, state_dict: Mapping[str, torch.Tensor], *,
-                      max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> list[pathlib.Path]:
+def write_safetensors(
+    out_dir: str | pathlib.Path,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
+) -> list[pathlib.Path]:
     """Write ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger.
 
     Removes weight files a previous write left in ``out_dir``. Returns the files written.
@@ -105,8 +108,7 @@ def write_safetensors(out_dir: str | pathlib.Path, state_dict: Mapping[str, torc
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("model*.safetensors")) + list(out.glob(INDEX_FILE)):
         stale.unlink()
-    shards = plan_shards({k: v.numel() * v.element_size() for k, v in state_dict.items()},
-                         max_shard_size_bytes)
+    shards = plan_shards({k: v.numel() * v.element_size() for k, v in state_dict.items()}, max_shard_size_bytes)
     metadata = {"format": "pt"}
     if len(shards) == 1:
         save_file(_contiguous(state_dict, shards[0]), str(out / SINGLE_FILE), metadata=metadata)
@@ -115,11 +117,12 @@ def write_safetensors(out_dir: str | pathlib.Path, state_dict: Mapping[str, torc
     for index, names in enumerate(shards):
         file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(_contiguous(state_dict, names), str(out / file_name), metadata=metadata)
-        weight_map.update({name: file_name for name in names})
+        weight_map.update(dict.fromkeys(names, file_name))
         files.append(out / file_name)
     total = sum(v.numel() * v.element_size() for v in state_dict.values())
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                             indent=2) + "\n")
+    (out / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
     return files
 
 

@@ -141,7 +141,7 @@ class RegisteredCheckpoint:
         return sum(m.nbytes for m in self.layout.metas)
 
     def view(self, meta: TensorMeta) -> torch.Tensor:
-        raw = self.chunk(meta.chunk)[meta.offset_bytes: meta.offset_bytes + meta.nbytes]
+        raw = self.chunk(meta.chunk)[meta.offset_bytes : meta.offset_bytes + meta.nbytes]
         return raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
 
     def checksums(self) -> dict[str, int]:
@@ -191,8 +191,13 @@ def register_tensors(
     except BaseException:
         ckpt.close()
         raise
-    logger.info("registered checkpoint %r: %d tensors, %.3f GiB in %d chunks", name, len(specs),
-                ckpt.nbytes / 2**30, len(ckpt.chunks))
+    logger.info(
+        "registered checkpoint %r: %d tensors, %.3f GiB in %d chunks",
+        name,
+        len(specs),
+        ckpt.nbytes / 2**30,
+        len(ckpt.chunks),
+    )
     return ckpt
 
 
@@ -206,7 +211,7 @@ def _fill_from_files(ckpt: RegisteredCheckpoint, file_tensors: list[FileTensor],
                 if ft.nbytes == 0:
                     continue
                 meta = metas[ft.name]
-                dst = ckpt.chunk(meta.chunk)[meta.offset_bytes: meta.offset_bytes + ft.nbytes]
+                dst = ckpt.chunk(meta.chunk)[meta.offset_bytes : meta.offset_bytes + ft.nbytes]
                 if dst.device.type != "cpu":
                     raise AssertionError("host chunks must live in host memory")
                 f.seek(ft.start_bytes)

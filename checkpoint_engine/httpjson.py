@@ -60,8 +60,9 @@ def _request(method: str, url: str, body: Any, timeout_s: float, uds: str | None
         conn.close()
 
 
-def status_json(method: str, url: str, body: Any = None, *, timeout_s: float,
-                uds: str | None = None) -> tuple[int, dict]:
+def status_json(
+    method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None
+) -> tuple[int, dict]:
     """(HTTP status, decoded JSON answer) whatever the status: {} for an empty answer, {"raw": text}
     for one that is not JSON. An unreachable server raises OSError."""
     status, text = _request(method, url, body, timeout_s, uds)

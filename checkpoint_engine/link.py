@@ -44,7 +44,9 @@ class EngineLink:
         self._gone = False
         self.failure: str | None = None  # set by the pipeline when the engine reported an error
 
-    def send(self, msg: P.Message, deadline_s: float | None = None, check: Callable[[], str | None] | None = None) -> None:
+    def send(
+        self, msg: P.Message, deadline_s: float | None = None, check: Callable[[], str | None] | None = None
+    ) -> None:
         """Queue `msg`; with a deadline, wait (until then) for the engine to connect first."""
         data = P.encode(msg)
         while True:
@@ -53,7 +55,9 @@ class EngineLink:
                 return
             except zmq.Again:
                 if deadline_s is None or time.monotonic() > deadline_s:
-                    raise EngineFailure(f"timed out waiting for the engine to connect (could not send {type(msg).__name__})") from None
+                    raise EngineFailure(
+                        f"timed out waiting for the engine to connect (could not send {type(msg).__name__})"
+                    ) from None
             if self._monitor.poll(self.POLL_SLICE_MS, zmq.POLLIN):
                 self._on_monitor_event()
             if check is not None and (problem := check()):
@@ -75,7 +79,9 @@ class EngineLink:
             if self._monitor in events:
                 self._on_monitor_event()
             if self._gone and not (self._sock.poll(0) & zmq.POLLIN):
-                raise EngineFailure(f"engine disconnected while we waited for {what} (its process exited or was killed)")
+                raise EngineFailure(
+                    f"engine disconnected while we waited for {what} (its process exited or was killed)"
+                )
             if check is not None:
                 problem = check()
                 if problem:

@@ -74,7 +74,7 @@ class EtcdStore:
         self._client = pyetcd.client(host=host, port=port, timeout=timeout_s)
         try:
             self._client.status()
-        except Exception as e:  # grpc raises its own types
+        except Exception as e:  # noqa: BLE001 - grpc raises its own types
             raise RuntimeError(f"etcd at {host}:{port} is not reachable: {type(e).__name__}: {e}") from None
 
     def _k(self, key: str) -> str:

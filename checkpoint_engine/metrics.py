@@ -45,9 +45,11 @@ class UpdateMetrics:
         return d
 
     def summary(self) -> str:
-        return (f"update {self.checkpoint!r}: {self.total_bytes / 2**30:.3f} GiB in {self.num_buckets} buckets, "
-                f"{self.total_s:.3f} s ({self.gib_per_s:.2f} GiB/s; copy-in {self.copy_in_s:.3f} s, "
-                f"broadcast {self.broadcast_s:.3f} s, engine wait {self.engine_wait_s:.3f} s)")
+        return (
+            f"update {self.checkpoint!r}: {self.total_bytes / 2**30:.3f} GiB in {self.num_buckets} buckets, "
+            f"{self.total_s:.3f} s ({self.gib_per_s:.2f} GiB/s; copy-in {self.copy_in_s:.3f} s, "
+            f"broadcast {self.broadcast_s:.3f} s, engine wait {self.engine_wait_s:.3f} s)"
+        )
 
 
 def append_jsonl(path: str, record: dict) -> None:

@@ -42,7 +42,8 @@ class P2PStore:
         except ImportError as e:
             raise RuntimeError(
                 "P2P updates need Mooncake's transfer engine: pip install mooncake-transfer-engine-non-cuda "
-                f"(CPU machines) or mooncake-transfer-engine (CUDA) ({e})") from None
+                f"(CPU machines) or mooncake-transfer-engine (CUDA) ({e})"
+            ) from None
         self.cfg = cfg
         self._engine = TransferEngine()
         rc = self._engine.initialize(cfg.host, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
@@ -69,16 +70,21 @@ class P2PStore:
     def read(self, remote_addr: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
         """Copy `nbytes` from `remote_ptr` at peer `remote_addr` into `local_ptr`, within the deadline."""
         result: list[int] = []
-        t = threading.Thread(target=lambda: result.append(
-            self._engine.transfer_sync_read(remote_addr, local_ptr, remote_ptr, nbytes)), daemon=True)
+        t = threading.Thread(
+            target=lambda: result.append(self._engine.transfer_sync_read(remote_addr, local_ptr, remote_ptr, nbytes)),
+            daemon=True,
+        )
         t.start()
         t.join(self.cfg.read_timeout_s)
         if t.is_alive():
-            raise TimeoutError(f"P2P read of {nbytes} bytes from {remote_addr} did not finish within "
-                               f"{self.cfg.read_timeout_s:.0f} s")
+            raise TimeoutError(
+                f"P2P read of {nbytes} bytes from {remote_addr} did not finish within {self.cfg.read_timeout_s:.0f} s"
+            )
         if result[0] != 0:
-            raise RuntimeError(f"P2P read of {nbytes} bytes from {remote_addr} failed (rc={result[0]}): "
-                               "is the owner's parameter server alive and its checkpoint still registered?")
+            raise RuntimeError(
+                f"P2P read of {nbytes} bytes from {remote_addr} failed (rc={result[0]}): "
+                "is the owner's parameter server alive and its checkpoint still registered?"
+            )
 
     def close(self) -> None:
         for ptr in list(self._registered):

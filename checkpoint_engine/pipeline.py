@@ -56,11 +56,14 @@ class StatusExchange:
         if error:
             raw = error.encode()[: REASON_BYTES - 1] or b"?"
             mine[0] = 1
-            mine[1: 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            mine[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self.group)
-        failures = {self.members[i]: bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace")
-                    for i, t in enumerate(out) if t[0]}
+        failures = {
+            self.members[i]: bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+            for i, t in enumerate(out)
+            if t[0]
+        }
         if failures:
             raise UpdateFailed(failures)
 
@@ -77,8 +80,8 @@ class _ReqThread:
     def _run(self, req_func: ReqFunc, addresses: list[tuple[str, str]]) -> None:
         try:
             req_func(addresses)
-        except BaseException as e:  # reported through the status exchange
-            self.error = f"req_func raised {type(e).__name__}: {e}"[:REASON_BYTES - 1]
+        except BaseException as e:  # noqa: BLE001 - reported through the status exchange
+            self.error = f"req_func raised {type(e).__name__}: {e}"[: REASON_BYTES - 1]
 
     def join(self, timeout_s: float) -> str | None:
         self._t.join(timeout_s)
@@ -145,16 +148,30 @@ class _Layout:
                 buf, off = self.base[bucket.owner_rank] + t.chunk, t.offset_bytes
             else:
                 buf, off = 0, half_offset + t.offset_bytes - bucket.start_bytes
-            out.append(P.WireTensor(t.name, t.dtype, t.shape, buf, off,
-                                    None if self.job.checksums is None else self.job.checksums[t.name]))
+            out.append(
+                P.WireTensor(
+                    t.name,
+                    t.dtype,
+                    t.shape,
+                    buf,
+                    off,
+                    None if self.job.checksums is None else self.job.checksums[t.name],
+                )
+            )
         return tuple(out)
 
 
 def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
-    m = UpdateMetrics(job.checkpoint, job.rank, job.world_size, mode=job.mode, num_buckets=len(job.buckets),
-                      num_tensors=sum(len(b.tensors) for b in job.buckets),
-                      bucket_size_bytes=job.bucket_size_bytes,
-                      total_bytes=sum(t.nbytes for b in job.buckets for t in b.tensors))
+    m = UpdateMetrics(
+        job.checkpoint,
+        job.rank,
+        job.world_size,
+        mode=job.mode,
+        num_buckets=len(job.buckets),
+        num_tensors=sum(len(b.tensors) for b in job.buckets),
+        bucket_size_bytes=job.bucket_size_bytes,
+        total_bytes=sum(t.nbytes for b in job.buckets for t in b.tensors),
+    )
     t_start = time.perf_counter()
     status = StatusExchange(job.rank, job.members or list(range(job.world_size)), job.group)
     shared, handle, staging = None, None, None
@@ -196,10 +213,18 @@ def _connect(job, link, req, layout, status, m) -> None:
     err = None
     deadline = time.monotonic() + job.cfg.engine_connect_timeout_s
     try:
-        link.send(P.Hello(update_id=job.update_id, checkpoint=job.checkpoint, num_buckets=len(job.buckets),
-                          buffers=tuple(layout.handles), verify_checksums=job.checksums is not None,
-                          stable_buffers=layout.stable_buffers()),
-                  deadline_s=deadline, check=lambda: req.error)
+        link.send(
+            P.Hello(
+                update_id=job.update_id,
+                checkpoint=job.checkpoint,
+                num_buckets=len(job.buckets),
+                buffers=tuple(layout.handles),
+                verify_checksums=job.checksums is not None,
+                stable_buffers=layout.stable_buffers(),
+            ),
+            deadline_s=deadline,
+            check=lambda: req.error,
+        )
         msg = link.recv(deadline, what="the engine to connect", check=lambda: req.error)
         if isinstance(msg, P.Error):
             err = f"engine could not start the update: {msg.reason}"
@@ -242,9 +267,9 @@ def _stream_buckets(job, link, req, shared, staging, layout, status, m) -> None:
 
 def _move_bucket(job, bucket: Bucket, shared, half: int, engine_reads_chunk: bool, m) -> None:
     """Copy-in (when the engine cannot read the owner's chunk) and broadcast one bucket."""
-    dst = shared[half: half + bucket.size_bytes]
+    dst = shared[half : half + bucket.size_bytes]
     if job.rank == bucket.owner_rank:
-        src = job.ckpt.chunk(bucket.chunk)[bucket.start_bytes: bucket.start_bytes + bucket.size_bytes]
+        src = job.ckpt.chunk(bucket.chunk)[bucket.start_bytes : bucket.start_bytes + bucket.size_bytes]
         if engine_reads_chunk:
             dst = src  # CPU: broadcast straight from the registered chunk, which our engine maps
         else:
@@ -264,12 +289,12 @@ def _read_bucket(job, bucket: Bucket, shared, staging, half: int, engine_reads_c
         return  # our own shard: the engine reads it in place
     t0 = time.perf_counter()
     remote = job.chunk_ptrs[bucket.owner_rank][bucket.chunk] + bucket.start_bytes
-    local = staging[half: half + bucket.size_bytes]
+    local = staging[half : half + bucket.size_bytes]
     job.p2p.read(job.p2p_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
     m.broadcast_s += time.perf_counter() - t0
     if staging is not shared:  # CUDA: host staging -> device half
         t0 = time.perf_counter()
-        job.transport.copy_in(shared[half: half + bucket.size_bytes], local)
+        job.transport.copy_in(shared[half : half + bucket.size_bytes], local)
         job.transport.synchronize()
         m.copy_in_s += time.perf_counter() - t0
 
@@ -311,8 +336,11 @@ def _wait_acks(job, link, req, acked: int, upto: int, m) -> int:
     t0 = time.perf_counter()
     try:
         while acked < upto and link.failure is None:
-            msg = link.recv(time.monotonic() + job.cfg.engine_timeout_s,
-                            what=f"the engine to load bucket {acked}", check=lambda: req.error)
+            msg = link.recv(
+                time.monotonic() + job.cfg.engine_timeout_s,
+                what=f"the engine to load bucket {acked}",
+                check=lambda: req.error,
+            )
             if isinstance(msg, P.Ack) and msg.index == acked:
                 acked += 1
             elif isinstance(msg, P.Error):
@@ -331,8 +359,9 @@ def _finish(job, link, req, status, m) -> None:
     err = None
     link.send(P.Done(update_id=job.update_id))
     try:
-        msg = link.recv(time.monotonic() + job.cfg.engine_timeout_s, what="the engine's post-update hook",
-                        check=lambda: req.error)
+        msg = link.recv(
+            time.monotonic() + job.cfg.engine_timeout_s, what="the engine's post-update hook", check=lambda: req.error
+        )
         if isinstance(msg, P.Error):
             err = f"engine failed in {msg.reason}"
         elif not (isinstance(msg, P.Ack) and msg.index == P.DONE_ACK):

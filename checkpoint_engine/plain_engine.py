@@ -24,8 +24,14 @@ logger = logging.getLogger(__name__)
 
 
 class PlainEngine:
-    def __init__(self, device: str = "cpu", fail_on_bucket: int | None = None,
-                 die_on_bucket: int | None = None, load_delay_s: float = 0.0, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        device: str = "cpu",
+        fail_on_bucket: int | None = None,
+        die_on_bucket: int | None = None,
+        load_delay_s: float = 0.0,
+        timeout_s: float = 120.0,
+    ):
         import torch
         import zmq
 
@@ -70,8 +76,15 @@ class PlainEngine:
                         dst.copy_(t)
 
             device_id = self.device.index if self.device.type == "cuda" else None
-            update_weights_from_ipc(self.ctx, handle, device_id, run=run, state=self.state, timeout_s=self.timeout_s,
-                                    mapping_cache=self.mappings)
+            update_weights_from_ipc(
+                self.ctx,
+                handle,
+                device_id,
+                run=run,
+                state=self.state,
+                timeout_s=self.timeout_s,
+                mapping_cache=self.mappings,
+            )
             return self.state.report()
 
     def reset_weights(self) -> dict:
@@ -122,7 +135,7 @@ def make_handler(engine: PlainEngine):
                 result = getattr(engine, method)(*args)
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 return self.reply(500, {"error": f"{type(e).__name__}: {e}", "state": engine.weights_state()})
-            self.reply(200, {"results": [result]})
+            return self.reply(200, {"results": [result]})
 
     return Handler
 

@@ -148,7 +148,9 @@ def plan_buckets(rank_metas: Mapping[int, Sequence[TensorMeta]], bucket_size_byt
                     f"tensor {meta.name!r} (rank {rank}) needs {meta.nbytes} bytes, more than "
                     f"bucket_size_bytes={bucket_size_bytes}; set bucket_size_bytes to at least {meta.nbytes}"
                 )
-            if cur and (meta.chunk != cur[0].chunk or meta.offset_bytes + meta.nbytes - cur[0].offset_bytes > bucket_size_bytes):
+            if cur and (
+                meta.chunk != cur[0].chunk or meta.offset_bytes + meta.nbytes - cur[0].offset_bytes > bucket_size_bytes
+            ):
                 runs.append(_close(rank, cur))
                 cur = []
             cur.append(meta)

@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 
 import msgpack
 
-
 DONE_ACK = -1  # Ack (and Error) index that answers Done
 ABORT_ACK = -2  # Ack index that confirms an Abort
 
@@ -115,8 +114,14 @@ MESSAGES = {cls.TAG: cls for cls in (Hello, Bucket, Done, Abort, Ready, Ack, Err
 Message = Hello | Bucket | Done | Abort | Ready | Ack | Error
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
-    "update_id": str, "checkpoint": str, "num_buckets": int, "verify_checksums": bool,
-    "index": int, "reason": str, "version": int, "status": str,
+    "update_id": str,
+    "checkpoint": str,
+    "num_buckets": int,
+    "verify_checksums": bool,
+    "index": int,
+    "reason": str,
+    "version": int,
+    "status": str,
 }
 
 
@@ -125,8 +130,10 @@ def encode(msg: Message) -> bytes:
     for f in fields(msg):
         value = getattr(msg, f.name)
         if f.name == "buffers":
-            value = [{"kind": b.kind, "size_bytes": b.size_bytes, "pid": b.pid, "fd": b.fd,
-                      "cuda_args": list(b.cuda_args)} for b in value]
+            value = [
+                {"kind": b.kind, "size_bytes": b.size_bytes, "pid": b.pid, "fd": b.fd, "cuda_args": list(b.cuda_args)}
+                for b in value
+            ]
         elif f.name == "tensors":
             value = [[t.name, t.dtype, list(t.shape), t.buffer, t.offset_bytes, t.checksum] for t in value]
         body[f.name] = value
@@ -136,7 +143,7 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes) -> Message:
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types
         raise ProtocolError(f"undecodable message ({len(data)} bytes): {e}") from None
     if not isinstance(body, dict) or body.get("t") not in MESSAGES:
         raise ProtocolError(f"unknown message tag {body.get('t') if isinstance(body, dict) else body!r}")
@@ -153,12 +160,14 @@ def decode(data: bytes) -> Message:
         elif name == "tensors":
             value = _decode_tensors(value)
         elif name == "stable_buffers":
-            if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                      for i in value):
+            if not isinstance(value, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+            ):
                 raise ProtocolError(f"Hello.stable_buffers must be a list of buffer indices, got {value!r}")
             value = tuple(value)
-        elif name in _TYPES and (not isinstance(value, _TYPES[name]) or
-                                 (_TYPES[name] is int and isinstance(value, bool))):
+        elif name in _TYPES and (
+            not isinstance(value, _TYPES[name]) or (_TYPES[name] is int and isinstance(value, bool))
+        ):
             raise ProtocolError(f"{cls.__name__}.{name}: expected {_TYPES[name]}, got {value!r}")
         kwargs[name] = value
     try:
@@ -171,8 +180,13 @@ def _decode_buffer(value: Any) -> BufferHandle:
     if not isinstance(value, dict):
         raise ProtocolError(f"buffer handle must be a map, got {type(value).__name__}")
     try:
-        return BufferHandle(kind=value["kind"], size_bytes=value["size_bytes"], pid=int(value.get("pid", 0)),
-                            fd=int(value.get("fd", -1)), cuda_args=tuple(value.get("cuda_args", ())))
+        return BufferHandle(
+            kind=value["kind"],
+            size_bytes=value["size_bytes"],
+            pid=int(value.get("pid", 0)),
+            fd=int(value.get("fd", -1)),
+            cuda_args=tuple(value.get("cuda_args", ())),
+        )
     except KeyError as e:
         raise ProtocolError(f"buffer handle misses field {e}") from None
     except (TypeError, ValueError) as e:
@@ -184,11 +198,19 @@ def _decode_tensors(value: Any) -> tuple[WireTensor, ...]:
         raise ProtocolError("bucket tensors must be a list")
     out = []
     for item in value:
-        if not (isinstance(item, list) and len(item) == 6 and isinstance(item[0], str)
-                and isinstance(item[1], str) and isinstance(item[2], list)
-                and all(isinstance(d, int) and d >= 0 for d in item[2])
-                and isinstance(item[3], int) and item[3] >= 0 and isinstance(item[4], int) and item[4] >= 0
-                and (item[5] is None or isinstance(item[5], int))):
+        if not (
+            isinstance(item, list)
+            and len(item) == 6
+            and isinstance(item[0], str)
+            and isinstance(item[1], str)
+            and isinstance(item[2], list)
+            and all(isinstance(d, int) and d >= 0 for d in item[2])
+            and isinstance(item[3], int)
+            and item[3] >= 0
+            and isinstance(item[4], int)
+            and item[4] >= 0
+            and (item[5] is None or isinstance(item[5], int))
+        ):
             raise ProtocolError(f"malformed tensor entry {item!r}")
         out.append(WireTensor(item[0], item[1], tuple(item[2]), item[3], item[4], item[5]))
     return tuple(out)

@@ -17,11 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 import zmq
-
-import psutil
 
 from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
@@ -70,40 +69,63 @@ class GlobalMetas:
     @property
     def owners_in_job(self) -> bool:
         """True when every owner rank is the rank of the same number in this job (same process)."""
-        return all(r < len(self.pids) and self.owner_pids.get(r) == self.pids[r]
-                   and self.owner_hosts.get(r) == self.hosts[r] for r in self.rank_metas)
+        return all(
+            r < len(self.pids) and self.owner_pids.get(r) == self.pids[r] and self.owner_hosts.get(r) == self.hosts[r]
+            for r in self.rank_metas
+        )
 
     def to_dict(self) -> dict:
-        return {"checkpoint": self.checkpoint, "device_ids": list(self.device_ids), "pids": list(self.pids),
-                "hosts": list(self.hosts),
-                "ranks": {str(r): [m.to_wire() for m in ms] for r, ms in self.rank_metas.items()},
-                "chunk_handles": {str(r): [[h.pid, h.fd, h.size_bytes] for h in hs]
-                                  for r, hs in self.chunk_handles.items()},
-                "p2p_addrs": {str(r): a for r, a in self.p2p_addrs.items()},
-                "chunk_ptrs": {str(r): ps for r, ps in self.chunk_ptrs.items()},
-                "owner_pids": {str(r): p for r, p in self.owner_pids.items()},
-                "owner_hosts": {str(r): h for r, h in self.owner_hosts.items()},
-                "checksums": self.checksums}
+        return {
+            "checkpoint": self.checkpoint,
+            "device_ids": list(self.device_ids),
+            "pids": list(self.pids),
+            "hosts": list(self.hosts),
+            "ranks": {str(r): [m.to_wire() for m in ms] for r, ms in self.rank_metas.items()},
+            "chunk_handles": {
+                str(r): [[h.pid, h.fd, h.size_bytes] for h in hs] for r, hs in self.chunk_handles.items()
+            },
+            "p2p_addrs": {str(r): a for r, a in self.p2p_addrs.items()},
+            "chunk_ptrs": {str(r): ps for r, ps in self.chunk_ptrs.items()},
+            "owner_pids": {str(r): p for r, p in self.owner_pids.items()},
+            "owner_hosts": {str(r): h for r, h in self.owner_hosts.items()},
+            "checksums": self.checksums,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> GlobalMetas:
         try:
             ranks = {int(r): tuple(TensorMeta.from_wire(x) for x in ms) for r, ms in d["ranks"].items()}
-            handles = {int(r): [BufferHandle(kind="fd", pid=int(p), fd=int(f), size_bytes=int(n)) for p, f, n in hs]
-                       for r, hs in d.get("chunk_handles", {}).items()}
-            return cls(str(d["checkpoint"]), ranks, tuple(str(x) for x in d["device_ids"]),
-                       tuple(int(x) for x in d["pids"]), tuple(str(x) for x in d["hosts"]), d.get("checksums"),
-                       handles, {int(r): str(a) for r, a in d.get("p2p_addrs", {}).items()},
-                       {int(r): [int(p) for p in ps] for r, ps in d.get("chunk_ptrs", {}).items()},
-                       {int(r): int(p) for r, p in d.get("owner_pids", {}).items()},
-                       {int(r): str(h) for r, h in d.get("owner_hosts", {}).items()})
+            handles = {
+                int(r): [BufferHandle(kind="fd", pid=int(p), fd=int(f), size_bytes=int(n)) for p, f, n in hs]
+                for r, hs in d.get("chunk_handles", {}).items()
+            }
+            return cls(
+                str(d["checkpoint"]),
+                ranks,
+                tuple(str(x) for x in d["device_ids"]),
+                tuple(int(x) for x in d["pids"]),
+                tuple(str(x) for x in d["hosts"]),
+                d.get("checksums"),
+                handles,
+                {int(r): str(a) for r, a in d.get("p2p_addrs", {}).items()},
+                {int(r): [int(p) for p in ps] for r, ps in d.get("chunk_ptrs", {}).items()},
+                {int(r): int(p) for r, p in d.get("owner_pids", {}).items()},
+                {int(r): str(h) for r, h in d.get("owner_hosts", {}).items()},
+            )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"malformed metas: {e!r}") from None
 
     def with_job(self, device_ids, pids, hosts) -> GlobalMetas:
         """These metas' owners, with this job's per-rank info."""
-        return replace(self, device_ids=tuple(device_ids), pids=tuple(pids), hosts=tuple(hosts),
-                       owner_pids=dict(self.owner_pids), owner_hosts=dict(self.owner_hosts), job_local=True)
+        return replace(
+            self,
+            device_ids=tuple(device_ids),
+            pids=tuple(pids),
+            hosts=tuple(hosts),
+            owner_pids=dict(self.owner_pids),
+            owner_hosts=dict(self.owner_hosts),
+            job_local=True,
+        )
 
 
 def _env_int(value: int | None, var: str) -> int:
@@ -155,8 +177,9 @@ class ParameterServer:
         self._run_id = uuid.uuid4().hex[:8]
         self.last_metrics: UpdateMetrics | None = None
         self._p2p = P2PStore(self.config.p2p) if self.config.p2p is not None else None
-        self.registry = CheckpointRegistry(metadata_store if metadata_store is not None
-                                           else make_store(self.config.metadata_url))
+        self.registry = CheckpointRegistry(
+            metadata_store if metadata_store is not None else make_store(self.config.metadata_url)
+        )
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -173,8 +196,10 @@ class ParameterServer:
         return self._transport.device_id(self._rank)
 
     def checkpoints(self) -> dict[str, dict]:
-        return {n: {"num_tensors": len(c.layout.metas), "nbytes": c.nbytes, "gathered": n in self._global}
-                for n, c in self._checkpoints.items()}
+        return {
+            n: {"num_tensors": len(c.layout.metas), "nbytes": c.nbytes, "gathered": n in self._global}
+            for n, c in self._checkpoints.items()
+        }
 
     # -- process group ----------------------------------------------------------------------
     def init_process_group(self, *, timeout: timedelta | None = None) -> None:
@@ -186,10 +211,13 @@ class ParameterServer:
             init = f"tcp://{addr}:{self._master_port}"
         else:
             init = "env://"
-        dist.init_process_group(self._transport.backend, init_method=init, rank=self._rank,
-                                world_size=self._world_size, timeout=timeout)
+        dist.init_process_group(
+            self._transport.backend, init_method=init, rank=self._rank, world_size=self._world_size, timeout=timeout
+        )
         self._owns_pg = True
-        logger.info("rank %d: process group ready (%s, world %d)", self._rank, self._transport.backend, self._world_size)
+        logger.info(
+            "rank %d: process group ready (%s, world %d)", self._rank, self._transport.backend, self._world_size
+        )
 
     def _ensure_pg(self) -> None:
         if self._world_size == 1:
@@ -199,14 +227,22 @@ class ParameterServer:
                 raise RuntimeError("no process group: call init_process_group() or create one (auto_pg=False)")
             self.init_process_group()
         if dist.get_world_size() != self._world_size or dist.get_rank() != self._rank:
-            raise RuntimeError(f"process group is rank {dist.get_rank()}/{dist.get_world_size()} but this "
-                               f"ParameterServer is rank {self._rank}/{self._world_size}")
+            raise RuntimeError(
+                f"process group is rank {dist.get_rank()}/{dist.get_world_size()} but this "
+                f"ParameterServer is rank {self._rank}/{self._world_size}"
+            )
 
     # -- registration -----------------------------------------------------------------------
-    def register_checkpoint(self, checkpoint_name: str, *, files: Sequence[str] | None = None,
-                            named_tensors: Mapping[str, torch.Tensor] | None = None,
-                            use_shared_memory_pool: bool = False, use_inplace_pin_memory: bool = True,
-                            **unknown) -> None:
+    def register_checkpoint(
+        self,
+        checkpoint_name: str,
+        *,
+        files: Sequence[str] | None = None,
+        named_tensors: Mapping[str, torch.Tensor] | None = None,
+        use_shared_memory_pool: bool = False,
+        use_inplace_pin_memory: bool = True,
+        **unknown,
+    ) -> None:
         """Copy this rank's shard of `checkpoint_name` into host memory (both sources may be given).
 
         MoonshotAI's options, accepted with this meaning here:
@@ -219,10 +255,14 @@ class ParameterServer:
         place on CUDA and deletes them).
         """
         if unknown:
-            raise TypeError(f"register_checkpoint() got unexpected keyword argument(s) {sorted(unknown)}; it accepts "
-                            "files, named_tensors, use_shared_memory_pool, use_inplace_pin_memory")
-        for flag, v in (("use_shared_memory_pool", use_shared_memory_pool),
-                        ("use_inplace_pin_memory", use_inplace_pin_memory)):
+            raise TypeError(
+                f"register_checkpoint() got unexpected keyword argument(s) {sorted(unknown)}; it accepts "
+                "files, named_tensors, use_shared_memory_pool, use_inplace_pin_memory"
+            )
+        for flag, v in (
+            ("use_shared_memory_pool", use_shared_memory_pool),
+            ("use_inplace_pin_memory", use_inplace_pin_memory),
+        ):
             if not isinstance(v, bool):
                 raise TypeError(f"{flag} must be a bool, got {v!r}")
         if not checkpoint_name or not isinstance(checkpoint_name, str):
@@ -232,13 +272,20 @@ class ParameterServer:
         pool = self._host_pool
         if use_shared_memory_pool:
             if self._shared_pool_user is not None:
-                raise ValueError(f"the shared memory pool is used by checkpoint {self._shared_pool_user!r}; "
-                                 "unregister it before registering another one with use_shared_memory_pool=True")
+                raise ValueError(
+                    f"the shared memory pool is used by checkpoint {self._shared_pool_user!r}; "
+                    "unregister it before registering another one with use_shared_memory_pool=True"
+                )
             pool = self._shared_pool
         try:
             ckpt = register_tensors(
-                checkpoint_name, files=files, named_tensors=named_tensors, alloc_host=pool.alloc,
-                align_bytes=self.config.align_bytes, max_chunk_bytes=self.config.max_chunk_bytes)
+                checkpoint_name,
+                files=files,
+                named_tensors=named_tensors,
+                alloc_host=pool.alloc,
+                align_bytes=self.config.align_bytes,
+                max_chunk_bytes=self.config.max_chunk_bytes,
+            )
         finally:
             pool.trim()  # what this registration did not reuse
         if use_shared_memory_pool:
@@ -279,8 +326,9 @@ class ParameterServer:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "registered": ckpt is not None,
-            "chunks": [[c.handle.pid, c.handle.fd, c.handle.size_bytes] for c in ckpt.chunks
-                       if c.handle is not None] if ckpt else [],
+            "chunks": [[c.handle.pid, c.handle.fd, c.handle.size_bytes] for c in ckpt.chunks if c.handle is not None]
+            if ckpt
+            else [],
             "p2p_addr": self._p2p.addr if self._p2p is not None else None,
             "chunk_ptrs": [c.tensor.data_ptr() for c in ckpt.chunks] if ckpt else [],
         }
@@ -294,25 +342,42 @@ class ParameterServer:
         checksums = None
         if self.config.verify_checksums:
             checksums = {k: v for e in everyone for k, v in (e["checksums"] or {}).items()}
-        handles = {r: [BufferHandle(kind="fd", pid=p, fd=f, size_bytes=n) for p, f, n in e["chunks"]]
-                   for r, e in enumerate(everyone) if e["chunks"]}
+        handles = {
+            r: [BufferHandle(kind="fd", pid=p, fd=f, size_bytes=n) for p, f, n in e["chunks"]]
+            for r, e in enumerate(everyone)
+            if e["chunks"]
+        }
         self._global[checkpoint_name] = GlobalMetas(
-            checkpoint_name, {r: ms for r, ms in rank_metas.items() if ms},
-            tuple(e["device_id"] for e in everyone), tuple(e["pid"] for e in everyone),
-            tuple(e["host"] for e in everyone), checksums, handles,
+            checkpoint_name,
+            {r: ms for r, ms in rank_metas.items() if ms},
+            tuple(e["device_id"] for e in everyone),
+            tuple(e["pid"] for e in everyone),
+            tuple(e["host"] for e in everyone),
+            checksums,
+            handles,
             {r: everyone[r]["p2p_addr"] for r in owners if everyone[r]["p2p_addr"]},
             {r: everyone[r]["chunk_ptrs"] for r in owners},
-            {r: everyone[r]["pid"] for r in owners}, {r: everyone[r]["host"] for r in owners})
+            {r: everyone[r]["pid"] for r in owners},
+            {r: everyone[r]["host"] for r in owners},
+        )
         self._last_gathered = checkpoint_name
         if not owners:  # the join flow: a new job learns its own ranks' info, then load_metas(owners' metas)
-            logger.info("rank %d: %r is registered on no rank of this job; load_metas() must name its owners",
-                        self._rank, checkpoint_name)
+            logger.info(
+                "rank %d: %r is registered on no rank of this job; load_metas() must name its owners",
+                self._rank,
+                checkpoint_name,
+            )
             return
         if self._rank == 0:
             self.registry.publish_metas(checkpoint_name, self._global[checkpoint_name].to_dict())
         n = sum(len(ms) for ms in rank_metas.values())
-        logger.info("rank %d: gathered metas of %r: %d tensors on %d ranks", self._rank, checkpoint_name, n,
-                    sum(1 for ms in rank_metas.values() if ms))
+        logger.info(
+            "rank %d: gathered metas of %r: %d tensors on %d ranks",
+            self._rank,
+            checkpoint_name,
+            n,
+            sum(1 for ms in rank_metas.values() if ms),
+        )
 
     def get_metas(self, checkpoint_name: str | None = None) -> dict:
         """The global metas (JSON-ready) of `checkpoint_name` or of the last gathered checkpoint."""
@@ -325,8 +390,9 @@ class ParameterServer:
         """Load the metas another instance published (etcd) for `checkpoint_name`."""
         metas = self.registry.metas(checkpoint_name)
         if metas is None:
-            raise ValueError(f"no metas for {checkpoint_name!r} in the metadata store "
-                             f"(it has: {self.registry.checkpoints()})")
+            raise ValueError(
+                f"no metas for {checkpoint_name!r} in the metadata store (it has: {self.registry.checkpoints()})"
+            )
         self.load_metas(metas)
 
     def load_metas(self, metas: Mapping) -> None:
@@ -343,11 +409,15 @@ class ParameterServer:
         if len(g.device_ids) != self._world_size:
             raise ValueError(f"metas describe {len(g.device_ids)} ranks but this world has {self._world_size}")
         if not len(g.device_ids) == len(g.pids) == len(g.hosts):
-            raise ValueError(f"malformed metas: device_ids, pids and hosts differ in length ({len(g.device_ids)}, "
-                             f"{len(g.pids)}, {len(g.hosts)})")
+            raise ValueError(
+                f"malformed metas: device_ids, pids and hosts differ in length ({len(g.device_ids)}, "
+                f"{len(g.pids)}, {len(g.hosts)})"
+            )
         plan.check_global_metas(g.rank_metas)
         if not g.rank_metas:
-            raise ValueError(f"metas of {g.checkpoint!r} name no owner rank (were they gathered where it is registered?)")
+            raise ValueError(
+                f"metas of {g.checkpoint!r} name no owner rank (were they gathered where it is registered?)"
+            )
         mine = self._global.get(g.checkpoint)
         if mine is not None and mine.job_local:
             g = g.with_job(mine.device_ids, mine.pids, mine.hosts)
@@ -365,8 +435,14 @@ class ParameterServer:
         return g
 
     # -- update -----------------------------------------------------------------------------
-    def update(self, checkpoint_name: str, req_func: Callable[[list[tuple[str, str]]], None], *,
-               timeout: timedelta | float | None = None, ranks: list[int] | None = None) -> UpdateMetrics | None:
+    def update(
+        self,
+        checkpoint_name: str,
+        req_func: Callable[[list[tuple[str, str]]], None],
+        *,
+        timeout: timedelta | float | None = None,
+        ranks: list[int] | None = None,
+    ) -> UpdateMetrics | None:
         """Collective: push `checkpoint_name` into the engines. Every rank must call it.
 
         `ranks=None` or `[]`: every rank's engine (broadcast, or local mode on one CPU host).
@@ -384,12 +460,16 @@ class ParameterServer:
             known = sorted(self._checkpoints)
             if checkpoint_name not in self._checkpoints and not known:
                 raise ValueError(f"unknown checkpoint {checkpoint_name!r}: nothing is registered")
-            raise ValueError(f"no metas for checkpoint {checkpoint_name!r}: call gather_metas({checkpoint_name!r}) "
-                             f"on every rank before update (registered here: {known})")
+            raise ValueError(
+                f"no metas for checkpoint {checkpoint_name!r}: call gather_metas({checkpoint_name!r}) "
+                f"on every rank before update (registered here: {known})"
+            )
         g = self._global[checkpoint_name]
         if not g.rank_metas:
-            raise ValueError(f"no rank owns {checkpoint_name!r}: it is registered nowhere in this job; load the "
-                             "owners' metas (load_metas(metas from get_metas() where it is registered)) first")
+            raise ValueError(
+                f"no rank owns {checkpoint_name!r}: it is registered nowhere in this job; load the "
+                "owners' metas (load_metas(metas from get_metas() where it is registered)) first"
+            )
         self._ensure_pg()
         if not g.job_local:
             g = self._with_job_info(g)
@@ -410,8 +490,10 @@ class ParameterServer:
             job = self._make_job(g, req_func, cfg, seq, group=group, members=members, pull=pull)
             publish = self._rank == members[0]
             if publish:
-                self.registry.begin_update(job.update_id, {"checkpoint": checkpoint_name, "ranks": members,
-                                                           "mode": job.mode, "started_at_s": time.time()})
+                self.registry.begin_update(
+                    job.update_id,
+                    {"checkpoint": checkpoint_name, "ranks": members, "mode": job.mode, "started_at_s": time.time()},
+                )
             metrics = run_broadcast_update(job)
         except UpdateFailed as e:
             logger.error("rank %d: %s", self._rank, e)
@@ -420,8 +502,9 @@ class ParameterServer:
             if group is not None:
                 dist.destroy_process_group(group)
             if publish:
-                self.registry.end_update(job.update_id, checkpoint_name,
-                                         metrics.to_dict() if metrics else {"ok": False})
+                self.registry.end_update(
+                    job.update_id, checkpoint_name, metrics.to_dict() if metrics else {"ok": False}
+                )
         self.last_metrics = metrics
         if self._rank == members[0]:
             logger.info(metrics.summary())
@@ -437,50 +520,77 @@ class ParameterServer:
             raise ValueError(f"ranks must be distinct ints in [0, {self._world_size}), got {ranks!r}")
         return members
 
-    def _make_job(self, g: GlobalMetas, req_func, cfg: UpdateConfig, seq: int, *, group=None,
-                  members: list[int], pull: bool) -> UpdateJob:
+    def _make_job(
+        self, g: GlobalMetas, req_func, cfg: UpdateConfig, seq: int, *, group=None, members: list[int], pull: bool
+    ) -> UpdateJob:
         n = len(members)
         budget = self._memory_budget_bytes(cfg)
         # one small exchange: memory budgets, the update number, whether our engine can map every owner's chunks
         budgets = all_gather_obj([budget, seq, self._engine_can_map_owners(g)], n, group)
         if len({b[1] for b in budgets}) != 1:
             raise RuntimeError(f"ranks disagree on the update sequence number: {[b[1] for b in budgets]}")
-        bucket_size = plan.choose_bucket_size(g.rank_metas, requested_bytes=cfg.bucket_size_bytes,
-                                              default_bytes=cfg.default_bucket_size_bytes,
-                                              budget_bytes=min(b[0] for b in budgets))
+        bucket_size = plan.choose_bucket_size(
+            g.rank_metas,
+            requested_bytes=cfg.bucket_size_bytes,
+            default_bytes=cfg.default_bucket_size_bytes,
+            budget_bytes=min(b[0] for b in budgets),
+        )
         buckets = plan.plan_buckets(g.rank_metas, bucket_size)
         digests = all_gather_obj(plan.plan_digest(buckets).hex(), n, group)
         if len(set(digests)) != 1:
             groups: dict[str, list[int]] = {}
             for r, d in zip(members, digests):
                 groups.setdefault(d, []).append(r)
-            raise ValueError(f"metas of {g.checkpoint!r} differ between ranks (ranks grouped by identical plans: "
-                             f"{sorted(groups.values())}); gather_metas/load_metas must give every rank the same view")
+            raise ValueError(
+                f"metas of {g.checkpoint!r} differ between ranks (ranks grouped by identical plans: "
+                f"{sorted(groups.values())}); gather_metas/load_metas must give every rank the same view"
+            )
         cannot_map = [r for r, b in zip(members, budgets) if not b[2]]
         mode = self._choose_mode(g, cfg, pull=pull, cannot_map=cannot_map)
         addresses = [(g.device_ids[r], self._zmq_address(g.pids[r], r, seq)) for r in range(self._world_size)]
         return UpdateJob(
-            rank=self._rank, world_size=self._world_size, group=group, checkpoint=g.checkpoint,
-            ckpt=self._checkpoints.get(g.checkpoint) if g.owners_in_job else None, buckets=buckets,
-            bucket_size_bytes=bucket_size, checksums=g.checksums, transport=self._transport, zmq_ctx=self._zmq_ctx,
-            address=addresses[self._rank][1], addresses=addresses, req_func=req_func, cfg=cfg,
-            update_id=f"{self._run_id}-{seq}", mode=mode, rank_chunk_handles=g.chunk_handles, pids=g.pids,
-            hosts=g.hosts, members=members, p2p=self._p2p, p2p_addrs=g.p2p_addrs, chunk_ptrs=g.chunk_ptrs)
+            rank=self._rank,
+            world_size=self._world_size,
+            group=group,
+            checkpoint=g.checkpoint,
+            ckpt=self._checkpoints.get(g.checkpoint) if g.owners_in_job else None,
+            buckets=buckets,
+            bucket_size_bytes=bucket_size,
+            checksums=g.checksums,
+            transport=self._transport,
+            zmq_ctx=self._zmq_ctx,
+            address=addresses[self._rank][1],
+            addresses=addresses,
+            req_func=req_func,
+            cfg=cfg,
+            update_id=f"{self._run_id}-{seq}",
+            mode=mode,
+            rank_chunk_handles=g.chunk_handles,
+            pids=g.pids,
+            hosts=g.hosts,
+            members=members,
+            p2p=self._p2p,
+            p2p_addrs=g.p2p_addrs,
+            chunk_ptrs=g.chunk_ptrs,
+        )
 
     def _engine_can_map_owners(self, g: GlobalMetas) -> bool:
         """Our engine (on this host) can map every owner's chunks: CPU transport, owners on this host."""
         here = socket.gethostname()
         return self._transport.engines_map_host_chunks and all(
-            g.owner_hosts.get(r) == here and g.chunk_handles.get(r) for r in g.rank_metas)
+            g.owner_hosts.get(r) == here and g.chunk_handles.get(r) for r in g.rank_metas
+        )
 
     def _choose_mode(self, g: GlobalMetas, cfg: UpdateConfig, *, pull: bool, cannot_map: list[int]) -> str:
         """`local` when every taking part rank's engine can map the owners' chunks (and the config allows);
         otherwise a broadcast (`collective`) or, for a pull (`ranks=[...]`, owners in another job), Mooncake."""
         local_ok = not cannot_map
         if cfg.mode == "local" and not local_ok:
-            raise ValueError("mode='local' needs every owner on the receivers' host with CPU transport (ranks "
-                             f"{cannot_map} cannot map the owners' chunks; owner hosts: "
-                             f"{sorted(set(g.owner_hosts.values()))}, transport: {self._transport.backend})")
+            raise ValueError(
+                "mode='local' needs every owner on the receivers' host with CPU transport (ranks "
+                f"{cannot_map} cannot map the owners' chunks; owner hosts: "
+                f"{sorted(set(g.owner_hosts.values()))}, transport: {self._transport.backend})"
+            )
         if local_ok and cfg.mode in ("auto", "local"):
             return "local"
         if not pull:
@@ -488,14 +598,19 @@ class ParameterServer:
         if local_ok and self._p2p is None:
             return "local"  # mode='collective' asked for moving bytes, but there is no Mooncake: read in place
         if self._p2p is None:
-            where = ("the owners are in another job: " if not g.owners_in_job else "") + \
-                f"ranks {cannot_map} cannot map the owners' chunks (owner hosts {sorted(set(g.owner_hosts.values()))})"
-            raise ValueError(f"update of {g.checkpoint!r} from the owners' memory: {where}; across hosts (or with the "
-                             "CUDA transport) start every parameter server with ParameterServerConfig(p2p=P2PConfig(...))")
+            where = (
+                "the owners are in another job: " if not g.owners_in_job else ""
+            ) + f"ranks {cannot_map} cannot map the owners' chunks (owner hosts {sorted(set(g.owner_hosts.values()))})"
+            raise ValueError(
+                f"update of {g.checkpoint!r} from the owners' memory: {where}; across hosts (or with the "
+                "CUDA transport) start every parameter server with ParameterServerConfig(p2p=P2PConfig(...))"
+            )
         missing = [r for r in g.rank_metas if r not in g.p2p_addrs]
         if missing:
-            raise ValueError(f"owner ranks {missing} of {g.checkpoint!r} have no P2P address: start every "
-                             "parameter server with p2p enabled")
+            raise ValueError(
+                f"owner ranks {missing} of {g.checkpoint!r} have no P2P address: start every "
+                "parameter server with p2p enabled"
+            )
         return "p2p"
 
     def _memory_budget_bytes(self, cfg: UpdateConfig) -> int:
@@ -527,5 +642,5 @@ class ParameterServer:
             self._owns_pg = False
 
     def __repr__(self) -> str:
-        return f"ParameterServer(rank={self._rank}, world_size={self._world_size}, checkpoints={sorted(self._checkpoints)})"
-
+        names = sorted(self._checkpoints)
+        return f"ParameterServer(rank={self._rank}, world_size={self._world_size}, checkpoints={names})"

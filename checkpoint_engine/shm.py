@@ -33,8 +33,9 @@ class SegmentRef:
 def check_memory(nbytes: int, what: str) -> None:
     avail = psutil.virtual_memory().available
     if nbytes > avail:
-        raise RuntimeError(f"{what} needs {nbytes / 2**30:.2f} GiB of shared memory but only "
-                           f"{avail / 2**30:.2f} GiB is available")
+        raise RuntimeError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB of shared memory but only {avail / 2**30:.2f} GiB is available"
+        )
 
 
 class Segment:
@@ -72,8 +73,10 @@ def _open_segment(ref: SegmentRef) -> int:
     except FileNotFoundError:
         raise RuntimeError(f"shared segment {ref.path} is gone (its parameter server process exited?)") from None
     except PermissionError:
-        raise RuntimeError(f"cannot open {ref.path}: the engine must run as the same user as the parameter "
-                           "server and see its processes (same PID namespace)") from None
+        raise RuntimeError(
+            f"cannot open {ref.path}: the engine must run as the same user as the parameter "
+            "server and see its processes (same PID namespace)"
+        ) from None
 
 
 def map_readonly(ref: SegmentRef) -> torch.Tensor:

@@ -160,8 +160,9 @@ def make_transport(kind: str, local_rank: int) -> Transport:
     raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {kind!r}")
 
 
-def open_buffer(handle: BufferHandle, device_id: int | None,
-                mapping_cache: shm.MappingCache | None = None) -> torch.Tensor:
+def open_buffer(
+    handle: BufferHandle, device_id: int | None, mapping_cache: shm.MappingCache | None = None
+) -> torch.Tensor:
     """Engine side: map one of the PS's shared buffers (per update, or cached across updates on CPU)."""
     if handle.kind == "fd":
         ref = shm.SegmentRef(handle.pid, handle.fd, handle.size_bytes)

@@ -51,7 +51,7 @@ def extract_views(buffers: list[torch.Tensor], tensors: tuple[P.WireTensor, ...]
             raise P.ProtocolError(f"tensor {t.name!r} [{t.offset_bytes}, {end}) exceeds the shared buffer")
         if t.offset_bytes % dtype.itemsize:
             raise P.ProtocolError(f"tensor {t.name!r} offset {t.offset_bytes} is not aligned for {t.dtype}")
-        out.append((t.name, buffer[t.offset_bytes:end].view(dtype).view(t.shape)))
+        out.append((t.name, buffer[t.offset_bytes : end].view(dtype).view(t.shape)))
     return out
 
 
@@ -136,7 +136,7 @@ def _serve(sock, hello, buffers, run, post_hook, state, timeout_s) -> EngineWeig
                 run(views)
                 if buffers[0].is_cuda:
                     torch.cuda.current_stream(buffers[0].device).synchronize()
-            except Exception as e:  # reported to the PS, which aborts all ranks
+            except Exception as e:  # noqa: BLE001 - reported to the PS, which aborts all ranks
                 failed = f"bucket {msg.index}: {_short(e)}"
                 state.abort(failed)
                 logger.error("weight update failed in %s\n%s", failed, traceback.format_exc())
@@ -150,7 +150,7 @@ def _serve(sock, hello, buffers, run, post_hook, state, timeout_s) -> EngineWeig
             try:
                 if post_hook is not None:
                     post_hook()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - reported to the PS, which aborts all ranks
                 failed = f"post_hook: {_short(e)}"
                 state.abort(failed)
                 sock.send(P.encode(P.Error(index=P.DONE_ACK, reason=failed)))
@@ -167,7 +167,9 @@ def _recv(sock: zmq.Socket, timeout_s: float, what: str) -> P.Message:
     while True:
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0:
-            raise TimeoutError(f"no message from the parameter server within {timeout_s:.0f} s while waiting for {what}")
+            raise TimeoutError(
+                f"no message from the parameter server within {timeout_s:.0f} s while waiting for {what}"
+            )
         if sock.poll(min(remaining_ms, 1000), zmq.POLLIN):
             return P.decode(sock.recv())
 

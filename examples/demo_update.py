@@ -26,8 +26,11 @@ def parse_args():
 
 
 def start_engine(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -62,19 +65,27 @@ def main() -> int:
         for step in range(args.updates):
             name = f"demo-v{step}"
             g = torch.Generator().manual_seed(step * 1000 + rank)
-            mine = {f"layer.{i}.weight": torch.randn(numel // 64, 64, generator=g).to(torch.bfloat16)
-                    for i in range(rank, args.num_tensors, world)}
+            mine = {
+                f"layer.{i}.weight": torch.randn(numel // 64, 64, generator=g).to(torch.bfloat16)
+                for i in range(rank, args.num_tensors, world)
+            }
             ps.register_checkpoint(name, named_tensors=mine)
             ps.gather_metas(name)
             m = ps.update(name, req)
-            digest = json.loads(urllib.request.urlopen(urllib.request.Request(
-                url + "/collective_rpc", data=b'{"method": "weights_digest"}'), timeout=60).read())["results"][0]
+            digest = json.loads(
+                urllib.request.urlopen(
+                    urllib.request.Request(url + "/collective_rpc", data=b'{"method": "weights_digest"}'), timeout=60
+                ).read()
+            )["results"][0]
             ok = all(digest[k] == tensor_checksum(v) for k, v in mine.items())
             oks = all_gather_obj(ok, world)  # msgpack, no pickle
             if rank == 0:
-                print(f"update {step + 1}/{args.updates}: {m.total_bytes / 2**30:.3f} GiB, {m.num_tensors} tensors, "
-                      f"{m.num_buckets} buckets, mode {m.mode}: {m.total_s:.3f} s = {m.gib_per_s:.2f} GiB/s; "
-                      f"bit-exact on every engine: {all(oks)}", flush=True)
+                print(
+                    f"update {step + 1}/{args.updates}: {m.total_bytes / 2**30:.3f} GiB, {m.num_tensors} tensors, "
+                    f"{m.num_buckets} buckets, mode {m.mode}: {m.total_s:.3f} s = {m.gib_per_s:.2f} GiB/s; "
+                    f"bit-exact on every engine: {all(oks)}",
+                    flush=True,
+                )
             ps.unregister_checkpoint(name)
         ps.close()
     finally:

@@ -75,8 +75,12 @@ def _request(method: str, url: str, uds: str | None, timeout_s: float, body: dic
         sock.connect(uds)
         conn.sock = sock
     try:
-        conn.request(method, parts.path or "/", body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            method,
+            parts.path or "/",
+            body=None if body is None else json.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         resp.read()
         return resp.status
@@ -115,8 +119,9 @@ def make_req_func(endpoint: str, engine_size: int, uds: str | None, rank: int):
 
     def req_func(socket_paths: list[tuple[str, str]]) -> None:
         if rank == first:
-            request_inference_to_update(endpoint + "/collective_rpc",
-                                        dict(socket_paths[first:first + engine_size]), uds=uds)
+            request_inference_to_update(
+                endpoint + "/collective_rpc", dict(socket_paths[first : first + engine_size]), uds=uds
+            )
 
     return req_func
 
@@ -134,7 +139,7 @@ def my_shard(checkpoint_path: str, rank: int, world_size: int) -> tuple[list[str
         names = sorted(weight_map)
         per = -(-len(names) // world_size)
         by_file: dict[str, list[str]] = {}
-        for name in names[rank * per:(rank + 1) * per]:
+        for name in names[rank * per : (rank + 1) * per]:
             by_file.setdefault(weight_map[name], []).append(name)
         tensors = {}
         for file, file_names in by_file.items():
@@ -146,7 +151,7 @@ def my_shard(checkpoint_path: str, rank: int, world_size: int) -> tuple[list[str
     if not files:
         raise ValueError(f"{checkpoint_path} holds no .safetensors file")
     per = -(-len(files) // world_size)
-    return files[rank * per:(rank + 1) * per], {}
+    return files[rank * per : (rank + 1) * per], {}
 
 
 # -- the two flows ---------------------------------------------------------------------------
@@ -243,8 +248,11 @@ def main(argv=None) -> int:
     ps = ParameterServer(auto_pg=True)
     try:
         req_func = make_req_func(args.endpoint, args.inference_parallel_size, args.uds, rank)
-        done = join(ps, args, req_func, rank) if args.load_metas_file else serve_checkpoint(
-            ps, args, req_func, rank, world_size)
+        done = (
+            join(ps, args, req_func, rank)
+            if args.load_metas_file
+            else serve_checkpoint(ps, args, req_func, rank, world_size)
+        )
         print(json.dumps({"rank": rank, "pid": os.getpid(), "ok": True, "updates": done}), flush=True)
         if args.sleep_time > 0:
             stay_alive(args.sleep_time)

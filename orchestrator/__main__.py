@@ -23,13 +23,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator",
         description="Kimi-k1.5-style RL on the arithmetic demo task: SFT warm-up (cached), then RL with "
-                    "vLLM rollouts and checkpoint-engine weight sync after every iteration. Re-running "
-                    "with the same --output-dir resumes.")
+        "vLLM rollouts and checkpoint-engine weight sync after every iteration. Re-running "
+        "with the same --output-dir resumes.",
+    )
     parser.add_argument("--config", default=None, help="JSON config file (default: built-in defaults)")
     parser.add_argument("--output-dir", required=True, help="where metrics, plot, summary and state go")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config value, e.g. --set rl.num_iterations=40 (value parsed as "
-                             "JSON, else taken as a string); repeatable")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config value, e.g. --set rl.num_iterations=40 (value parsed as "
+        "JSON, else taken as a string); repeatable",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -76,8 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_reaper(reaper)
         logging.getLogger("orchestrator").info("reaper done in %.2f s", time.monotonic() - start)
     print(summary.pop("summary_line"))
-    print(f"metrics: {os.path.join(args.output_dir, 'metrics.jsonl')}  plot: "
-          f"{os.path.join(args.output_dir, 'metrics.png')}")
+    print(
+        f"metrics: {os.path.join(args.output_dir, 'metrics.jsonl')}  plot: "
+        f"{os.path.join(args.output_dir, 'metrics.png')}"
+    )
     print(json.dumps(summary, sort_keys=True))
     return 0
 

@@ -55,9 +55,15 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def save_state(state_dir: str | os.PathLike[str], iteration: int, save_model: Callable[[pathlib.Path], Any],
-               sampler_state: Mapping[str, Any], buffer: ReplayBuffer, progress: Mapping[str, Any],
-               keep_last: int = 2) -> pathlib.Path:
+def save_state(
+    state_dir: str | os.PathLike[str],
+    iteration: int,
+    save_model: Callable[[pathlib.Path], Any],
+    sampler_state: Mapping[str, Any],
+    buffer: ReplayBuffer,
+    progress: Mapping[str, Any],
+    keep_last: int = 2,
+) -> pathlib.Path:
     """Write checkpoint ``iteration`` (``save_model(dir)`` writes the weights) and point LATEST at it."""
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last!r} must be >= 1")
@@ -104,5 +110,10 @@ def load_latest(state_dir: str | os.PathLike[str]) -> SavedState | None:
     if not name.startswith(_PREFIX) or not path.is_dir():
         raise RuntimeError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}")
     progress = json.loads((path / "progress.json").read_text())
-    return SavedState(path=path, iteration=int(progress["iteration"]), model_dir=path / "model",
-                      sampler_state=json.loads((path / "sampler.json").read_text()), progress=progress)
+    return SavedState(
+        path=path,
+        iteration=int(progress["iteration"]),
+        model_dir=path / "model",
+        sampler_state=json.loads((path / "sampler.json").read_text()),
+        progress=progress,
+    )

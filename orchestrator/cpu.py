@@ -77,26 +77,42 @@ def _matmul_ms(bf16: bool, repeats: int = 2) -> float:
     return best * 1e3
 
 
-def decide_autocast_dtype(requested: str, *, bf16_flags: tuple[str, ...], cpu_model: str = "",
-                          time_matmul=_matmul_ms) -> DtypeChoice:
+def decide_autocast_dtype(
+    requested: str, *, bf16_flags: tuple[str, ...], cpu_model: str = "", time_matmul=_matmul_ms
+) -> DtypeChoice:
     """Pure decision, given the CPU's flags and a matmul timer ``time_matmul(bf16) -> ms``."""
     if requested not in AUTOCAST_DTYPES:
         raise ValueError(f"autocast_dtype={requested!r} must be one of {AUTOCAST_DTYPES}")
     if requested != "auto":
         return DtypeChoice(requested, requested, "set in the config", cpu_model, bf16_flags)
     if not bf16_flags:
-        return DtypeChoice(requested, "float32", "no native bf16 in the CPU flags (avx512_bf16, amx_bf16, bf16)",
-                           cpu_model, bf16_flags)
+        return DtypeChoice(
+            requested, "float32", "no native bf16 in the CPU flags (avx512_bf16, amx_bf16, bf16)", cpu_model, bf16_flags
+        )
     fp32_ms, bf16_ms = time_matmul(False), time_matmul(True)
     if bf16_ms < fp32_ms:
-        return DtypeChoice(requested, "bfloat16", f"native bf16 ({', '.join(bf16_flags)}) and a bf16 matmul beat "
-                           f"float32 ({bf16_ms:.2f} vs {fp32_ms:.2f} ms)", cpu_model, bf16_flags, fp32_ms, bf16_ms)
-    return DtypeChoice(requested, "float32", f"the CPU flags list {', '.join(bf16_flags)} but a bf16 matmul was "
-                       f"slower than float32 ({bf16_ms:.2f} vs {fp32_ms:.2f} ms; e.g. ONEDNN_MAX_CPU_ISA caps it)",
-                       cpu_model, bf16_flags, fp32_ms, bf16_ms)
+        return DtypeChoice(
+            requested,
+            "bfloat16",
+            f"native bf16 ({', '.join(bf16_flags)}) and a bf16 matmul beat float32 ({bf16_ms:.2f} vs {fp32_ms:.2f} ms)",
+            cpu_model,
+            bf16_flags,
+            fp32_ms,
+            bf16_ms,
+        )
+    return DtypeChoice(
+        requested,
+        "float32",
+        f"the CPU flags list {', '.join(bf16_flags)} but a bf16 matmul was "
+        f"slower than float32 ({bf16_ms:.2f} vs {fp32_ms:.2f} ms; e.g. ONEDNN_MAX_CPU_ISA caps it)",
+        cpu_model,
+        bf16_flags,
+        fp32_ms,
+        bf16_ms,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolve_autocast_dtype(requested: str) -> DtypeChoice:
     """The dtype to autocast to on this CPU (``"auto"`` measured once per process), logged once."""
     model, flags = cpu_info()

@@ -38,8 +38,7 @@ from orchestrator import task
 
 logger = logging.getLogger(__name__)
 
-DROP_REASONS = ("bad_record", "empty_prompt", "overlong_prompt", "uncheckable_answer", "easy_to_hack",
-                "too_easy")
+DROP_REASONS = ("bad_record", "empty_prompt", "overlong_prompt", "uncheckable_answer", "easy_to_hack", "too_easy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +56,13 @@ class CurationConfig:
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        for name in ("num_samples", "max_prompt_tokens", "max_response_tokens", "max_direct_answer_tokens",
-                     "request_chunk_problems"):
+        for name in (
+            "num_samples",
+            "max_prompt_tokens",
+            "max_response_tokens",
+            "max_direct_answer_tokens",
+            "request_chunk_problems",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"curation {name}={value!r} must be an int >= 1")
@@ -97,8 +101,12 @@ def parse_record(line: str, index: int) -> tuple[CurationProblem | None, str | N
     return CurationProblem(str(record.get("id", index)), record["prompt"], str(answer), record), None
 
 
-def format_reason(problem: CurationProblem, encode: Callable[[Any], Sequence[int]], config: CurationConfig,
-                  is_correct: Callable[[Any, str], bool]) -> str | None:
+def format_reason(
+    problem: CurationProblem,
+    encode: Callable[[Any], Sequence[int]],
+    config: CurationConfig,
+    is_correct: Callable[[Any, str], bool],
+) -> str | None:
     """The format filter that drops ``problem``, or None."""
     if not problem.prompt.strip():
         return "empty_prompt"
@@ -110,23 +118,46 @@ def format_reason(problem: CurationProblem, encode: Callable[[Any], Sequence[int
     return None
 
 
-def _counts(engine, problems, encode_ids, decode, is_correct, copies, max_tokens, temperature, prefix, timeout_s,
-            response_prefix: str = "") -> list[int]:
+def _counts(
+    engine,
+    problems,
+    encode_ids,
+    decode,
+    is_correct,
+    copies,
+    max_tokens,
+    temperature,
+    prefix,
+    timeout_s,
+    response_prefix: str = "",
+) -> list[int]:
     from orchestrator.engine import GenRequest, SamplingSettings
 
     if copies == 0:
         return [0] * len(problems)
-    requests = [GenRequest(f"{prefix}{i}.{c}", tuple(encode_ids(p)), max_tokens)
-                for i, p in enumerate(problems) for c in range(copies)]
-    results = {r.request_id: r for r in engine.generate(requests, SamplingSettings(temperature=temperature),
-                                                        timeout_s=timeout_s)}
-    return [sum(bool(is_correct(p, response_prefix + decode(results[f"{prefix}{i}.{c}"].token_ids)))
-                for c in range(copies)) for i, p in enumerate(problems)]
+    requests = [
+        GenRequest(f"{prefix}{i}.{c}", tuple(encode_ids(p)), max_tokens)
+        for i, p in enumerate(problems)
+        for c in range(copies)
+    ]
+    results = {
+        r.request_id: r
+        for r in engine.generate(requests, SamplingSettings(temperature=temperature), timeout_s=timeout_s)
+    }
+    return [
+        sum(bool(is_correct(p, response_prefix + decode(results[f"{prefix}{i}.{c}"].token_ids))) for c in range(copies))
+        for i, p in enumerate(problems)
+    ]
 
 
-def curate(records: Sequence[str], engine: Any, encode: Callable[[str], Sequence[int]],
-           decode: Callable[[Sequence[int]], str], config: CurationConfig = CurationConfig(),
-           is_correct: Callable[[Any, str], bool] = task.is_correct) -> list[dict]:
+def curate(
+    records: Sequence[str],
+    engine: Any,
+    encode: Callable[[str], Sequence[int]],
+    decode: Callable[[Sequence[int]], str],
+    config: CurationConfig = CurationConfig(),
+    is_correct: Callable[[Any, str], bool] = task.is_correct,
+) -> list[dict]:
     """One output record per input line (see the module docstring). ``encode`` maps prompt text to ids."""
     out: list[dict | None] = [None] * len(records)
     checked: list[tuple[int, CurationProblem]] = []
@@ -142,23 +173,49 @@ def curate(records: Sequence[str], engine: Any, encode: Callable[[str], Sequence
             checked.append((index, problem))
     step = config.request_chunk_problems
     for start in range(0, len(checked), step):
-        chunk = checked[start:start + step]
+        chunk = checked[start : start + step]
         problems = [p for _, p in chunk]
-        solved = _counts(engine, problems, lambda p: encode(p.prompt), decode, is_correct, config.num_samples,
-                         config.max_response_tokens, config.temperature, "s", config.timeout_s)
+        solved = _counts(
+            engine,
+            problems,
+            lambda p: encode(p.prompt),
+            decode,
+            is_correct,
+            config.num_samples,
+            config.max_response_tokens,
+            config.temperature,
+            "s",
+            config.timeout_s,
+        )
         # asked to answer directly: the prompt followed by the answer line's prefix; the check reads the
         # answer as a response would write it
-        guessed = _counts(engine, problems, lambda p: encode(p.prompt + config.direct_answer_suffix), decode,
-                          is_correct, config.num_hack_tries, config.max_direct_answer_tokens,
-                          config.hack_temperature, "d", config.timeout_s, response_prefix=task.ANSWER_PREFIX)
+        guessed = _counts(
+            engine,
+            problems,
+            lambda p: encode(p.prompt + config.direct_answer_suffix),
+            decode,
+            is_correct,
+            config.num_hack_tries,
+            config.max_direct_answer_tokens,
+            config.hack_temperature,
+            "d",
+            config.timeout_s,
+            response_prefix=task.ANSWER_PREFIX,
+        )
         for (index, problem), num_correct, num_guessed in zip(chunk, solved, guessed):
             pass_rate = num_correct / config.num_samples
-            reason = ("easy_to_hack" if num_guessed > 0 else
-                      "too_easy" if pass_rate > config.max_pass_rate else "kept")
-            out[index] = {**problem.record, "pass_rate": pass_rate, "difficulty": 1.0 - pass_rate,
-                          "num_correct": num_correct, "num_samples": config.num_samples,
-                          "num_direct_correct": num_guessed, "num_hack_tries": config.num_hack_tries,
-                          "kept": reason == "kept", "reason": reason}
+            reason = "easy_to_hack" if num_guessed > 0 else "too_easy" if pass_rate > config.max_pass_rate else "kept"
+            out[index] = {
+                **problem.record,
+                "pass_rate": pass_rate,
+                "difficulty": 1.0 - pass_rate,
+                "num_correct": num_correct,
+                "num_samples": config.num_samples,
+                "num_direct_correct": num_guessed,
+                "num_hack_tries": config.num_hack_tries,
+                "kept": reason == "kept",
+                "reason": reason,
+            }
     return [r for r in out if r is not None]
 
 
@@ -167,16 +224,23 @@ def summarize(results: Sequence[dict]) -> dict:
     for r in results:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     rates = [r["pass_rate"] for r in results if r.get("pass_rate") is not None]
-    return {"num_problems": len(results), "num_kept": reasons.get("kept", 0), "reasons": reasons,
-            "mean_pass_rate": sum(rates) / len(rates) if rates else None}
+    return {
+        "num_problems": len(results),
+        "num_kept": reasons.get("kept", 0),
+        "reasons": reasons,
+        "mean_pass_rate": sum(rates) / len(rates) if rates else None,
+    }
 
 
 # -- the command ----------------------------------------------------------------------------------
 
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m orchestrator.curation",
-                                description="Curate a JSONL problem set with a model: format filters, the easy-to-hack "
-                                            "filter, pass rate (difficulty). The last printed line is a JSON summary.")
+    p = argparse.ArgumentParser(
+        prog="python -m orchestrator.curation",
+        description="Curate a JSONL problem set with a model: format filters, the easy-to-hack "
+        "filter, pass rate (difficulty). The last printed line is a JSON summary.",
+    )
     p.add_argument("--problems", required=True, help="input JSONL, one problem per line (prompt, answer, ...)")
     p.add_argument("--out", required=True, help="output JSONL: every problem with pass_rate, kept and reason")
     p.add_argument("--model", required=True, help="HF model directory (e.g. the SFT model)")
@@ -186,10 +250,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-hack-tries", type=int, default=d.num_hack_tries)
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     p.add_argument("--max-response-tokens", type=int, default=d.max_response_tokens)
-    p.add_argument("--max-pass-rate", type=float, default=d.max_pass_rate,
-                   help="drop prompts solved more often than this (default 1.0: keep all)")
-    p.add_argument("--endpoint", default=None,
-                   help="a running vLLM server that already serves the model (default: an in-process vLLM)")
+    p.add_argument(
+        "--max-pass-rate",
+        type=float,
+        default=d.max_pass_rate,
+        help="drop prompts solved more often than this (default 1.0: keep all)",
+    )
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="a running vLLM server that already serves the model (default: an in-process vLLM)",
+    )
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p.parse_args(argv)
@@ -220,9 +291,14 @@ def _engine(args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config = CurationConfig(num_samples=args.num_samples, temperature=args.temperature,
-                                num_hack_tries=args.num_hack_tries, max_prompt_tokens=args.max_prompt_tokens,
-                                max_response_tokens=args.max_response_tokens, max_pass_rate=args.max_pass_rate)
+        config = CurationConfig(
+            num_samples=args.num_samples,
+            temperature=args.temperature,
+            num_hack_tries=args.num_hack_tries,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_response_tokens=args.max_response_tokens,
+            max_pass_rate=args.max_pass_rate,
+        )
         lines = [line for line in pathlib.Path(args.problems).read_text().splitlines() if line.strip()]
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -237,8 +313,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     engine, sync = _engine(args)
     try:
-        results = curate(lines, engine, lambda text: list(tokenizer(text)["input_ids"]),
-                         lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True), config)
+        results = curate(
+            lines,
+            engine,
+            lambda text: list(tokenizer(text)["input_ids"]),
+            lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+            config,
+        )
     finally:
         if sync is not None:
             sync.close()

@@ -27,21 +27,30 @@ def train_pool(config: DataConfig) -> list[task.Problem]:
         missing = config.num_train_problems - len(pool)
         if missing <= 0:
             break
-        drawn = task.training_problems(config.train_seed * 1009 + round_index, missing,
-                                       levels=config.train_levels, weights=config.train_level_weights)
+        drawn = task.training_problems(
+            config.train_seed * 1009 + round_index,
+            missing,
+            levels=config.train_levels,
+            weights=config.train_level_weights,
+        )
         for problem in drawn:
             pool.setdefault(problem.id, problem)
     if len(pool) < config.num_train_problems:
-        raise ValueError(f"data.num_train_problems={config.num_train_problems} is more than the distinct "
-                         f"training problems of levels {list(config.train_levels)} that could be drawn "
-                         f"({len(pool)})")
-    return list(pool.values())[:config.num_train_problems]
+        raise ValueError(
+            f"data.num_train_problems={config.num_train_problems} is more than the distinct "
+            f"training problems of levels {list(config.train_levels)} that could be drawn "
+            f"({len(pool)})"
+        )
+    return list(pool.values())[: config.num_train_problems]
 
 
 def heldout_set(config: DataConfig) -> list[task.Problem]:
     """``num_heldout_per_level`` held-out problems of every held-out level, level by level."""
-    return [p for level in config.heldout_levels
-            for p in task.heldout_problems(config.heldout_seed, config.num_heldout_per_level, [level])]
+    return [
+        p
+        for level in config.heldout_levels
+        for p in task.heldout_problems(config.heldout_seed, config.num_heldout_per_level, [level])
+    ]
 
 
 def difficulties(problems: list[task.Problem]) -> dict[str, float]:

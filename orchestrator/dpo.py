@@ -105,6 +105,7 @@ def build_dpo_pairs(group: Sequence[Any], length_ratio: float = 1.5) -> list[Dpo
 
 # -- the DPO step over a trainer ------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class TokenPair:
     """A DPO pair in token ids (the prompt includes any bos token)."""
@@ -118,11 +119,20 @@ def _pair_logprobs(model: Any, pairs: Sequence[TokenPair]) -> tuple[torch.Tensor
     prompts = [p.prompt_ids for p in pairs] * 2
     responses = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
     logp = model.sequence_logprobs(prompts, responses)
-    return logp[:len(pairs)], logp[len(pairs):]
+    return logp[: len(pairs)], logp[len(pairs) :]
 
 
-def dpo_train(trainer: Any, reference: Any, pairs: Sequence[TokenPair], *, beta: float = 0.1, lr: float = 1e-5,
-              num_epochs: int = 1, pairs_per_step: int = 16, rng: random.Random | None = None) -> dict[str, float]:
+def dpo_train(
+    trainer: Any,
+    reference: Any,
+    pairs: Sequence[TokenPair],
+    *,
+    beta: float = 0.1,
+    lr: float = 1e-5,
+    num_epochs: int = 1,
+    pairs_per_step: int = 16,
+    rng: random.Random | None = None,
+) -> dict[str, float]:
     """DPO over ``pairs``: reference log-probs once (``reference``: the model before DPO, unchanged),
     then ``num_epochs`` passes of minibatch steps on ``trainer``; returns mean loss, first/last loss."""
     if not pairs:
@@ -139,10 +149,15 @@ def dpo_train(trainer: Any, reference: Any, pairs: Sequence[TokenPair], *, beta:
         order = list(range(len(pairs)))
         rng.shuffle(order)
         for start in range(0, len(order), pairs_per_step):
-            idx = order[start:start + pairs_per_step]
+            idx = order[start : start + pairs_per_step]
             pi_w, pi_l = _pair_logprobs(trainer, [pairs[i] for i in idx])
             loss = dpo_loss(pi_w, pi_l, ref_w[idx], ref_l[idx], beta)
             trainer.step(loss)
             losses.append(float(loss.detach()))
-    return {"num_pairs": len(pairs), "num_steps": len(losses), "loss": sum(losses) / len(losses),
-            "first_loss": losses[0], "last_loss": losses[-1]}
+    return {
+        "num_pairs": len(pairs),
+        "num_steps": len(losses),
+        "loss": sum(losses) / len(losses),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }

@@ -65,9 +65,15 @@ ResultCallback = Callable[[GenResult], None]
 class RolloutEngine(Protocol):
     """What the RL loop needs from an inference engine."""
 
-    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSettings, *,
-                 repeat: RepeatConfig | None = None, on_result: ResultCallback | None = None,
-                 timeout_s: float = 900.0) -> list[GenResult]: ...
+    def generate(
+        self,
+        requests: Sequence[GenRequest],
+        sampling: SamplingSettings,
+        *,
+        repeat: RepeatConfig | None = None,
+        on_result: ResultCallback | None = None,
+        timeout_s: float = 900.0,
+    ) -> list[GenResult]: ...
 
     def weight_req_func(self, timeout_s: float) -> ReqFunc: ...
 
@@ -125,10 +131,18 @@ class AsyncVllmEngine:
         from vllm_ext.launch import EXTENSION
 
         c = self.config
-        args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", dtype=c.dtype,
-                               max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
-                               block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
-                               seed=c.seed, worker_extension_cls=EXTENSION, disable_log_stats=True)
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            block_size=c.block_size,
+            enable_prefix_caching=c.enable_prefix_caching,
+            seed=c.seed,
+            worker_extension_cls=EXTENSION,
+            disable_log_stats=True,
+        )
         return AsyncLLM.from_engine_args(args)
 
     def _call(self, coro, timeout_s: float, what: str) -> Any:
@@ -142,9 +156,15 @@ class AsyncVllmEngine:
             future.cancel()
             raise
 
-    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSettings, *,
-                 repeat: RepeatConfig | None = None, on_result: ResultCallback | None = None,
-                 timeout_s: float = 900.0) -> list[GenResult]:
+    def generate(
+        self,
+        requests: Sequence[GenRequest],
+        sampling: SamplingSettings,
+        *,
+        repeat: RepeatConfig | None = None,
+        on_result: ResultCallback | None = None,
+        timeout_s: float = 900.0,
+    ) -> list[GenResult]:
         _check_requests(requests)
         if not requests:
             return []
@@ -155,20 +175,33 @@ class AsyncVllmEngine:
 
         return list(self._call(run_all(), timeout_s, f"generation of {len(requests)} requests"))
 
-    async def _one(self, request: GenRequest, sampling: SamplingSettings, repeat: RepeatConfig | None,
-                   on_result: ResultCallback | None, batch: int) -> GenResult:
+    async def _one(
+        self,
+        request: GenRequest,
+        sampling: SamplingSettings,
+        repeat: RepeatConfig | None,
+        on_result: ResultCallback | None,
+        batch: int,
+    ) -> GenResult:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=request.max_tokens, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=request.max_tokens,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         stopper = _StreamStopper(repeat, request.earlier_response_ids)
         tokens: list[int] = []
         finish: str | None = None
-        stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), params,
-                                    request_id=f"b{batch}-{request.request_id}")
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+            params,
+            request_id=f"b{batch}-{request.request_id}",
+        )
         async for out in stream:  # a cancelled task aborts its request inside vLLM's generate()
             completion = out.outputs[0]
             new = list(completion.token_ids)
@@ -191,8 +224,9 @@ class AsyncVllmEngine:
         from vllm_ext.req import rpc_req_func
 
         def collective_rpc(method: str, *, timeout: float, args: tuple) -> list:
-            return self._call(self._llm.collective_rpc(method, timeout=timeout, args=args), timeout + 30.0,
-                              "weight update")
+            return self._call(
+                self._llm.collective_rpc(method, timeout=timeout, args=args), timeout + 30.0, "weight update"
+            )
 
         def reset_prefix_cache() -> None:  # KV blocks computed with the old weights must not be reused
             self._call(self._llm.reset_prefix_cache(), 60.0, "prefix cache reset")
@@ -229,13 +263,20 @@ class HttpVllmEngine:
         self.model_name = body["data"][0]["id"]
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout")
 
-    def _complete(self, request: GenRequest, sampling: SamplingSettings, repeat: RepeatConfig | None,
-                  timeout_s: float) -> GenResult:
+    def _complete(
+        self, request: GenRequest, sampling: SamplingSettings, repeat: RepeatConfig | None, timeout_s: float
+    ) -> GenResult:
         from checkpoint_engine.api import post_json
 
-        body = {"model": self.model_name, "prompt": list(request.prompt_token_ids),
-                "max_tokens": request.max_tokens, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "return_token_ids": True, "skip_special_tokens": False}
+        body = {
+            "model": self.model_name,
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": request.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         answer = post_json(self.endpoint + "/v1/completions", body, timeout_s=timeout_s)
         try:
             choice = answer["choices"][0]
@@ -245,15 +286,26 @@ class HttpVllmEngine:
         finish = _FINISH.get(choice.get("finish_reason"), "abort")
         if repeat is not None and repeat.enabled:
             earlier = list(request.earlier_response_ids)
-            end = first_repeat_end(earlier + tokens, min_ngram=repeat.min_ngram, min_repeats=repeat.min_repeats,
-                                   max_ngram=repeat.max_ngram, min_tail_tokens=repeat.min_tail_tokens)
+            end = first_repeat_end(
+                earlier + tokens,
+                min_ngram=repeat.min_ngram,
+                min_repeats=repeat.min_repeats,
+                max_ngram=repeat.max_ngram,
+                min_tail_tokens=repeat.min_tail_tokens,
+            )
             if end is not None and end > len(earlier):
-                tokens, finish = tokens[:end - len(earlier)], "repeat"
+                tokens, finish = tokens[: end - len(earlier)], "repeat"
         return GenResult(request.request_id, tuple(tokens), finish)
 
-    def generate(self, requests: Sequence[GenRequest], sampling: SamplingSettings, *,
-                 repeat: RepeatConfig | None = None, on_result: ResultCallback | None = None,
-                 timeout_s: float = 900.0) -> list[GenResult]:
+    def generate(
+        self,
+        requests: Sequence[GenRequest],
+        sampling: SamplingSettings,
+        *,
+        repeat: RepeatConfig | None = None,
+        on_result: ResultCallback | None = None,
+        timeout_s: float = 900.0,
+    ) -> list[GenResult]:
         _check_requests(requests)
         futures = [self._pool.submit(self._complete, r, sampling, repeat, timeout_s) for r in requests]
         if on_result is not None:

@@ -47,23 +47,35 @@ def _requests(prompts: Sequence[Sequence[int]], max_tokens: int, copies: int = 1
     return [GenRequest(f"eval-{i}-{c}", tuple(p), max_tokens) for i, p in enumerate(prompts) for c in range(copies)]
 
 
-def greedy_eval(engine: RolloutEngine, problems: Sequence[Any], encode: Callable[[Any], list[int]],
-                decode: Callable[[Sequence[int]], str], is_correct: IsCorrect, max_tokens: int,
-                level_of: Callable[[Any], int] = lambda p: p.level, timeout_s: float = 900.0) -> GreedyEval:
+def greedy_eval(
+    engine: RolloutEngine,
+    problems: Sequence[Any],
+    encode: Callable[[Any], list[int]],
+    decode: Callable[[Sequence[int]], str],
+    is_correct: IsCorrect,
+    max_tokens: int,
+    level_of: Callable[[Any], int] = lambda p: p.level,
+    timeout_s: float = 900.0,
+) -> GreedyEval:
     """Accuracy of greedy (temperature 0) answers, overall and per difficulty level."""
     if not problems:
         raise ValueError("no problems to evaluate")
-    results = engine.generate(_requests([encode(p) for p in problems], max_tokens),
-                              SamplingSettings(temperature=0.0), timeout_s=timeout_s)
+    results = engine.generate(
+        _requests([encode(p) for p in problems], max_tokens), SamplingSettings(temperature=0.0), timeout_s=timeout_s
+    )
     correct = tuple(bool(is_correct(p, decode(r.token_ids))) for p, r in zip(problems, results))
-    return GreedyEval(accuracy=sum(correct) / len(problems),
-                      accuracy_by_level=accuracy_by_level(problems, correct, level_of),
-                      mean_response_tokens=sum(len(r.token_ids) for r in results) / len(results),
-                      num_problems=len(problems), correct=correct)
+    return GreedyEval(
+        accuracy=sum(correct) / len(problems),
+        accuracy_by_level=accuracy_by_level(problems, correct, level_of),
+        mean_response_tokens=sum(len(r.token_ids) for r in results) / len(results),
+        num_problems=len(problems),
+        correct=correct,
+    )
 
 
-def accuracy_by_level(problems: Sequence[Any], correct: Sequence[bool], level_of: Callable[[Any], int],
-                      max_per_level: int | None = None) -> dict[int, float]:
+def accuracy_by_level(
+    problems: Sequence[Any], correct: Sequence[bool], level_of: Callable[[Any], int], max_per_level: int | None = None
+) -> dict[int, float]:
     """Accuracy per level, optionally over only the first ``max_per_level`` problems of each level."""
     by_level: dict[int, list[int]] = {}
     for problem, ok in zip(problems, correct):
@@ -73,25 +85,36 @@ def accuracy_by_level(problems: Sequence[Any], correct: Sequence[bool], level_of
     return {lvl: sum(v) / len(v) for lvl, v in sorted(by_level.items())}
 
 
-def sampled_eval(engine: RolloutEngine, problems: Sequence[Any], encode: Callable[[Any], list[int]],
-                 decode: Callable[[Sequence[int]], str], is_correct: IsCorrect, max_tokens: int, k: int,
-                 sampling: SamplingSettings, timeout_s: float = 900.0) -> SampledEval:
+def sampled_eval(
+    engine: RolloutEngine,
+    problems: Sequence[Any],
+    encode: Callable[[Any], list[int]],
+    decode: Callable[[Sequence[int]], str],
+    is_correct: IsCorrect,
+    max_tokens: int,
+    k: int,
+    sampling: SamplingSettings,
+    timeout_s: float = 900.0,
+) -> SampledEval:
     """pass@1 (mean over k samples) and pass@k (any of k correct), averaged over problems."""
     if not problems or k < 1:
         raise ValueError(f"need problems and k >= 1 (got {len(problems)} problems, k={k})")
-    results = engine.generate(_requests([encode(p) for p in problems], max_tokens, copies=k), sampling,
-                              timeout_s=timeout_s)
+    results = engine.generate(
+        _requests([encode(p) for p in problems], max_tokens, copies=k), sampling, timeout_s=timeout_s
+    )
     pass1, passk = 0.0, 0
     for i, problem in enumerate(problems):
-        correct = [is_correct(problem, decode(r.token_ids)) for r in results[i * k:(i + 1) * k]]
+        correct = [is_correct(problem, decode(r.token_ids)) for r in results[i * k : (i + 1) * k]]
         pass1 += sum(correct) / k
         passk += any(correct)
-    return SampledEval(pass_at_1=pass1 / len(problems), pass_at_k=passk / len(problems), k=k,
-                       num_problems=len(problems))
+    return SampledEval(
+        pass_at_1=pass1 / len(problems), pass_at_k=passk / len(problems), k=k, num_problems=len(problems)
+    )
 
 
-def compare_with_reference(measured_by_level: Mapping[int, float], reference_by_level: Mapping[Any, float],
-                           tolerance: float) -> tuple[bool, float]:
+def compare_with_reference(
+    measured_by_level: Mapping[int, float], reference_by_level: Mapping[Any, float], tolerance: float
+) -> tuple[bool, float]:
     """(within tolerance?, largest per-level gap) over the levels both evaluations have."""
     reference = {int(k): float(v) for k, v in reference_by_level.items()}
     common = [lvl for lvl in measured_by_level if lvl in reference]

@@ -45,19 +45,19 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "GrpoStats",
     "LossConfig",
     "LossStats",
-    "k15_policy_loss",
-    "k15_policy_loss_with_stats",
+    "dpo_loss",
     "group_advantages",
-    "sequence_logprobs",
-    "token_logprobs",
-    "normalized_group_advantages",
-    "reinforce_policy_loss",
     "grpo_policy_loss",
     "grpo_policy_loss_with_stats",
-    "GrpoStats",
-    "dpo_loss",
+    "k15_policy_loss",
+    "k15_policy_loss_with_stats",
+    "normalized_group_advantages",
+    "reinforce_policy_loss",
+    "sequence_logprobs",
+    "token_logprobs",
 ]
 
 
@@ -114,9 +114,7 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(dim=1, keepdim=True)
 
 
-def k15_policy_loss(
-    logp: torch.Tensor, logp_ref: torch.Tensor, rewards: torch.Tensor, tau: float
-) -> torch.Tensor:
+def k15_policy_loss(logp: torch.Tensor, logp_ref: torch.Tensor, rewards: torch.Tensor, tau: float) -> torch.Tensor:
     """Scalar surrogate whose negative gradient is eq. (3), averaged over k and over prompts.
 
     logp: [num_prompts, k] sum of response-token log-probs under the current policy (with
@@ -200,6 +198,7 @@ def token_logprobs(
 
 # -- baselines ------------------------------------------------------------------------------------
 
+
 def normalized_group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """GRPO's ``(r_ij - mean_j r_ij) / (std_j r_ij + eps)`` over [num_prompts, k] (population std)."""
     if rewards.dim() != 2:
@@ -238,8 +237,9 @@ class GrpoStats:
 def _grpo_terms(logp, logp_old, logp_init, mask, rewards, clip_eps, kl_coef, adv_eps):
     if logp.dim() != 3:
         raise ValueError(f"logp must have shape [num_prompts, k, num_tokens], got {tuple(logp.shape)}")
-    for name, t in (("logp_old", logp_old), ("mask", mask)) + ((("logp_init", logp_init),)
-                                                               if logp_init is not None else ()):
+    for name, t in (("logp_old", logp_old), ("mask", mask)) + (
+        (("logp_init", logp_init),) if logp_init is not None else ()
+    ):
         if t.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
     if rewards.shape != logp.shape[:2]:
@@ -270,9 +270,16 @@ def _grpo_terms(logp, logp_old, logp_init, mask, rewards, clip_eps, kl_coef, adv
     return loss, counted, advantages, ratio, unclipped, clipped, kl
 
 
-def grpo_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_init: torch.Tensor | None,
-                     mask: torch.Tensor, rewards: torch.Tensor, clip_eps: float = 0.2, kl_coef: float = 0.04,
-                     adv_eps: float = 1e-4) -> torch.Tensor:
+def grpo_policy_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_init: torch.Tensor | None,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.04,
+    adv_eps: float = 1e-4,
+) -> torch.Tensor:
     """GRPO surrogate (module docstring) over token log-probs of shape [num_prompts, k, num_tokens].
 
     logp: current policy (differentiable); logp_old: the policy that sampled the responses (the
@@ -282,11 +289,13 @@ def grpo_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_init: torc
     return _grpo_terms(logp, logp_old, logp_init, mask, rewards, clip_eps, kl_coef, adv_eps)[0]
 
 
-def grpo_policy_loss_with_stats(logp, logp_old, logp_init, mask, rewards, clip_eps: float = 0.2,
-                                kl_coef: float = 0.04, adv_eps: float = 1e-4) -> tuple[torch.Tensor, GrpoStats]:
+def grpo_policy_loss_with_stats(
+    logp, logp_old, logp_init, mask, rewards, clip_eps: float = 0.2, kl_coef: float = 0.04, adv_eps: float = 1e-4
+) -> tuple[torch.Tensor, GrpoStats]:
     """:func:`grpo_policy_loss` plus :class:`GrpoStats`."""
     loss, counted, advantages, ratio, unclipped, clipped, kl = _grpo_terms(
-        logp, logp_old, logp_init, mask, rewards, clip_eps, kl_coef, adv_eps)
+        logp, logp_old, logp_init, mask, rewards, clip_eps, kl_coef, adv_eps
+    )
     with torch.no_grad():
         n = int(counted.sum())
         denominator = max(n, 1)
@@ -304,8 +313,14 @@ def grpo_policy_loss_with_stats(logp, logp_old, logp_init, mask, rewards, clip_e
 
 # -- DPO (k1.5 long2short) ------------------------------------------------------------------------
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+) -> torch.Tensor:
     """``-mean log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l)))`` over [num_pairs] sequence log-probs.
 
     The reference log-probs are constants (detached here).

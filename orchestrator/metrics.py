@@ -70,9 +70,13 @@ class MetricsLog:
         return len(records) - len(keep)
 
 
-def plot_metrics(records: Sequence[Mapping[str, Any]], png_path: str | os.PathLike[str],
-                 before_accuracy: float | None = None, before_pass_at_1: float | None = None,
-                 title: str = "RL on the arithmetic task") -> None:
+def plot_metrics(
+    records: Sequence[Mapping[str, Any]],
+    png_path: str | os.PathLike[str],
+    before_accuracy: float | None = None,
+    before_pass_at_1: float | None = None,
+    title: str = "RL on the arithmetic task",
+) -> None:
     """Four panels against the iteration: held-out accuracy, reward, response length, sync time."""
     import matplotlib
 
@@ -87,24 +91,36 @@ def plot_metrics(records: Sequence[Mapping[str, Any]], png_path: str | os.PathLi
     ys = ([before_accuracy] if before_accuracy is not None else []) + [r["heldout_accuracy"] for r in evaluated]
     ax.plot([x for x in xs], [100 * y for y in ys], marker="o", label="greedy (vLLM)")
     sampled = ([(0, before_pass_at_1)] if before_pass_at_1 is not None else []) + [
-        (r["iteration"], r["heldout_pass_at_1"]) for r in evaluated if r.get("heldout_pass_at_1") is not None]
+        (r["iteration"], r["heldout_pass_at_1"]) for r in evaluated if r.get("heldout_pass_at_1") is not None
+    ]
     if sampled:
-        ax.plot([x for x, _ in sampled], [100 * y for _, y in sampled], marker="x", linestyle="--",
-                label="pass@1 over k samples")
+        ax.plot(
+            [x for x, _ in sampled],
+            [100 * y for _, y in sampled],
+            marker="x",
+            linestyle="--",
+            label="pass@1 over k samples",
+        )
     ax.set(xlabel="iteration", ylabel="held-out accuracy (%)", title="held-out accuracy")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
-    panels = [(axes[0][1], "mean_reward", "mean reward (train)"),
-              (axes[1][0], "mean_response_tokens", "mean response length (tokens)"),
-              (axes[1][1], "weight_sync_s", "weight sync time (s)")]
+    panels = [
+        (axes[0][1], "mean_reward", "mean reward (train)"),
+        (axes[1][0], "mean_response_tokens", "mean response length (tokens)"),
+        (axes[1][1], "weight_sync_s", "weight sync time (s)"),
+    ]
     for ax, key, label in panels:
         ax.plot(iterations, [math.nan if r[key] is None else r[key] for r in records], marker=".")
         ax.set(xlabel="iteration", ylabel=label, title=label)
         ax.grid(alpha=0.3)
     if records and "train_pass_at_1" in records[0]:
-        axes[0][1].plot(iterations, [math.nan if r["train_pass_at_1"] is None else r["train_pass_at_1"]
-                                     for r in records], marker=".", alpha=0.6,
-                        label="pass@1 of rollouts")
+        axes[0][1].plot(
+            iterations,
+            [math.nan if r["train_pass_at_1"] is None else r["train_pass_at_1"] for r in records],
+            marker=".",
+            alpha=0.6,
+            label="pass@1 of rollouts",
+        )
         axes[0][1].legend(loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
@@ -116,5 +132,7 @@ def plot_metrics(records: Sequence[Mapping[str, Any]], png_path: str | os.PathLi
 
 def summary_line(before: float, after: float, rl_minutes: float, sync_share: float) -> str:
     """E.g. 'held-out accuracy 31.0% -> 58.5% (+27.5 points) in 14.2 min; weight sync 0.4% of iteration time'."""
-    return (f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
-            f"in {rl_minutes:.1f} min; weight sync {100 * sync_share:.1f}% of iteration time")
+    return (
+        f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
+        f"in {rl_minutes:.1f} min; weight sync {100 * sync_share:.1f}% of iteration time"
+    )

@@ -59,8 +59,10 @@ class TrainBatch:
             raise ValueError("every group must have the same number of responses")
         n = len(self.rewards) * k
         if not len(self.prompt_ids) == len(self.response_ids) == len(self.response_masks) == n:
-            raise ValueError(f"batch rows ({len(self.prompt_ids)}, {len(self.response_ids)}, "
-                             f"{len(self.response_masks)}) do not match {len(self.rewards)} groups of {k}")
+            raise ValueError(
+                f"batch rows ({len(self.prompt_ids)}, {len(self.response_ids)}, "
+                f"{len(self.response_masks)}) do not match {len(self.rewards)} groups of {k}"
+            )
 
     @property
     def num_groups(self) -> int:
@@ -98,20 +100,22 @@ def split_minibatches(indices: Sequence[int], num_minibatches: int) -> list[list
         raise ValueError(f"num_minibatches={num_minibatches!r} must be >= 1")
     n = min(num_minibatches, len(indices))
     bounds = [round(i * len(indices) / n) for i in range(n + 1)] if n else [0]
-    return [list(indices[bounds[i]:bounds[i + 1]]) for i in range(n)]
+    return [list(indices[bounds[i] : bounds[i + 1]]) for i in range(n)]
 
 
 def _logprobs(trainer: Trainer, batch: TrainBatch, rows: Sequence[int]) -> torch.Tensor:
-    return trainer.sequence_logprobs([batch.prompt_ids[r] for r in rows], [batch.response_ids[r] for r in rows],
-                                     [batch.response_masks[r] for r in rows])
+    return trainer.sequence_logprobs(
+        [batch.prompt_ids[r] for r in rows],
+        [batch.response_ids[r] for r in rows],
+        [batch.response_masks[r] for r in rows],
+    )
 
 
 def reference_logprobs(trainer: Trainer, batch: TrainBatch, chunk_rows: int = 128) -> torch.Tensor:
     """[num_groups, k] log-probs under the trainer's current weights, without grad."""
     rows = list(range(batch.num_groups * batch.k))
     with torch.no_grad():
-        parts = [_logprobs(trainer, batch, rows[i:i + chunk_rows]).detach()
-                 for i in range(0, len(rows), chunk_rows)]
+        parts = [_logprobs(trainer, batch, rows[i : i + chunk_rows]).detach() for i in range(0, len(rows), chunk_rows)]
     return torch.cat(parts).view(batch.num_groups, batch.k)
 
 
@@ -125,8 +129,11 @@ def token_logprobs(trainer: Any, batch: TrainBatch, rows: Sequence[int], width: 
     responses = [batch.response_ids[r] for r in rows]
     masks = [batch.response_masks[r] for r in rows]
     method = getattr(trainer, "token_logprobs", None)
-    out = method(prompts, responses, masks) if method is not None else _hf_token_logprobs(trainer, prompts,
-                                                                                          responses, masks)
+    out = (
+        method(prompts, responses, masks)
+        if method is not None
+        else _hf_token_logprobs(trainer, prompts, responses, masks)
+    )
     if out.shape[1] > width:
         raise ValueError(f"token log-probs are {out.shape[1]} wide, more than width={width}")
     return torch.nn.functional.pad(out, (0, width - out.shape[1]))
@@ -150,7 +157,7 @@ def token_masks(batch: TrainBatch, width: int) -> torch.Tensor:
     """[rows, width] float masks of the response tokens that count (0 past each response's end)."""
     out = torch.zeros(len(batch.response_masks), width)
     for i, mask in enumerate(batch.response_masks):
-        out[i, :len(mask)] = torch.tensor([float(m) for m in mask])
+        out[i, : len(mask)] = torch.tensor([float(m) for m in mask])
     return out
 
 
@@ -160,8 +167,9 @@ class Objective(Protocol):
     def prepare(self, trainer: Trainer, batch: TrainBatch) -> None:
         """Constants of the iteration (reference log-probs), before the first step."""
 
-    def loss(self, trainer: Trainer, batch: TrainBatch, groups: list[int],
-             rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(
+        self, trainer: Trainer, batch: TrainBatch, groups: list[int], rewards: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The minibatch ``groups``' scalar loss and its stats (including "loss")."""
 
 
@@ -209,8 +217,10 @@ class GrpoObjective:
         rows = list(range(batch.num_groups * batch.k))
         chunk = self.config.ref_chunk_rows
         with torch.no_grad():
-            parts = [token_logprobs(model, batch, rows[i:i + chunk], self.width).detach()
-                     for i in range(0, len(rows), chunk)]
+            parts = [
+                token_logprobs(model, batch, rows[i : i + chunk], self.width).detach()
+                for i in range(0, len(rows), chunk)
+            ]
         return torch.cat(parts).view(batch.num_groups, batch.k, self.width)
 
     def prepare(self, trainer: Trainer, batch: TrainBatch) -> None:
@@ -220,13 +230,23 @@ class GrpoObjective:
         self.logp_init = None if self.initial_policy is None else self._constant(self.initial_policy, batch)
 
     def loss(self, trainer, batch, groups, rewards):
-        logp = token_logprobs(trainer, batch, batch.rows(groups), self.width).view(len(groups), batch.k,
-                                                                                   self.width)
+        logp = token_logprobs(trainer, batch, batch.rows(groups), self.width).view(len(groups), batch.k, self.width)
         init = None if self.logp_init is None else self.logp_init[groups]
-        loss, stats = grpo_policy_loss_with_stats(logp, self.logp_old[groups], init, self.mask[groups],
-                                                  rewards[groups], self.config.clip_eps, self.config.kl_coef)
-        return loss, {"loss": stats.loss, "clip_fraction": stats.clip_fraction, "kl_to_initial": stats.mean_kl,
-                      "mean_ratio": stats.mean_ratio}
+        loss, stats = grpo_policy_loss_with_stats(
+            logp,
+            self.logp_old[groups],
+            init,
+            self.mask[groups],
+            rewards[groups],
+            self.config.clip_eps,
+            self.config.kl_coef,
+        )
+        return loss, {
+            "loss": stats.loss,
+            "clip_fraction": stats.clip_fraction,
+            "kl_to_initial": stats.mean_kl,
+            "mean_ratio": stats.mean_ratio,
+        }
 
 
 _OBJECTIVES: dict[str, Callable[[TrainConfig, Trainer | None], Objective]] = {
@@ -245,8 +265,9 @@ def make_objective(config: TrainConfig, initial_policy: Trainer | None = None) -
     return factory(config, initial_policy)
 
 
-def train_iteration(trainer: Trainer, batch: TrainBatch, config: TrainConfig, rng: random.Random,
-                    initial_policy: Trainer | None = None) -> dict:
+def train_iteration(
+    trainer: Trainer, batch: TrainBatch, config: TrainConfig, rng: random.Random, initial_policy: Trainer | None = None
+) -> dict:
     """Reset the optimizer, take the reference log-probs, then the minibatch steps; return stats.
 
     ``initial_policy``: the policy RL started from (GRPO's KL reference); other algorithms ignore it.
@@ -256,13 +277,16 @@ def train_iteration(trainer: Trainer, batch: TrainBatch, config: TrainConfig, rn
     trainer.set_lr(config.lr)
     skipped = set(uniform_groups(batch.rewards)) if config.skip_uniform_groups else set()
     active = [g for g in range(batch.num_groups) if g not in skipped]
-    stats: dict = {"num_train_groups": len(active), "num_skipped_groups": len(skipped), "num_steps": 0,
-                   "lr": config.lr}
+    stats: dict = {"num_train_groups": len(active), "num_skipped_groups": len(skipped), "num_steps": 0, "lr": config.lr}
     if not active:
         return stats
-    sub = TrainBatch(*(tuple(getattr(batch, f)[r] for r in batch.rows(active))
-                       for f in ("prompt_ids", "response_ids", "response_masks")),
-                     rewards=tuple(batch.rewards[g] for g in active))
+    sub = TrainBatch(
+        *(
+            tuple(getattr(batch, f)[r] for r in batch.rows(active))
+            for f in ("prompt_ids", "response_ids", "response_masks")
+        ),
+        rewards=tuple(batch.rewards[g] for g in active),
+    )
     objective.prepare(trainer, sub)
     rewards = torch.tensor(sub.rewards, dtype=torch.float32)
     step_stats: dict[str, list[float]] = {}
@@ -276,13 +300,17 @@ def train_iteration(trainer: Trainer, batch: TrainBatch, config: TrainConfig, rn
             for key, value in loss_stats.items():
                 step_stats.setdefault(key, []).append(value)
             grad_norms.append(step["grad_norm"])
-    stats.update(num_steps=len(grad_norms), grad_norm=max(grad_norms),
-                 **{key: sum(values) / len(values) for key, values in step_stats.items()})
+    stats.update(
+        num_steps=len(grad_norms),
+        grad_norm=max(grad_norms),
+        **{key: sum(values) / len(values) for key, values in step_stats.items()},
+    )
     return stats
 
 
-def batch_from_groups(groups: Sequence[Sequence], rewards: Sequence[Sequence[float]], *,
-                      current_policy_version: int, exclude_stale: bool) -> TrainBatch:
+def batch_from_groups(
+    groups: Sequence[Sequence], rewards: Sequence[Sequence[float]], *, current_policy_version: int, exclude_stale: bool
+) -> TrainBatch:
     """A TrainBatch from finished groups of replay-buffer trajectories and their rewards."""
     if len(groups) != len(rewards):
         raise ValueError(f"{len(groups)} groups but {len(rewards)} reward lists")
@@ -291,4 +319,5 @@ def batch_from_groups(groups: Sequence[Sequence], rewards: Sequence[Sequence[flo
         prompt_ids=tuple(tuple(t.prompt_token_ids) for t in rows),
         response_ids=tuple(tuple(t.response_token_ids()) for t in rows),
         response_masks=tuple(tuple(t.token_loss_mask(current_policy_version, exclude_stale)) for t in rows),
-        rewards=tuple(tuple(float(r) for r in rs) for rs in rewards))
+        rewards=tuple(tuple(float(r) for r in rs) for rs in rewards),
+    )

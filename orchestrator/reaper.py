@@ -28,9 +28,21 @@ logger = logging.getLogger(__name__)
 def start_reaper(poll_s: float = 1.0, grace_s: float = 2.0, record_path: str | None = None) -> subprocess.Popen:
     """Spawn the reaper for this process; keep the returned Popen alive (its stdin is the lifeline)."""
     extra = [] if record_path is None else ["--record-path", record_path]
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.reaper", str(os.getpid()),
-                             "--poll-s", str(poll_s), "--grace-s", str(grace_s), *extra],
-                            stdin=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.reaper",
+            str(os.getpid()),
+            "--poll-s",
+            str(poll_s),
+            "--grace-s",
+            str(grace_s),
+            *extra,
+        ],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def stop_reaper(reaper: subprocess.Popen, timeout_s: float = 30.0) -> None:
@@ -126,8 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ended = watch(args.parent_pid, args.poll_s, args.grace_s, args.record_path)
     if ended:
-        print(f"orchestrator.reaper: ended {len(ended)} leftover process(es) of pid {args.parent_pid}: "
-              f"{', '.join(ended)}", file=sys.stderr)
+        print(
+            f"orchestrator.reaper: ended {len(ended)} leftover process(es) of pid {args.parent_pid}: "
+            f"{', '.join(ended)}",
+            file=sys.stderr,
+        )
     return 0
 
 

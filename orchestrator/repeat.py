@@ -67,8 +67,11 @@ class RepeatConfig:
 
     def detect(self, token_ids: Sequence[int]) -> bool:
         return self.enabled and detect_repeat(
-            token_ids, min_ngram=self.min_ngram, min_repeats=self.min_repeats,
-            max_ngram=self.max_ngram, min_tail_tokens=self.min_tail_tokens,
+            token_ids,
+            min_ngram=self.min_ngram,
+            min_repeats=self.min_repeats,
+            max_ngram=self.max_ngram,
+            min_tail_tokens=self.min_tail_tokens,
         )
 
     def apply(self, reward: float, repeated: bool) -> float:
@@ -87,7 +90,7 @@ def find_tail_repeat(
         need = _needed_matches(p, min_repeats, min_tail_tokens)
         if need + p > n:
             continue
-        if tokens[n - need:] == tokens[n - need - p:n - p]:
+        if tokens[n - need :] == tokens[n - need - p : n - p]:
             return p
     return None
 
@@ -98,7 +101,10 @@ def detect_repeat(
     """Whether the tail is one n-gram (length in [min_ngram, max_ngram]) repeated by the rule."""
     return (
         find_tail_repeat(
-            token_ids, min_ngram=min_ngram, min_repeats=min_repeats, max_ngram=max_ngram,
+            token_ids,
+            min_ngram=min_ngram,
+            min_repeats=min_repeats,
+            max_ngram=max_ngram,
             min_tail_tokens=min_tail_tokens,
         )
         is not None

@@ -59,10 +59,20 @@ class RolloutStats:
 class Rollout:
     """Drives the engine for one iteration and keeps the scores of finished trajectories."""
 
-    def __init__(self, engine: RolloutEngine, buffer: ReplayBuffer, problems: Mapping[str, Any],
-                 encode: Callable[[Any], list[int]], decode: Callable[[Sequence[int]], str],
-                 reward_fn: RewardFn, correct_threshold: float, repeat: RepeatConfig,
-                 sampling: SamplingSettings, num_scoring_workers: int = 1, timeout_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        buffer: ReplayBuffer,
+        problems: Mapping[str, Any],
+        encode: Callable[[Any], list[int]],
+        decode: Callable[[Sequence[int]], str],
+        reward_fn: RewardFn,
+        correct_threshold: float,
+        repeat: RepeatConfig,
+        sampling: SamplingSettings,
+        num_scoring_workers: int = 1,
+        timeout_s: float = 900.0,
+    ) -> None:
         self.engine = engine
         self.buffer = buffer
         self.problems = problems
@@ -86,9 +96,12 @@ class Rollout:
 
     def _on_result(self, result: GenResult, policy_version: int) -> None:
         with self._lock:
-            trajectory = self.buffer.record_segment(result.request_id, list(result.token_ids),
-                                                    policy_version=policy_version,
-                                                    finish_reason=result.finish_reason)
+            trajectory = self.buffer.record_segment(
+                result.request_id,
+                list(result.token_ids),
+                policy_version=policy_version,
+                finish_reason=result.finish_reason,
+            )
             if trajectory.finished:
                 self._scores[trajectory.trajectory_id] = self._pool.submit(self._score, trajectory)
 
@@ -98,28 +111,45 @@ class Rollout:
             ids += self.buffer.start_group(problem_id, self.encode(self.problems[problem_id]), iteration)
         return ids
 
-    def run(self, iteration: int, policy_version: int,
-            sample_problems: Callable[[int], list[str]]) -> tuple[list[FinishedGroup], RolloutStats]:
+    def run(
+        self, iteration: int, policy_version: int, sample_problems: Callable[[int], list[str]]
+    ) -> tuple[list[FinishedGroup], RolloutStats]:
         """Generate this iteration's segments; return the groups now complete (removed from the buffer)."""
         plan = self.buffer.plan()
         new_ids = self.start_groups(sample_problems(plan.num_new_groups), iteration) if plan.num_new_groups else []
         requests = []
         for rollout_request in self.buffer.requests(list(plan.continue_ids) + new_ids):
             trajectory = self.buffer.get(rollout_request.trajectory_id)
-            requests.append(GenRequest(rollout_request.trajectory_id, tuple(rollout_request.prompt_token_ids),
-                                       rollout_request.max_tokens, tuple(trajectory.response_token_ids())))
+            requests.append(
+                GenRequest(
+                    rollout_request.trajectory_id,
+                    tuple(rollout_request.prompt_token_ids),
+                    rollout_request.max_tokens,
+                    tuple(trajectory.response_token_ids()),
+                )
+            )
         start = time.monotonic()
-        results = self.engine.generate(requests, self.sampling, repeat=self.repeat, timeout_s=self.timeout_s,
-                                       on_result=lambda r: self._on_result(r, policy_version))
+        results = self.engine.generate(
+            requests,
+            self.sampling,
+            repeat=self.repeat,
+            timeout_s=self.timeout_s,
+            on_result=lambda r: self._on_result(r, policy_version),
+        )
         generate_s = time.monotonic() - start
         groups = self.buffer.pop_finished_groups()
         finished = [self._finish_group(group) for group in groups]
         stats = RolloutStats(
-            num_requests=len(requests), num_new_groups=plan.num_new_groups, num_continued=len(plan.continue_ids),
+            num_requests=len(requests),
+            num_new_groups=plan.num_new_groups,
+            num_continued=len(plan.continue_ids),
             num_output_tokens=sum(len(r.token_ids) for r in results),
             num_repeat_stops=sum(r.finish_reason == "repeat" for r in results),
-            num_finished_groups=len(finished), num_unfinished_trajectories=len(self.buffer.unfinished()),
-            generate_s=generate_s, score_wait_s=time.monotonic() - start - generate_s)
+            num_finished_groups=len(finished),
+            num_unfinished_trajectories=len(self.buffer.unfinished()),
+            generate_s=generate_s,
+            score_wait_s=time.monotonic() - start - generate_s,
+        )
         return finished, stats
 
     def _finish_group(self, group: Sequence[Trajectory]) -> FinishedGroup:

@@ -102,7 +102,9 @@ class ProblemStats:
         """Replace this object's state in place (holders of a reference see the restored counts)."""
         restored = ProblemStats(data["prior_success_rate"], data["prior_weight"], data["decay"])  # validates
         self.prior_success_rate, self.prior_weight, self.decay = (
-            restored.prior_success_rate, restored.prior_weight, restored.decay,
+            restored.prior_success_rate,
+            restored.prior_weight,
+            restored.decay,
         )
         self._counts = {str(pid): [float(s), float(n)] for pid, (s, n) in data["counts"].items()}
 

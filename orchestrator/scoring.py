@@ -32,12 +32,19 @@ class Score:
     correct: bool
 
 
-def group_rewards(scores: Sequence[Score], lengths: Sequence[int], repeated: Sequence[bool], iteration: int,
-                  length_penalty: LengthPenaltyConfig, repeat: RepeatConfig) -> list[float]:
+def group_rewards(
+    scores: Sequence[Score],
+    lengths: Sequence[int],
+    repeated: Sequence[bool],
+    iteration: int,
+    length_penalty: LengthPenaltyConfig,
+    repeat: RepeatConfig,
+) -> list[float]:
     """Training rewards of one group of k responses to the same prompt."""
     if not len(scores) == len(lengths) == len(repeated):
-        raise ValueError(f"scores ({len(scores)}), lengths ({len(lengths)}) and repeated ({len(repeated)}) "
-                         f"must have the same length")
+        raise ValueError(
+            f"scores ({len(scores)}), lengths ({len(lengths)}) and repeated ({len(repeated)}) must have the same length"
+        )
     rewards = [repeat.apply(s.task_reward, r) for s, r in zip(scores, repeated)]
     return length_penalty.apply(rewards, list(lengths), [s.correct for s in scores], iteration)
 

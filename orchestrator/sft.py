@@ -85,10 +85,11 @@ class SFTConfig:
         if any(level not in task.LEVELS for level in self.eval_levels):
             raise ValueError(f"eval_levels={self.eval_levels!r} must be a subset of {sorted(task.LEVELS)}")
         if self.level_weights is not None and (
-                len(self.level_weights) != len(self.levels) or min(self.level_weights) < 0
-                or sum(self.level_weights) <= 0):
-            raise ValueError(f"level_weights={self.level_weights!r} must be {len(self.levels)} "
-                             f"non-negative numbers, not all 0")
+            len(self.level_weights) != len(self.levels) or min(self.level_weights) < 0 or sum(self.level_weights) <= 0
+        ):
+            raise ValueError(
+                f"level_weights={self.level_weights!r} must be {len(self.levels)} non-negative numbers, not all 0"
+            )
         if self.autocast_dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
         if not self.lr > 0:
@@ -98,8 +99,11 @@ class SFTConfig:
 
     def resolved(self) -> SFTConfig:
         """This config with "auto" settings replaced by what this machine uses (part of the cache key)."""
-        return dataclasses.replace(self, autocast_dtype=resolve_autocast_dtype(self.autocast_dtype).chosen,
-                                   num_threads=num_threads_for(self.num_threads))
+        return dataclasses.replace(
+            self,
+            autocast_dtype=resolve_autocast_dtype(self.autocast_dtype).chosen,
+            num_threads=num_threads_for(self.num_threads),
+        )
 
     def cache_key(self) -> str:
         """Hash of the recipe version and every field that can change the result."""
@@ -128,8 +132,7 @@ def encode_examples(tokenizer, problems: Sequence[task.Problem]) -> tuple[list[l
 def iter_batches(config: SFTConfig) -> Iterator[list[task.Problem]]:
     """Endless training batches; each batch holds one level (similar lengths, little padding)."""
     rng = random.Random(f"sft-levels/{config.seed}")
-    streams = {level: task.iter_training_problems(config.seed * 1009 + level, [level])
-               for level in config.levels}
+    streams = {level: task.iter_training_problems(config.seed * 1009 + level, [level]) for level in config.levels}
     while True:
         level = rng.choices(config.levels, weights=config.level_weights)[0]
         yield [next(streams[level]) for _ in range(config.batch_size)]
@@ -145,13 +148,18 @@ def greedy_responses(model, tokenizer, problems: Sequence[task.Problem], batch_s
     tokenizer.padding_side = "left"
     try:
         for start in range(0, len(problems), batch_size):
-            chunk = problems[start:start + batch_size]
+            chunk = problems[start : start + batch_size]
             enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
             budget = max(task.max_solution_chars(p) for p in chunk) + 1
             with torch.no_grad():
-                gen = model.generate(**enc, max_new_tokens=budget, do_sample=False,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            new_tokens = gen[:, enc["input_ids"].shape[1]:]
+                gen = model.generate(
+                    **enc,
+                    max_new_tokens=budget,
+                    do_sample=False,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            new_tokens = gen[:, enc["input_ids"].shape[1] :]
             out += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     finally:
         model.train(was_training)
@@ -167,8 +175,9 @@ def accuracy_by_level(model, tokenizer, problems: Sequence[task.Problem]) -> dic
     return {level: sum(v) / len(v) for level, v in sorted(totals.items())}
 
 
-def evaluate_greedy(model_dir: str | pathlib.Path, problems: Sequence[task.Problem],
-                    num_threads: int | None = None) -> float:
+def evaluate_greedy(
+    model_dir: str | pathlib.Path, problems: Sequence[task.Problem], num_threads: int | None = None
+) -> float:
     """Fraction of ``problems`` a model directory answers correctly with greedy decoding."""
     model, tokenizer = _load(model_dir, num_threads)
     responses = greedy_responses(model, tokenizer, problems)
@@ -180,8 +189,10 @@ def _load(model_dir, num_threads: int | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(num_threads_for(num_threads))
-    return (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-            AutoTokenizer.from_pretrained(model_dir))
+    return (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
 
 
 def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
@@ -191,21 +202,42 @@ def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
     from orchestrator.trainer import HFTrainer, TrainerConfig
     from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
 
-    init_dir = make_tiny_model(work_dir / "init", TinyModelConfig.tiny(
-        num_layers=config.num_layers, hidden_size=config.hidden_size,
-        intermediate_size=4 * config.hidden_size, num_attention_heads=config.hidden_size // 64,
-        num_key_value_heads=max(1, config.hidden_size // 128)), seed=config.init_seed)
-    trainer = HFTrainer(init_dir, TrainerConfig(lr=config.lr, weight_decay=config.weight_decay,
-                                                grad_clip=config.grad_clip, num_threads=config.num_threads,
-                                                seed=config.seed, autocast_dtype=config.autocast_dtype))
+    init_dir = make_tiny_model(
+        work_dir / "init",
+        TinyModelConfig.tiny(
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=4 * config.hidden_size,
+            num_attention_heads=config.hidden_size // 64,
+            num_key_value_heads=max(1, config.hidden_size // 128),
+        ),
+        seed=config.init_seed,
+    )
+    trainer = HFTrainer(
+        init_dir,
+        TrainerConfig(
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            num_threads=config.num_threads,
+            seed=config.seed,
+            autocast_dtype=config.autocast_dtype,
+        ),
+    )
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     batches = iter_batches(config)
-    heldout = [p for level in config.eval_levels
-               for p in task.heldout_problems(config.heldout_seed, config.num_eval_problems_per_level, [level],
-                                              allow_fewer=True)]
+    heldout = [
+        p
+        for level in config.eval_levels
+        for p in task.heldout_problems(
+            config.heldout_seed, config.num_eval_problems_per_level, [level], allow_fewer=True
+        )
+    ]
     start = time.monotonic()
-    with open(work_dir / "metrics.jsonl", "w") as metrics, \
-            tqdm(range(config.num_steps), desc="sft", unit="step", mininterval=2.0) as bar:
+    with (
+        open(work_dir / "metrics.jsonl", "w") as metrics,
+        tqdm(range(config.num_steps), desc="sft", unit="step", mininterval=2.0) as bar,
+    ):
         for step in bar:
             problems = next(batches)
             prompts, responses = encode_examples(tokenizer, problems)
@@ -217,8 +249,9 @@ def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
             if config.eval_every_steps and (step + 1) % config.eval_every_steps == 0 and heldout:
                 small = _first_per_level(heldout, 16)
                 record["heldout_accuracy_by_level"] = accuracy_by_level(trainer.model, tokenizer, small)
-                logger.info("step %d: held-out accuracy (16 per level) %s", step + 1,
-                            record["heldout_accuracy_by_level"])
+                logger.info(
+                    "step %d: held-out accuracy (16 per level) %s", step + 1, record["heldout_accuracy_by_level"]
+                )
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
@@ -227,8 +260,12 @@ def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
     shutil.rmtree(init_dir)
     eval_start = time.monotonic()
     accuracy = accuracy_by_level(trainer.model, tokenizer, heldout) if heldout else {}
-    return {"train_s": train_s, "eval_s": time.monotonic() - eval_start,
-            "heldout_accuracy_by_level": accuracy, "model_dir": str(model_dir)}
+    return {
+        "train_s": train_s,
+        "eval_s": time.monotonic() - eval_start,
+        "heldout_accuracy_by_level": accuracy,
+        "model_dir": str(model_dir),
+    }
 
 
 def _first_per_level(problems: Sequence[task.Problem], num_per_level: int) -> list[task.Problem]:
@@ -243,6 +280,7 @@ def _first_per_level(problems: Sequence[task.Problem], num_per_level: int) -> li
 
 def _plot_loss(work_dir: pathlib.Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -277,8 +315,11 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
         summary["config"] = dataclasses.asdict(config)
         summary["autocast"] = choice.to_dict()
         (work_dir / DONE_FILE).write_text(json.dumps(summary, indent=2))
-        logger.info("SFT done in %.0f s; held-out accuracy by level %s",
-                    summary["train_s"], summary["heldout_accuracy_by_level"])
+        logger.info(
+            "SFT done in %.0f s; held-out accuracy by level %s",
+            summary["train_s"],
+            summary["heldout_accuracy_by_level"],
+        )
         try:
             work_dir.rename(final)
         except OSError:
@@ -303,35 +344,55 @@ def _level_weights(args: argparse.Namespace, defaults: SFTConfig) -> tuple[float
 
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = SFTConfig()
-    parser = argparse.ArgumentParser(description="SFT warm-up of the tiny model on the arithmetic task "
-                                                 "(cached by config hash).")
+    parser = argparse.ArgumentParser(
+        description="SFT warm-up of the tiny model on the arithmetic task (cached by config hash)."
+    )
     parser.add_argument("--out-dir", default=".cache/sft", help="cache root (default: %(default)s)")
     parser.add_argument("--num-steps", type=int, default=defaults.num_steps)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--num-threads", type=int, default=defaults.num_threads)
-    parser.add_argument("--autocast-dtype", choices=AUTOCAST_DTYPES, default=defaults.autocast_dtype,
-                        help="auto: bfloat16 only where the CPU runs it natively (default: %(default)s)")
+    parser.add_argument(
+        "--autocast-dtype",
+        choices=AUTOCAST_DTYPES,
+        default=defaults.autocast_dtype,
+        help="auto: bfloat16 only where the CPU runs it natively (default: %(default)s)",
+    )
     parser.add_argument("--levels", type=int, nargs="+", default=list(defaults.levels))
-    parser.add_argument("--level-weights", type=float, nargs="+", default=None,
-                        help=f"one weight per level (default: {defaults.level_weights} for the default "
-                             f"levels, else uniform)")
-    parser.add_argument("--num-eval-problems-per-level", type=int,
-                        default=defaults.num_eval_problems_per_level)
+    parser.add_argument(
+        "--level-weights",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"one weight per level (default: {defaults.level_weights} for the default levels, else uniform)",
+    )
+    parser.add_argument("--num-eval-problems-per-level", type=int, default=defaults.num_eval_problems_per_level)
     args = parser.parse_args(argv)
     from checkpoint_engine.logs import setup_logging
 
     setup_logging("INFO")
-    config = SFTConfig(num_steps=args.num_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                       num_threads=args.num_threads, levels=tuple(args.levels),
-                       autocast_dtype=args.autocast_dtype,
-                       level_weights=_level_weights(args, defaults),
-                       num_eval_problems_per_level=args.num_eval_problems_per_level)
+    config = SFTConfig(
+        num_steps=args.num_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        num_threads=args.num_threads,
+        levels=tuple(args.levels),
+        autocast_dtype=args.autocast_dtype,
+        level_weights=_level_weights(args, defaults),
+        num_eval_problems_per_level=args.num_eval_problems_per_level,
+    )
     model_dir = run_sft(config, args.out_dir)
     print(json.dumps(sft_summary(model_dir)["heldout_accuracy_by_level"]))
-    print(json.dumps({"model_dir": str(model_dir), **{k: v for k, v in sft_summary(model_dir).items()
-                                                       if k in ("train_s", "eval_s")}}))
+    print(
+        json.dumps(
+            {
+                "model_dir": str(model_dir),
+                **{k: v for k, v in sft_summary(model_dir).items() if k in ("train_s", "eval_s")},
+            }
+        )
+    )
     return 0
 
 

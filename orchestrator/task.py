@@ -101,8 +101,9 @@ def make_problem(operation: Operation, operands: Sequence[int], level: int) -> P
     else:
         answer = sum(operands)
     expression = _symbol(operation).join(str(x) for x in operands)
-    return Problem(id=expression, prompt=expression + "\n", answer=str(answer), level=level,
-                   operation=operation, operands=operands)
+    return Problem(
+        id=expression, prompt=expression + "\n", answer=str(answer), level=level, operation=operation, operands=operands
+    )
 
 
 def _random_operand(rng: random.Random, spec: LevelSpec) -> int:
@@ -128,8 +129,14 @@ def is_heldout(problem: Problem) -> bool:
     return int.from_bytes(digest[:8], "little") % HELDOUT_BUCKETS == 0
 
 
-def _draw(seed: int, num_problems: int, levels: Sequence[int], weights: Sequence[float] | None,
-          want_heldout: bool, allow_fewer: bool = False) -> list[Problem]:
+def _draw(
+    seed: int,
+    num_problems: int,
+    levels: Sequence[int],
+    weights: Sequence[float] | None,
+    want_heldout: bool,
+    allow_fewer: bool = False,
+) -> list[Problem]:
     if num_problems < 0:
         raise ValueError(f"num_problems={num_problems!r} must be >= 0")
     if not levels:
@@ -152,27 +159,30 @@ def _draw(seed: int, num_problems: int, levels: Sequence[int], weights: Sequence
             if misses > _MAX_MISSES:
                 if allow_fewer:
                     return out
-                raise RuntimeError(f"could not draw {num_problems} distinct problems from levels "
-                                   f"{list(levels)} (got {len(out)})")
+                raise RuntimeError(
+                    f"could not draw {num_problems} distinct problems from levels {list(levels)} (got {len(out)})"
+                )
     return out
 
 
-def training_problems(seed: int, num_problems: int, levels: Sequence[int] = SFT_LEVELS,
-                      weights: Sequence[float] | None = None) -> list[Problem]:
+def training_problems(
+    seed: int, num_problems: int, levels: Sequence[int] = SFT_LEVELS, weights: Sequence[float] | None = None
+) -> list[Problem]:
     """Problems outside the held-out split (repeats possible), levels drawn by ``weights``."""
     return _draw(seed, num_problems, levels, weights, want_heldout=False)
 
 
-def iter_training_problems(seed: int, levels: Sequence[int] = SFT_LEVELS,
-                           weights: Sequence[float] | None = None,
-                           chunk_size: int = 1024) -> Iterator[Problem]:
+def iter_training_problems(
+    seed: int, levels: Sequence[int] = SFT_LEVELS, weights: Sequence[float] | None = None, chunk_size: int = 1024
+) -> Iterator[Problem]:
     """An endless deterministic stream of training problems."""
     for chunk in range(1 << 62):
         yield from training_problems(seed * 1_000_003 + chunk, chunk_size, levels, weights)
 
 
-def heldout_problems(seed: int = 0, num_problems: int = 200, levels: Sequence[int] = RL_LEVELS,
-                     *, allow_fewer: bool = False) -> list[Problem]:
+def heldout_problems(
+    seed: int = 0, num_problems: int = 200, levels: Sequence[int] = RL_LEVELS, *, allow_fewer: bool = False
+) -> list[Problem]:
     """Distinct held-out problems, the same number from each level (the remainder from the first).
 
     A level whose held-out split is smaller than its share (level 1 holds about 10 problems)
@@ -182,8 +192,7 @@ def heldout_problems(seed: int = 0, num_problems: int = 200, levels: Sequence[in
     per_level[0] += num_problems - sum(per_level)
     out: list[Problem] = []
     for level, count in zip(levels, per_level):
-        out += _draw(seed * 1_000_003 + level, count, [level], None, want_heldout=True,
-                     allow_fewer=allow_fewer)
+        out += _draw(seed * 1_000_003 + level, count, [level], None, want_heldout=True, allow_fewer=allow_fewer)
     return out
 
 

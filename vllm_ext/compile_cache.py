@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 vllm_logger = logging.getLogger("vllm.checkpoint_engine")  # inside vLLM's processes: shown in vLLM's log
 
 
-def _finalize_loading(self, vllm_config) -> None:  # noqa: ARG001 - the hook's signature in vLLM
+def _finalize_loading(self, vllm_config) -> None:
     """Nothing to finalize: torch's inductor artifact is complete once deserialized."""
 
 
@@ -56,6 +56,8 @@ def repair_aot_cache_load() -> bool:
     if not needs_repair(artifact_cls, calls_hook):
         return False
     artifact_cls.finalize_loading = _finalize_loading
-    vllm_logger.info("compile cache: torch's inductor AOT artifacts get vLLM's finalize_loading hook (a no-op), "
-                     "so this engine loads its compiled model from the cache instead of compiling it again")
+    vllm_logger.info(
+        "compile cache: torch's inductor AOT artifacts get vLLM's finalize_loading hook (a no-op), "
+        "so this engine loads its compiled model from the cache instead of compiling it again"
+    )
     return True

@@ -73,8 +73,9 @@ class DirectPlan:
     processed: tuple[str, ...] = ()  # modules re-processed (packed) after loading
 
 
-def plan_direct_reload(*, platform: str, quantization: str | None, lora: bool, tp_size: int,
-                       modules: Iterable[ModuleFacts]) -> DirectPlan:
+def plan_direct_reload(
+    *, platform: str, quantization: str | None, lora: bool, tp_size: int, modules: Iterable[ModuleFacts]
+) -> DirectPlan:
     """Decide whether the direct reload can stand in for vLLM's, and what it touches."""
     if platform != "cpu":
         return DirectPlan(False, f"platform {platform!r}: the direct reload is written for vLLM's CPU backend")
@@ -88,15 +89,17 @@ def plan_direct_reload(*, platform: str, quantization: str | None, lora: bool, t
     for m in modules:
         if m.method == "other":
             if m.num_param_elements > 0:
-                return DirectPlan(False, f"module {m.name!r} has parameters and a quant method the direct "
-                                         "reload does not know")
+                return DirectPlan(
+                    False, f"module {m.name!r} has parameters and a quant method the direct reload does not know"
+                )
             continue  # e.g. attention: no checkpoint weights, nothing to redo
         if m.method == "none":
             continue  # plain parameters (norms): loaded in place, nothing to redo
         if m.weight_removed:
             if not m.has_restore_meta:
-                return DirectPlan(False, f"module {m.name!r}: packed weight without the metadata vLLM records "
-                                         "for reloading")
+                return DirectPlan(
+                    False, f"module {m.name!r}: packed weight without the metadata vLLM records for reloading"
+                )
             staged.append(m.name)
         processed.append(m.name)
     return DirectPlan(True, None, tuple(staged), tuple(processed))
@@ -111,8 +114,15 @@ def model_facts(model: torch.nn.Module) -> list[ModuleFacts]:
     facts = []
     for name, m in model.named_modules():
         qm = getattr(m, "quant_method", None)
-        kind: MethodKind = ("none" if qm is None else "linear" if isinstance(qm, UnquantizedLinearMethod)
-                            else "embedding" if isinstance(qm, UnquantizedEmbeddingMethod) else "other")
+        kind: MethodKind = (
+            "none"
+            if qm is None
+            else "linear"
+            if isinstance(qm, UnquantizedLinearMethod)
+            else "embedding"
+            if isinstance(qm, UnquantizedEmbeddingMethod)
+            else "other"
+        )
         own = [p for p in m._parameters.values() if p is not None]
         weight = m._parameters.get("weight")
         removed = kind == "linear" and weight is not None and weight.numel() == 0
@@ -167,8 +177,13 @@ class _CopyCapture(TorchDispatchMode):
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype and a.device == b.device)
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 class DirectReloader:
@@ -199,8 +214,13 @@ class DirectReloader:
             return
         name, yielded = self._current
         dst, src = copies[0]
-        if (_same_memory(src, loaded_weight) and _same_memory(src, yielded) and dst.shape == src.shape
-                and dst.dtype == src.dtype and dst.is_contiguous()):
+        if (
+            _same_memory(src, loaded_weight)
+            and _same_memory(src, yielded)
+            and dst.shape == src.shape
+            and dst.dtype == src.dtype
+            and dst.is_contiguous()
+        ):
             self._slots[name] = dst
             self._slot_by_ptr[dst.data_ptr()] = dst
 
@@ -309,8 +329,13 @@ def build_direct_reloader(model: torch.nn.Module, vllm_config) -> tuple[DirectRe
         facts = model_facts(model)
     except ImportError as e:  # a vLLM without the layerwise reload metadata
         return None, f"this vLLM lacks what the direct reload needs ({e})"
-    plan = plan_direct_reload(platform=platform, quantization=vllm_config.model_config.quantization,
-                              lora=vllm_config.lora_config is not None, tp_size=tp_size, modules=facts)
+    plan = plan_direct_reload(
+        platform=platform,
+        quantization=vllm_config.model_config.quantization,
+        lora=vllm_config.lora_config is not None,
+        tp_size=tp_size,
+        modules=facts,
+    )
     if not plan.supported:
         return None, plan.reason
     return DirectReloader(model, plan), None

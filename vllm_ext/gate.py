@@ -24,10 +24,29 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-CONTROL_PATHS = ("/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
-                 "/metrics", "/version", "/server_info", "/sleep", "/wake_up", "/is_sleeping")
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-              "transfer-encoding", "upgrade", "host"}
+CONTROL_PATHS = (
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/metrics",
+    "/version",
+    "/server_info",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+)
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+}
 
 
 def weights_loaded(reports: list) -> bool:
@@ -82,8 +101,9 @@ class Gate:
             callbacks, self._on_open = self._on_open, []
         for fn in callbacks:
             fn()
-        logger.info("gate open after %.1f s: weights version %s", self._ready_after_s,
-                    [r.get("version") for r in reports])
+        logger.info(
+            "gate open after %.1f s: weights version %s", self._ready_after_s, [r.get("version") for r in reports]
+        )
         return True
 
     def count_held(self, delta: int) -> None:
@@ -92,15 +112,23 @@ class Gate:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"ready": self._opened.is_set(), "phase": self._phase, "detail": self._detail,
-                    "weights": self._weights, "ready_after_s": self._ready_after_s, "num_held": self._num_held,
-                    "phase_times_s": dict(self._phase_times_s),
-                    "uptime_s": round(time.monotonic() - self._t0, 3)}
+            return {
+                "ready": self._opened.is_set(),
+                "phase": self._phase,
+                "detail": self._detail,
+                "weights": self._weights,
+                "ready_after_s": self._ready_after_s,
+                "num_held": self._num_held,
+                "phase_times_s": dict(self._phase_times_s),
+                "uptime_s": round(time.monotonic() - self._t0, 3),
+            }
 
 
 def not_ready_body(snap: dict) -> dict:
-    msg = (f"the model's weights are not loaded yet (phase: {snap['phase']}: {snap['detail']}); "
-           "generation requests are served once the first weight update has completed")
+    msg = (
+        f"the model's weights are not loaded yet (phase: {snap['phase']}: {snap['detail']}); "
+        "generation requests are served once the first weight update has completed"
+    )
     return {"error": {"message": msg, "type": "ServiceUnavailable", "code": 503, "phase": snap["phase"]}}
 
 
@@ -127,8 +155,7 @@ def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_
                 loop.call_soon_threadsafe(opened.set)
 
         gate.on_open(wake_held_requests)
-        state["client"] = httpx.AsyncClient(base_url=engine_url,
-                                            timeout=httpx.Timeout(proxy_timeout_s, connect=10.0))
+        state["client"] = httpx.AsyncClient(base_url=engine_url, timeout=httpx.Timeout(proxy_timeout_s, connect=10.0))
         try:
             yield
         finally:
@@ -150,25 +177,38 @@ def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_
                 return JSONResponse(not_ready_body(gate.snapshot()), status_code=503, headers={"Retry-After": "5"})
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        upstream = state["client"].build_request(request.method, path, params=request.query_params,
-                                                 headers=headers, content=body)
+        upstream = state["client"].build_request(
+            request.method, path, params=request.query_params, headers=headers, content=body
+        )
         try:
             resp = await state["client"].send(upstream, stream=True)
         except httpx.HTTPError as e:
-            return JSONResponse({"error": {"message": f"engine at {engine_url} unreachable: {type(e).__name__}: {e}",
-                                           "type": "BadGateway", "code": 502}}, status_code=502)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"engine at {engine_url} unreachable: {type(e).__name__}: {e}",
+                        "type": "BadGateway",
+                        "code": 502,
+                    }
+                },
+                status_code=502,
+            )
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
         if path == "/collective_rpc":
             data = await resp.aread()
             await resp.aclose()
             _observe_rpc(gate, body, resp.status_code, data)
             return Response(data, status_code=resp.status_code, headers=out_headers)
-        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=out_headers,
-                                 background=BackgroundTask(resp.aclose))
+        return StreamingResponse(
+            resp.aiter_raw(), status_code=resp.status_code, headers=out_headers, background=BackgroundTask(resp.aclose)
+        )
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
-    routes = [Route("/launcher/status", status, methods=["GET"]), Route("/health", health, methods=["GET"]),
-              Route("/{path:path}", proxy, methods=methods)]
+    routes = [
+        Route("/launcher/status", status, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/{path:path}", proxy, methods=methods),
+    ]
     return Starlette(routes=routes, lifespan=lifespan)
 
 

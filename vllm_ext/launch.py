@@ -37,8 +37,14 @@ from checkpoint_engine.procs import die_with_parent
 logger = logging.getLogger(__name__)
 
 EXTENSION = "vllm_ext.worker.VllmColocateWorkerExtension"
-RESERVED_VLLM_FLAGS = ("--load-format", "--worker-extension-cls", "--host", "--port", "--additional-config",
-                       "--model-loader-extra-config")
+RESERVED_VLLM_FLAGS = (
+    "--load-format",
+    "--worker-extension-cls",
+    "--host",
+    "--port",
+    "--additional-config",
+    "--model-loader-extra-config",
+)
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,10 @@ class LaunchConfig:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
         tp = tensor_parallel_size(self.vllm_args)
         if self.initial_push and self.initial_mode == "load" and tp != 1:
-            raise ValueError(f"initial_mode 'load' feeds one tensor-parallel rank from one parameter-server rank, "
-                             f"got --tensor-parallel-size {tp}; use initial_mode 'push' or an external PS")
+            raise ValueError(
+                f"initial_mode 'load' feeds one tensor-parallel rank from one parameter-server rank, "
+                f"got --tensor-parallel-size {tp}; use initial_mode 'push' or an external PS"
+            )
         clash = [a for a in self.vllm_args if a.split("=")[0] in RESERVED_VLLM_FLAGS]
         if clash:
             raise ValueError(f"vllm_args must not set {clash}: the launcher sets {list(RESERVED_VLLM_FLAGS)}")
@@ -134,22 +142,41 @@ def engine_settings(cfg: LaunchConfig) -> dict:
     from vllm_ext.settings import ReceiverConfig  # no torch: vLLM is spawned before anything heavy loads
 
     defaults = ReceiverConfig()
-    wanted = {"timeout_s": float(cfg.engine_timeout_s), "reload_mode": cfg.reload_mode,
-              "weight_cache": cfg.weight_cache, "reload_impl": cfg.reload_impl}
+    wanted = {
+        "timeout_s": float(cfg.engine_timeout_s),
+        "reload_mode": cfg.reload_mode,
+        "weight_cache": cfg.weight_cache,
+        "reload_impl": cfg.reload_impl,
+    }
     return {k: v for k, v in wanted.items() if v != getattr(defaults, k)}
 
 
 def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = None) -> list[str]:
     """`vllm serve` behind the gate: loading from the PS at `rendezvous`, else with dummy weights."""
-    cmd = [sys.executable, "-m", "vllm_ext.serve", "serve", cfg.model, "--host", "127.0.0.1",
-           "--port", str(engine_port), "--worker-extension-cls", EXTENSION]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_ext.serve",
+        "serve",
+        cfg.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(engine_port),
+        "--worker-extension-cls",
+        EXTENSION,
+    ]
     if rendezvous is None:
         cmd += ["--load-format", "dummy"]
     else:
         from vllm_ext.loader import LOAD_FORMAT
 
-        cmd += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config",
-                json.dumps({"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)})]
+        cmd += [
+            "--load-format",
+            LOAD_FORMAT,
+            "--model-loader-extra-config",
+            json.dumps({"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)}),
+        ]
     settings = engine_settings(cfg)
     if settings:
         cmd += ["--additional-config", json.dumps({"checkpoint_engine": settings})]
@@ -216,8 +243,9 @@ class Launcher:
         from vllm_ext.gate import make_app
 
         app = make_app(self.gate, self.engine_url, wait_s=self.cfg.gate_wait_s)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port,
-                                                     log_level="warning", lifespan="on"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="on")
+        )
         threading.Thread(target=self._server.run, daemon=True, name="gate").start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -246,10 +274,14 @@ class Launcher:
             from checkpoint_engine.ps import ParameterServer
 
             t0 = time.perf_counter()
-            update = UpdateConfig(bucket_size_bytes=self.cfg.bucket_size_bytes, req_func_timeout_s=self.cfg.push_timeout_s,
-                                  engine_timeout_s=self.cfg.push_timeout_s)
-            ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport=self.cfg.transport,
-                                                                                   update=update))
+            update = UpdateConfig(
+                bucket_size_bytes=self.cfg.bucket_size_bytes,
+                req_func_timeout_s=self.cfg.push_timeout_s,
+                engine_timeout_s=self.cfg.push_timeout_s,
+            )
+            ps = ParameterServer(
+                rank=0, world_size=1, config=ParameterServerConfig(transport=self.cfg.transport, update=update)
+            )
             ps.register_checkpoint(self.cfg.name, files=model_safetensors_files(self.cfg.model))
             ps.gather_metas(self.cfg.name)
             self._ps = ps
@@ -279,15 +311,20 @@ class Launcher:
                 raise TimeoutError(f"registering the checkpoint took more than {self.cfg.startup_timeout_s:.0f} s")
             if self._ps_error is not None:
                 raise RuntimeError(f"registering {self.cfg.model} failed: {self._ps_error}") from self._ps_error
-            alive = lambda: self.proc is not None and self.proc.poll() is None  # noqa: E731
+            alive = lambda: self.proc is not None and self.proc.poll() is None
             wait_for_loader(self.rendezvous, timeout_s=self.cfg.startup_timeout_s, is_alive=alive)
             self.gate.set_phase("loading_weights", f"vLLM's load step receives checkpoint {self.cfg.name!r}")
             engine: dict = {}
-            metrics = self._ps.update(self.cfg.name, loader_req_func(self.rendezvous, timeout_s=self.cfg.push_timeout_s,
-                                                                     is_alive=alive, result=engine)).to_dict()
+            metrics = self._ps.update(
+                self.cfg.name,
+                loader_req_func(self.rendezvous, timeout_s=self.cfg.push_timeout_s, is_alive=alive, result=engine),
+            ).to_dict()
             self._load_report = engine
-            self._load_metrics = {**metrics, "engine_version": engine.get("version"),
-                                  "engine_side": engine.get("last_update")}
+            self._load_metrics = {
+                **metrics,
+                "engine_version": engine.get("version"),
+                "engine_side": engine.get("last_update"),
+            }
             # vLLM copied the weights into its own parameters: give the host copy back now, before vLLM
             # allocates its KV cache (on a VM that backs memory lazily, fresh pages cost ~4x to touch).
             self.release_ps()
@@ -332,9 +369,12 @@ class Launcher:
                 raise TimeoutError(f"vLLM's load step did not end within {bound_s:.0f} s")
             if self._load_error is not None:
                 raise RuntimeError(f"loading the weights into vLLM failed: {self._load_error}") from self._load_error
-        waited_s = wait_until_healthy(self.engine_url, timeout_s=self.cfg.startup_timeout_s,
-                                      is_alive=lambda: self.proc.poll() is None,
-                                      interval_s=0.02 if self.rendezvous is not None else 0.1)
+        waited_s = wait_until_healthy(
+            self.engine_url,
+            timeout_s=self.cfg.startup_timeout_s,
+            is_alive=lambda: self.proc.poll() is None,
+            interval_s=0.02 if self.rendezvous is not None else 0.1,
+        )
         logger.info("engine healthy after %.1f s", waited_s)
         if self.rendezvous is not None:
             # The load step's own report (version 1) opens the gate at once; the workers' report then
@@ -393,36 +433,59 @@ class Launcher:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vllm_ext.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_ext.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="HF model directory (safetensors)")
     p.add_argument("--host", default="127.0.0.1", help="public address of the gate")
     p.add_argument("--port", type=int, default=8000, help="public port (OpenAI API, gated)")
     p.add_argument("--engine-port", type=int, default=None, help="vLLM's internal port (default: a free one)")
     p.add_argument("--checkpoint-name", default=None)
-    p.add_argument("--no-initial-push", action="store_true",
-                   help="do not load the checkpoint; open the gate when an external PS pushes weights")
-    p.add_argument("--initial-mode", choices=["load", "push"], default="load",
-                   help="load: vLLM's load step receives the weights from the parameter server (load format "
-                        "checkpoint_engine); push: vLLM starts with dummy weights, pushed once it is healthy")
-    p.add_argument("--gate-wait-s", type=float, default=0.0,
-                   help="hold requests that arrive before the weights this long (0: refuse at once with 503)")
+    p.add_argument(
+        "--no-initial-push",
+        action="store_true",
+        help="do not load the checkpoint; open the gate when an external PS pushes weights",
+    )
+    p.add_argument(
+        "--initial-mode",
+        choices=["load", "push"],
+        default="load",
+        help="load: vLLM's load step receives the weights from the parameter server (load format "
+        "checkpoint_engine); push: vLLM starts with dummy weights, pushed once it is healthy",
+    )
+    p.add_argument(
+        "--gate-wait-s",
+        type=float,
+        default=0.0,
+        help="hold requests that arrive before the weights this long (0: refuse at once with 503)",
+    )
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--push-timeout-s", type=float, default=600.0)
     p.add_argument("--engine-timeout-s", type=float, default=600.0, help="engine-side deadline per PS message")
     p.add_argument("--reload-mode", choices=["streaming", "end"], default="streaming")
-    p.add_argument("--no-weight-cache", action="store_true",
-                   help="the engine keeps no host copy of the weights (saves the model's size in memory and a "
-                        "copy per update; no weights checksum, no fill-in of previous values after an abort)")
-    p.add_argument("--reload-impl", choices=["auto", "direct", "vllm"], default="auto",
-                   help="engine-side reload: direct (CPU backend, unquantized, one TP rank: vLLM's loaders and "
-                        "packing without its layerwise bookkeeping), vllm (vLLM's reload_weights), auto (direct "
-                        "where it applies)")
+    p.add_argument(
+        "--no-weight-cache",
+        action="store_true",
+        help="the engine keeps no host copy of the weights (saves the model's size in memory and a "
+        "copy per update; no weights checksum, no fill-in of previous values after an abort)",
+    )
+    p.add_argument(
+        "--reload-impl",
+        choices=["auto", "direct", "vllm"],
+        default="auto",
+        help="engine-side reload: direct (CPU backend, unquantized, one TP rank: vLLM's loaders and "
+        "packing without its layerwise bookkeeping), vllm (vLLM's reload_weights), auto (direct "
+        "where it applies)",
+    )
     p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bucket-size-bytes", type=int, default=None)
-    p.add_argument("--register-nice", type=int, default=19,
-                   help="CPU niceness of the checkpoint registration running beside vLLM's start (0..19; "
-                        "19: SCHED_IDLE, only CPU time vLLM leaves idle)")
+    p.add_argument(
+        "--register-nice",
+        type=int,
+        default=19,
+        help="CPU niceness of the checkpoint registration running beside vLLM's start (0..19; "
+        "19: SCHED_IDLE, only CPU time vLLM leaves idle)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after `--`: arguments for `vllm serve`")
     return p
@@ -431,15 +494,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     vllm_args = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
-    cfg = LaunchConfig(model=args.model, host=args.host, port=args.port, engine_port=args.engine_port,
-                       checkpoint_name=args.checkpoint_name, initial_push=not args.no_initial_push,
-                       initial_mode=args.initial_mode,
-                       gate_wait_s=args.gate_wait_s, startup_timeout_s=args.startup_timeout_s,
-                       push_timeout_s=args.push_timeout_s, engine_timeout_s=args.engine_timeout_s,
-                       reload_mode=args.reload_mode, weight_cache=not args.no_weight_cache, transport=args.transport,
-                       reload_impl=args.reload_impl,
-                       bucket_size_bytes=args.bucket_size_bytes, register_nice=args.register_nice,
-                       vllm_args=vllm_args)
+    cfg = LaunchConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        engine_port=args.engine_port,
+        checkpoint_name=args.checkpoint_name,
+        initial_push=not args.no_initial_push,
+        initial_mode=args.initial_mode,
+        gate_wait_s=args.gate_wait_s,
+        startup_timeout_s=args.startup_timeout_s,
+        push_timeout_s=args.push_timeout_s,
+        engine_timeout_s=args.engine_timeout_s,
+        reload_mode=args.reload_mode,
+        weight_cache=not args.no_weight_cache,
+        transport=args.transport,
+        reload_impl=args.reload_impl,
+        bucket_size_bytes=args.bucket_size_bytes,
+        register_nice=args.register_nice,
+        vllm_args=vllm_args,
+    )
     from checkpoint_engine.logs import setup_logging
 
     setup_logging(args.log_level)

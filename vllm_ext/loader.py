@@ -65,14 +65,18 @@ class LoaderSettings:
         if unknown:
             raise ValueError(f"unknown {LOAD_FORMAT} loader setting(s) {unknown}; known: {sorted(known)}")
         if "rendezvous" not in d:
-            raise ValueError(f"load format {LOAD_FORMAT!r} needs --model-loader-extra-config "
-                             "'{\"rendezvous\": \"ipc://PATH\"}' (where the parameter server will reach the engine)")
+            raise ValueError(
+                f"load format {LOAD_FORMAT!r} needs --model-loader-extra-config "
+                '\'{"rendezvous": "ipc://PATH"}\' (where the parameter server will reach the engine)'
+            )
         return cls(**d)
 
     def address(self, tp_rank: int, tp_size: int) -> str:
         if tp_size > 1 and "{rank}" not in self.rendezvous:
-            raise ValueError(f"with {tp_size} tensor-parallel ranks the rendezvous needs a '{{rank}}' placeholder, "
-                             f"got {self.rendezvous!r}")
+            raise ValueError(
+                f"with {tp_size} tensor-parallel ranks the rendezvous needs a '{{rank}}' placeholder, "
+                f"got {self.rendezvous!r}"
+            )
         return self.rendezvous.replace("{rank}", str(tp_rank))
 
 
@@ -88,14 +92,16 @@ def parse_request(raw: bytes) -> dict:
         raise ValueError(f"request must be a JSON object with op 'hello' or 'load', got {str(msg)[:200]}")
     if msg["op"] == "load":
         handles = msg.get("zmq_handles")
-        if (not isinstance(handles, dict) or not handles
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in handles.items())):
+        if (
+            not isinstance(handles, dict)
+            or not handles
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in handles.items())
+        ):
             raise ValueError(f"'load' needs zmq_handles, a non-empty {{device_id: address}} object, got {handles!r}")
     return msg
 
 
-def serve_initial_load(address: str, receive: Callable[[dict[str, str]], dict], *, timeout_s: float,
-                       ctx=None) -> dict:
+def serve_initial_load(address: str, receive: Callable[[dict[str, str]], dict], *, timeout_s: float, ctx=None) -> dict:
     """Engine side: answer hellos, run `receive(zmq_handles)` for the first valid load request, reply.
 
     Returns receive's report. Raises TimeoutError when no load request came within `timeout_s`
@@ -161,8 +167,9 @@ def _request(address: str, msg: dict, *, timeout_s: float, is_alive: Callable[[]
             if is_alive is not None and not is_alive():
                 raise LoaderRendezvousError(f"the engine exited before its load step answered {msg['op']!r}")
             if time.monotonic() > deadline:
-                raise LoaderRendezvousError(f"the engine's load step at {address} did not answer {msg['op']!r} "
-                                            f"within {timeout_s:.0f} s")
+                raise LoaderRendezvousError(
+                    f"the engine's load step at {address} did not answer {msg['op']!r} within {timeout_s:.0f} s"
+                )
         raw = sock.recv()
     finally:
         sock.close()
@@ -181,16 +188,18 @@ def wait_for_loader(address: str, *, timeout_s: float, is_alive: Callable[[], bo
     _request(address, {"op": "hello"}, timeout_s=timeout_s, is_alive=is_alive)
 
 
-def loader_req_func(address: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None,
-                    result: dict | None = None) -> Callable[[Sequence[tuple[str, str]]], None]:
+def loader_req_func(
+    address: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None, result: dict | None = None
+) -> Callable[[Sequence[tuple[str, str]]], None]:
     """req_func for `ps.update` that hands the PS's sockets to an engine waiting in its load step.
 
     One PS rank per engine (TP = 1). `result`, if given, receives the engine's report.
     """
 
     def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
-        answer = _request(address, {"op": "load", "zmq_handles": dict(socket_paths)}, timeout_s=timeout_s,
-                          is_alive=is_alive)
+        answer = _request(
+            address, {"op": "load", "zmq_handles": dict(socket_paths)}, timeout_s=timeout_s, is_alive=is_alive
+        )
         if result is not None:
             result.update(answer.get("report") or {})
 
@@ -286,8 +295,10 @@ def _loader_class():
                 report = receiver.receive(handle, device.index if is_cuda else None)
                 missing = missing_parameters([n for n, _ in model.named_parameters()], loaded)
                 if missing:
-                    raise ValueError(f"checkpoint {report.get('checkpoint')!r} has no weights for {len(missing)} "
-                                     f"parameter(s) of the model, e.g. {missing[:5]}")
+                    raise ValueError(
+                        f"checkpoint {report.get('checkpoint')!r} has no weights for {len(missing)} "
+                        f"parameter(s) of the model, e.g. {missing[:5]}"
+                    )
                 return report
 
             report = serve_initial_load(address, receive, timeout_s=self.settings.timeout_s)
@@ -296,11 +307,18 @@ def _loader_class():
             receiver.config = config  # later updates run under the engine's settings
             _keep_initial_receiver(receiver)
             last = report.get("last_update") or {}
-            vllm_logger.info("checkpoint %r from the parameter server: set-up %.2f s (%.2f GiB of parameters "
-                             "prefaulted), waited %.2f s, loaded %d tensors in %.2f s (mapping and transfer %.2f s, "
-                             "loaders %.2f s)", report.get("checkpoint"), t_ready - t_enter, prefault_bytes / 2**30,
-                             t_request[0] - t_ready, len(loaded), time.perf_counter() - t_request[0],
-                             last.get("transfer_s") or 0.0, last.get("reload_tail_s") or 0.0)
+            vllm_logger.info(
+                "checkpoint %r from the parameter server: set-up %.2f s (%.2f GiB of parameters "
+                "prefaulted), waited %.2f s, loaded %d tensors in %.2f s (mapping and transfer %.2f s, "
+                "loaders %.2f s)",
+                report.get("checkpoint"),
+                t_ready - t_enter,
+                prefault_bytes / 2**30,
+                t_request[0] - t_ready,
+                len(loaded),
+                time.perf_counter() - t_request[0],
+                last.get("transfer_s") or 0.0,
+                last.get("reload_tail_s") or 0.0,
+            )
 
     return CheckpointEngineLoader
-

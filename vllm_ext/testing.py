@@ -36,15 +36,23 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: flo
     return status_json(method, url, body, timeout_s=timeout_s)
 
 
-def post_completions(base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *,
-                     timeout_s: float = 120.0) -> tuple[int, dict]:
-    body = {"model": model, "prompt": list(prompts), "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
+def post_completions(
+    base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *, timeout_s: float = 120.0
+) -> tuple[int, dict]:
+    body = {
+        "model": model,
+        "prompt": list(prompts),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     return http_json("POST", base_url.rstrip("/") + "/v1/completions", body, timeout_s=timeout_s)
 
 
-def completion_token_ids(base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *,
-                         timeout_s: float = 120.0) -> list[list[int]]:
+def completion_token_ids(
+    base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *, timeout_s: float = 120.0
+) -> list[list[int]]:
     """Greedy completions' token ids, in prompt order; RuntimeError on any non-200 answer."""
     status, body = post_completions(base_url, model, prompts, max_tokens, timeout_s=timeout_s)
     if status != 200:
@@ -60,8 +68,15 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=env or child_env(), cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env or child_env(),
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -72,8 +87,9 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def wait_for(self, path: str, *, timeout_s: float, ok=lambda status, body: status == 200,
-                 base_url: str | None = None) -> dict:
+    def wait_for(
+        self, path: str, *, timeout_s: float, ok=lambda status, body: status == 200, base_url: str | None = None
+    ) -> dict:
         """Poll GET base_url+path (default: this server's url) while this process lives, until
         `ok(status, body)`; return the body."""
         url = (base_url or self.url) + path
@@ -106,14 +122,36 @@ class ServerProcess:
 class LaunchedServer(ServerProcess):
     """`python -m vllm_ext.launch` on a free public port."""
 
-    def __init__(self, model_dir: str | Path, log_path: Path, *, initial_push: bool = True, gate_wait_s: float = 0.0,
-                 engine_timeout_s: float = 600.0, reload_mode: str = "streaming", extra: Sequence[str] = (),
-                 vllm_args: Sequence[str] = CPU_ENGINE_ARGS):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        log_path: Path,
+        *,
+        initial_push: bool = True,
+        gate_wait_s: float = 0.0,
+        engine_timeout_s: float = 600.0,
+        reload_mode: str = "streaming",
+        extra: Sequence[str] = (),
+        vllm_args: Sequence[str] = CPU_ENGINE_ARGS,
+    ):
         self.model = str(model_dir)
         self.port = free_port()
-        cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", self.model, "--port", str(self.port),
-               "--gate-wait-s", str(gate_wait_s), "--engine-timeout-s", str(engine_timeout_s),
-               "--reload-mode", reload_mode, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_ext.launch",
+            "--model",
+            self.model,
+            "--port",
+            str(self.port),
+            "--gate-wait-s",
+            str(gate_wait_s),
+            "--engine-timeout-s",
+            str(engine_timeout_s),
+            "--reload-mode",
+            reload_mode,
+            *extra,
+        ]
         if not initial_push:
             cmd.append("--no-initial-push")
         super().__init__([*cmd, "--", *vllm_args], f"http://127.0.0.1:{self.port}", log_path)
@@ -134,13 +172,31 @@ class LaunchedServer(ServerProcess):
         return engine_url
 
 
-def vllm_serve_command(model_dir: str | Path, port: int, *, vllm_args: Sequence[str] = CPU_ENGINE_ARGS,
-                       load_format: str = "auto", additional_config: dict | None = None,
-                       extension: bool = True) -> list[str]:
+def vllm_serve_command(
+    model_dir: str | Path,
+    port: int,
+    *,
+    vllm_args: Sequence[str] = CPU_ENGINE_ARGS,
+    load_format: str = "auto",
+    additional_config: dict | None = None,
+    extension: bool = True,
+) -> list[str]:
     """`vllm serve` (through vllm_ext.serve) loading the checkpoint itself; with the worker extension
     unless `extension` is False (vLLM exactly as a user without this project runs it)."""
-    cmd = [sys.executable, "-m", "vllm_ext.serve", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--load-format", load_format, *vllm_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_ext.serve",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        load_format,
+        *vllm_args,
+    ]
     if extension:
         cmd += ["--worker-extension-cls", EXTENSION]
     if additional_config:
@@ -148,16 +204,37 @@ def vllm_serve_command(model_dir: str | Path, port: int, *, vllm_args: Sequence[
     return cmd
 
 
-def start_push_ranks(model_dir: str | Path, engine_urls: Sequence[str], log_dir: Path, *,
-                     bucket_size_bytes: int | None = None, timeout_s: float = 60.0, tag: str = "push") -> list[ServerProcess]:
+def start_push_ranks(
+    model_dir: str | Path,
+    engine_urls: Sequence[str],
+    log_dir: Path,
+    *,
+    bucket_size_bytes: int | None = None,
+    timeout_s: float = 60.0,
+    tag: str = "push",
+) -> list[ServerProcess]:
     """One `python -m vllm_ext.push` process per engine (rank r -> engine r), rendezvous on a free port."""
     port = free_port()
     world = len(engine_urls)
     procs = []
     for rank in range(world):
-        cmd = [sys.executable, "-m", "vllm_ext.push", "--model", str(model_dir), "--rank", str(rank),
-               "--world-size", str(world), "--master-port", str(port), "--timeout-s", str(timeout_s),
-               "--transport", "cpu"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_ext.push",
+            "--model",
+            str(model_dir),
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(world),
+            "--master-port",
+            str(port),
+            "--timeout-s",
+            str(timeout_s),
+            "--transport",
+            "cpu",
+        ]
         for url in engine_urls:
             cmd += ["--engine-url", url]
         if bucket_size_bytes is not None:
@@ -176,7 +253,7 @@ def wait_all(procs: Sequence[ServerProcess], timeout_s: float) -> list[tuple[int
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.stop(5)
-            raise AssertionError(f"processes still running after {timeout_s:.0f} s:\n{p.log_tail()}")
+            raise AssertionError(f"processes still running after {timeout_s:.0f} s:\n{p.log_tail()}") from None
         p.stop()
         lines = [ln for ln in p.log_tail(20000).splitlines() if ln.startswith("{")]
         out.append((p.proc.returncode, lines[-1] if lines else p.log_tail()))

@@ -45,9 +45,7 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 VOCAB_SIZE = 128
 # Every printable ASCII character (space included), plus newline and tab.
-CHARACTERS: tuple[str, ...] = ("\n", "\t") + tuple(
-    c for c in string.printable if c not in "\n\t\r\x0b\x0c"
-)
+CHARACTERS: tuple[str, ...] = ("\n", "\t") + tuple(c for c in string.printable if c not in "\n\t\r\x0b\x0c")
 _HIDDEN_SIZE_LADDER = (256, 512, 1024, 2048, 4096)
 _HEAD_DIM = 64
 
@@ -90,15 +88,24 @@ class TinyModelConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads",
-                     "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             check_int(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
-                             f"num_attention_heads={self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         if not (self.init_std > 0 and math.isfinite(self.init_std)):
@@ -107,12 +114,12 @@ class TinyModelConfig:
             raise ValueError(f"rope_theta={self.rope_theta!r} must be positive")
 
     @classmethod
-    def tiny(cls, **overrides) -> "TinyModelConfig":
+    def tiny(cls, **overrides) -> TinyModelConfig:
         """The RL policy: 4 layers, 256 wide, 4 heads of 64, 2 KV heads (4.0M params)."""
         return cls(**overrides)
 
     @classmethod
-    def for_size_bytes(cls, size_bytes: int, dtype: DType = "bfloat16", **overrides) -> "TinyModelConfig":
+    def for_size_bytes(cls, size_bytes: int, dtype: DType = "bfloat16", **overrides) -> TinyModelConfig:
         """A config whose safetensors payload is about ``size_bytes`` (within a few %).
 
         Keeps the vocabulary tiny; picks the widest hidden size that still allows 8 layers,
@@ -133,9 +140,14 @@ class TinyModelConfig:
         budget = (num_params - fixed) / num_layers - _layer_params(hidden, 0)
         intermediate = max(64, int(round(budget / (3 * hidden) / 64)) * 64)
         heads = hidden // _HEAD_DIM
-        fields = dict(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
-                      num_key_value_heads=max(1, heads // 4), intermediate_size=intermediate,
-                      dtype=dtype)
+        fields = dict(
+            num_layers=num_layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 4),
+            intermediate_size=intermediate,
+            dtype=dtype,
+        )
         fields.update(overrides)
         return cls(**fields)
 
@@ -200,15 +212,22 @@ def param_shapes(config: TinyModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB_SIZE, h)}
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.q_proj.bias": (h,),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (VOCAB_SIZE, h)
@@ -248,8 +267,10 @@ def _byte_level_char(char: str) -> str:
 # byte-level BPE with this pre-tokenizer, whatever tokenizer.json says. Our tokenizer.json
 # uses the same pipeline (BPE without merges = one token per character), so transformers,
 # vLLM and the raw `tokenizers` file all agree.
-_QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
-                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def build_tokenizer():
@@ -259,23 +280,24 @@ def build_tokenizer():
     token; characters outside the vocabulary (non-ASCII) are dropped. The reserved filler
     tokens are special, so ``decode(..., skip_special_tokens=True)`` drops them.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     vocab = {}
     for index, token in enumerate(vocabulary()):
         is_char = token in CHARACTERS
         vocab[_byte_level_char(token) if is_char else token] = index
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False,
-                               byte_fallback=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, BOS_ID)])
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, BOS_ID)]
+    )
     specials = [t for t in vocabulary() if t not in CHARACTERS]  # reserved fillers included
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tok
@@ -286,32 +308,46 @@ def save_tokenizer(out_dir: str | pathlib.Path, max_length: int = 512) -> None:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer().save(str(out / "tokenizer.json"))
-    specials = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
-                "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}
-    tok_config = dict(specials, tokenizer_class="Qwen2Tokenizer",
-                      model_max_length=max_length, clean_up_tokenization_spaces=False,
-                      add_bos_token=True, add_eos_token=False, padding_side="left")
+    specials = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}
+    tok_config = dict(
+        specials,
+        tokenizer_class="Qwen2Tokenizer",
+        model_max_length=max_length,
+        clean_up_tokenization_spaces=False,
+        add_bos_token=True,
+        add_eos_token=False,
+        padding_side="left",
+    )
     _write_json(out / "tokenizer_config.json", tok_config)
     _write_json(out / "special_tokens_map.json", specials)
 
 
-def write_model_dir(out_dir: str | pathlib.Path, config: TinyModelConfig,
-                    state_dict: dict[str, torch.Tensor], *,
-                    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> pathlib.Path:
+def write_model_dir(
+    out_dir: str | pathlib.Path,
+    config: TinyModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
+) -> pathlib.Path:
     """Write config, generation config, tokenizer and (sharded) safetensors for ``state_dict``."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config.hf_config())
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
+    _write_json(
+        out / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    )
     save_tokenizer(out, max_length=config.max_position_embeddings)
     write_safetensors(out, state_dict, max_shard_size_bytes=max_shard_size_bytes)
     return out
 
 
-def make_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig | None = None, *,
-                    seed: int | None = None,
-                    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> pathlib.Path:
+def make_tiny_model(
+    out_dir: str | pathlib.Path,
+    config: TinyModelConfig | None = None,
+    *,
+    seed: int | None = None,
+    max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
+) -> pathlib.Path:
     """Write a HF model directory with random weights (deterministic from ``seed``).
 
     ``seed=None`` uses ``config.seed`` (0 by default). Returns the directory path.
@@ -319,8 +355,13 @@ def make_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig | None 
     config = TinyModelConfig.tiny() if config is None else config
     state = random_state_dict(config, seed)
     out = write_model_dir(out_dir, config, state, max_shard_size_bytes=max_shard_size_bytes)
-    logger.info("wrote tiny model (%d params, %.1f MiB %s) to %s",
-                config.num_params(), config.size_bytes() / 2**20, config.dtype, out)
+    logger.info(
+        "wrote tiny model (%d params, %.1f MiB %s) to %s",
+        config.num_params(),
+        config.size_bytes() / 2**20,
+        config.dtype,
+        out,
+    )
     return out
 
 

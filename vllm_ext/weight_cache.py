@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 def checkpoint_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> str:
     """Hex digest of a checkpoint: SHA-256 over (name, dtype, shape, CRC-32 of bytes), in name order."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    records = sorted((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t))
-                     for name, t in items)
+    records = sorted(
+        (name, str(t.dtype).removeprefix("torch."), tuple(t.shape), tensor_checksum(t)) for name, t in items
+    )
     h = hashlib.sha256()
     for name, dtype, shape, crc in records:
         h.update(f"{name}\0{dtype}\0{','.join(map(str, shape))}\0{crc:08x}\n".encode())

@@ -13,7 +13,8 @@ Weights go through the model runner's reload path (`reload_weights(weights_itera
 redoes repacking and quantization processing; plain `model.load_weights` breaks on CPU once the
 linear weights have been repacked. On vLLM's CPU backend with an unquantized model (one TP rank),
 `reload_impl: "auto"` (the default) uses `vllm_ext.direct_reload` instead: the same loaders and
-packing without the layerwise bookkeeping, allocations and copies (`"vllm"` forces vLLM's reload). Settings come from vLLM's additional config:
+packing without the layerwise bookkeeping, allocations and copies (`"vllm"` forces vLLM's reload).
+Settings come from vLLM's additional config:
 `--additional-config '{"checkpoint_engine": {"timeout_s": 600, "reload_mode": "streaming"}}'`.
 
 vLLM refuses an extension whose attribute names exist on the worker class, so every helper here
@@ -44,8 +45,7 @@ def select_handle(zmq_handles: Mapping[str, str], *, device_uuid: str | None, tp
         return handles[0]
     if 0 <= tp_rank < len(handles):
         return handles[tp_rank]
-    raise ValueError(f"no handle for this worker (device {device_uuid}, tp rank {tp_rank}) among "
-                     f"{sorted(zmq_handles)}")
+    raise ValueError(f"no handle for this worker (device {device_uuid}, tp rank {tp_rank}) among {sorted(zmq_handles)}")
 
 
 class VllmColocateWorkerExtension:
@@ -80,10 +80,13 @@ class VllmColocateWorkerExtension:
         direct = getattr(self, "_ckpt_engine_direct_obj", None)
         stats = direct.last_stats if direct is not None else None
         decided = hasattr(self, "_ckpt_engine_direct_obj")  # on the first update
-        report.update(reload_impl=None if not decided else "vllm" if direct is None else "direct",
-                      reload_impl_note=getattr(self, "_ckpt_engine_impl_note", None),
-                      direct_reload_last=None if stats is None else {
-                          k: round(v, 4) if isinstance(v, float) else v for k, v in stats.__dict__.items()})
+        report.update(
+            reload_impl=None if not decided else "vllm" if direct is None else "direct",
+            reload_impl_note=getattr(self, "_ckpt_engine_impl_note", None),
+            direct_reload_last=None
+            if stats is None
+            else {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.__dict__.items()},
+        )
         return report
 
     def weights_checksum(self) -> dict:
@@ -101,18 +104,24 @@ class VllmColocateWorkerExtension:
 
             receiver = take_initial_receiver()  # the load step received the weights (load format checkpoint_engine)
             if receiver is not None:
-                receiver.rebind(self._ckpt_engine_reload, recover_fn=self._ckpt_engine_recover,
-                                cache_slots_fn=self._ckpt_engine_cache_slots)
+                receiver.rebind(
+                    self._ckpt_engine_reload,
+                    recover_fn=self._ckpt_engine_recover,
+                    cache_slots_fn=self._ckpt_engine_cache_slots,
+                )
                 self._ckpt_engine_receiver_obj = receiver
                 logger.info("checkpoint-engine receiver taken over from the load step (%s)", receiver.config)
                 return receiver
             extra = getattr(self.vllm_config, "additional_config", None) or {}
             settings = extra.get("checkpoint_engine") if isinstance(extra, Mapping) else None
             dummy = str(getattr(self.vllm_config.load_config, "load_format", "")) == "dummy"
-            receiver = WeightReceiver(self._ckpt_engine_reload, recover_fn=self._ckpt_engine_recover,
-                                      config=ReceiverConfig.from_dict(settings),
-                                      initial_weights="dummy" if dummy else "checkpoint",
-                                      cache_slots_fn=self._ckpt_engine_cache_slots)
+            receiver = WeightReceiver(
+                self._ckpt_engine_reload,
+                recover_fn=self._ckpt_engine_recover,
+                config=ReceiverConfig.from_dict(settings),
+                initial_weights="dummy" if dummy else "checkpoint",
+                cache_slots_fn=self._ckpt_engine_cache_slots,
+            )
             self._ckpt_engine_receiver_obj = receiver
             logger.info("checkpoint-engine receiver ready (%s)", receiver.config)
         return receiver
@@ -145,11 +154,14 @@ class VllmColocateWorkerExtension:
             if direct is None and impl == "direct":
                 raise RuntimeError(f"reload_impl 'direct' does not apply to this engine: {why}")
         self._ckpt_engine_direct_obj = direct
-        self._ckpt_engine_impl_note = (f"{len(direct.plan.processed)} layers packed directly, "
-                                       f"{len(direct.plan.staged)} with staging weights" if direct is not None
-                                       else why)
-        logger.info("checkpoint-engine reload: %s (%s)", "direct" if direct is not None else "vllm",
-                    self._ckpt_engine_impl_note)
+        self._ckpt_engine_impl_note = (
+            f"{len(direct.plan.processed)} layers packed directly, {len(direct.plan.staged)} with staging weights"
+            if direct is not None
+            else why
+        )
+        logger.info(
+            "checkpoint-engine reload: %s (%s)", "direct" if direct is not None else "vllm", self._ckpt_engine_impl_note
+        )
         return direct
 
     def _ckpt_engine_clear_kv_cache(self) -> int:

@@ -53,7 +53,7 @@ def extract_after_marker(*markers: str) -> AnswerExtractor:
         matches = list(pattern.finditer(text))
         if not matches:
             return None
-        answer = text[matches[-1].end():].split("\n", 1)[0].strip()
+        answer = text[matches[-1].end() :].split("\n", 1)[0].strip()
         return answer or None
 
     return extract

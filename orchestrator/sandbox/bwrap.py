@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .config import MIB, SandboxConfig
 
@@ -26,9 +26,13 @@ RUNNER_DIR = "/sandbox/runner"
 WORK_DIR = "/tmp"
 
 
-def system_mount_args(paths: Sequence[str], *, exists: Callable[[str], bool] = os.path.lexists,
-                      is_link: Callable[[str], bool] = os.path.islink,
-                      readlink: Callable[[str], str] = os.readlink) -> list[str]:
+def system_mount_args(
+    paths: Sequence[str],
+    *,
+    exists: Callable[[str], bool] = os.path.lexists,
+    is_link: Callable[[str], bool] = os.path.islink,
+    readlink: Callable[[str], str] = os.readlink,
+) -> list[str]:
     """Read-only binds of host system paths; top-level symlinks (/bin -> usr/bin) stay symlinks."""
     args: list[str] = []
     for path in paths:
@@ -43,17 +47,29 @@ def system_mount_args(paths: Sequence[str], *, exists: Callable[[str], bool] = o
     return args
 
 
-def sandbox_argv(config: SandboxConfig, mount_args: Sequence[str],
-                 runner_dir: str | None = None) -> list[str]:
+def sandbox_argv(config: SandboxConfig, mount_args: Sequence[str], runner_dir: str | None = None) -> list[str]:
     """The bwrap command up to (not including) the program to run inside; `runner_dir` (the
     supervisor and its bytecode) appears read-only at /sandbox/runner."""
     argv = [
         config.bwrap_path,
-        "--unshare-all", "--unshare-user", "--disable-userns",
-        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-        "--die-with-parent", "--as-pid-1", "--new-session", "--cap-drop", "ALL",
-        "--hostname", "sandbox",
-        "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
+        "--die-with-parent",
+        "--as-pid-1",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "sandbox",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
         *mount_args,
     ]
     for src, dest in config.extra_ro_binds:
@@ -63,11 +79,22 @@ def sandbox_argv(config: SandboxConfig, mount_args: Sequence[str],
     if runner_dir is not None:
         argv += ["--ro-bind", runner_dir, RUNNER_DIR]
     argv += [
-        "--dev", "/dev", "--remount-ro", "/dev",
-        "--proc", "/proc",
-        "--size", str(config.tmpfs_size_mb * MIB), "--perms", "1777", "--tmpfs", WORK_DIR,
-        "--remount-ro", "/",
-        "--chdir", WORK_DIR,
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--size",
+        str(config.tmpfs_size_mb * MIB),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        WORK_DIR,
+        "--remount-ro",
+        "/",
+        "--chdir",
+        WORK_DIR,
     ]
     return argv
 
@@ -108,9 +135,21 @@ def probe_bwrap(bwrap_path: str = "/usr/bin/bwrap", timeout_s: float = 20.0) -> 
     """None when bubblewrap can build an unprivileged sandbox here, else the reason it cannot."""
     if not os.path.exists(bwrap_path):
         return f"bubblewrap not found at {bwrap_path} (apt install bubblewrap)"
-    argv = [bwrap_path, "--unshare-all", "--unshare-user", "--die-with-parent",
-            *system_mount_args(("/usr", "/bin", "/lib", "/lib64")),
-            "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--", "/bin/true"]
+    argv = [
+        bwrap_path,
+        "--unshare-all",
+        "--unshare-user",
+        "--die-with-parent",
+        *system_mount_args(("/usr", "/bin", "/lib", "/lib64")),
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/tmp",
+        "--",
+        "/bin/true",
+    ]
     try:
         proc = subprocess.run(argv, capture_output=True, timeout=timeout_s, env={})
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -28,8 +28,7 @@ class SandboxConfig:
     cpp_compiler: str = "/usr/bin/g++"
     c_flags: tuple[str, ...] = ("-O2", "-std=gnu11", "-pipe")
     cpp_flags: tuple[str, ...] = ("-O2", "-std=gnu++17", "-pipe")
-    system_paths: tuple[str, ...] = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache",
-                                     "/etc/alternatives")
+    system_paths: tuple[str, ...] = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/ld.so.cache", "/etc/alternatives")
     extra_ro_binds: tuple[tuple[str, str], ...] = ()
     python_lib_binds: tuple[tuple[str, str], ...] = ()
     tmpfs_size_mb: int = 64
@@ -58,18 +57,31 @@ class SandboxConfig:
     def __post_init__(self) -> None:
         for name in ("max_timeout_s", "compile_timeout_s", "setup_timeout_s", "kill_grace_s"):
             check_number(name, getattr(self, name))
-        for name in ("tmpfs_size_mb", "num_uids", "min_memory_mb", "max_memory_mb", "max_code_bytes",
-                     "max_stdin_bytes", "max_stdout_bytes", "max_stderr_bytes", "max_binary_bytes",
-                     "max_processes", "max_file_size_mb", "max_open_files", "compile_memory_mb"):
+        for name in (
+            "tmpfs_size_mb",
+            "num_uids",
+            "min_memory_mb",
+            "max_memory_mb",
+            "max_code_bytes",
+            "max_stdin_bytes",
+            "max_stdout_bytes",
+            "max_stderr_bytes",
+            "max_binary_bytes",
+            "max_processes",
+            "max_file_size_mb",
+            "max_open_files",
+            "compile_memory_mb",
+        ):
             check_int(name, getattr(self, name))
         if isinstance(self.pool_size, bool) or not isinstance(self.pool_size, int) or self.pool_size < 0:
             raise ValueError(f"pool_size must be an integer >= 0, got {self.pool_size!r}")
         if self.min_memory_mb > self.max_memory_mb:
-            raise ValueError(f"min_memory_mb ({self.min_memory_mb}) must be <= max_memory_mb "
-                             f"({self.max_memory_mb})")
+            raise ValueError(f"min_memory_mb ({self.min_memory_mb}) must be <= max_memory_mb ({self.max_memory_mb})")
         if self.max_binary_bytes >= self.tmpfs_size_mb * MIB:
-            raise ValueError(f"max_binary_bytes ({self.max_binary_bytes}) must be smaller than the "
-                             f"sandbox tmpfs (tmpfs_size_mb={self.tmpfs_size_mb})")
+            raise ValueError(
+                f"max_binary_bytes ({self.max_binary_bytes}) must be smaller than the "
+                f"sandbox tmpfs (tmpfs_size_mb={self.tmpfs_size_mb})"
+            )
         if self.switch_uid not in ("auto", "on", "off"):
             raise ValueError(f"switch_uid must be 'auto', 'on' or 'off', got {self.switch_uid!r}")
         if self.use_cgroup not in ("auto", "off"):
@@ -77,8 +89,7 @@ class SandboxConfig:
         if not isinstance(self.uid_base, int) or self.uid_base < 1000:
             raise ValueError(f"uid_base must be an integer >= 1000, got {self.uid_base!r}")
         if self.max_processes < 4:
-            raise ValueError(f"max_processes must be >= 4 (bwrap, runner and program), got "
-                             f"{self.max_processes}")
+            raise ValueError(f"max_processes must be >= 4 (bwrap, runner and program), got {self.max_processes}")
         for host_dir, name in self.python_lib_binds:
             if not name or "/" in name or name in (".", ".."):
                 raise ValueError(f"python_lib_binds name must be a plain directory name, got {name!r}")
@@ -88,18 +99,17 @@ class SandboxConfig:
     def check_request(self, request: RunRequest) -> None:
         """Raise ValueError naming the field when a request exceeds what this sandbox allows."""
         if not self.min_memory_mb <= request.memory_mb <= self.max_memory_mb:
-            raise ValueError(f"memory_mb must be in [{self.min_memory_mb}, {self.max_memory_mb}], "
-                             f"got {request.memory_mb}")
+            raise ValueError(
+                f"memory_mb must be in [{self.min_memory_mb}, {self.max_memory_mb}], got {request.memory_mb}"
+            )
         if request.timeout_s > self.max_timeout_s:
             raise ValueError(f"timeout_s must be <= {self.max_timeout_s}, got {request.timeout_s}")
         code_bytes = len(request.code.encode("utf-8", "surrogatepass"))
         if code_bytes > self.max_code_bytes:
-            raise ValueError(f"code is {code_bytes} bytes, more than max_code_bytes="
-                             f"{self.max_code_bytes}")
+            raise ValueError(f"code is {code_bytes} bytes, more than max_code_bytes={self.max_code_bytes}")
         stdin_bytes = len(request.stdin.encode("utf-8", "surrogatepass"))
         if stdin_bytes > self.max_stdin_bytes:
-            raise ValueError(f"stdin is {stdin_bytes} bytes, more than max_stdin_bytes="
-                             f"{self.max_stdin_bytes}")
+            raise ValueError(f"stdin is {stdin_bytes} bytes, more than max_stdin_bytes={self.max_stdin_bytes}")
 
 
 @dataclass(frozen=True)

@@ -56,23 +56,31 @@ class Sandbox:
         if not os.path.exists(config.python_executable):
             raise ValueError(f"python_executable {config.python_executable} does not exist")
         if not visible_inside(config.python_executable, config):
-            raise ValueError(f"python_executable {config.python_executable} is not inside the "
-                             f"sandbox's system paths; add a read-only bind (extra_ro_binds)")
+            raise ValueError(
+                f"python_executable {config.python_executable} is not inside the "
+                f"sandbox's system paths; add a read-only bind (extra_ro_binds)"
+            )
         if config.switch_uid == "on" and os.geteuid() != 0:
             raise ValueError("switch_uid='on' needs root; use 'auto' or 'off'")
-        self.switch_uid = config.switch_uid == "on" or (config.switch_uid == "auto"
-                                                        and os.geteuid() == 0)
+        self.switch_uid = config.switch_uid == "on" or (config.switch_uid == "auto" and os.geteuid() == 0)
         self._runner_dir = prepare_runner_dir(config.python_executable)
-        self._argv = sandbox_argv(config, system_mount_args(config.system_paths),
-                                  self._runner_dir) + [config.python_executable, "-I", "-S", "-c",
-                                                       RUNNER_BOOT]
+        self._argv = sandbox_argv(config, system_mount_args(config.system_paths), self._runner_dir) + [
+            config.python_executable,
+            "-I",
+            "-S",
+            "-c",
+            RUNNER_BOOT,
+        ]
         self._uids = UidAllocator(config.uid_base, config.num_uids) if self.switch_uid else None
         self._setpriv = config.setpriv_path if os.path.exists(config.setpriv_path) else None
-        self.cgroup = (probe_cgroup_v2(config.cgroup_root) if config.use_cgroup == "auto"
-                       else CgroupSupport(False, "disabled by configuration"))
+        self.cgroup = (
+            probe_cgroup_v2(config.cgroup_root)
+            if config.use_cgroup == "auto"
+            else CgroupSupport(False, "disabled by configuration")
+        )
         self._pool: WarmPool[Member] = WarmPool(
-            self._spawn, config.pool_size, is_alive=lambda m: m.proc.poll() is None,
-            discard=self._discard)
+            self._spawn, config.pool_size, is_alive=lambda m: m.proc.poll() is None, discard=self._discard
+        )
         self._pool.start()
 
     # ----------------------------------------------------------------------------- public API
@@ -87,11 +95,11 @@ class Sandbox:
         """Run one program; ValueError when the request exceeds this sandbox's limits."""
         self.config.check_request(request)
         if request.language not in self.languages():
-            raise ValueError(f"language {request.language!r} is not available here "
-                             f"(available: {self.languages()})")
+            raise ValueError(f"language {request.language!r} is not available here (available: {self.languages()})")
         if request.language == "python":
-            return self._run_mode("python", request.code.encode("utf-8", "replace"),
-                                  request.stdin, request.timeout_s, request.memory_mb)
+            return self._run_mode(
+                "python", request.code.encode("utf-8", "replace"), request.stdin, request.timeout_s, request.memory_mb
+            )
         binary, failed = self.compile(request.language, request.code)
         if binary is None:
             return failed
@@ -102,19 +110,35 @@ class Sandbox:
         cfg = self.config
         if language not in ("c", "cpp") or language not in self.languages():
             raise ValueError(f"cannot compile language {language!r} here")
-        compiler, flags = ((cfg.c_compiler, cfg.c_flags) if language == "c"
-                           else (cfg.cpp_compiler, cfg.cpp_flags))
-        limits = Limits(cpu_s=cpu_limit_s(cfg.compile_timeout_s),
-                        memory_bytes=cfg.compile_memory_mb * MIB, nproc=cfg.max_processes,
-                        fsize_bytes=cfg.max_binary_bytes, nofile=cfg.max_open_files)
-        request = encode_request("compile", limits, code.encode("utf-8", "replace"),
-                                 compiler=compiler, flags="\x1f".join(flags), ext=language)
+        compiler, flags = (cfg.c_compiler, cfg.c_flags) if language == "c" else (cfg.cpp_compiler, cfg.cpp_flags)
+        limits = Limits(
+            cpu_s=cpu_limit_s(cfg.compile_timeout_s),
+            memory_bytes=cfg.compile_memory_mb * MIB,
+            nproc=cfg.max_processes,
+            fsize_bytes=cfg.max_binary_bytes,
+            nofile=cfg.max_open_files,
+        )
+        request = encode_request(
+            "compile",
+            limits,
+            code.encode("utf-8", "replace"),
+            compiler=compiler,
+            flags="\x1f".join(flags),
+            ext=language,
+        )
         out = self._execute(request, b"", cfg.compile_timeout_s, cfg.max_binary_bytes, limits)
         report = parse_exit(out.status_lines)
-        status, exit_code = classify(Observation(
-            mode="compile", report=report, timed_out=out.timed_out,
-            output_exceeded=out.output_exceeded, oom_killed=out.oom_killed,
-            memory_bytes=limits.memory_bytes, cpu_limit_s=limits.cpu_s))
+        status, exit_code = classify(
+            Observation(
+                mode="compile",
+                report=report,
+                timed_out=out.timed_out,
+                output_exceeded=out.output_exceeded,
+                oom_killed=out.oom_killed,
+                memory_bytes=limits.memory_bytes,
+                cpu_limit_s=limits.cpu_s,
+            )
+        )
         stderr = out.stderr.decode("utf-8", "replace")
         if status == "ok":
             return out.stdout, RunResult("ok", 0, "", stderr, out.run_wall_s)
@@ -134,11 +158,16 @@ class Sandbox:
             "uid_isolation": self.switch_uid,
             "cgroup": {"used": self.cgroup.usable, "reason": self.cgroup.reason},
             "pool": self._pool.stats(),
-            "limits": {"max_timeout_s": cfg.max_timeout_s, "min_memory_mb": cfg.min_memory_mb,
-                       "max_memory_mb": cfg.max_memory_mb, "max_processes": cfg.max_processes,
-                       "max_file_size_mb": cfg.max_file_size_mb,
-                       "max_stdout_bytes": cfg.max_stdout_bytes,
-                       "max_stderr_bytes": cfg.max_stderr_bytes, "tmpfs_size_mb": cfg.tmpfs_size_mb},
+            "limits": {
+                "max_timeout_s": cfg.max_timeout_s,
+                "min_memory_mb": cfg.min_memory_mb,
+                "max_memory_mb": cfg.max_memory_mb,
+                "max_processes": cfg.max_processes,
+                "max_file_size_mb": cfg.max_file_size_mb,
+                "max_stdout_bytes": cfg.max_stdout_bytes,
+                "max_stderr_bytes": cfg.max_stderr_bytes,
+                "tmpfs_size_mb": cfg.tmpfs_size_mb,
+            },
         }
 
     def close(self) -> None:
@@ -146,28 +175,47 @@ class Sandbox:
         shutil.rmtree(self._runner_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------------ internals
-    def _run_mode(self, mode: str, payload: bytes, stdin: str, timeout_s: float,
-                  memory_mb: int) -> RunResult:
+    def _run_mode(self, mode: str, payload: bytes, stdin: str, timeout_s: float, memory_mb: int) -> RunResult:
         cfg = self.config
-        limits = Limits(cpu_s=cpu_limit_s(timeout_s), memory_bytes=memory_mb * MIB,
-                        nproc=cfg.max_processes, fsize_bytes=cfg.max_file_size_mb * MIB,
-                        nofile=cfg.max_open_files)
-        out = self._execute(encode_request(mode, limits, payload),
-                            stdin.encode("utf-8", "replace"), timeout_s, cfg.max_stdout_bytes,
-                            limits)
+        limits = Limits(
+            cpu_s=cpu_limit_s(timeout_s),
+            memory_bytes=memory_mb * MIB,
+            nproc=cfg.max_processes,
+            fsize_bytes=cfg.max_file_size_mb * MIB,
+            nofile=cfg.max_open_files,
+        )
+        out = self._execute(
+            encode_request(mode, limits, payload),
+            stdin.encode("utf-8", "replace"),
+            timeout_s,
+            cfg.max_stdout_bytes,
+            limits,
+        )
         report = parse_exit(out.status_lines)
-        status, exit_code = classify(Observation(
-            mode=mode, report=report, timed_out=out.timed_out, output_exceeded=out.output_exceeded,
-            oom_killed=out.oom_killed, memory_bytes=limits.memory_bytes, cpu_limit_s=limits.cpu_s,
-            stderr_tail=out.stderr[-4096:]))
+        status, exit_code = classify(
+            Observation(
+                mode=mode,
+                report=report,
+                timed_out=out.timed_out,
+                output_exceeded=out.output_exceeded,
+                oom_killed=out.oom_killed,
+                memory_bytes=limits.memory_bytes,
+                cpu_limit_s=limits.cpu_s,
+                stderr_tail=out.stderr[-4096:],
+            )
+        )
         stderr = out.stderr.decode("utf-8", "replace")
         if report is None and status == "runtime_error":
             stderr += "\nsandbox: the program's supervisor was killed before it reported\n"
         duration_s = report.wall_s if report is not None else out.run_wall_s
-        return RunResult(status=status, exit_code=exit_code,
-                         stdout=out.stdout.decode("utf-8", "replace"), stderr=stderr,
-                         duration_s=round(duration_s, 6),
-                         cpu_s=None if report is None else report.cpu_s)
+        return RunResult(
+            status=status,
+            exit_code=exit_code,
+            stdout=out.stdout.decode("utf-8", "replace"),
+            stderr=stderr,
+            duration_s=round(duration_s, 6),
+            cpu_s=None if report is None else report.cpu_s,
+        )
 
     def _spawn(self) -> Member:
         uid = self._uids.acquire() if self._uids is not None else None
@@ -182,8 +230,16 @@ class Sandbox:
             ids = {"user": uid, "group": uid, "extra_groups": []}
         try:
             proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(req_r, st_w), env={}, cwd="/", start_new_session=True, **ids)
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(req_r, st_w),
+                env={},
+                cwd="/",
+                start_new_session=True,
+                **ids,
+            )
         except OSError as exc:
             for fd in (req_w, st_r):
                 os.close(fd)
@@ -195,8 +251,7 @@ class Sandbox:
             os.close(st_w)
         return Member(proc=proc, uid=uid, request_fd=req_w, status_fd=st_r)
 
-    def _execute(self, request: bytes, stdin: bytes, timeout_s: float, stdout_cap: int,
-                 limits: Limits) -> _Outcome:
+    def _execute(self, request: bytes, stdin: bytes, timeout_s: float, stdout_cap: int, limits: Limits) -> _Outcome:
         member = self._pool.acquire()
         try:
             out = self._drive(member, request, stdin, timeout_s, stdout_cap, limits)
@@ -206,8 +261,9 @@ class Sandbox:
         self._finish(member, abnormal=out.timed_out or out.output_exceeded)
         return out
 
-    def _drive(self, m: Member, request: bytes, stdin: bytes, timeout_s: float, stdout_cap: int,
-               limits: Limits) -> _Outcome:
+    def _drive(
+        self, m: Member, request: bytes, stdin: bytes, timeout_s: float, stdout_cap: int, limits: Limits
+    ) -> _Outcome:
         cfg = self.config
         out = _Outcome()
         bufs = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray()}
@@ -222,19 +278,20 @@ class Sandbox:
                     if started_at is None:
                         raise RuntimeError(
                             f"sandbox did not start within setup_timeout_s={cfg.setup_timeout_s}: "
-                            f"{bytes(bufs['stderr'][-2000:]).decode(errors='replace')}")
+                            f"{bytes(bufs['stderr'][-2000:]).decode(errors='replace')}"
+                        )
                     out.timed_out = True
                     break
                 for name, chunk in io.poll(remaining):
                     if name != "status":
                         bufs[name] += chunk
                         if len(bufs[name]) > caps[name]:
-                            del bufs[name][caps[name]:]
+                            del bufs[name][caps[name] :]
                             out.output_exceeded = True
                         continue
                     bufs["status"] += chunk
                     lines = bytes(bufs["status"]).decode("ascii", "replace").split("\n")
-                    for line in lines[len(out.status_lines):-1]:
+                    for line in lines[len(out.status_lines) : -1]:
                         out.status_lines.append(line)
                         if line == "ready":
                             self._attach_cgroup(m, limits)
@@ -247,8 +304,9 @@ class Sandbox:
         finally:
             io.close()
         if started_at is None and not out.output_exceeded:
-            raise RuntimeError("sandbox ended before it started the program: "
-                               f"{bytes(bufs['stderr'][-2000:]).decode(errors='replace')}")
+            raise RuntimeError(
+                f"sandbox ended before it started the program: {bytes(bufs['stderr'][-2000:]).decode(errors='replace')}"
+            )
         if started_at is not None:
             out.run_wall_s = time.monotonic() - started_at
         out.stdout, out.stderr = bytes(bufs["stdout"]), bytes(bufs["stderr"])
@@ -259,9 +317,11 @@ class Sandbox:
         if not self.cgroup.usable:
             return
         try:
-            m.cgroup = RunCgroup(self.config.cgroup_root,
-                                 limits.memory_bytes + self.config.tmpfs_size_mb * MIB,
-                                 self.config.max_processes)
+            m.cgroup = RunCgroup(
+                self.config.cgroup_root,
+                limits.memory_bytes + self.config.tmpfs_size_mb * MIB,
+                self.config.max_processes,
+            )
             m.cgroup.attach_tree(m.proc.pid)
         except OSError as exc:
             raise RuntimeError(f"cannot set up the run's cgroup: {exc}") from exc
@@ -312,12 +372,23 @@ def prepare_runner_dir(python_executable: str, timeout_s: float = 60.0) -> str:
         shutil.copyfile(Path(__file__).with_name("runner.py"), target)
         os.chmod(target, 0o644)
         proc = subprocess.run(
-            [python_executable, "-I", "-S", "-c",
-             "import py_compile, sys; py_compile.compile(sys.argv[1], doraise=True)", target],
-            capture_output=True, timeout=timeout_s, env={})
+            [
+                python_executable,
+                "-I",
+                "-S",
+                "-c",
+                "import py_compile, sys; py_compile.compile(sys.argv[1], doraise=True)",
+                target,
+            ],
+            capture_output=True,
+            timeout=timeout_s,
+            env={},
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"{python_executable} cannot compile the sandbox supervisor: "
-                               f"{proc.stderr.decode(errors='replace')[-1000:]}")
+            raise RuntimeError(
+                f"{python_executable} cannot compile the sandbox supervisor: "
+                f"{proc.stderr.decode(errors='replace')[-1000:]}"
+            )
         for root, dirs, files in os.walk(runner_dir):
             for name in dirs:
                 os.chmod(os.path.join(root, name), 0o755)

@@ -1,11 +1,12 @@
 """Judging one submission against test cases: output comparison (pure) and the case loop.
 
-    submission ──(c/cpp: compile once)──▶ for each case: run(stdin=case.input) ──▶ compare ──▶ JudgeResult
+submission ──(c/cpp: compile once)──▶ for each case: run(stdin=case.input) ──▶ compare ──▶ JudgeResult
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from .models import COMPARE_MODES, CaseResult, JudgeResult, RunRequest, RunResult, TestCase
 
@@ -41,17 +42,24 @@ class Executor(Protocol):
 
     def compile(self, language: str, code: str) -> tuple[bytes | None, RunResult]: ...
 
-    def run_binary(self, binary: bytes, stdin: str, timeout_s: float,
-                   memory_mb: int) -> RunResult: ...
+    def run_binary(self, binary: bytes, stdin: str, timeout_s: float, memory_mb: int) -> RunResult: ...
 
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_CASE_TEXT_CHARS else text[:MAX_CASE_TEXT_CHARS] + "…[truncated]"
 
 
-def judge_submission(executor: Executor, language: str, code: str, cases: Sequence[TestCase], *,
-                     timeout_s: float = 2.0, memory_mb: int = 256, compare: str = "lines",
-                     stop_on_first_failure: bool = False) -> JudgeResult:
+def judge_submission(
+    executor: Executor,
+    language: str,
+    code: str,
+    cases: Sequence[TestCase],
+    *,
+    timeout_s: float = 2.0,
+    memory_mb: int = 256,
+    compare: str = "lines",
+    stop_on_first_failure: bool = False,
+) -> JudgeResult:
     """Run `code` on every case; a case passes when it ran `ok` and its output matches."""
     if not cases:
         raise ValueError("test_cases must hold at least one case")
@@ -61,8 +69,10 @@ def judge_submission(executor: Executor, language: str, code: str, cases: Sequen
     if language in ("c", "cpp"):
         binary, compiled = executor.compile(language, code)
         if binary is None:
-            failed = tuple(CaseResult(i, False, "compile_error", compiled.exit_code, "",
-                                      _clip(compiled.stderr), 0.0) for i in range(len(cases)))
+            failed = tuple(
+                CaseResult(i, False, "compile_error", compiled.exit_code, "", _clip(compiled.stderr), 0.0)
+                for i in range(len(cases))
+            )
             return JudgeResult(status="compile_error", passed=0, total=len(cases), cases=failed)
     results: list[CaseResult] = []
     for index, case in enumerate(cases):
@@ -72,14 +82,18 @@ def judge_submission(executor: Executor, language: str, code: str, cases: Sequen
         if binary is not None:
             run = executor.run_binary(binary, case.input, timeout_s, memory_mb)
         else:
-            run = executor.run(RunRequest(language=language, code=code, stdin=case.input,
-                                          timeout_s=timeout_s, memory_mb=memory_mb))
+            run = executor.run(
+                RunRequest(language=language, code=code, stdin=case.input, timeout_s=timeout_s, memory_mb=memory_mb)
+            )
         if run.status == "compile_error":  # python that does not parse fails every case alike
-            failed = tuple(CaseResult(i, False, "compile_error", run.exit_code, "",
-                                      _clip(run.stderr), 0.0) for i in range(len(cases)))
+            failed = tuple(
+                CaseResult(i, False, "compile_error", run.exit_code, "", _clip(run.stderr), 0.0)
+                for i in range(len(cases))
+            )
             return JudgeResult(status="compile_error", passed=0, total=len(cases), cases=failed)
         passed = run.status == "ok" and outputs_match(case.output, run.stdout, compare)
-        results.append(CaseResult(index, passed, run.status, run.exit_code, _clip(run.stdout),
-                                  _clip(run.stderr), run.duration_s))
+        results.append(
+            CaseResult(index, passed, run.status, run.exit_code, _clip(run.stdout), _clip(run.stderr), run.duration_s)
+        )
     num_passed = sum(r.passed for r in results)
     return JudgeResult(status="ok", passed=num_passed, total=len(cases), cases=tuple(results))

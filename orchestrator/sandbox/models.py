@@ -13,9 +13,7 @@ from typing import Literal, get_args
 Language = Literal["python", "c", "cpp"]
 LANGUAGES: tuple[str, ...] = get_args(Language)
 
-RunStatus = Literal[
-    "ok", "runtime_error", "timeout", "memory_limit", "output_limit", "compile_error", "rejected"
-]
+RunStatus = Literal["ok", "runtime_error", "timeout", "memory_limit", "output_limit", "compile_error", "rejected"]
 RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 
 CompareMode = Literal["exact", "lines", "tokens"]
@@ -39,8 +37,7 @@ class RunRequest:
             raise ValueError("code must be a non-empty string")
         if not isinstance(self.stdin, str):
             raise ValueError(f"stdin must be a string, got {type(self.stdin).__name__}")
-        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
-                and self.timeout_s > 0):
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive finite number, got {self.timeout_s!r}")
         if isinstance(self.memory_mb, bool) or not isinstance(self.memory_mb, int) or self.memory_mb <= 0:
             raise ValueError(f"memory_mb must be a positive integer, got {self.memory_mb!r}")
@@ -68,7 +65,7 @@ class RunResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunResult":
+    def from_dict(cls, data: dict) -> RunResult:
         return cls(
             status=data["status"],
             exit_code=data.get("exit_code"),
@@ -129,7 +126,6 @@ class JudgeResult:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "JudgeResult":
+    def from_dict(cls, data: dict) -> JudgeResult:
         cases = tuple(CaseResult(**c) for c in data.get("cases", []))
-        return cls(status=data["status"], passed=int(data["passed"]), total=int(data["total"]),
-                   cases=cases)
+        return cls(status=data["status"], passed=int(data["passed"]), total=int(data["total"]), cases=cases)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,8 +52,15 @@ class UidAllocator:
 class WarmPool(Generic[T]):
     """Keeps `size` spawned items ready; `acquire` takes one (or spawns one when empty)."""
 
-    def __init__(self, spawn: Callable[[], T], size: int, *, is_alive: Callable[[T], bool],
-                 discard: Callable[[T], None], retry_delay_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        spawn: Callable[[], T],
+        size: int,
+        *,
+        is_alive: Callable[[T], bool],
+        discard: Callable[[T], None],
+        retry_delay_s: float = 1.0,
+    ) -> None:
         if size < 0:
             raise ValueError(f"pool size must be >= 0, got {size}")
         self._spawn = spawn
@@ -89,9 +97,14 @@ class WarmPool(Generic[T]):
 
     def stats(self) -> dict:
         with self._cond:
-            return {"size": self._size, "ready": len(self._ready), "spawned": self.num_spawned,
-                    "cold_starts": self.num_cold, "errors": self.num_errors,
-                    "last_error": self.last_error}
+            return {
+                "size": self._size,
+                "ready": len(self._ready),
+                "spawned": self.num_spawned,
+                "cold_starts": self.num_cold,
+                "errors": self.num_errors,
+                "last_error": self.last_error,
+            }
 
     def close(self, timeout_s: float = 10.0) -> None:
         # Discard the ready items while the refill thread that spawned them still lives: a
@@ -123,7 +136,7 @@ class WarmPool(Generic[T]):
                     return
             try:
                 item = self._spawn_counted()
-            except Exception as exc:  # keep the pool alive; the error shows in /health
+            except Exception as exc:  # noqa: BLE001 - keep the pool alive; the error shows in /health
                 with self._cond:
                     self.num_errors += 1
                     self.last_error = str(exc)

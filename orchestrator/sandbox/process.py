@@ -1,8 +1,8 @@
 """One sandbox process seen from the service: its pipes, non-blocking I/O over them, teardown.
 
-    Popen(bwrap ... python -I -S -c RUNNER req_fd status_fd)   (as the sandbox's own host uid)
-      stdin ◀── write (non-blocking)          stdout/stderr ──▶ read (byte budgets upstream)
-      req_fd ◀── one request after `ready`    status_fd ──▶ ready/start/exit lines
+Popen(bwrap ... python -I -S -c RUNNER req_fd status_fd)   (as the sandbox's own host uid)
+  stdin ◀── write (non-blocking)          stdout/stderr ──▶ read (byte budgets upstream)
+  req_fd ◀── one request after `ready`    status_fd ──▶ ready/start/exit lines
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ class Pipes:
         self._m = m
         self._sel = selectors.DefaultSelector()
         self._pending: dict[int, memoryview] = {}
-        for name, fd in (("stdout", m.proc.stdout.fileno()), ("stderr", m.proc.stderr.fileno()),
-                         ("status", m.status_fd)):
+        for name, fd in (
+            ("stdout", m.proc.stdout.fileno()),
+            ("stderr", m.proc.stderr.fileno()),
+            ("status", m.status_fd),
+        ):
             os.set_blocking(fd, False)
             self._sel.register(fd, selectors.EVENT_READ, name)
         self.num_readers = 3

@@ -43,9 +43,15 @@ def cpu_limit_s(timeout_s: float) -> int:
 
 def encode_request(mode: str, limits: Limits, payload: bytes, **extra: str) -> bytes:
     """One header line of TAB-separated key=value pairs, a newline, the payload."""
-    fields = {"mode": mode, "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
-              "nproc": limits.nproc, "fsize_bytes": limits.fsize_bytes, "nofile": limits.nofile,
-              **extra}
+    fields = {
+        "mode": mode,
+        "cpu_s": limits.cpu_s,
+        "memory_bytes": limits.memory_bytes,
+        "nproc": limits.nproc,
+        "fsize_bytes": limits.fsize_bytes,
+        "nofile": limits.nofile,
+        **extra,
+    }
     parts = []
     for key, value in fields.items():
         text = str(value)
@@ -73,9 +79,13 @@ def parse_exit(lines: list[str]) -> ExitReport | None:
         parts = line.split()
         if len(parts) == 6 and parts[0] == "exit":
             code, sig = int(parts[1]), int(parts[2])
-            report = ExitReport(exit_code=None if code < 0 else code, signal=sig,
-                                cpu_s=float(parts[3]), wall_s=float(parts[4]),
-                                max_rss_bytes=int(parts[5]) * 1024)
+            report = ExitReport(
+                exit_code=None if code < 0 else code,
+                signal=sig,
+                cpu_s=float(parts[3]),
+                wall_s=float(parts[4]),
+                max_rss_bytes=int(parts[5]) * 1024,
+            )
     return report
 
 
@@ -83,11 +93,11 @@ def parse_exit(lines: list[str]) -> ExitReport | None:
 class Observation:
     """Everything the service saw of one run, the input of `classify`."""
 
-    mode: str                    # python | binary | compile
-    report: ExitReport | None    # None: the supervisor died before reporting
-    timed_out: bool = False      # the wall deadline passed
+    mode: str  # python | binary | compile
+    report: ExitReport | None  # None: the supervisor died before reporting
+    timed_out: bool = False  # the wall deadline passed
     output_exceeded: bool = False
-    oom_killed: bool = False     # the cgroup's memory.max killed it (cgroup v2 hosts only)
+    oom_killed: bool = False  # the cgroup's memory.max killed it (cgroup v2 hosts only)
     memory_bytes: int = 0
     cpu_limit_s: int = 1
     stderr_tail: bytes = b""
@@ -107,8 +117,7 @@ def classify(obs: Observation) -> tuple[str, int | None]:
         return "memory_limit", exit_code
     if report is None:
         return "runtime_error", exit_code
-    if report.signal == signal.SIGXCPU or (
-            report.signal == signal.SIGKILL and report.cpu_s >= obs.cpu_limit_s - 0.05):
+    if report.signal == signal.SIGXCPU or (report.signal == signal.SIGKILL and report.cpu_s >= obs.cpu_limit_s - 0.05):
         return "timeout", exit_code
     if obs.mode == "compile":
         return ("ok" if exit_code == 0 else "compile_error"), exit_code
@@ -126,5 +135,4 @@ def _looks_out_of_memory(obs: Observation) -> bool:
     if any(hint in obs.stderr_tail for hint in _MEMORY_HINTS):
         return True
     report = obs.report
-    return (report is not None and obs.memory_bytes > 0
-            and report.max_rss_bytes >= 0.9 * obs.memory_bytes)
+    return report is not None and obs.memory_bytes > 0 and report.max_rss_bytes >= 0.9 * obs.memory_bytes

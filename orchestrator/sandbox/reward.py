@@ -13,8 +13,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import httpx
 
@@ -40,11 +41,9 @@ class CodeRewardConfig:
             raise ValueError(f"mode must be 'fraction' or 'all_or_nothing', got {self.mode!r}")
         if self.language not in LANGUAGES:
             raise ValueError(f"language must be one of {LANGUAGES}, got {self.language!r}")
-        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
-                and self.timeout_s > 0):
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
-        if isinstance(self.memory_mb, bool) or not isinstance(self.memory_mb, int) \
-                or self.memory_mb <= 0:
+        if isinstance(self.memory_mb, bool) or not isinstance(self.memory_mb, int) or self.memory_mb <= 0:
             raise ValueError(f"memory_mb must be a positive integer, got {self.memory_mb!r}")
         if self.compare not in COMPARE_MODES:
             raise ValueError(f"compare must be one of {COMPARE_MODES}, got {self.compare!r}")
@@ -53,11 +52,14 @@ class CodeRewardConfig:
 class SandboxClient:
     """Small blocking client of the sandbox service; retries 503 (overload) until a deadline."""
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0, *,
-                 retry_deadline_s: float = 120.0, retry_delay_s: float = 0.2) -> None:
+    def __init__(
+        self, base_url: str, timeout_s: float = 300.0, *, retry_deadline_s: float = 120.0, retry_delay_s: float = 0.2
+    ) -> None:
         if timeout_s <= 0 or retry_deadline_s < 0 or retry_delay_s <= 0:
-            raise ValueError(f"timeout_s ({timeout_s}) and retry_delay_s ({retry_delay_s}) must be "
-                             f"> 0, retry_deadline_s ({retry_deadline_s}) >= 0")
+            raise ValueError(
+                f"timeout_s ({timeout_s}) and retry_delay_s ({retry_delay_s}) must be "
+                f"> 0, retry_deadline_s ({retry_deadline_s}) >= 0"
+            )
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._retry_deadline_s = retry_deadline_s
@@ -72,19 +74,32 @@ class SandboxClient:
     def run(self, request: RunRequest) -> RunResult:
         return RunResult.from_dict(self._post("/run", request.to_dict()))
 
-    def judge(self, language: str, code: str, test_cases: Sequence[TestCase], *,
-              timeout_s: float = 2.0, memory_mb: int = 256, compare: str = "lines",
-              stop_on_first_failure: bool = False) -> JudgeResult:
-        body = {"language": language, "code": code, "timeout_s": timeout_s,
-                "memory_mb": memory_mb, "compare": compare,
-                "stop_on_first_failure": stop_on_first_failure,
-                "test_cases": [{"input": c.input, "output": c.output} for c in test_cases]}
+    def judge(
+        self,
+        language: str,
+        code: str,
+        test_cases: Sequence[TestCase],
+        *,
+        timeout_s: float = 2.0,
+        memory_mb: int = 256,
+        compare: str = "lines",
+        stop_on_first_failure: bool = False,
+    ) -> JudgeResult:
+        body = {
+            "language": language,
+            "code": code,
+            "timeout_s": timeout_s,
+            "memory_mb": memory_mb,
+            "compare": compare,
+            "stop_on_first_failure": stop_on_first_failure,
+            "test_cases": [{"input": c.input, "output": c.output} for c in test_cases],
+        }
         return JudgeResult.from_dict(self._post("/judge", body))
 
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "SandboxClient":
+    def __enter__(self) -> SandboxClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -101,8 +116,9 @@ class SandboxClient:
             except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
                 problem = f"cannot reach the sandbox at {self.base_url}: {exc}"
             except httpx.TimeoutException as exc:
-                raise RuntimeError(f"sandbox {self.base_url}{path} gave no answer within "
-                                   f"{self.timeout_s} s: {exc}") from exc
+                raise RuntimeError(
+                    f"sandbox {self.base_url}{path} gave no answer within {self.timeout_s} s: {exc}"
+                ) from exc
             else:
                 if resp.status_code == 200:
                     return resp.json()
@@ -143,18 +159,26 @@ def extract_code_block(text: str, language: str | None = None) -> str:
     if not blocks:
         return text
     if language is not None:
-        aliases = {"python": {"python", "py", "python3"}, "c": {"c"},
-                   "cpp": {"cpp", "c++", "cc", "cxx"}}.get(language, {language})
+        aliases = {"python": {"python", "py", "python3"}, "c": {"c"}, "cpp": {"cpp", "c++", "cc", "cxx"}}.get(
+            language, {language}
+        )
         tagged = [body for tag, body in blocks if tag.lower() in aliases]
         if tagged:
             return tagged[-1]
     return blocks[-1][1]
 
 
-def code_reward(client: SandboxClient, code: str,
-                test_cases: Sequence[TestCase | Mapping[str, Any] | Sequence[str]], *,
-                mode: RewardMode, language: str = "python", timeout_s: float = 2.0,
-                memory_mb: int = 256, compare: str = "lines") -> float:
+def code_reward(
+    client: SandboxClient,
+    code: str,
+    test_cases: Sequence[TestCase | Mapping[str, Any] | Sequence[str]],
+    *,
+    mode: RewardMode,
+    language: str = "python",
+    timeout_s: float = 2.0,
+    memory_mb: int = 256,
+    compare: str = "lines",
+) -> float:
     """Reward of one submission: fraction of cases passed, or 1.0/0.0 for all-or-nothing.
 
     Empty code scores 0.0 without a call. ValueError for bad arguments or a request the sandbox
@@ -166,8 +190,15 @@ def code_reward(client: SandboxClient, code: str,
         raise ValueError("test_cases must hold at least one case")
     if not code.strip():
         return 0.0
-    result = client.judge(language, code, cases, timeout_s=timeout_s, memory_mb=memory_mb,
-                          compare=compare, stop_on_first_failure=mode == "all_or_nothing")
+    result = client.judge(
+        language,
+        code,
+        cases,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        compare=compare,
+        stop_on_first_failure=mode == "all_or_nothing",
+    )
     if mode == "all_or_nothing":
         return 1.0 if result.all_passed else 0.0
     return result.passed / result.total

@@ -28,8 +28,7 @@ SYNTAX_EXIT_CODE = 112  # python code that does not compile exits with this
 WORK = "/tmp"
 LIB_DIR = "/sandbox/lib"
 RUNNER_DIR = "/sandbox/runner"
-BOOT = ("import sys; sys.path.insert(0, %r); import sandbox_runner; sandbox_runner.main()"
-        % RUNNER_DIR)
+BOOT = "import sys; sys.path.insert(0, %r); import sandbox_runner; sandbox_runner.main()" % RUNNER_DIR
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": WORK}
 
 
@@ -55,8 +54,12 @@ def _apply_limits(h):
     r = resource
     cpu_s = int(h["cpu_s"])
     r.setrlimit(r.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    for name, key in (("RLIMIT_AS", "memory_bytes"), ("RLIMIT_NPROC", "nproc"),
-                      ("RLIMIT_FSIZE", "fsize_bytes"), ("RLIMIT_NOFILE", "nofile")):
+    for name, key in (
+        ("RLIMIT_AS", "memory_bytes"),
+        ("RLIMIT_NPROC", "nproc"),
+        ("RLIMIT_FSIZE", "fsize_bytes"),
+        ("RLIMIT_NOFILE", "nofile"),
+    ):
         value = int(h[key])
         r.setrlimit(getattr(r, name), (value, value))
     r.setrlimit(r.RLIMIT_CORE, (0, 0))
@@ -67,7 +70,7 @@ def _write_file(path, data, mode):
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -86,7 +89,7 @@ def _system_exit_code(exc):
         return code & 0xFF
     try:
         sys.stderr.write(str(code) + "\n")
-    except Exception:
+    except Exception:  # noqa: BLE001 - the sandboxed program's failure is its result
         pass
     return 1
 
@@ -104,23 +107,26 @@ def _fast_exit(code, scope):
         if "threading" in sys.modules:
             sys.modules["threading"]._shutdown()
         import atexit
+
         atexit._run_exitfuncs()
         _flush_std_streams()  # Python's order: stdio first, then the program's objects die
         scope.clear()
         _flush_std_streams()
     except MemoryError:
         _out_of_memory()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the sandboxed program's failure is its result
         code = code or 120  # what Python does when flushing stdout fails at exit
     os._exit(code)
 
 
 def _python_child(source):
     import builtins
+
     try:
         code = compile(source, "main.py", "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
         import traceback
+
         os.write(2, "".join(traceback.format_exception_only(type(exc), exc)).encode())
         os._exit(SYNTAX_EXIT_CODE)
     except MemoryError:
@@ -139,7 +145,7 @@ def _python_child(source):
         _out_of_memory()
     except SystemExit as exc:
         status = _system_exit_code(exc)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the sandboxed program's failure is its result
         exc_type, exc, tb = sys.exc_info()
         try:
             exc = exc.with_traceback(tb.tb_next)  # hide this supervisor frame
@@ -169,7 +175,7 @@ def _supervise(status_fd, header, child):
         try:
             os.close(status_fd)
             _apply_limits(header)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the sandboxed program's failure is its result
             os.write(2, ("sandbox: cannot apply limits: %r\n" % (exc,)).encode())
             os._exit(126)
         child()
@@ -181,8 +187,7 @@ def _supervise(status_fd, header, child):
     else:
         code, sig = os.WEXITSTATUS(status), 0
     cpu_s = usage.ru_utime + usage.ru_stime
-    os.write(status_fd, ("exit %d %d %.4f %.4f %d\n" % (code, sig, cpu_s, wall_s,
-                                                         usage.ru_maxrss)).encode())
+    os.write(status_fd, ("exit %d %d %.4f %.4f %d\n" % (code, sig, cpu_s, wall_s, usage.ru_maxrss)).encode())
     return code, sig
 
 
@@ -203,7 +208,7 @@ def _run_compile(status_fd, header, payload):
             data = f.read()
         view = memoryview(data)
         while view:
-            view = view[os.write(1, view):]
+            view = view[os.write(1, view) :]
 
 
 def _run_binary(status_fd, header, payload):

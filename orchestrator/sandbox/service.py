@@ -14,8 +14,9 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -114,8 +115,7 @@ class _Handlers:
         self.sandbox = sandbox
         self.config = config
         self.admission = Admission(config.num_workers, config.max_queue)
-        self.workers = ThreadPoolExecutor(max_workers=config.num_workers,
-                                          thread_name_prefix="sandbox-run")
+        self.workers = ThreadPoolExecutor(max_workers=config.num_workers, thread_name_prefix="sandbox-run")
         self.counters = {"runs": 0, "judges": 0, "rejected": 0, "errors": 0}
 
     async def call(self, fn: Callable[[], T]) -> T | JSONResponse:
@@ -123,17 +123,19 @@ class _Handlers:
         cfg = self.config
         if not self.admission.try_enter():
             self.counters["rejected"] += 1
-            return _error(503, "overloaded",
-                          f"{self.admission.inside} requests are running or queued (capacity "
-                          f"{self.admission.capacity} = {cfg.num_workers} workers + "
-                          f"{cfg.max_queue} queued); retry later")
+            return _error(
+                503,
+                "overloaded",
+                f"{self.admission.inside} requests are running or queued (capacity "
+                f"{self.admission.capacity} = {cfg.num_workers} workers + "
+                f"{cfg.max_queue} queued); retry later",
+            )
         enqueued_at = time.monotonic()
 
         def timed() -> T:
             waited_s = time.monotonic() - enqueued_at
             if waited_s > cfg.queue_timeout_s:
-                raise _Rejected(f"waited {waited_s:.1f} s in the queue "
-                                f"(queue_timeout_s={cfg.queue_timeout_s})")
+                raise _Rejected(f"waited {waited_s:.1f} s in the queue (queue_timeout_s={cfg.queue_timeout_s})")
             return fn()
 
         try:
@@ -152,10 +154,16 @@ class _Handlers:
 
     async def health(self) -> dict:
         cfg = self.config
-        return {"status": "ok",
-                "service": {"num_workers": cfg.num_workers, "max_queue": cfg.max_queue,
-                            "inside": self.admission.inside, **self.counters},
-                "sandbox": self.sandbox.health()}
+        return {
+            "status": "ok",
+            "service": {
+                "num_workers": cfg.num_workers,
+                "max_queue": cfg.max_queue,
+                "inside": self.admission.inside,
+                **self.counters,
+            },
+            "sandbox": self.sandbox.health(),
+        }
 
     async def run(self, body: RunBody):
         try:
@@ -169,21 +177,37 @@ class _Handlers:
 
     async def judge(self, body: JudgeBody):
         if len(body.test_cases) > self.config.max_judge_cases:
-            return _error(400, "invalid request", f"test_cases holds {len(body.test_cases)} cases, "
-                          f"more than max_judge_cases={self.config.max_judge_cases}")
+            return _error(
+                400,
+                "invalid request",
+                f"test_cases holds {len(body.test_cases)} cases, "
+                f"more than max_judge_cases={self.config.max_judge_cases}",
+            )
         try:
             cases = [TestCase(c.input, c.output) for c in body.test_cases]
-            longest = RunRequest(language=body.language, code=body.code,
-                                 stdin=max((c.input for c in cases), key=len),
-                                 timeout_s=body.timeout_s, memory_mb=body.memory_mb)
+            longest = RunRequest(
+                language=body.language,
+                code=body.code,
+                stdin=max((c.input for c in cases), key=len),
+                timeout_s=body.timeout_s,
+                memory_mb=body.memory_mb,
+            )
             self.sandbox.config.check_request(longest)
         except ValueError as exc:
             return _error(400, "invalid request", str(exc))
         self.counters["judges"] += 1
-        result = await self.call(lambda: judge_submission(
-            self.sandbox, body.language, body.code, cases, timeout_s=body.timeout_s,
-            memory_mb=body.memory_mb, compare=body.compare,
-            stop_on_first_failure=body.stop_on_first_failure))
+        result = await self.call(
+            lambda: judge_submission(
+                self.sandbox,
+                body.language,
+                body.code,
+                cases,
+                timeout_s=body.timeout_s,
+                memory_mb=body.memory_mb,
+                compare=body.compare,
+                stop_on_first_failure=body.stop_on_first_failure,
+            )
+        )
         return result if isinstance(result, JSONResponse) else result.to_dict()
 
 

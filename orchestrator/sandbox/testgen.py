@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from checkpoint_engine.validate import check_int
 
@@ -75,8 +76,7 @@ class Problem:
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
-            raise ValueError(f"problem name must be a non-empty file-name-safe string, got "
-                             f"{self.name!r}")
+            raise ValueError(f"problem name must be a non-empty file-name-safe string, got {self.name!r}")
         if not self.generator.strip():
             raise ValueError(f"problem {self.name}: generator is empty")
         if not self.solutions:
@@ -87,7 +87,7 @@ class Problem:
 class CaseDecision:
     index: int
     kept: bool
-    agreement: int       # how many solutions produced the most common output
+    agreement: int  # how many solutions produced the most common output
     reason: str
 
 
@@ -131,8 +131,9 @@ def majority_output(outputs: Sequence[str | None], compare: str = "lines") -> tu
     return keys.index(best_key), best_count
 
 
-def select_cases(inputs: Sequence[str], outputs: Sequence[Sequence[str | None]],
-                 cfg: TestGenConfig) -> tuple[list[TestCase], list[CaseDecision], list[int]]:
+def select_cases(
+    inputs: Sequence[str], outputs: Sequence[Sequence[str | None]], cfg: TestGenConfig
+) -> tuple[list[TestCase], list[CaseDecision], list[int]]:
     """Kept test cases, a decision per input, and the input index of each kept case.
 
     outputs[s][c] is solution s's stdout on input c, None when that run did not end `ok`."""
@@ -148,39 +149,54 @@ def select_cases(inputs: Sequence[str], outputs: Sequence[Sequence[str | None]],
         if agreement >= cfg.min_case_agreement:
             kept.append(TestCase(stdin, column[holder]))
             kept_index.append(c)
-            decisions.append(CaseDecision(c, True, agreement,
-                                          f"{agreement} of {len(column)} outputs agree"))
+            decisions.append(CaseDecision(c, True, agreement, f"{agreement} of {len(column)} outputs agree"))
         else:
-            decisions.append(CaseDecision(c, False, agreement,
-                                          f"only {agreement} of {len(column)} outputs agree "
-                                          f"(need {cfg.min_case_agreement})"))
+            decisions.append(
+                CaseDecision(
+                    c,
+                    False,
+                    agreement,
+                    f"only {agreement} of {len(column)} outputs agree (need {cfg.min_case_agreement})",
+                )
+            )
     return kept, decisions, kept_index
 
 
-def decide_problem(name: str, solutions: Sequence[Solution], inputs: Sequence[str],
-                   outputs: Sequence[Sequence[str | None]], statuses: Sequence[Sequence[str]],
-                   cfg: TestGenConfig) -> ProblemReport:
+def decide_problem(
+    name: str,
+    solutions: Sequence[Solution],
+    inputs: Sequence[str],
+    outputs: Sequence[Sequence[str | None]],
+    statuses: Sequence[Sequence[str]],
+    cfg: TestGenConfig,
+) -> ProblemReport:
     """Apply both k1.5 filters to one problem's outputs matrix."""
     kept, decisions, kept_index = select_cases(inputs, outputs, cfg)
     reports = []
     for s, solution in enumerate(solutions):
-        failed = tuple(c for case, c in zip(kept, kept_index)
-                       if outputs[s][c] is None
-                       or normalize_output(outputs[s][c], cfg.compare)
-                       != normalize_output(case.output, cfg.compare))
-        reports.append(SolutionReport(solution.name, solution.planted_wrong, not failed, failed,
-                                      dict(Counter(statuses[s]))))
+        failed = tuple(
+            c
+            for case, c in zip(kept, kept_index)
+            if outputs[s][c] is None
+            or normalize_output(outputs[s][c], cfg.compare) != normalize_output(case.output, cfg.compare)
+        )
+        reports.append(
+            SolutionReport(solution.name, solution.planted_wrong, not failed, failed, dict(Counter(statuses[s])))
+        )
     num_passing = sum(r.passes_all_kept for r in reports)
     if not kept:
-        reason = (f"no case reached agreement ({cfg.min_case_agreement} of {len(solutions)} "
-                  f"outputs)")
+        reason = f"no case reached agreement ({cfg.min_case_agreement} of {len(solutions)} outputs)"
         return ProblemReport(name, False, reason, (), tuple(decisions), tuple(reports))
     if num_passing < cfg.min_solutions_passing:
-        reason = (f"only {num_passing} of {len(solutions)} reference solutions pass all "
-                  f"{len(kept)} kept cases (need {cfg.min_solutions_passing})")
+        reason = (
+            f"only {num_passing} of {len(solutions)} reference solutions pass all "
+            f"{len(kept)} kept cases (need {cfg.min_solutions_passing})"
+        )
         return ProblemReport(name, False, reason, (), tuple(decisions), tuple(reports))
-    reason = (f"kept {len(kept)} of {len(inputs)} cases; {num_passing} of {len(solutions)} "
-              f"reference solutions pass all of them")
+    reason = (
+        f"kept {len(kept)} of {len(inputs)} cases; {num_passing} of {len(solutions)} "
+        f"reference solutions pass all of them"
+    )
     return ProblemReport(name, True, reason, tuple(kept), tuple(decisions), tuple(reports))
 
 
@@ -188,13 +204,22 @@ def decide_problem(name: str, solutions: Sequence[Solution], inputs: Sequence[st
 def _problem_from_dict(data: dict, origin: str) -> Problem:
     try:
         language = data.get("language", "python")
-        solutions = tuple(Solution(name=s.get("name", f"solution_{i}"), code=s["code"],
-                                   language=s.get("language", language),
-                                   planted_wrong=bool(s.get("planted_wrong", False)))
-                          for i, s in enumerate(data["solutions"]))
-        return Problem(name=data["name"], generator=data["generator"], solutions=solutions,
-                       statement=data.get("statement", ""),
-                       generator_language=data.get("generator_language", "python"))
+        solutions = tuple(
+            Solution(
+                name=s.get("name", f"solution_{i}"),
+                code=s["code"],
+                language=s.get("language", language),
+                planted_wrong=bool(s.get("planted_wrong", False)),
+            )
+            for i, s in enumerate(data["solutions"])
+        )
+        return Problem(
+            name=data["name"],
+            generator=data["generator"],
+            solutions=solutions,
+            statement=data.get("statement", ""),
+            generator_language=data.get("generator_language", "python"),
+        )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{origin}: malformed problem ({exc!r}); see testgen's docstring") from exc
 
@@ -231,23 +256,29 @@ class GeneratorError(ValueError):
 
 def generate_inputs(runner: Runner, problem: Problem, cfg: TestGenConfig) -> list[str]:
     """Run the generator once with stdin 'SEED COUNT'; it prints a JSON list of COUNT inputs."""
-    result = runner.run(RunRequest(language=problem.generator_language, code=problem.generator,
-                                   stdin=f"{cfg.seed} {cfg.num_inputs}\n",
-                                   timeout_s=cfg.generator_timeout_s, memory_mb=cfg.memory_mb))
+    result = runner.run(
+        RunRequest(
+            language=problem.generator_language,
+            code=problem.generator,
+            stdin=f"{cfg.seed} {cfg.num_inputs}\n",
+            timeout_s=cfg.generator_timeout_s,
+            memory_mb=cfg.memory_mb,
+        )
+    )
     if result.status != "ok":
         raise GeneratorError(f"generator ended with {result.status}: {result.stderr[-500:]}")
     try:
         inputs = json.loads(result.stdout)
     except json.JSONDecodeError as exc:
         raise GeneratorError(f"generator output is not JSON: {exc}") from exc
-    if (not isinstance(inputs, list) or len(inputs) != cfg.num_inputs
-            or not all(isinstance(i, str) for i in inputs)):
+    if not isinstance(inputs, list) or len(inputs) != cfg.num_inputs or not all(isinstance(i, str) for i in inputs):
         raise GeneratorError(f"generator must print a JSON list of {cfg.num_inputs} strings")
     return inputs
 
 
-def run_matrix(runner: Runner, problem: Problem, inputs: Sequence[str], cfg: TestGenConfig,
-               num_threads: int) -> tuple[list[list[str | None]], list[list[str]]]:
+def run_matrix(
+    runner: Runner, problem: Problem, inputs: Sequence[str], cfg: TestGenConfig, num_threads: int
+) -> tuple[list[list[str | None]], list[list[str]]]:
     """(outputs[s][c], statuses[s][c]) of every solution on every input, runs in parallel."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -256,9 +287,15 @@ def run_matrix(runner: Runner, problem: Problem, inputs: Sequence[str], cfg: Tes
     def one(job: tuple[int, int]) -> RunResult:
         s, c = job
         solution = problem.solutions[s]
-        return runner.run(RunRequest(language=solution.language, code=solution.code,
-                                     stdin=inputs[c], timeout_s=cfg.solution_timeout_s,
-                                     memory_mb=cfg.memory_mb))
+        return runner.run(
+            RunRequest(
+                language=solution.language,
+                code=solution.code,
+                stdin=inputs[c],
+                timeout_s=cfg.solution_timeout_s,
+                memory_mb=cfg.memory_mb,
+            )
+        )
 
     outputs: list[list[str | None]] = [[None] * len(inputs) for _ in problem.solutions]
     statuses: list[list[str]] = [[""] * len(inputs) for _ in problem.solutions]
@@ -269,8 +306,7 @@ def run_matrix(runner: Runner, problem: Problem, inputs: Sequence[str], cfg: Tes
     return outputs, statuses
 
 
-def build_problem(runner: Runner, problem: Problem, cfg: TestGenConfig,
-                  num_threads: int = 2) -> ProblemReport:
+def build_problem(runner: Runner, problem: Problem, cfg: TestGenConfig, num_threads: int = 2) -> ProblemReport:
     """Generate, run and filter one problem; a failing generator drops the problem."""
     try:
         inputs = generate_inputs(runner, problem, cfg)
@@ -286,25 +322,28 @@ def describe(report: ProblemReport) -> list[str]:
     dropped = [d for d in report.cases if not d.kept]
     if dropped:
         num_duplicates = sum(d.reason.startswith("duplicate") for d in dropped)
-        lines.append(f"  dropped {len(dropped)} cases: {len(dropped) - num_duplicates} without "
-                     f"agreement, {num_duplicates} duplicate inputs")
+        lines.append(
+            f"  dropped {len(dropped)} cases: {len(dropped) - num_duplicates} without "
+            f"agreement, {num_duplicates} duplicate inputs"
+        )
     for sol in report.solutions:
         if not sol.passes_all_kept:
             tag = " (planted wrong)" if sol.planted_wrong else ""
-            lines.append(f"  solution {sol.name}{tag} fails {len(sol.failed_cases)} kept cases; "
-                         f"run statuses {sol.statuses}")
+            lines.append(
+                f"  solution {sol.name}{tag} fails {len(sol.failed_cases)} kept cases; run statuses {sol.statuses}"
+            )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m orchestrator.sandbox.testgen",
-                                description="Generate and filter test cases (k1.5 recipe).")
+    p = argparse.ArgumentParser(
+        prog="python -m orchestrator.sandbox.testgen", description="Generate and filter test cases (k1.5 recipe)."
+    )
     p.add_argument("--problems", nargs="+", required=True, help="problem JSON files or dirs")
     p.add_argument("--out", default=None, help="write <name>.json test sets and report.json here")
-    p.add_argument("--sandbox-url", default=None,
-                   help="use a running sandbox service (default: an in-process sandbox)")
+    p.add_argument("--sandbox-url", default=None, help="use a running sandbox service (default: an in-process sandbox)")
     p.add_argument("--num-inputs", type=int, default=50)
     p.add_argument("--min-case-agreement", type=int, default=7)
     p.add_argument("--min-solutions-passing", type=int, default=9)
@@ -315,8 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoint_engine.logs import setup_logging
 
     setup_logging("INFO")
-    cfg = TestGenConfig(num_inputs=args.num_inputs, min_case_agreement=args.min_case_agreement,
-                        min_solutions_passing=args.min_solutions_passing, seed=args.seed)
+    cfg = TestGenConfig(
+        num_inputs=args.num_inputs,
+        min_case_agreement=args.min_case_agreement,
+        min_solutions_passing=args.min_solutions_passing,
+        seed=args.seed,
+    )
     problems = load_problems(args.problems)
     runner, close = _make_runner(args.sandbox_url, args.threads)
     try:
@@ -329,9 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         close()
     if args.out:
         _write_out(args.out, problems, reports)
-    summary = {"problems": len(reports), "kept": sum(r.kept for r in reports),
-               "num_cases": {r.name: len(r.test_cases) for r in reports if r.kept},
-               "dropped": {r.name: r.reason for r in reports if not r.kept}}
+    summary = {
+        "problems": len(reports),
+        "kept": sum(r.kept for r in reports),
+        "num_cases": {r.name: len(r.test_cases) for r in reports if r.kept},
+        "dropped": {r.name: r.reason for r in reports if not r.kept},
+    }
     print(json.dumps(summary))
     return 0
 
@@ -339,17 +385,21 @@ def main(argv: list[str] | None = None) -> int:
 def _make_runner(url: str | None, num_threads: int):
     if url is not None:
         from .reward import SandboxClient
+
         client = SandboxClient(url)
         return client, client.close
     from .bwrap import DEFAULT_PYTHON_PACKAGES, probe_bwrap, python_package_binds
     from .config import SandboxConfig
     from .executor import Sandbox
+
     reason = probe_bwrap()
     if reason is not None:
         raise RuntimeError(f"cannot run the in-process sandbox: {reason}")
-    sandbox = Sandbox(SandboxConfig(
-        python_lib_binds=python_package_binds(DEFAULT_PYTHON_PACKAGES, required=True),
-        pool_size=2 * num_threads))
+    sandbox = Sandbox(
+        SandboxConfig(
+            python_lib_binds=python_package_binds(DEFAULT_PYTHON_PACKAGES, required=True), pool_size=2 * num_threads
+        )
+    )
     return sandbox, sandbox.close
 
 
@@ -359,8 +409,15 @@ def _write_out(out_dir: str, problems: Sequence[Problem], reports: Sequence[Prob
     for report in reports:
         if report.kept:
             with open(os.path.join(out_dir, f"{report.name}.json"), "w") as f:
-                json.dump({"name": report.name, "statement": statements[report.name],
-                           "test_cases": [asdict(c) for c in report.test_cases]}, f, indent=1)
+                json.dump(
+                    {
+                        "name": report.name,
+                        "statement": statements[report.name],
+                        "test_cases": [asdict(c) for c in report.test_cases],
+                    },
+                    f,
+                    indent=1,
+                )
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump([r.to_dict() for r in reports], f, indent=1)
 

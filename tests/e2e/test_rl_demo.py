@@ -30,22 +30,46 @@ DEMO = REPO / "configs" / "demo.json"
 SFT_CACHE = REPO / ".cache" / "sft"
 
 # Short runs: fewer iterations and a smaller held-out set than the demo, same model and recipe.
-COMMON = ["--set", f"sft_cache_dir={SFT_CACHE}", "--set", "eval.num_sampled_problems=16",
-          "--set", "eval.num_samples_per_problem=4"]
+COMMON = [
+    "--set",
+    f"sft_cache_dir={SFT_CACHE}",
+    "--set",
+    "eval.num_sampled_problems=16",
+    "--set",
+    "eval.num_samples_per_problem=4",
+]
 GAIN_ITERATIONS = 8
 # The demo's cosine schedule would decay over these 8 iterations; a constant lr keeps the short run's
 # steps as large as the demo's early ones.
-GAIN_RUN = ["--set", f"rl.num_iterations={GAIN_ITERATIONS}", "--set", "eval.every_iterations=4",
-            "--set", "rl.lr_schedule=constant", "--set", "rl.lr=5e-5"]
+GAIN_RUN = [
+    "--set",
+    f"rl.num_iterations={GAIN_ITERATIONS}",
+    "--set",
+    "eval.every_iterations=4",
+    "--set",
+    "rl.lr_schedule=constant",
+    "--set",
+    "rl.lr=5e-5",
+]
 # Measured after 3..10 iterations in 9 runs: +2..+9 points (the 8-iteration run of one fresh-clone
 # test: +2.0). The check asks for a rise, with a margin of 2.5 held-out problems out of 256.
 GAIN_MIN_POINTS = 1.0
 RESUME_ITERATIONS = 4
-RESUME_RUN = ["--set", f"rl.num_iterations={RESUME_ITERATIONS}", "--set", "eval.every_iterations=2",
-              "--set", "data.num_heldout_per_level=64",
-              # responses (about 30 tokens) span several iterations, so the buffer holds partial rollouts
-              "--set", "rollout.segment_max_tokens=16", "--set", "rollout.iteration_token_budget=4096",
-              "--set", "rollout.max_new_groups_per_iteration=16"]
+RESUME_RUN = [
+    "--set",
+    f"rl.num_iterations={RESUME_ITERATIONS}",
+    "--set",
+    "eval.every_iterations=2",
+    "--set",
+    "data.num_heldout_per_level=64",
+    # responses (about 30 tokens) span several iterations, so the buffer holds partial rollouts
+    "--set",
+    "rollout.segment_max_tokens=16",
+    "--set",
+    "rollout.iteration_token_budget=4096",
+    "--set",
+    "rollout.max_new_groups_per_iteration=16",
+]
 
 
 def _env() -> dict[str, str]:
@@ -55,8 +79,18 @@ def _env() -> dict[str, str]:
 
 
 def _job(out_dir: pathlib.Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "orchestrator", "--config", str(DEMO), "--output-dir", str(out_dir),
-            "--no-progress", *COMMON, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "--config",
+        str(DEMO),
+        "--output-dir",
+        str(out_dir),
+        "--no-progress",
+        *COMMON,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -99,8 +133,7 @@ def _check_metrics(out_dir: pathlib.Path, num_iterations: int) -> list[dict]:
 def short_run(sft_model_dir, tmp_path_factory):
     """One short RL run shared by the checks below."""
     out = tmp_path_factory.mktemp("rl") / "run"
-    proc = subprocess.run(_job(out, GAIN_RUN), cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=1200)
+    proc = subprocess.run(_job(out, GAIN_RUN), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), out
 
@@ -111,8 +144,9 @@ def test_short_rl_run_syncs_real_weights_and_reports(short_run):
     summary, out = short_run
     records = _check_metrics(out, GAIN_ITERATIONS)
     assert summary["sft_match_checked"] is True
-    assert summary["sft_match_ok"] is True, (f"vLLM {summary['sft_vllm_by_level']} vs transformers "
-                                             f"{summary['sft_transformers_by_level']}")
+    assert summary["sft_match_ok"] is True, (
+        f"vLLM {summary['sft_vllm_by_level']} vs transformers {summary['sft_transformers_by_level']}"
+    )
     assert summary["heldout_accuracy_after"] == records[-1]["heldout_accuracy"] and records[-1]["evaluated"]
     assert 0 < summary["weight_sync_share"] < 0.5
 
@@ -123,9 +157,11 @@ def test_short_rl_run_raises_heldout_accuracy(short_run):
     summary, out = short_run
     records = read_jsonl(out / "metrics.jsonl")
     gain = 100 * (summary["heldout_accuracy_after"] - summary["heldout_accuracy_before"])
-    assert gain >= GAIN_MIN_POINTS, (f"held-out accuracy {summary['heldout_accuracy_before']:.3f} -> "
-                                     f"{summary['heldout_accuracy_after']:.3f}; rewards "
-                                     f"{[round(r['mean_reward'], 3) for r in records]}")
+    assert gain >= GAIN_MIN_POINTS, (
+        f"held-out accuracy {summary['heldout_accuracy_before']:.3f} -> "
+        f"{summary['heldout_accuracy_after']:.3f}; rewards "
+        f"{[round(r['mean_reward'], 3) for r in records]}"
+    )
 
 
 @pytest.mark.e2e
@@ -133,14 +169,18 @@ def test_short_rl_run_raises_heldout_accuracy(short_run):
 def test_killed_run_resumes_with_its_stored_trajectories(sft_model_dir, tmp_path):
     out = tmp_path / "run"
     cmd = _job(out, RESUME_RUN)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 1 and (out / "state" / "LATEST").exists(),
-                  900, "the first iteration's metrics and checkpoint", proc)
+        _wait_for(
+            lambda: len(read_jsonl(out / "metrics.jsonl")) >= 1 and (out / "state" / "LATEST").exists(),
+            900,
+            "the first iteration's metrics and checkpoint",
+            proc,
+        )
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert any("VLLM" in " ".join(c.cmdline()) or "EngineCore" in c.name() for c in children
-                   if c.is_running()), [c.name() for c in children]
+        assert any("VLLM" in " ".join(c.cmdline()) or "EngineCore" in c.name() for c in children if c.is_running()), [
+            c.name() for c in children
+        ]
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
@@ -148,10 +188,13 @@ def test_killed_run_resumes_with_its_stored_trajectories(sft_model_dir, tmp_path
             proc.kill()
             proc.wait(timeout=60)
     # the reaper ends vLLM's engine and worker processes of the killed job
-    _wait_for(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
-              60, "the killed job's child processes to end")
+    _wait_for(
+        lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
+        60,
+        "the killed job's child processes to end",
+    )
 
-    latest = (out / "state" / (out / "state" / "LATEST").read_text().strip())
+    latest = out / "state" / (out / "state" / "LATEST").read_text().strip()
     saved_iteration = json.loads((latest / "progress.json").read_text())["iteration"]
     saved = json.loads((latest / "replay.json").read_text())["trajectories"]
     unfinished = [t["trajectory_id"] for t in saved if not t["finished"]]
@@ -175,9 +218,16 @@ def test_ctrl_c_stops_within_seconds_and_resumes(sft_model_dir, tmp_path):
     """Ctrl-C as a terminal sends it: SIGINT to the job's whole process group (vLLM's processes too)."""
     out = tmp_path / "run"
     cmd = _job(out, [*RESUME_RUN, "--set", "rl.num_iterations=2"])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a shell
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # as in a shell
     try:
         _wait_for(lambda: (out / "state" / "LATEST").exists(), 900, "the first iteration's checkpoint", proc)
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -192,10 +242,14 @@ def test_ctrl_c_stops_within_seconds_and_resumes(sft_model_dir, tmp_path):
     assert rc in (-signal.SIGINT, 128 + signal.SIGINT, 1), proc.stderr.read()[-3000:]
     # a few seconds here (engine close + reaper grace); the bound leaves room for a slow, busy CI machine
     assert stop_s < 30, f"Ctrl-C took {stop_s:.1f} s to stop the job"
-    _wait_for(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
-              30, "the interrupted job's child processes to end")
-    saved_iteration = json.loads((out / "state" / (out / "state" / "LATEST").read_text().strip()
-                                  / "progress.json").read_text())["iteration"]
+    _wait_for(
+        lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
+        30,
+        "the interrupted job's child processes to end",
+    )
+    saved_iteration = json.loads(
+        (out / "state" / (out / "state" / "LATEST").read_text().strip() / "progress.json").read_text()
+    )["iteration"]
     assert saved_iteration >= 1
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]

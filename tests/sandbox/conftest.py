@@ -46,9 +46,23 @@ class Service:
         env = dict(os.environ, **{SECRET_ENV_NAME: env_secret})
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.sandbox", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "WARNING", *extra_args],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.sandbox",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "WARNING",
+                *extra_args,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def log_text(self) -> str:
         self.log.seek(0)
@@ -61,8 +75,7 @@ class Service:
         last = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"sandbox service exited with {self.proc.returncode}: "
-                                   f"{self.log_text()}")
+                raise RuntimeError(f"sandbox service exited with {self.proc.returncode}: {self.log_text()}")
             try:
                 resp = httpx.get(self.url + "/health", timeout=2.0)
                 if resp.status_code == 200:
@@ -96,8 +109,7 @@ def start_service(extra_args: list[str]) -> Service:
 
 @pytest.fixture(scope="module")
 def service(bwrap_ok):
-    svc = start_service(["--workers", "2", "--max-queue", "32", "--pool-size", "4",
-                         "--max-timeout-s", "10"])
+    svc = start_service(["--workers", "2", "--max-queue", "32", "--pool-size", "4", "--max-timeout-s", "10"])
     yield svc
     rc = svc.stop()
     assert rc == 0, f"sandbox service exited with {rc}: {svc.log_text()}"

@@ -56,7 +56,9 @@ def processes_with(marker: str) -> list[str]:
 # ------------------------------------------------------------------------------- hostile code
 def test_network_is_unreachable(service):
     port = service.port
-    out = run(service, f"""
+    out = run(
+        service,
+        f"""
         import socket
         for host, port in (("1.1.1.1", 80), ("127.0.0.1", {port}), ("localhost", {port})):
             try:
@@ -64,7 +66,8 @@ def test_network_is_unreachable(service):
                 print("CONNECTED", host, port)
             except OSError as exc:
                 print("blocked", host, type(exc).__name__)
-    """)
+    """,
+    )
     assert out["status"] == "ok", out
     assert "CONNECTED" not in out["stdout"]
     assert out["stdout"].count("blocked") == 3, out
@@ -74,7 +77,9 @@ def test_network_is_unreachable(service):
 def test_cannot_write_outside_its_tmpfs(service, tmp_path):
     host_dir = tmp_path / "host_dir"
     host_dir.mkdir()
-    out = run(service, f"""
+    out = run(
+        service,
+        f"""
         import os
         for path in ("/x", "/usr/x", "/etc/x", "/dev/x", "/proc/x", "/bin/x", "{host_dir}/x",
                      "/sandbox/x"):
@@ -87,7 +92,8 @@ def test_cannot_write_outside_its_tmpfs(service, tmp_path):
         with open("/tmp/mine.txt", "w") as f:
             f.write("ok")
         print("tmp", open("/tmp/mine.txt").read())
-    """)
+    """,
+    )
     assert out["status"] == "ok", out
     assert "WROTE" not in out["stdout"], out["stdout"]
     assert out["stdout"].count("denied") == 8
@@ -99,15 +105,18 @@ def test_cannot_write_outside_its_tmpfs(service, tmp_path):
 def test_host_secrets_are_not_visible(service, tmp_path):
     token = "filesecret-" + secrets.token_hex(8)
     home = os.path.expanduser("~")
-    home_dir = os.path.join(home if os.access(home, os.W_OK) else str(tmp_path),
-                            f".sandbox-test-{secrets.token_hex(4)}")
+    home_dir = os.path.join(
+        home if os.access(home, os.W_OK) else str(tmp_path), f".sandbox-test-{secrets.token_hex(4)}"
+    )
     os.makedirs(home_dir)
     try:
         secret_paths = [os.path.join(home_dir, "secret.txt"), str(tmp_path / "secret.txt")]
         for path in secret_paths:
             with open(path, "w") as f:
                 f.write(token)
-        out = run(service, f"""
+        out = run(
+            service,
+            f"""
             import glob, os
             for path in {secret_paths!r}:
                 try:
@@ -124,7 +133,8 @@ def test_host_secrets_are_not_visible(service, tmp_path):
             print("exists", [p for p in ("/root", "/work", "/home", "/etc/shadow", "/etc/passwd",
                                          "/sys", "/var") if os.path.exists(p)])
             print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
-        """)
+        """,
+        )
     finally:
         shutil.rmtree(home_dir)
     assert out["status"] == "ok", out
@@ -139,7 +149,9 @@ def test_host_secrets_are_not_visible(service, tmp_path):
 
 def test_fork_bomb_is_contained(service):
     marker = "forkbomb-" + secrets.token_hex(6)
-    out = run(service, f"""
+    out = run(
+        service,
+        f"""
         import os, sys
         sys.argv.append("{marker}")
         while True:
@@ -147,11 +159,15 @@ def test_fork_bomb_is_contained(service):
                 os.fork()
             except OSError:
                 pass
-    """, timeout_s=1.0)
+    """,
+        timeout_s=1.0,
+    )
     assert out["status"] == "timeout", out
     assert out["request_s"] < 10, out
     assert processes_with(marker) == []
-    counted = run(service, """
+    counted = run(
+        service,
+        """
         import os, time
         num_forked = 0
         try:
@@ -162,7 +178,9 @@ def test_fork_bomb_is_contained(service):
                 num_forked += 1
         except OSError as exc:
             print("fork failed after", num_forked, type(exc).__name__)
-    """, timeout_s=5.0)
+    """,
+        timeout_s=5.0,
+    )
     health = httpx.get(service.url + "/health").json()
     assert counted["status"] == "ok" and counted["request_s"] < 5, counted
     num_forked = int(counted["stdout"].split()[3])
@@ -189,11 +207,16 @@ def test_process_finder_sees_live_processes():
 
 
 def test_memory_bomb_reports_memory_limit(service):
-    out = run(service, """
+    out = run(
+        service,
+        """
         blocks = []
         while True:
             blocks.append(bytearray(8 << 20))
-    """, memory_mb=64, timeout_s=5.0)
+    """,
+        memory_mb=64,
+        timeout_s=5.0,
+    )
     assert out["status"] == "memory_limit", out
     out = run(service, "x = 'a' * (10 ** 10)", memory_mb=64)
     assert out["status"] == "memory_limit", out
@@ -218,12 +241,10 @@ def test_sleeping_past_the_wall_limit_times_out(service):
 def test_flooding_stdout_hits_the_output_limit(service):
     health = httpx.get(service.url + "/health").json()
     cap = health["sandbox"]["limits"]["max_stdout_bytes"]
-    out = run(service, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
-              timeout_s=10.0)
+    out = run(service, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout_s=10.0)
     assert out["status"] == "output_limit", {k: v for k, v in out.items() if k != "stdout"}
     assert len(out["stdout"]) <= cap and out["request_s"] < 8
-    out = run(service, "import sys\nwhile True:\n    sys.stderr.write('e' * 65536)\n",
-              timeout_s=10.0)
+    out = run(service, "import sys\nwhile True:\n    sys.stderr.write('e' * 65536)\n", timeout_s=10.0)
     assert out["status"] == "output_limit"
     assert_still_serving(service)
 
@@ -231,7 +252,9 @@ def test_flooding_stdout_hits_the_output_limit(service):
 def test_file_size_and_tmpfs_limits(service):
     health = httpx.get(service.url + "/health").json()
     limits = health["sandbox"]["limits"]
-    out = run(service, f"""
+    out = run(
+        service,
+        f"""
         import errno
         try:
             with open("/tmp/big", "wb") as f:
@@ -247,7 +270,9 @@ def test_file_size_and_tmpfs_limits(service):
                 written += 4
         except OSError as exc:
             print("tmpfs:", errno.errorcode[exc.errno], written <= {limits["tmpfs_size_mb"]})
-    """, timeout_s=10.0)
+    """,
+        timeout_s=10.0,
+    )
     assert out["status"] == "ok", out
     assert out["stdout"] == "big file: EFBIG\ntmpfs: ENOSPC True\n", out
     assert_still_serving(service)
@@ -257,7 +282,9 @@ def test_killing_its_parent_is_contained(service):
     """The supervisor is pid 1 of the sandbox's pid namespace, so SIGKILL from inside cannot
     reach it; either way the run ends, is reported, and leaves nothing behind."""
     marker = "orphan-" + secrets.token_hex(6)
-    out = run(service, f"""
+    out = run(
+        service,
+        f"""
         import os, signal, subprocess, time
         subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(1000)", "{marker}"])
         for pid in (os.getppid(), 1):
@@ -267,7 +294,9 @@ def test_killing_its_parent_is_contained(service):
                 print("kill", pid, type(exc).__name__)
         time.sleep(0.2)
         print("still running", flush=True)
-    """, timeout_s=5.0)
+    """,
+        timeout_s=5.0,
+    )
     assert out["status"] in ("ok", "runtime_error"), out
     assert out["request_s"] < 5, out
     assert processes_with(marker) == []
@@ -277,7 +306,9 @@ def test_killing_its_parent_is_contained(service):
 @pytest.mark.parametrize("hang", [False, True], ids=["exits", "hangs"])
 def test_background_processes_do_not_survive(service, hang):
     marker = "bg-" + secrets.token_hex(6)
-    out = run(service, f"""
+    out = run(
+        service,
+        f"""
         import os, subprocess, time
         sleeper = ["/usr/bin/python3", "-c", "import time; time.sleep(1000)", "{marker}"]
         subprocess.Popen(sleeper, start_new_session=True)
@@ -290,7 +321,9 @@ def test_background_processes_do_not_survive(service, hang):
         print("spawned", flush=True)
         if {hang}:
             time.sleep(60)
-    """, timeout_s=2.0)
+    """,
+        timeout_s=2.0,
+    )
     assert out["status"] == ("timeout" if hang else "ok"), out
     assert out["stdout"] == "spawned\n"
     assert processes_with(marker) == []
@@ -299,8 +332,11 @@ def test_background_processes_do_not_survive(service, hang):
 
 # ------------------------------------------------------------------------------ correct code
 def test_correct_programs_give_exact_output(service):
-    out = run(service, "import sys\ndata = sys.stdin.read()\nsys.stdout.write(data[::-1])",
-              stdin="héllo wörld ✓\n  spaces  \n")
+    out = run(
+        service,
+        "import sys\ndata = sys.stdin.read()\nsys.stdout.write(data[::-1])",
+        stdin="héllo wörld ✓\n  spaces  \n",
+    )
     assert out == {**out, "status": "ok", "exit_code": 0, "stdout": "\n  secaps  \n✓ dlröw olléh"}
     big = run(service, "print('\\n'.join(str(i) for i in range(200000)))")
     assert big["status"] == "ok"
@@ -313,7 +349,9 @@ def test_correct_programs_give_exact_output(service):
 
 def test_python_exit_keeps_python_semantics(service):
     """The supervisor's fast exit still joins threads, runs atexit and flushes open files."""
-    out = run(service, """
+    out = run(
+        service,
+        """
         import atexit, sys, threading, time
         atexit.register(lambda: print("atexit ran"))
         def late():
@@ -323,7 +361,8 @@ def test_python_exit_keeps_python_semantics(service):
         extra = open(1, "w", closefd=False)
         extra.write("unflushed file object\\n")
         sys.stdout.write("no newline, ")
-    """)
+    """,
+    )
     assert out["status"] == "ok", out
     assert out["stdout"] == "no newline, thread done\natexit ran\nunflushed file object\n"
     out = run(service, "raise SystemExit('bye')")
@@ -374,15 +413,18 @@ def test_concurrent_runs_do_not_see_each_other(service):
 
 
 # --------------------------------------------------------------------------- API behaviours
-@pytest.mark.parametrize("body, field", [
-    ({"language": "rust", "code": "x"}, "language"),
-    ({"language": "python", "code": ""}, "code"),
-    ({"language": "python", "code": "print(1)", "timeout_s": -1}, "timeout_s"),
-    ({"language": "python", "code": "print(1)", "timeout_s": 1000}, "timeout_s"),
-    ({"language": "python", "code": "print(1)", "memory_mb": 1}, "memory_mb"),
-    ({"language": "python", "code": "print(1)", "extra": 1}, "extra"),
-    ({"code": "print(1)"}, "language"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"language": "rust", "code": "x"}, "language"),
+        ({"language": "python", "code": ""}, "code"),
+        ({"language": "python", "code": "print(1)", "timeout_s": -1}, "timeout_s"),
+        ({"language": "python", "code": "print(1)", "timeout_s": 1000}, "timeout_s"),
+        ({"language": "python", "code": "print(1)", "memory_mb": 1}, "memory_mb"),
+        ({"language": "python", "code": "print(1)", "extra": 1}, "extra"),
+        ({"code": "print(1)"}, "language"),
+    ],
+)
 def test_invalid_requests_get_a_clear_400(service, body, field):
     resp = post(service, "/run", body)
     assert resp.status_code == 400, resp.text
@@ -390,8 +432,7 @@ def test_invalid_requests_get_a_clear_400(service, body, field):
 
 
 def test_malformed_json_gets_400(service):
-    resp = httpx.post(service.url + "/run", content=b"{not json",
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(service.url + "/run", content=b"{not json", headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "JSON" in resp.json()["detail"]
 
 
@@ -408,8 +449,7 @@ def test_judge_and_code_reward(service):
         assert code_reward(client, wrong_on_negative, cases, mode="fraction") == pytest.approx(2 / 3)
         assert code_reward(client, wrong_on_negative, cases, mode="all_or_nothing") == 0.0
         assert code_reward(client, good, cases, mode="all_or_nothing") == 1.0
-        assert code_reward(client, "while True: pass", cases[:1], mode="fraction",
-                           timeout_s=0.5) == 0.0
+        assert code_reward(client, "while True: pass", cases[:1], mode="fraction", timeout_s=0.5) == 0.0
         assert code_reward(client, "def f(:", cases, mode="fraction") == 0.0
         with pytest.raises(ValueError, match="memory_mb"):
             client.judge("python", good, cases, memory_mb=1)
@@ -435,8 +475,7 @@ def test_overload_gets_503_and_service_recovers(bwrap_ok):
         assert sorted(codes).count(200) >= 1 and 503 in codes, codes
         rejected = [b for b, c in zip(bodies, codes) if c == 503]
         assert all(b["status"] == "rejected" and "capacity" in b["detail"] for b in rejected)
-        ok = httpx.post(small.url + "/run", json={"language": "python", "code": "print(2)"},
-                        timeout=60).json()
+        ok = httpx.post(small.url + "/run", json={"language": "python", "code": "print(2)"}, timeout=60).json()
         assert ok["stdout"] == "2\n"
     finally:
         rc = small.stop()

@@ -23,8 +23,9 @@ PROBLEMS = REPO / "orchestrator" / "sandbox" / "problems"
 
 @pytest.fixture(scope="module")
 def sandbox(bwrap_ok):
-    sb = Sandbox(SandboxConfig(
-        python_lib_binds=python_package_binds(DEFAULT_PYTHON_PACKAGES, required=True), pool_size=4))
+    sb = Sandbox(
+        SandboxConfig(python_lib_binds=python_package_binds(DEFAULT_PYTHON_PACKAGES, required=True), pool_size=4)
+    )
     yield sb
     sb.close()
 
@@ -32,8 +33,7 @@ def sandbox(bwrap_ok):
 @pytest.fixture(scope="module")
 def reports(sandbox):
     cfg = TestGenConfig(num_inputs=12, seed=3)
-    return {p.name: build_problem(sandbox, p, cfg, num_threads=2)
-            for p in load_problems([str(PROBLEMS)])}
+    return {p.name: build_problem(sandbox, p, cfg, num_threads=2) for p in load_problems([str(PROBLEMS)])}
 
 
 def failing(report) -> dict[str, bool]:
@@ -77,8 +77,9 @@ def test_kept_cases_judge_the_reference_solutions(sandbox, reports):
 
 
 def test_a_failing_generator_drops_the_problem(sandbox):
-    problem = Problem(name="broken", generator="import cyaron\nprint('not json')",
-                      solutions=(Solution("s", "print(1)"),))
+    problem = Problem(
+        name="broken", generator="import cyaron\nprint('not json')", solutions=(Solution("s", "print(1)"),)
+    )
     rep = build_problem(sandbox, problem, TestGenConfig(num_inputs=3))
     assert not rep.kept and "generator failed" in rep.reason and "not JSON" in rep.reason
 
@@ -86,10 +87,23 @@ def test_a_failing_generator_drops_the_problem(sandbox):
 def test_cli_reports_and_writes_kept_cases(bwrap_ok, tmp_path):
     out_dir = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.sandbox.testgen", "--problems",
-         str(PROBLEMS / "sum_list.json"), str(PROBLEMS / "max_list.json"),
-         "--num-inputs", "8", "--out", str(out_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.sandbox.testgen",
+            "--problems",
+            str(PROBLEMS / "sum_list.json"),
+            str(PROBLEMS / "max_list.json"),
+            "--num-inputs",
+            "8",
+            "--out",
+            str(out_dir),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     summary = json.loads(lines[-1])

@@ -18,47 +18,67 @@ from orchestrator.sandbox.config import SandboxConfig, ServiceConfig
 from orchestrator.sandbox.judge import normalize_output, outputs_match
 from orchestrator.sandbox.models import JudgeResult, RunRequest, TestCase
 from orchestrator.sandbox.pool import UidAllocator, WarmPool
-from orchestrator.sandbox.protocol import (ExitReport, Limits, Observation, classify, cpu_limit_s,
-                                           encode_request, parse_exit)
+from orchestrator.sandbox.protocol import (
+    ExitReport,
+    Limits,
+    Observation,
+    classify,
+    cpu_limit_s,
+    encode_request,
+    parse_exit,
+)
 from orchestrator.sandbox.reward import CodeRewardConfig, code_reward, extract_code_block
 from orchestrator.sandbox.runner import MEMORY_EXIT_CODE, SYNTAX_EXIT_CODE, _parse
 from orchestrator.sandbox.service import Admission
-from orchestrator.sandbox.testgen import (Solution, TestGenConfig, decide_problem, load_problems,
-                                          majority_output, select_cases)
+from orchestrator.sandbox.testgen import (
+    Solution,
+    TestGenConfig,
+    decide_problem,
+    load_problems,
+    majority_output,
+    select_cases,
+)
 
 MIB = 1 << 20
 PROBLEMS = Path(__file__).resolve().parents[2] / "orchestrator" / "sandbox" / "problems"
 
 
 def report(code=0, sig=0, cpu_s=0.01, rss=10 * MIB):
-    return ExitReport(exit_code=None if sig else code, signal=sig, cpu_s=cpu_s, wall_s=0.02,
-                      max_rss_bytes=rss)
+    return ExitReport(exit_code=None if sig else code, signal=sig, cpu_s=cpu_s, wall_s=0.02, max_rss_bytes=rss)
 
 
-@pytest.mark.parametrize("obs, expected", [
-    (Observation("python", report(0)), ("ok", 0)),
-    (Observation("python", report(1)), ("runtime_error", 1)),
-    (Observation("python", report(MEMORY_EXIT_CODE)), ("memory_limit", MEMORY_EXIT_CODE)),
-    (Observation("python", report(SYNTAX_EXIT_CODE)), ("compile_error", SYNTAX_EXIT_CODE)),
-    (Observation("python", None), ("runtime_error", None)),
-    (Observation("python", None, timed_out=True), ("timeout", None)),
-    (Observation("python", report(0), output_exceeded=True), ("output_limit", 0)),
-    (Observation("python", None, timed_out=True, output_exceeded=True), ("output_limit", None)),
-    (Observation("binary", report(sig=signal.SIGXCPU)), ("timeout", -signal.SIGXCPU)),
-    (Observation("binary", report(sig=signal.SIGKILL, cpu_s=3.0), cpu_limit_s=3),
-     ("timeout", -signal.SIGKILL)),
-    (Observation("binary", report(sig=signal.SIGKILL, cpu_s=0.1), cpu_limit_s=3),
-     ("runtime_error", -signal.SIGKILL)),
-    (Observation("binary", report(sig=signal.SIGSEGV)), ("runtime_error", -signal.SIGSEGV)),
-    (Observation("binary", report(sig=signal.SIGABRT), stderr_tail=b"std::bad_alloc"),
-     ("memory_limit", -signal.SIGABRT)),
-    (Observation("binary", report(sig=signal.SIGSEGV, rss=60 * MIB), memory_bytes=64 * MIB),
-     ("memory_limit", -signal.SIGSEGV)),
-    (Observation("binary", report(MEMORY_EXIT_CODE)), ("runtime_error", MEMORY_EXIT_CODE)),
-    (Observation("binary", report(0), oom_killed=True), ("memory_limit", 0)),
-    (Observation("compile", report(0)), ("ok", 0)),
-    (Observation("compile", report(1)), ("compile_error", 1)),
-])
+@pytest.mark.parametrize(
+    "obs, expected",
+    [
+        (Observation("python", report(0)), ("ok", 0)),
+        (Observation("python", report(1)), ("runtime_error", 1)),
+        (Observation("python", report(MEMORY_EXIT_CODE)), ("memory_limit", MEMORY_EXIT_CODE)),
+        (Observation("python", report(SYNTAX_EXIT_CODE)), ("compile_error", SYNTAX_EXIT_CODE)),
+        (Observation("python", None), ("runtime_error", None)),
+        (Observation("python", None, timed_out=True), ("timeout", None)),
+        (Observation("python", report(0), output_exceeded=True), ("output_limit", 0)),
+        (Observation("python", None, timed_out=True, output_exceeded=True), ("output_limit", None)),
+        (Observation("binary", report(sig=signal.SIGXCPU)), ("timeout", -signal.SIGXCPU)),
+        (Observation("binary", report(sig=signal.SIGKILL, cpu_s=3.0), cpu_limit_s=3), ("timeout", -signal.SIGKILL)),
+        (
+            Observation("binary", report(sig=signal.SIGKILL, cpu_s=0.1), cpu_limit_s=3),
+            ("runtime_error", -signal.SIGKILL),
+        ),
+        (Observation("binary", report(sig=signal.SIGSEGV)), ("runtime_error", -signal.SIGSEGV)),
+        (
+            Observation("binary", report(sig=signal.SIGABRT), stderr_tail=b"std::bad_alloc"),
+            ("memory_limit", -signal.SIGABRT),
+        ),
+        (
+            Observation("binary", report(sig=signal.SIGSEGV, rss=60 * MIB), memory_bytes=64 * MIB),
+            ("memory_limit", -signal.SIGSEGV),
+        ),
+        (Observation("binary", report(MEMORY_EXIT_CODE)), ("runtime_error", MEMORY_EXIT_CODE)),
+        (Observation("binary", report(0), oom_killed=True), ("memory_limit", 0)),
+        (Observation("compile", report(0)), ("ok", 0)),
+        (Observation("compile", report(1)), ("compile_error", 1)),
+    ],
+)
 def test_classify(obs, expected):
     assert classify(obs) == expected
 
@@ -71,8 +91,9 @@ def test_cpu_limit_rounds_up(timeout_s, cpu_s):
 def test_request_encoding_round_trips_through_the_runner_parser():
     limits = Limits(cpu_s=2, memory_bytes=64 * MIB, nproc=16, fsize_bytes=MIB, nofile=64)
     payload = b"print('a\\tb')\n\x00\xff"
-    data = encode_request("compile", limits, payload, compiler="/usr/bin/gcc",
-                          flags="\x1f".join(["-O2", "-std=gnu11"]), ext="c")
+    data = encode_request(
+        "compile", limits, payload, compiler="/usr/bin/gcc", flags="\x1f".join(["-O2", "-std=gnu11"]), ext="c"
+    )
     header, body = _parse(data)
     assert body == payload
     assert header["mode"] == "compile" and header["memory_bytes"] == str(64 * MIB)
@@ -81,27 +102,33 @@ def test_request_encoding_round_trips_through_the_runner_parser():
         encode_request("python", limits, b"", bad="a\tb")
 
 
-@pytest.mark.parametrize("lines, expected", [
-    (["ready", "start"], None),
-    (["ready", "start", "exit 0 0 0.0100 0.0200 2048"], ExitReport(0, 0, 0.01, 0.02, 2048 * 1024)),
-    (["ready", "start", "exit -1 9 1.5 2.0 100"], ExitReport(None, 9, 1.5, 2.0, 100 * 1024)),
-    (["exit nonsense"], None),
-])
+@pytest.mark.parametrize(
+    "lines, expected",
+    [
+        (["ready", "start"], None),
+        (["ready", "start", "exit 0 0 0.0100 0.0200 2048"], ExitReport(0, 0, 0.01, 0.02, 2048 * 1024)),
+        (["ready", "start", "exit -1 9 1.5 2.0 100"], ExitReport(None, 9, 1.5, 2.0, 100 * 1024)),
+        (["exit nonsense"], None),
+    ],
+)
 def test_parse_exit(lines, expected):
     assert parse_exit(lines) == expected
 
 
-@pytest.mark.parametrize("expected, actual, mode, match", [
-    ("3\n", "3\n", "exact", True),
-    ("3\n", "3", "exact", False),
-    ("3\n", "3", "lines", True),
-    ("1 2\n3\n", "1 2   \n3\n\n\n", "lines", True),
-    ("1 2\n3\n", "1  2\n3\n", "lines", False),
-    ("1 2\n3\n", "1  2\n3\n", "tokens", True),
-    ("a\r\nb\r\n", "a\nb", "lines", True),
-    ("", "\n\n", "lines", True),
-    ("1\n", "2\n", "tokens", False),
-])
+@pytest.mark.parametrize(
+    "expected, actual, mode, match",
+    [
+        ("3\n", "3\n", "exact", True),
+        ("3\n", "3", "exact", False),
+        ("3\n", "3", "lines", True),
+        ("1 2\n3\n", "1 2   \n3\n\n\n", "lines", True),
+        ("1 2\n3\n", "1  2\n3\n", "lines", False),
+        ("1 2\n3\n", "1  2\n3\n", "tokens", True),
+        ("a\r\nb\r\n", "a\nb", "lines", True),
+        ("", "\n\n", "lines", True),
+        ("1\n", "2\n", "tokens", False),
+    ],
+)
 def test_outputs_match(expected, actual, mode, match):
     assert outputs_match(expected, actual, mode) is match
 
@@ -111,49 +138,65 @@ def test_unknown_compare_mode_is_rejected():
         normalize_output("x", "fuzzy")
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"language": "rust"}, "language"),
-    ({"code": "   "}, "code"),
-    ({"timeout_s": 0}, "timeout_s"),
-    ({"timeout_s": float("inf")}, "timeout_s"),
-    ({"memory_mb": 0}, "memory_mb"),
-    ({"memory_mb": True}, "memory_mb"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"language": "rust"}, "language"),
+        ({"code": "   "}, "code"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"memory_mb": 0}, "memory_mb"),
+        ({"memory_mb": True}, "memory_mb"),
+    ],
+)
 def test_run_request_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RunRequest(**{"language": "python", "code": "print(1)", **kwargs})
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"tmpfs_size_mb": 0}, "tmpfs_size_mb"),
-    ({"max_processes": 2}, "max_processes"),
-    ({"pool_size": -1}, "pool_size"),
-    ({"min_memory_mb": 512, "max_memory_mb": 256}, "min_memory_mb"),
-    ({"switch_uid": "yes"}, "switch_uid"),
-    ({"uid_base": 10}, "uid_base"),
-    ({"max_binary_bytes": 64 * MIB, "tmpfs_size_mb": 64}, "max_binary_bytes"),
-    ({"python_lib_binds": (("/x", "a/b"),)}, "python_lib_binds"),
-    ({"compile_timeout_s": -1.0}, "compile_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tmpfs_size_mb": 0}, "tmpfs_size_mb"),
+        ({"max_processes": 2}, "max_processes"),
+        ({"pool_size": -1}, "pool_size"),
+        ({"min_memory_mb": 512, "max_memory_mb": 256}, "min_memory_mb"),
+        ({"switch_uid": "yes"}, "switch_uid"),
+        ({"uid_base": 10}, "uid_base"),
+        ({"max_binary_bytes": 64 * MIB, "tmpfs_size_mb": 64}, "max_binary_bytes"),
+        ({"python_lib_binds": (("/x", "a/b"),)}, "python_lib_binds"),
+        ({"compile_timeout_s": -1.0}, "compile_timeout_s"),
+    ],
+)
 def test_sandbox_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SandboxConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"port": 70000}, "port"), ({"num_workers": 0}, "num_workers"),
-    ({"max_queue": -1}, "max_queue"), ({"queue_timeout_s": 0}, "queue_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"port": 70000}, "port"),
+        ({"num_workers": 0}, "num_workers"),
+        ({"max_queue": -1}, "max_queue"),
+        ({"queue_timeout_s": 0}, "queue_timeout_s"),
+    ],
+)
 def test_service_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ServiceConfig(**kwargs)
 
 
-@pytest.mark.parametrize("request_kwargs, field", [
-    ({"memory_mb": 16}, "memory_mb"), ({"memory_mb": 10_000}, "memory_mb"),
-    ({"timeout_s": 31}, "timeout_s"), ({"code": "x" * 600_000}, "code"),
-    ({"stdin": "y" * (17 * MIB)}, "stdin"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        ({"memory_mb": 16}, "memory_mb"),
+        ({"memory_mb": 10_000}, "memory_mb"),
+        ({"timeout_s": 31}, "timeout_s"),
+        ({"code": "x" * 600_000}, "code"),
+        ({"stdin": "y" * (17 * MIB)}, "stdin"),
+    ],
+)
 def test_check_request_enforces_the_sandbox_maxima(request_kwargs, field):
     request = RunRequest(**{"language": "python", "code": "print(1)", **request_kwargs})
     with pytest.raises(ValueError, match=field):
@@ -163,21 +206,43 @@ def test_check_request_enforces_the_sandbox_maxima(request_kwargs, field):
 
 def test_system_mounts_keep_top_level_symlinks():
     fake = {"/usr": None, "/bin": "usr/bin", "/etc/alternatives": None}
-    args = system_mount_args(["/usr", "/bin", "/lib64", "/etc/alternatives"],
-                             exists=lambda p: p in fake, is_link=lambda p: fake.get(p) is not None,
-                             readlink=lambda p: fake[p])
-    assert args == ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-                    "--ro-bind", "/etc/alternatives", "/etc/alternatives"]
+    args = system_mount_args(
+        ["/usr", "/bin", "/lib64", "/etc/alternatives"],
+        exists=lambda p: p in fake,
+        is_link=lambda p: fake.get(p) is not None,
+        readlink=lambda p: fake[p],
+    )
+    assert args == [
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--ro-bind",
+        "/etc/alternatives",
+        "/etc/alternatives",
+    ]
 
 
 def test_sandbox_argv_isolates_everything():
     cfg = SandboxConfig(python_lib_binds=(("/site/cyaron", "cyaron"),), tmpfs_size_mb=32)
     argv = sandbox_argv(cfg, ["--ro-bind", "/usr", "/usr"])
     joined = " ".join(argv)
-    for flag in ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-                 "--new-session", "--clearenv", "--cap-drop ALL", "--remount-ro /",
-                 f"--size {32 * MIB} --perms 1777 --tmpfs /tmp", "--chdir /tmp",
-                 "--ro-bind /site/cyaron /sandbox/lib/cyaron", "--remount-ro /dev"):
+    for flag in (
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--cap-drop ALL",
+        "--remount-ro /",
+        f"--size {32 * MIB} --perms 1777 --tmpfs /tmp",
+        "--chdir /tmp",
+        "--ro-bind /site/cyaron /sandbox/lib/cyaron",
+        "--remount-ro /dev",
+    ):
         assert flag in joined, flag
     assert "--share-net" not in argv and "--bind" not in argv
     assert visible_inside("/usr/bin/python3", cfg)
@@ -235,13 +300,15 @@ def test_admission_bounds_running_plus_queued():
     assert adm.try_enter() and adm.inside == 3
 
 
-@pytest.mark.parametrize("path, mounts, expected", [
-    ("/sys/fs/cgroup", "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0", True),
-    ("/sys/fs/cgroup/sandbox", "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0", True),
-    ("/sys/fs/cgroup", "tmpfs /sys/fs/cgroup tmpfs rw 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0",
-     False),
-    ("/sys/fs/cgroupx", "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0", False),
-])
+@pytest.mark.parametrize(
+    "path, mounts, expected",
+    [
+        ("/sys/fs/cgroup", "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0", True),
+        ("/sys/fs/cgroup/sandbox", "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0", True),
+        ("/sys/fs/cgroup", "tmpfs /sys/fs/cgroup tmpfs rw 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0", False),
+        ("/sys/fs/cgroupx", "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0", False),
+    ],
+)
 def test_is_cgroup2_mount(path, mounts, expected):
     assert is_cgroup2_mount(path, mounts) is expected
 
@@ -272,13 +339,16 @@ def test_run_cgroup_files_on_a_fake_hierarchy(tmp_path):
     assert Path(cg.path).exists()
 
 
-@pytest.mark.parametrize("text, language, expected", [
-    ("no fences here", None, "no fences here"),
-    ("a\n```python\nprint(1)\n```\nb", "python", "print(1)\n"),
-    ("```\nfirst\n```\n```py\nsecond\n```", "python", "second\n"),
-    ("```cpp\nint main(){}\n```\n```text\nnotes\n```", "cpp", "int main(){}\n"),
-    ("```cpp\nint main(){}\n```\n```text\nnotes\n```", None, "notes\n"),
-])
+@pytest.mark.parametrize(
+    "text, language, expected",
+    [
+        ("no fences here", None, "no fences here"),
+        ("a\n```python\nprint(1)\n```\nb", "python", "print(1)\n"),
+        ("```\nfirst\n```\n```py\nsecond\n```", "python", "second\n"),
+        ("```cpp\nint main(){}\n```\n```text\nnotes\n```", "cpp", "int main(){}\n"),
+        ("```cpp\nint main(){}\n```\n```text\nnotes\n```", None, "notes\n"),
+    ],
+)
 def test_extract_code_block(text, language, expected):
     assert extract_code_block(text, language) == expected
 
@@ -293,10 +363,16 @@ class FakeClient:
         return JudgeResult(status="ok", passed=self.passed, total=len(cases))
 
 
-@pytest.mark.parametrize("passed, mode, expected", [
-    (3, "fraction", 0.75), (4, "fraction", 1.0), (0, "fraction", 0.0),
-    (3, "all_or_nothing", 0.0), (4, "all_or_nothing", 1.0),
-])
+@pytest.mark.parametrize(
+    "passed, mode, expected",
+    [
+        (3, "fraction", 0.75),
+        (4, "fraction", 1.0),
+        (0, "fraction", 0.0),
+        (3, "all_or_nothing", 0.0),
+        (4, "all_or_nothing", 1.0),
+    ],
+)
 def test_code_reward_modes(passed, mode, expected):
     client = FakeClient(passed)
     cases = [TestCase("1", "1"), {"input": "2", "output": "2"}, ("3", "3"), TestCase("4", "4")]
@@ -304,10 +380,16 @@ def test_code_reward_modes(passed, mode, expected):
     assert client.calls[0]["stop_on_first_failure"] is (mode == "all_or_nothing")
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"mode": "best"}, "mode"), ({"language": "go"}, "language"), ({"timeout_s": 0}, "timeout_s"),
-    ({"memory_mb": 1.5}, "memory_mb"), ({"compare": "fuzzy"}, "compare"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"mode": "best"}, "mode"),
+        ({"language": "go"}, "language"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"memory_mb": 1.5}, "memory_mb"),
+        ({"compare": "fuzzy"}, "compare"),
+    ],
+)
 def test_code_reward_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CodeRewardConfig(**kwargs)
@@ -333,12 +415,15 @@ def test_code_reward_edge_cases():
 
 
 # ----------------------------------------------------------------- k1.5 test-case filtering
-@pytest.mark.parametrize("outputs, expected", [
-    (["1\n"] * 7 + ["2\n"] * 3, (0, 7)),
-    (["2\n"] * 3 + ["1\n"] * 7, (3, 7)),
-    ([None] * 10, (-1, 0)),
-    (["1"] + ["1\n  "] * 5 + [None] * 4, (0, 6)),
-])
+@pytest.mark.parametrize(
+    "outputs, expected",
+    [
+        (["1\n"] * 7 + ["2\n"] * 3, (0, 7)),
+        (["2\n"] * 3 + ["1\n"] * 7, (3, 7)),
+        ([None] * 10, (-1, 0)),
+        (["1"] + ["1\n  "] * 5 + [None] * 4, (0, 6)),
+    ],
+)
 def test_majority_output(outputs, expected):
     assert majority_output(outputs) == expected
 
@@ -365,19 +450,20 @@ def test_duplicate_inputs_are_dropped():
 def run_decide(num_wrong: int, wrong_on: int = 3):
     """10 solutions on 4 inputs; `num_wrong` of them are wrong on the first `wrong_on` inputs."""
     solutions = [Solution(f"s{i}", "code", planted_wrong=i >= 10 - num_wrong) for i in range(10)]
-    outputs = [[("bad" if s.planted_wrong and c < wrong_on else f"{c}") for c in range(4)]
-               for s in solutions]
+    outputs = [[("bad" if s.planted_wrong and c < wrong_on else f"{c}") for c in range(4)] for s in solutions]
     statuses = [["ok"] * 4 for _ in solutions]
-    return decide_problem("p", solutions, ["i0", "i1", "i2", "i3"], outputs, statuses,
-                          TestGenConfig())
+    return decide_problem("p", solutions, ["i0", "i1", "i2", "i3"], outputs, statuses, TestGenConfig())
 
 
-@pytest.mark.parametrize("num_wrong, problem_kept, num_cases, reason", [
-    (0, True, 4, "10 of 10 reference solutions pass"),
-    (1, True, 4, "9 of 10 reference solutions pass"),
-    (2, False, 0, "only 8 of 10 reference solutions pass all 4 kept cases (need 9)"),
-    (3, False, 0, "only 7 of 10 reference solutions pass all 4 kept cases (need 9)"),
-])
+@pytest.mark.parametrize(
+    "num_wrong, problem_kept, num_cases, reason",
+    [
+        (0, True, 4, "10 of 10 reference solutions pass"),
+        (1, True, 4, "9 of 10 reference solutions pass"),
+        (2, False, 0, "only 8 of 10 reference solutions pass all 4 kept cases (need 9)"),
+        (3, False, 0, "only 7 of 10 reference solutions pass all 4 kept cases (need 9)"),
+    ],
+)
 def test_problem_kept_only_when_nine_of_ten_pass(num_wrong, problem_kept, num_cases, reason):
     rep = run_decide(num_wrong)
     assert rep.kept is problem_kept and len(rep.test_cases) == num_cases

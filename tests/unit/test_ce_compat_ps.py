@@ -39,10 +39,15 @@ class Engine:
         self.hellos = []
 
     def req_func(self, paths):
-        (_, address), = paths
-        update_weights_from_ipc(self.ctx, address, None, timeout_s=10,
-                                run=lambda ws: self.weights.update({n: bits(t) for n, t in ws}),
-                                on_hello=lambda hello, _bufs: self.hellos.append(hello))
+        ((_, address),) = paths
+        update_weights_from_ipc(
+            self.ctx,
+            address,
+            None,
+            timeout_s=10,
+            run=lambda ws: self.weights.update({n: bits(t) for n, t in ws}),
+            on_hello=lambda hello, _bufs: self.hellos.append(hello),
+        )
 
 
 def make_ps(**cfg) -> ParameterServer:
@@ -164,6 +169,7 @@ def test_engine_error_raises_remote_errors_runtime_error(ps):
     def bad(paths):
         def run(_ws):
             raise RuntimeError("Intentional Error for testing.")
+
         update_weights_from_ipc(ctx, paths[0][1], None, run=run, timeout_s=10)
 
     with pytest.raises(RuntimeError, match=f"{REMOTE_ERRORS}.*rank 0: engine failed on bucket 0.*Intentional"):
@@ -175,10 +181,10 @@ def foreign(metas: dict, *, pid: int = 4_000_000, host: str | None = None) -> di
     """`metas` as if another job (other pids, maybe another host) had gathered them."""
     m = dict(metas)
     m["pids"] = [pid] * len(metas["pids"])
-    m["owner_pids"] = {r: pid for r in metas["owner_pids"]}
+    m["owner_pids"] = dict.fromkeys(metas["owner_pids"], pid)
     if host is not None:
         m["hosts"] = [host] * len(metas["hosts"])
-        m["owner_hosts"] = {r: host for r in metas["owner_hosts"]}
+        m["owner_hosts"] = dict.fromkeys(metas["owner_hosts"], host)
     return m
 
 
@@ -251,8 +257,9 @@ def test_pull_across_hosts_without_p2p_says_what_to_configure():
         with pytest.raises(ValueError, match=r"owners are in another job.*ParameterServerConfig\(p2p=P2PConfig"):
             joiner.update("c", Engine().req_func, ranks=[0])
         with pytest.raises(ValueError, match="mode='local' needs every owner on the receivers' host"):
-            make_local = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(
-                transport="cpu", update=UpdateConfig(mode="local")))
+            make_local = ParameterServer(
+                rank=0, world_size=1, config=ParameterServerConfig(transport="cpu", update=UpdateConfig(mode="local"))
+            )
             try:
                 make_local.gather_metas("c")
                 make_local.load_metas(foreign(owner.get_metas(), host="elsewhere"))

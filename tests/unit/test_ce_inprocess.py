@@ -1,7 +1,5 @@
 """World-size-1 updates with the engine receive loop on a thread of the same process (fast path tests)."""
 
-import threading
-
 import pytest
 import torch
 import zmq
@@ -16,8 +14,10 @@ from checkpoint_engine.worker import update_weights_from_ipc
 
 def make_tensors(seed):
     g = torch.Generator().manual_seed(seed)
-    out = {f"w{i}": torch.randn(17 + i, 3, generator=g).to([torch.bfloat16, torch.float32, torch.float16][i % 3])
-           for i in range(12)}
+    out = {
+        f"w{i}": torch.randn(17 + i, 3, generator=g).to([torch.bfloat16, torch.float32, torch.float16][i % 3])
+        for i in range(12)
+    }
     out["i8"] = torch.randint(-100, 100, (5,), generator=g, dtype=torch.int8)
     return out
 
@@ -44,17 +44,19 @@ class ThreadEngine:
         device_id, address = paths[0]
         assert device_id.startswith("cpu-") and address.startswith("ipc://@ckpt-engine-")
         try:
-            update_weights_from_ipc(self.ctx, address, None, run=self.run, post_hook=self.post_hook,
-                                    state=self.state, timeout_s=10)
-        except Exception as e:  # noqa: BLE001
+            update_weights_from_ipc(
+                self.ctx, address, None, run=self.run, post_hook=self.post_hook, state=self.state, timeout_s=10
+            )
+        except Exception as e:
             self.errors.append(e)
             raise
 
 
 @pytest.fixture
 def ps():
-    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=512, engine_timeout_s=10,
-                                                                     engine_connect_timeout_s=10))
+    cfg = ParameterServerConfig(
+        transport="cpu", update=UpdateConfig(bucket_size_bytes=512, engine_timeout_s=10, engine_connect_timeout_s=10)
+    )
     p = ParameterServer(rank=0, world_size=1, config=cfg)
     yield p
     p.close()
@@ -144,7 +146,7 @@ def test_failed_updates_and_unregister_close_the_segments(ps):
     ps.update("a", ThreadEngine().req_func)
     ps.unregister_checkpoint("a")
     for fd, ino in inodes.items():  # the segment's own descriptor is closed (or reused by another file);
-        try:                       # the pages go once the last view of them is gone
+        try:  # the pages go once the last view of them is gone
             assert os.fstat(fd).st_ino != ino
         except OSError:
             pass
@@ -152,8 +154,9 @@ def test_failed_updates_and_unregister_close_the_segments(ps):
 
 @pytest.mark.parametrize("mode", ["collective", "local"])
 def test_both_modes_bit_exact(mode):
-    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=700, mode=mode,
-                                                                     agree_every_buckets=1))
+    cfg = ParameterServerConfig(
+        transport="cpu", update=UpdateConfig(bucket_size_bytes=700, mode=mode, agree_every_buckets=1)
+    )
     p = ParameterServer(rank=0, world_size=1, config=cfg)
     t = make_tensors(8)
     p.register_checkpoint("a", named_tensors=t)

@@ -39,7 +39,7 @@ def test_ps_publishes_metas_and_updates_and_another_instance_loads_them():
     assert b.get_metas("m") == a.get_metas("m")
     with pytest.raises(ValueError, match=r"no metas for 'zz' in the metadata store \(it has: \['m'\]\)"):
         b.load_metas_from_store("zz")
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError):  # the update fails: req_func raised ConnectionError
         a.update("m", lambda paths: (_ for _ in ()).throw(ConnectionError("down")), timeout=5)
     assert reg.in_flight() == {}  # the op record is removed even when the update fails
     assert store.get("checkpoints/m/last_update") is None

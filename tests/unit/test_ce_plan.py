@@ -1,22 +1,32 @@
 import pytest
 
 from checkpoint_engine.plan import (
-    Bucket, TensorMeta, align_up, check_global_metas, choose_bucket_size, layout_tensors, plan_buckets, plan_digest,
+    TensorMeta,
+    align_up,
+    check_global_metas,
+    choose_bucket_size,
+    layout_tensors,
+    plan_buckets,
+    plan_digest,
 )
 
 
 def metas(*sizes, dtype="uint8", align=16, chunk=None):
-    layout = layout_tensors([(f"t{i}", dtype, (n,)) for i, n in enumerate(sizes)], align_bytes=align,
-                            max_chunk_bytes=chunk)
+    layout = layout_tensors(
+        [(f"t{i}", dtype, (n,)) for i, n in enumerate(sizes)], align_bytes=align, max_chunk_bytes=chunk
+    )
     return list(layout.metas)
 
 
-@pytest.mark.parametrize("specs,align,offsets", [
-    ([("a", "int8", (3,)), ("b", "float32", (2,))], 16, [0, 16]),          # odd int8 before a float
-    ([("a", "float32", ()), ("b", "float16", (0, 4)), ("c", "bfloat16", (5,))], 16, [0, 16, 16]),  # 0-d, empty
-    ([("a", "float32", (64,)), ("b", "float32", (1,))], 256, [0, 256]),
-    ([], 16, []),
-])
+@pytest.mark.parametrize(
+    "specs,align,offsets",
+    [
+        ([("a", "int8", (3,)), ("b", "float32", (2,))], 16, [0, 16]),  # odd int8 before a float
+        ([("a", "float32", ()), ("b", "float16", (0, 4)), ("c", "bfloat16", (5,))], 16, [0, 16, 16]),  # 0-d, empty
+        ([("a", "float32", (64,)), ("b", "float32", (1,))], 256, [0, 256]),
+        ([], 16, []),
+    ],
+)
 def test_layout_offsets_are_aligned(specs, align, offsets):
     layout = layout_tensors(specs, align_bytes=align)
     assert [m.offset_bytes for m in layout.metas] == offsets
@@ -27,30 +37,39 @@ def test_layout_offsets_are_aligned(specs, align, offsets):
 
 
 def test_layout_splits_chunks_and_gives_big_tensor_its_own():
-    layout = layout_tensors([("a", "uint8", (40,)), ("b", "uint8", (40,)), ("c", "uint8", (500,)), ("d", "uint8", (8,))],
-                            align_bytes=16, max_chunk_bytes=100)
+    layout = layout_tensors(
+        [("a", "uint8", (40,)), ("b", "uint8", (40,)), ("c", "uint8", (500,)), ("d", "uint8", (8,))],
+        align_bytes=16,
+        max_chunk_bytes=100,
+    )
     assert [(m.chunk, m.offset_bytes) for m in layout.metas] == [(0, 0), (0, 48), (1, 0), (2, 0)]
     assert layout.chunk_sizes_bytes == (96, 512, 16)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(specs=[("a", "uint8", (1,)), ("a", "uint8", (1,))]), "duplicate tensor name 'a'"),
-    (dict(specs=[("a", "complex64", (1,))]), "unsupported dtype name 'complex64'"),
-    (dict(specs=[], align_bytes=24), "power of two"),
-    (dict(specs=[], max_chunk_bytes=0), "max_chunk_bytes"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(specs=[("a", "uint8", (1,)), ("a", "uint8", (1,))]), "duplicate tensor name 'a'"),
+        (dict(specs=[("a", "complex64", (1,))]), "unsupported dtype name 'complex64'"),
+        (dict(specs=[], align_bytes=24), "power of two"),
+        (dict(specs=[], max_chunk_bytes=0), "max_chunk_bytes"),
+    ],
+)
 def test_layout_rejects_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
         layout_tensors(**bad)
 
 
-@pytest.mark.parametrize("sizes,bucket,expected", [
-    ((1,) * 10, 64, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),        # many tiny tensors (16-byte slots)
-    ((64,), 64, [[0]]),                                          # exactly one bucket
-    ((64, 64), 64, [[0], [1]]),
-    ((10, 0, 10), 32, [[0, 1, 2]]),                              # empty tensor rides along
-    ((), 64, []),
-])
+@pytest.mark.parametrize(
+    "sizes,bucket,expected",
+    [
+        ((1,) * 10, 64, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),  # many tiny tensors (16-byte slots)
+        ((64,), 64, [[0]]),  # exactly one bucket
+        ((64, 64), 64, [[0], [1]]),
+        ((10, 0, 10), 32, [[0, 1, 2]]),  # empty tensor rides along
+        ((), 64, []),
+    ],
+)
 def test_plan_buckets_single_owner(sizes, bucket, expected):
     buckets = plan_buckets({0: metas(*sizes)}, bucket)
     assert [[int(t.name[1:]) for t in b.tensors] for b in buckets] == expected
@@ -69,7 +88,10 @@ def test_plan_buckets_interleaves_owners_and_respects_chunks():
     b = [TensorMeta(f"b{i}", m.dtype, m.shape, m.offset_bytes, m.chunk) for i, m in enumerate(metas(40))]
     buckets = plan_buckets({0: a, 1: b}, 1000)
     assert [(x.owner_rank, x.chunk, [t.name for t in x.tensors]) for x in buckets] == [
-        (0, 0, ["t0", "t1"]), (1, 0, ["b0"]), (0, 1, ["t2"])]
+        (0, 0, ["t0", "t1"]),
+        (1, 0, ["b0"]),
+        (0, 1, ["t2"]),
+    ]
     assert [x.index for x in buckets] == [0, 1, 2]
 
 
@@ -79,13 +101,16 @@ def test_check_global_metas_names_both_ranks():
     assert check_global_metas({0: metas(4, 4), 1: []}) == 2
 
 
-@pytest.mark.parametrize("requested,default,budget,largest,total,expected", [
-    (1000, 64, None, 10, 100, 1000),          # explicit wins
-    (None, 64, None, 10, 1000, 64),           # default
-    (None, 64, None, 100, 1000, 112),         # raised to the largest tensor (aligned to 16)
-    (None, 4096, None, 10, 100, 112),         # never more than the whole checkpoint
-    (None, 1024, 600, 10, 5000, 288),         # capped by half the budget (aligned down)
-])
+@pytest.mark.parametrize(
+    "requested,default,budget,largest,total,expected",
+    [
+        (1000, 64, None, 10, 100, 1000),  # explicit wins
+        (None, 64, None, 10, 1000, 64),  # default
+        (None, 64, None, 100, 1000, 112),  # raised to the largest tensor (aligned to 16)
+        (None, 4096, None, 10, 100, 112),  # never more than the whole checkpoint
+        (None, 1024, 600, 10, 5000, 288),  # capped by half the budget (aligned down)
+    ],
+)
 def test_choose_bucket_size(requested, default, budget, largest, total, expected):
     rest = [TensorMeta(f"x{i}", "uint8", (1,), 16 * i) for i in range(total - largest)]
     rank_metas = {0: metas(largest), 1: rest}

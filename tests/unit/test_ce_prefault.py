@@ -11,13 +11,16 @@ import torch
 from checkpoint_engine.prefault import page_span, prefault
 
 
-@pytest.mark.parametrize("address, nbytes, want", [
-    (0, 8192, (0, 8192)),
-    (1, 8192, (4096, 4096)),        # partial first page left out
-    (4096, 4095, (4096, 0)),        # less than a page
-    (100, 100, (4096, 0)),
-    (4096, 3 * 4096 + 5, (4096, 3 * 4096)),
-])
+@pytest.mark.parametrize(
+    "address, nbytes, want",
+    [
+        (0, 8192, (0, 8192)),
+        (1, 8192, (4096, 4096)),  # partial first page left out
+        (4096, 4095, (4096, 0)),  # less than a page
+        (100, 100, (4096, 0)),
+        (4096, 3 * 4096 + 5, (4096, 3 * 4096)),
+    ],
+)
 def test_page_span_covers_only_whole_pages(address, nbytes, want):
     assert page_span(address, nbytes, page_bytes=4096) == want
 

@@ -59,13 +59,16 @@ def _write_raw(path, header: bytes, data: bytes = b""):
     path.write_bytes(struct.pack("<Q", len(header)) + header + data)
 
 
-@pytest.mark.parametrize("case,match", [
-    ("short", "shorter than 8 bytes"),
-    ("huge_header", "corrupt safetensors header length"),
-    ("not_json", "corrupt safetensors header"),
-    ("truncated", "truncated or corrupt"),
-    ("bad_dtype", "unsupported safetensors dtype 'C64'"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("short", "shorter than 8 bytes"),
+        ("huge_header", "corrupt safetensors header length"),
+        ("not_json", "corrupt safetensors header"),
+        ("truncated", "truncated or corrupt"),
+        ("bad_dtype", "unsupported safetensors dtype 'C64'"),
+    ],
+)
 def test_corrupt_files(tmp_path, case, match):
     p = tmp_path / "bad.safetensors"
     if case == "short":
@@ -131,6 +134,7 @@ def test_reuse_host_memory_hands_freed_chunks_to_the_next_registration(reuse):
     try:
         shapes = {"w": (64, 32), "b": (32,)}
         ps.register_checkpoint("v1", named_tensors={n: torch.zeros(s) for n, s in shapes.items()})
+
         def identities(name):  # the memfd behind each chunk (addresses and fd numbers get reused)
             return [os.fstat(c.handle.fd).st_ino for c in ps._checkpoints[name].chunks]
 

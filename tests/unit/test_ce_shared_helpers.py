@@ -12,8 +12,7 @@ from checkpoint_engine.validate import check_int, check_number
 
 
 def test_hf_dir_round_trip_sharded_and_named(tmp_path):
-    state = {f"w{i}": torch.full((64,), float(i), dtype=torch.bfloat16 if i % 2 else torch.float32)
-             for i in range(5)}
+    state = {f"w{i}": torch.full((64,), float(i), dtype=torch.bfloat16 if i % 2 else torch.float32) for i in range(5)}
     files = hf_dir.write_safetensors(tmp_path, state, max_shard_size_bytes=300)
     assert len(files) > 1 and hf_dir.safetensors_files(tmp_path) == files
     assert all(torch.equal(hf_dir.read_tensors(tmp_path)[k], v) for k, v in state.items())

@@ -64,13 +64,16 @@ def test_cache_maps_afresh_when_the_descriptor_number_now_names_another_segment(
         new.close()
 
 
-@pytest.mark.parametrize("keep_updates, used_in, alive_after", [
-    # after update u ends, the mappings used by updates u-keep+1 .. u stay
-    (1, [0], {0: True, 1: False}),
-    (2, [0], {0: True, 1: True, 2: False}),
-    (2, [0, 1], {1: True, 2: True, 3: False}),
-    (3, [0, 2], {2: True, 4: True, 5: False}),
-])
+@pytest.mark.parametrize(
+    "keep_updates, used_in, alive_after",
+    [
+        # after update u ends, the mappings used by updates u-keep+1 .. u stay
+        (1, [0], {0: True, 1: False}),
+        (2, [0], {0: True, 1: True, 2: False}),
+        (2, [0, 1], {1: True, 2: True, 3: False}),
+        (3, [0, 2], {2: True, 4: True, 5: False}),
+    ],
+)
 def test_cache_drops_mappings_unused_for_keep_updates(keep_updates, used_in, alive_after):
     seg = _filled(4096, 3)
     cache = MappingCache(keep_updates=keep_updates)

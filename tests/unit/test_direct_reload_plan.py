@@ -20,10 +20,17 @@ OK = {"platform": "cpu", "quantization": None, "lora": False, "tp_size": 1}
 
 def test_qwen_like_cpu_model_is_planned():
     plan = plan_direct_reload(**OK, modules=QWEN_LIKE)
-    assert plan == DirectPlan(True, None,
-                              staged=("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"),
-                              processed=("model.embed_tokens", "model.layers.0.self_attn.qkv_proj",
-                                         "model.layers.0.mlp.down_proj", "lm_head"))
+    assert plan == DirectPlan(
+        True,
+        None,
+        staged=("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"),
+        processed=(
+            "model.embed_tokens",
+            "model.layers.0.self_attn.qkv_proj",
+            "model.layers.0.mlp.down_proj",
+            "lm_head",
+        ),
+    )
 
 
 def test_linear_that_kept_its_weight_is_processed_without_staging():
@@ -31,14 +38,17 @@ def test_linear_that_kept_its_weight_is_processed_without_staging():
     assert plan_direct_reload(**OK, modules=mods) == DirectPlan(True, None, staged=(), processed=("kv_b_proj",))
 
 
-@pytest.mark.parametrize("overrides, mods, reason", [
-    ({"platform": "cuda"}, QWEN_LIKE, "platform 'cuda'"),
-    ({"quantization": "fp8"}, QWEN_LIKE, "quantized model (fp8)"),
-    ({"lora": True}, QWEN_LIKE, "LoRA"),
-    ({"tp_size": 2}, QWEN_LIKE, "tensor parallel size 2"),
-    ({}, QWEN_LIKE + [ModuleFacts("experts", "other", 10)], "module 'experts' has parameters and a quant method"),
-    ({}, [ModuleFacts("q", "linear", 0, weight_removed=True, has_restore_meta=False)], "module 'q': packed weight"),
-])
+@pytest.mark.parametrize(
+    "overrides, mods, reason",
+    [
+        ({"platform": "cuda"}, QWEN_LIKE, "platform 'cuda'"),
+        ({"quantization": "fp8"}, QWEN_LIKE, "quantized model (fp8)"),
+        ({"lora": True}, QWEN_LIKE, "LoRA"),
+        ({"tp_size": 2}, QWEN_LIKE, "tensor parallel size 2"),
+        ({}, QWEN_LIKE + [ModuleFacts("experts", "other", 10)], "module 'experts' has parameters and a quant method"),
+        ({}, [ModuleFacts("q", "linear", 0, weight_removed=True, has_restore_meta=False)], "module 'q': packed weight"),
+    ],
+)
 def test_unsupported_cases_name_the_obstacle(overrides, mods, reason):
     plan = plan_direct_reload(**{**OK, **overrides}, modules=mods)
     assert not plan.supported and plan.staged == () and plan.processed == ()

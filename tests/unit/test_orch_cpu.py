@@ -15,14 +15,17 @@ def _timer(fp32_ms: float, bf16_ms: float):
     return time_matmul, calls
 
 
-@pytest.mark.parametrize("requested,flags,fp32_ms,bf16_ms,chosen,timed", [
-    ("auto", ("avx512_bf16", "amx_bf16"), 3.0, 0.5, "bfloat16", True),   # AMX machine
-    ("auto", ("avx512_bf16",), 3.0, 200.0, "float32", True),             # flags lie (ONEDNN_MAX_CPU_ISA=AVX2)
-    ("auto", (), 3.0, 0.5, "float32", False),                             # AVX2-only EPYC: no timing at all
-    ("auto", ("bf16",), 3.0, 3.0, "float32", True),                       # a tie is not a win
-    ("float32", ("amx_bf16",), 3.0, 0.5, "float32", False),               # explicit settings are kept
-    ("bfloat16", (), 3.0, 200.0, "bfloat16", False),
-])
+@pytest.mark.parametrize(
+    "requested,flags,fp32_ms,bf16_ms,chosen,timed",
+    [
+        ("auto", ("avx512_bf16", "amx_bf16"), 3.0, 0.5, "bfloat16", True),  # AMX machine
+        ("auto", ("avx512_bf16",), 3.0, 200.0, "float32", True),  # flags lie (ONEDNN_MAX_CPU_ISA=AVX2)
+        ("auto", (), 3.0, 0.5, "float32", False),  # AVX2-only EPYC: no timing at all
+        ("auto", ("bf16",), 3.0, 3.0, "float32", True),  # a tie is not a win
+        ("float32", ("amx_bf16",), 3.0, 0.5, "float32", False),  # explicit settings are kept
+        ("bfloat16", (), 3.0, 200.0, "bfloat16", False),
+    ],
+)
 def test_decide_autocast_dtype(requested, flags, fp32_ms, bf16_ms, chosen, timed):
     timer, calls = _timer(fp32_ms, bf16_ms)
     choice = cpu.decide_autocast_dtype(requested, bf16_flags=flags, cpu_model="X", time_matmul=timer)
@@ -39,8 +42,10 @@ def test_decide_rejects_unknown_dtype():
 
 def test_cpu_info_reads_flags(tmp_path):
     path = tmp_path / "cpuinfo"
-    path.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2 fma\n\n"
-                    "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2 fma\n")
+    path.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2 fma\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2 fma\n"
+    )
     assert cpu.cpu_info(str(path)) == ("AMD EPYC 7B13", ())
     path.write_text("model name\t: Intel Xeon\nflags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n")
     assert cpu.cpu_info(str(path)) == ("Intel Xeon", ("avx512_bf16", "amx_bf16"))

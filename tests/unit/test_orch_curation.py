@@ -41,7 +41,7 @@ class ScriptedEngine:
             prompt = decode(r.prompt_token_ids[1:])
             copy = int(r.request_id.rsplit(".", 1)[1])
             if prompt.endswith("#### "):  # asked to answer directly
-                answer, _, guess_at = self.script[prompt[:-len("#### ")]]
+                answer, _, guess_at = self.script[prompt[: -len("#### ")]]
                 text = answer if guess_at is not None and copy >= guess_at else "12345"
                 assert r.max_tokens == 8
             else:
@@ -57,23 +57,33 @@ def line(prompt, answer, **extra):
 
 SCRIPT = {"3+4\n": ("7", 10, None), "25+38\n": ("63", 3, 7), "41+22\n": ("63", 6, 8), "90-45\n": ("45", 0, None)}
 LINES = [
-    line("3+4\n", "7", id="a", level=1),   # solved 10/10, never guessed: kept (pass rate 1)
-    line("25+38\n", 63, id="b"),           # guessed on the 8th direct try (index 7 < N = 8): easy to hack
-    line("41+22\n", "63", id="c"),         # would be guessed on the 9th try only: not within N = 8, kept
-    line("90-45\n", "45", id="d"),         # never solved: kept, difficulty 1
-    line("   \n", "1", id="e"),            # empty prompt
+    line("3+4\n", "7", id="a", level=1),  # solved 10/10, never guessed: kept (pass rate 1)
+    line("25+38\n", 63, id="b"),  # guessed on the 8th direct try (index 7 < N = 8): easy to hack
+    line("41+22\n", "63", id="c"),  # would be guessed on the 9th try only: not within N = 8, kept
+    line("90-45\n", "45", id="d"),  # never solved: kept, difficulty 1
+    line("   \n", "1", id="e"),  # empty prompt
     line("1+" * 20 + "1\n", "21", id="f"),  # 42 characters + bos > 16 tokens: overlong
-    line("7/2\n", "3.5", id="g"),          # the verifier reads integers only: uncheckable
-    line("5+2\n", "007", id="h"),          # "#### 007" reads as 7: never equal to "007"
-    line("5+3\n", "", id="i"),             # empty answer
+    line("7/2\n", "3.5", id="g"),  # the verifier reads integers only: uncheckable
+    line("5+2\n", "007", id="h"),  # "#### 007" reads as 7: never equal to "007"
+    line("5+3\n", "", id="i"),  # empty answer
     "not json",
     json.dumps({"prompt": 3, "answer": "1"}),
     json.dumps({"prompt": "1+1\n", "answer": True}),
 ]
-EXPECTED = [("a", "kept", 1.0), ("b", "easy_to_hack", 0.3), ("c", "kept", 0.6), ("d", "kept", 0.0),
-            ("e", "empty_prompt", None), ("f", "overlong_prompt", None), ("g", "uncheckable_answer", None),
-            ("h", "uncheckable_answer", None), ("i", "uncheckable_answer", None), (None, "bad_record", None),
-            (None, "bad_record", None), (None, "bad_record", None)]
+EXPECTED = [
+    ("a", "kept", 1.0),
+    ("b", "easy_to_hack", 0.3),
+    ("c", "kept", 0.6),
+    ("d", "kept", 0.0),
+    ("e", "empty_prompt", None),
+    ("f", "overlong_prompt", None),
+    ("g", "uncheckable_answer", None),
+    ("h", "uncheckable_answer", None),
+    ("i", "uncheckable_answer", None),
+    (None, "bad_record", None),
+    (None, "bad_record", None),
+    (None, "bad_record", None),
+]
 
 
 def test_curation_filters_and_pass_rates():
@@ -92,9 +102,19 @@ def test_curation_filters_and_pass_rates():
     (t_samples, samples), (t_direct, direct) = engine.calls
     assert t_samples == 1.2 and len(samples) == 40 and all(i.startswith("s") for i in samples)
     assert t_direct == 0.9 and len(direct) == 32 and all(i.startswith("d") for i in direct)
-    assert summarize(results) == {"num_problems": 12, "num_kept": 3, "mean_pass_rate": pytest.approx(1.9 / 4),
-                                  "reasons": {"kept": 3, "easy_to_hack": 1, "empty_prompt": 1, "overlong_prompt": 1,
-                                              "uncheckable_answer": 3, "bad_record": 3}}
+    assert summarize(results) == {
+        "num_problems": 12,
+        "num_kept": 3,
+        "mean_pass_rate": pytest.approx(1.9 / 4),
+        "reasons": {
+            "kept": 3,
+            "easy_to_hack": 1,
+            "empty_prompt": 1,
+            "overlong_prompt": 1,
+            "uncheckable_answer": 3,
+            "bad_record": 3,
+        },
+    }
 
 
 def test_too_easy_threshold_and_chunks():
@@ -111,20 +131,44 @@ def test_no_hack_tries_means_no_direct_requests():
     assert [r["reason"] for r in results] == ["kept", "kept"] and len(engine.calls) == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"num_samples": 0}, {"num_hack_tries": -1}, {"temperature": 0},
-                                    {"max_pass_rate": 1.5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"num_samples": 0}, {"num_hack_tries": -1}, {"temperature": 0}, {"max_pass_rate": 1.5}]
+)
 def test_config_rejects(kwargs):
     with pytest.raises(ValueError):
         CurationConfig(**kwargs)
 
 
 def test_cli_help_is_light_and_missing_input_is_an_error(tmp_path):
-    check = subprocess.run([sys.executable, "-c", "import sys, orchestrator.curation; "
-                            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"],
-                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, orchestrator.curation; "
+                "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+            ),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert check.returncode == 0 and check.stdout.strip() == "[]", check.stderr
-    out = subprocess.run([sys.executable, "-m", "orchestrator.curation", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.curation", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "--num-hack-tries" in out.stdout
-    assert curation.main(["--problems", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.jsonl"),
-                          "--model", str(tmp_path)]) == 2
+    assert (
+        curation.main(
+            [
+                "--problems",
+                str(tmp_path / "missing.jsonl"),
+                "--out",
+                str(tmp_path / "o.jsonl"),
+                "--model",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )

@@ -33,7 +33,7 @@ class FakeVllm(JsonRequestHandler):
         tokens = [5] * body["max_tokens"] if last == 7 else [last + i + 1 for i in range(body["max_tokens"])]
         finish = "length"
         if 50 in tokens:
-            tokens, finish = tokens[:tokens.index(50) + 1], "stop"
+            tokens, finish = tokens[: tokens.index(50) + 1], "stop"
         self.reply(200, {"choices": [{"token_ids": tokens, "finish_reason": finish, "text": ""}]})
 
 
@@ -52,9 +52,12 @@ def test_http_engine_generates_calls_back_and_cuts_repeats(server):
     seen = []
     requests = [GenRequest("a", (1, 10), 4), GenRequest("b", (1, 45), 10), GenRequest("c", (1, 7), 40, (5,) * 10)]
     try:
-        results = engine.generate(requests, SamplingSettings(temperature=0.7),
-                                  repeat=RepeatConfig(min_ngram=1, max_ngram=4, min_repeats=4, min_tail_tokens=16),
-                                  on_result=seen.append)
+        results = engine.generate(
+            requests,
+            SamplingSettings(temperature=0.7),
+            repeat=RepeatConfig(min_ngram=1, max_ngram=4, min_repeats=4, min_tail_tokens=16),
+            on_result=seen.append,
+        )
     finally:
         engine.close()
     assert [r.request_id for r in results] == ["a", "b", "c"]

@@ -18,8 +18,9 @@ from orchestrator.loop import run_job
 from orchestrator.metrics import REQUIRED_KEYS, read_jsonl
 from vllm_ext import tiny_model as tm
 
-SMALL = tm.TinyModelConfig(num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-                           intermediate_size=128, init_std=0.1)
+SMALL = tm.TinyModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128, init_std=0.1
+)
 
 
 class ScriptedEngine:
@@ -51,7 +52,7 @@ class ScriptedEngine:
         for request in requests:
             full = self._answer(request)
             done = len(request.earlier_response_ids)
-            new = full[done:done + request.max_tokens]
+            new = full[done : done + request.max_tokens]
             result = GenResult(request.request_id, tuple(new), "stop" if done + len(new) == len(full) else "length")
             if on_result is not None:
                 on_result(result)
@@ -66,8 +67,7 @@ class ScriptedEngine:
                 for name, tensor in named:
                     weights[name] = tensor.clone()
 
-            update_weights_from_ipc(self.ctx, socket_paths[0][1], None, run=run, state=self.state,
-                                    timeout_s=timeout_s)
+            update_weights_from_ipc(self.ctx, socket_paths[0][1], None, run=run, state=self.state, timeout_s=timeout_s)
             self.received.append(weights)
 
         return req_func
@@ -82,13 +82,28 @@ def model_dir(tmp_path_factory):
 
 
 def _config(model_dir, num_iterations):
-    return load_config(None, [
-        f"init_model_dir={model_dir}", f"rl.num_iterations={num_iterations}", "rl.num_responses_per_prompt=2",
-        "rl.lr=1e-3", "rl.num_threads=1", "data.train_levels=[2,4]", "data.num_train_problems=64",
-        "data.heldout_levels=[2]", "data.num_heldout_per_level=6", "rollout.iteration_token_budget=256",
-        "rollout.segment_max_tokens=16", "rollout.max_response_tokens=64", "eval.every_iterations=2",
-        "eval.num_sampled_problems=2", "eval.num_samples_per_problem=2", "sampling.curriculum.warmup_iterations=1",
-        "length_penalty.warmup_iterations=1"])
+    return load_config(
+        None,
+        [
+            f"init_model_dir={model_dir}",
+            f"rl.num_iterations={num_iterations}",
+            "rl.num_responses_per_prompt=2",
+            "rl.lr=1e-3",
+            "rl.num_threads=1",
+            "data.train_levels=[2,4]",
+            "data.num_train_problems=64",
+            "data.heldout_levels=[2]",
+            "data.num_heldout_per_level=6",
+            "rollout.iteration_token_budget=256",
+            "rollout.segment_max_tokens=16",
+            "rollout.max_response_tokens=64",
+            "eval.every_iterations=2",
+            "eval.num_sampled_problems=2",
+            "eval.num_samples_per_problem=2",
+            "sampling.curriculum.warmup_iterations=1",
+            "length_penalty.warmup_iterations=1",
+        ],
+    )
 
 
 def test_job_runs_syncs_every_iteration_and_resumes(model_dir, tmp_path):

@@ -14,7 +14,8 @@ PARENT = """
 import subprocess, sys, time
 from orchestrator.reaper import start_reaper
 reaper = start_reaper(poll_s=0.2, grace_s=2.0, record_path=sys.argv[1])
-child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+IGNORE_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", IGNORE_SIGTERM])
 print(child.pid, reaper.pid, flush=True)
 sys.stdin.read()  # until the test kills us
 """
@@ -30,8 +31,9 @@ def _wait_for(predicate, timeout_s, what):
 
 def test_children_of_a_sigkilled_job_are_ended(tmp_path):
     record = tmp_path / "recorded"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(record)], cwd=REPO, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(record)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     child_pid, reaper_pid = (int(x) for x in parent.stdout.readline().split())
     _wait_for(lambda: record.exists() and str(child_pid) in record.read_text().split(), 30, "the reaper's record")
     os.kill(parent.pid, signal.SIGKILL)
@@ -44,7 +46,9 @@ def test_children_of_a_sigkilled_job_are_ended(tmp_path):
 
 
 def test_clean_exit_leaves_nothing_behind(tmp_path):
-    code = ("import sys; from orchestrator.reaper import start_reaper, stop_reaper; "
-            "r = start_reaper(poll_s=0.2); stop_reaper(r); sys.exit(r.returncode)")
+    code = (
+        "import sys; from orchestrator.reaper import start_reaper, stop_reaper; "
+        "r = start_reaper(poll_s=0.2); stop_reaper(r); sys.exit(r.returncode)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60)
     assert out.returncode == 0

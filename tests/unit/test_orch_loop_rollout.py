@@ -32,7 +32,7 @@ class ScriptedEngine:
         self.requests = []
 
     def full_response(self, request):
-        prompt = decode(request.prompt_token_ids[1:len(request.prompt_token_ids) - len(request.earlier_response_ids)])
+        prompt = decode(request.prompt_token_ids[1 : len(request.prompt_token_ids) - len(request.earlier_response_ids)])
         index = int(request.request_id.rsplit(".", 1)[1])
         if request.request_id in self.loop_forever:
             return [ord(c) for c in "1+1+0=2\n" * 20]
@@ -45,7 +45,7 @@ class ScriptedEngine:
             full = self.full_response(request)
             done = len(request.earlier_response_ids)
             assert list(request.earlier_response_ids) == full[:done]  # continued from its own prefix
-            new = full[done:done + request.max_tokens]
+            new = full[done : done + request.max_tokens]
             finish = "stop" if done + len(new) == len(full) else "length"
             keep = _StreamStopper(repeat, request.earlier_response_ids).push(new, 0)
             if keep is not None:
@@ -68,15 +68,26 @@ class ThreadRecordingReward(MathVerifyReward):
 
 def setup(segment_max_tokens, k=2, budget=64, loop_forever=()):
     problems = [task.make_problem("add", [3, 4], level=1), task.make_problem("add", [25, 38], level=1)]
-    responses = {p.prompt: [task.solution_text(p), task.solution_text(p).replace("#### ", "#### 1")]
-                 for p in problems}
+    responses = {p.prompt: [task.solution_text(p), task.solution_text(p).replace("#### ", "#### 1")] for p in problems}
     engine = ScriptedEngine(responses, loop_forever)
-    config = PartialRolloutConfig(iteration_token_budget=budget, segment_max_tokens=segment_max_tokens,
-                                  max_response_tokens=200, num_responses_per_prompt=k)
+    config = PartialRolloutConfig(
+        iteration_token_budget=budget,
+        segment_max_tokens=segment_max_tokens,
+        max_response_tokens=200,
+        num_responses_per_prompt=k,
+    )
     reward = ThreadRecordingReward()
-    rollout = Rollout(engine, ReplayBuffer(config), {p.id: p for p in problems}, encode, decode, reward, 0.5,
-                      RepeatConfig(min_ngram=1, max_ngram=16, min_repeats=4, min_tail_tokens=16),
-                      SamplingSettings())
+    rollout = Rollout(
+        engine,
+        ReplayBuffer(config),
+        {p.id: p for p in problems},
+        encode,
+        decode,
+        reward,
+        0.5,
+        RepeatConfig(min_ngram=1, max_ngram=16, min_repeats=4, min_tail_tokens=16),
+        SamplingSettings(),
+    )
     queue = [p.id for p in problems]
     return rollout, engine, reward, lambda n: [queue.pop(0) for _ in range(min(n, len(queue)))]
 
@@ -132,12 +143,15 @@ def test_scores_of_trajectories_finished_before_a_resume_are_recomputed():
     assert len(done) == 1 and [s.correct for s in done[0].scores] == [True, False]
 
 
-@pytest.mark.parametrize("earlier, deltas, expected_keep", [
-    ([], [[5, 6, 7], [8, 9]], [None, None]),
-    ([], [[1] * 10, [1] * 10], [None, 16]),            # 16 equal tokens: period 1, min_tail_tokens 16
-    ([1] * 12, [[1] * 3, [1] * 3], [None, 4]),        # earlier segments count toward the repeat
-    ([3, 4] * 8, [[9, 9]], [None]),                     # the earlier part repeated: start clean
-])
+@pytest.mark.parametrize(
+    "earlier, deltas, expected_keep",
+    [
+        ([], [[5, 6, 7], [8, 9]], [None, None]),
+        ([], [[1] * 10, [1] * 10], [None, 16]),  # 16 equal tokens: period 1, min_tail_tokens 16
+        ([1] * 12, [[1] * 3, [1] * 3], [None, 4]),  # earlier segments count toward the repeat
+        ([3, 4] * 8, [[9, 9]], [None]),  # the earlier part repeated: start clean
+    ],
+)
 def test_stream_stopper(earlier, deltas, expected_keep):
     stopper = _StreamStopper(RepeatConfig(min_ngram=1, max_ngram=8, min_repeats=4, min_tail_tokens=16), earlier)
     kept = 0

@@ -11,8 +11,9 @@ from orchestrator.policy import TrainBatch, TrainConfig, reference_logprobs, tra
 from orchestrator.trainer import HFTrainer, TrainerConfig
 from vllm_ext import tiny_model as tm
 
-SMALL = tm.TinyModelConfig(num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-                           intermediate_size=128, init_std=0.1)
+SMALL = tm.TinyModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128, init_std=0.1
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +54,15 @@ def test_reference_logprobs_come_from_the_iteration_start_weights(trainer, monke
         return real(logp, logp_ref, rewards, tau)
 
     monkeypatch.setattr(policy, "k15_policy_loss_with_stats", spy)
-    stats = train_iteration(trainer, batch, TrainConfig(tau=0.1, lr=1e-3, num_minibatches=2, num_epochs=3),
-                            random.Random(0))
+    stats = train_iteration(
+        trainer, batch, TrainConfig(tau=0.1, lr=1e-3, num_minibatches=2, num_epochs=3), random.Random(0)
+    )
     assert stats["num_steps"] == 6 == len(seen)
     refs = torch.cat([ref for _, ref in seen])
     # every step saw rows of the same reference: the start policy's log-probs, whatever the step
     assert refs.shape == (3 * batch.num_groups, batch.k)
     for epoch in range(3):  # each epoch's minibatches cover every group once, with its start-policy row
-        ref = torch.cat([r for _, r in seen[2 * epoch:2 * epoch + 2]])
+        ref = torch.cat([r for _, r in seen[2 * epoch : 2 * epoch + 2]])
         nearest = [(expected_ref - row).abs().max(dim=1).values.argmin().item() for row in ref]
         assert sorted(nearest) == list(range(batch.num_groups))
         assert torch.allclose(ref, expected_ref[nearest], atol=1e-5)
@@ -90,8 +92,7 @@ def test_optimizer_is_reset_every_iteration(trainer, monkeypatch):
 def test_training_moves_probability_toward_rewarded_responses(trainer):
     batch = make_batch(num_groups=2, k=4)
     before = reference_logprobs(trainer, batch)
-    train_iteration(trainer, batch, TrainConfig(tau=0.01, lr=3e-3, num_minibatches=1, num_epochs=4),
-                    random.Random(0))
+    train_iteration(trainer, batch, TrainConfig(tau=0.01, lr=3e-3, num_minibatches=1, num_epochs=4), random.Random(0))
     delta = reference_logprobs(trainer, batch) - before
     rewarded = delta[:, 1::2].mean()  # reward 1 at odd positions
     penalized = delta[:, 0::2].mean()
@@ -100,8 +101,7 @@ def test_training_moves_probability_toward_rewarded_responses(trainer):
 
 def test_uniform_groups_are_skipped_and_all_uniform_means_no_step(trainer):
     weights = {k: v.clone() for k, v in trainer.named_tensors().items()}
-    stats = train_iteration(trainer, make_batch(uniform=(0, 1, 2, 3)), TrainConfig(tau=0.1, lr=1e-3),
-                            random.Random(0))
+    stats = train_iteration(trainer, make_batch(uniform=(0, 1, 2, 3)), TrainConfig(tau=0.1, lr=1e-3), random.Random(0))
     assert stats == {"num_train_groups": 0, "num_skipped_groups": 4, "num_steps": 0, "lr": 1e-3}
     assert all(torch.equal(weights[k], v) for k, v in trainer.named_tensors().items())
     stats = train_iteration(trainer, make_batch(uniform=(1,)), TrainConfig(tau=0.1, lr=1e-3), random.Random(0))

@@ -151,9 +151,15 @@ def test_autograd_gradient_equals_eq3_on_tiny_qwen2():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        tie_word_embeddings=False, attn_implementation="eager",
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
     )
     ref_model = transformers.Qwen2ForCausalLM(config).double().eval()
     model = _moved_copy(ref_model, 5)

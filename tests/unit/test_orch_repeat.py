@@ -65,8 +65,12 @@ def test_first_repeat_end_table(tokens, kwargs, want_end):
 @pytest.mark.parametrize("seed", range(6))
 def test_streaming_matches_batch_on_random_sequences(seed):
     rng = random.Random(seed)
-    kwargs = dict(min_ngram=rng.randint(1, 3), min_repeats=rng.randint(2, 4), max_ngram=rng.randint(4, 12),
-                  min_tail_tokens=rng.choice([0, 8, 20]))
+    kwargs = dict(
+        min_ngram=rng.randint(1, 3),
+        min_repeats=rng.randint(2, 4),
+        max_ngram=rng.randint(4, 12),
+        min_tail_tokens=rng.choice([0, 8, 20]),
+    )
     tokens: list[int] = []
     while len(tokens) < 300:  # random text with injected loops
         if rng.random() < 0.3:

@@ -267,7 +267,10 @@ def test_sigkill_during_save_leaves_a_loadable_file(tmp_path: Path):
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_WRITER, str(path)],
-        stdout=subprocess.PIPE, text=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
     )
     try:
         assert proc.stdout.readline().strip() == "saved"  # then it rewrites in a loop: kill it mid-way

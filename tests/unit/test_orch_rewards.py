@@ -152,4 +152,3 @@ def test_combined_reward():
         CombinedReward([])
     with pytest.raises(ValueError, match=r"parts\[0\] weight"):
         CombinedReward([(math_reward, float("inf"))])
-

@@ -8,16 +8,19 @@ from orchestrator import task
 from vllm_ext.tiny_model import CHARACTERS
 
 
-@pytest.mark.parametrize("operation, operands, answer, lines", [
-    ("add", (347, 586), "933", ["7+6+0=13", "4+8+1=13", "3+5+1=9"]),
-    ("add", (95, 7), "102", ["5+7+0=12", "9+0+1=10"]),
-    ("add", (0, 0), "0", ["0+0+0=0"]),
-    ("sub", (722, 59), "663", ["12-9-0=3", "12-5-1=6", "7-0-1=6"]),
-    ("sub", (1000, 1), "999", ["10-1-0=9", "10-0-1=9", "10-0-1=9", "1-0-1=0"]),
-    ("sub", (45, 45), "0", ["5-5-0=0", "4-4-0=0"]),
-    ("add3", (93, 58, 64), "215", ["3+8+4+0=15", "9+5+6+1=21"]),
-    ("add3", (99, 99, 99), "297", ["9+9+9+0=27", "9+9+9+2=29"]),
-])
+@pytest.mark.parametrize(
+    "operation, operands, answer, lines",
+    [
+        ("add", (347, 586), "933", ["7+6+0=13", "4+8+1=13", "3+5+1=9"]),
+        ("add", (95, 7), "102", ["5+7+0=12", "9+0+1=10"]),
+        ("add", (0, 0), "0", ["0+0+0=0"]),
+        ("sub", (722, 59), "663", ["12-9-0=3", "12-5-1=6", "7-0-1=6"]),
+        ("sub", (1000, 1), "999", ["10-1-0=9", "10-0-1=9", "10-0-1=9", "1-0-1=0"]),
+        ("sub", (45, 45), "0", ["5-5-0=0", "4-4-0=0"]),
+        ("add3", (93, 58, 64), "215", ["3+8+4+0=15", "9+5+6+1=21"]),
+        ("add3", (99, 99, 99), "297", ["9+9+9+0=27", "9+9+9+2=29"]),
+    ],
+)
 def test_column_lines(operation, operands, answer, lines):
     level = {"add": 1, "sub": 4, "add3": 7}[operation]
     problem = task.make_problem(operation, operands, level)
@@ -27,16 +30,19 @@ def test_column_lines(operation, operands, answer, lines):
     assert task.is_correct(problem, task.solution_text(problem))
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("1+2+0=3\n#### 3", "3"),
-    ("#### 12\n#### 13", "13"),
-    ("####0042", "42"),
-    ("#### -5", "-5"),
-    ("no answer here", None),
-    ("#### ", None),
-    ("answer 12", None),
-    ("#### 7 trailing text", "7"),
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("1+2+0=3\n#### 3", "3"),
+        ("#### 12\n#### 13", "13"),
+        ("####0042", "42"),
+        ("#### -5", "-5"),
+        ("no answer here", None),
+        ("#### ", None),
+        ("answer 12", None),
+        ("#### 7 trailing text", "7"),
+    ],
+)
 def test_extract_answer(response, expected):
     assert task.extract_answer(response) == expected
 
@@ -117,5 +123,6 @@ def test_small_level_raises_or_gives_all_it_has():
     everything = task.heldout_problems(0, 20, [1], allow_fewer=True)
     assert 3 <= len(everything) < 20 and len({p.id for p in everything}) == len(everything)
     all_sums = {f"{a}+{b}" for a in range(10) for b in range(10)}
-    assert {p.id for p in everything} == {i for i in all_sums if task.is_heldout(task.make_problem(
-        "add", [int(x) for x in i.split("+")], 1))}
+    assert {p.id for p in everything} == {
+        i for i in all_sums if task.is_heldout(task.make_problem("add", [int(x) for x in i.split("+")], 1))
+    }

@@ -10,8 +10,9 @@ from orchestrator import sft, task
 from orchestrator.trainer import HFTrainer, Trainer, TrainerConfig, pad_sequences
 from vllm_ext import tiny_model as tm
 
-SMALL = tm.TinyModelConfig(num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-                           intermediate_size=128, init_std=0.1)
+SMALL = tm.TinyModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128, init_std=0.1
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +25,31 @@ def trainer(model_dir):
     return HFTrainer(model_dir, TrainerConfig(lr=3e-3, num_threads=1))
 
 
-@pytest.mark.parametrize("field, value", [
-    ("lr", 0.0), ("grad_clip", -1.0), ("weight_decay", -0.1), ("beta2", 1.0), ("num_threads", 0),
-    ("autocast_dtype", "float16"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("lr", 0.0),
+        ("grad_clip", -1.0),
+        ("weight_decay", -0.1),
+        ("beta2", 1.0),
+        ("num_threads", 0),
+        ("autocast_dtype", "float16"),
+    ],
+)
 def test_config_rejects_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         TrainerConfig(**{field: value})
 
 
-@pytest.mark.parametrize("prompts, responses, masks, ids, loss_mask", [
-    ([[1, 5]], [[6, 7]], None, [[1, 5, 6, 7]], [[0, 1, 1]]),
-    ([[1], [1, 5, 5]], [[6], [7, 8]], None, [[1, 6, 0, 0, 0], [1, 5, 5, 7, 8]],
-     [[1, 0, 0, 0], [0, 0, 1, 1]]),
-    ([[1, 5]], [[6, 7, 8]], [[1, 0, 1]], [[1, 5, 6, 7, 8]], [[0, 1, 0, 1]]),
-    ([[1, 5]], [[]], None, [[1, 5]], [[0]]),
-])
+@pytest.mark.parametrize(
+    "prompts, responses, masks, ids, loss_mask",
+    [
+        ([[1, 5]], [[6, 7]], None, [[1, 5, 6, 7]], [[0, 1, 1]]),
+        ([[1], [1, 5, 5]], [[6], [7, 8]], None, [[1, 6, 0, 0, 0], [1, 5, 5, 7, 8]], [[1, 0, 0, 0], [0, 0, 1, 1]]),
+        ([[1, 5]], [[6, 7, 8]], [[1, 0, 1]], [[1, 5, 6, 7, 8]], [[0, 1, 0, 1]]),
+        ([[1, 5]], [[]], None, [[1, 5]], [[0]]),
+    ],
+)
 def test_pad_sequences(prompts, responses, masks, ids, loss_mask):
     got_ids, attention, got_mask = pad_sequences(prompts, responses, masks, pad_id=0)
     assert got_ids.tolist() == ids
@@ -47,12 +57,15 @@ def test_pad_sequences(prompts, responses, masks, ids, loss_mask):
     assert attention.sum(1).tolist() == [len(p) + len(r) for p, r in zip(prompts, responses)]
 
 
-@pytest.mark.parametrize("prompts, responses, masks, match", [
-    ([[1]], [[2], [3]], None, "responses"),
-    ([[]], [[2]], None, "empty"),
-    ([[1]], [[2, 3]], [[1]], "response_masks"),
-    ([], [], None, "empty batch"),
-])
+@pytest.mark.parametrize(
+    "prompts, responses, masks, match",
+    [
+        ([[1]], [[2], [3]], None, "responses"),
+        ([[]], [[2]], None, "empty"),
+        ([[1]], [[2, 3]], [[1]], "response_masks"),
+        ([], [], None, "empty batch"),
+    ],
+)
 def test_pad_sequences_rejects(prompts, responses, masks, match):
     with pytest.raises(ValueError, match=match):
         pad_sequences(prompts, responses, masks, pad_id=0)
@@ -72,8 +85,7 @@ def test_sequence_logprobs_matches_per_token_computation(trainer):
         for i, (prompt, response, mask) in enumerate(zip(prompts, responses, masks)):
             ids = torch.tensor([prompt + response])
             logp = torch.log_softmax(trainer.model(input_ids=ids).logits[0].float(), -1)
-            expected = sum(logp[len(prompt) - 1 + t, tok].item()
-                           for t, (tok, m) in enumerate(zip(response, mask)) if m)
+            expected = sum(logp[len(prompt) - 1 + t, tok].item() for t, (tok, m) in enumerate(zip(response, mask)) if m)
             assert got[i].item() == pytest.approx(expected, abs=1e-4)
     unmasked = trainer.sequence_logprobs(prompts, responses)
     assert unmasked[0].item() == pytest.approx(got[0].item(), abs=1e-5)
@@ -132,8 +144,15 @@ def test_named_tensors_round_trip_into_fresh_model(trainer, model_dir, tmp_path)
 
 
 def test_named_tensors_keep_bf16_dtypes(tmp_path):
-    config = tm.TinyModelConfig(num_layers=1, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-                                intermediate_size=64, dtype="bfloat16", tie_word_embeddings=True)
+    config = tm.TinyModelConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        dtype="bfloat16",
+        tie_word_embeddings=True,
+    )
     directory = tm.make_tiny_model(tmp_path, config)
     trainer = HFTrainer(directory, TrainerConfig(num_threads=1))
     named = trainer.named_tensors()
@@ -162,14 +181,32 @@ def test_a_few_sft_steps_lower_the_loss(trainer):
 
 # --- SFT warm-up (orchestrator.sft) -------------------------------------------------------------
 
-TOY_SFT = sft.SFTConfig(num_steps=3, batch_size=4, num_layers=1, hidden_size=64, warmup_steps=1,
-                        eval_levels=(1, 2), num_eval_problems_per_level=2, autocast_dtype="float32")
+TOY_SFT = sft.SFTConfig(
+    num_steps=3,
+    batch_size=4,
+    num_layers=1,
+    hidden_size=64,
+    warmup_steps=1,
+    eval_levels=(1, 2),
+    num_eval_problems_per_level=2,
+    autocast_dtype="float32",
+)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("num_steps", 0), ("batch_size", -1), ("levels", ()), ("levels", (99,)), ("level_weights", (1.0,)),
-    ("lr", 0.0), ("min_lr_ratio", 2.0), ("autocast_dtype", "int8"), ("eval_levels", (0,)),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_steps", 0),
+        ("batch_size", -1),
+        ("levels", ()),
+        ("levels", (99,)),
+        ("level_weights", (1.0,)),
+        ("lr", 0.0),
+        ("min_lr_ratio", 2.0),
+        ("autocast_dtype", "int8"),
+        ("eval_levels", (0,)),
+    ],
+)
 def test_sft_config_rejects_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         sft.SFTConfig(**{field: value})
@@ -227,8 +264,9 @@ def test_sft_help_is_instant():
 
     root = pathlib.Path(__file__).resolve().parents[2]
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.sft", "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.sft", "--help"], capture_output=True, text=True, timeout=60, cwd=root
+    )
     assert proc.returncode == 0 and "--num-steps" in proc.stdout
     assert time.monotonic() - start < 10
     probe = "import sys, orchestrator.sft; print(sorted({'torch', 'transformers'} & set(sys.modules)))"

@@ -14,11 +14,20 @@ def model_dir(tmp_path_factory):
     return tm.make_tiny_model(tmp_path_factory.mktemp("tiny"), tm.TinyModelConfig.tiny(), seed=3)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("num_layers", 0), ("hidden_size", -1), ("num_attention_heads", 0),
-    ("num_key_value_heads", 3), ("intermediate_size", 1.5), ("max_position_embeddings", 0),
-    ("dtype", "int8"), ("init_std", 0.0), ("hidden_size", 250),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_layers", 0),
+        ("hidden_size", -1),
+        ("num_attention_heads", 0),
+        ("num_key_value_heads", 3),
+        ("intermediate_size", 1.5),
+        ("max_position_embeddings", 0),
+        ("dtype", "int8"),
+        ("init_std", 0.0),
+        ("hidden_size", 250),
+    ],
+)
 def test_config_rejects_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         tm.TinyModelConfig(**{field: value})
@@ -30,9 +39,15 @@ def test_tiny_preset_shape():
     assert config.num_params() == 4_002_048
 
 
-@pytest.mark.parametrize("size_bytes, dtype", [
-    (10 * 2**20, "bfloat16"), (100 * 2**20, "float32"), (2**29, "bfloat16"), (2**30, "float16"),
-])
+@pytest.mark.parametrize(
+    "size_bytes, dtype",
+    [
+        (10 * 2**20, "bfloat16"),
+        (100 * 2**20, "float32"),
+        (2**29, "bfloat16"),
+        (2**30, "float16"),
+    ],
+)
 def test_for_size_bytes_is_close(size_bytes, dtype):
     config = tm.TinyModelConfig.for_size_bytes(size_bytes, dtype=dtype)
     assert config.dtype == dtype
@@ -45,12 +60,15 @@ def test_for_size_bytes_rejects_nonpositive():
         tm.TinyModelConfig.for_size_bytes(0)
 
 
-@pytest.mark.parametrize("sizes, limit, expected", [
-    ({"a": 4, "b": 4, "c": 4}, 8, [["a", "b"], ["c"]]),
-    ({"a": 10, "b": 1}, 8, [["a"], ["b"]]),
-    ({"a": 1, "b": 10, "c": 1}, 8, [["a"], ["b"], ["c"]]),
-    ({"a": 3, "b": 3}, 100, [["a", "b"]]),
-])
+@pytest.mark.parametrize(
+    "sizes, limit, expected",
+    [
+        ({"a": 4, "b": 4, "c": 4}, 8, [["a", "b"], ["c"]]),
+        ({"a": 10, "b": 1}, 8, [["a"], ["b"]]),
+        ({"a": 1, "b": 10, "c": 1}, 8, [["a"], ["b"], ["c"]]),
+        ({"a": 3, "b": 3}, 100, [["a", "b"]]),
+    ],
+)
 def test_plan_shards(sizes, limit, expected):
     assert tm.plan_shards(sizes, limit) == expected
 
@@ -59,8 +77,14 @@ def test_plan_shards(sizes, limit, expected):
 def test_param_shapes_match_transformers(tie):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = tm.TinyModelConfig(num_layers=2, hidden_size=128, num_attention_heads=2,
-                                num_key_value_heads=1, intermediate_size=256, tie_word_embeddings=tie)
+    config = tm.TinyModelConfig(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        tie_word_embeddings=tie,
+    )
     hf = Qwen2ForCausalLM(Qwen2Config(**config.hf_config()))
     expected = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
     if tie:
@@ -69,8 +93,14 @@ def test_param_shapes_match_transformers(tie):
 
 
 def test_random_state_dict_is_deterministic():
-    config = tm.TinyModelConfig(num_layers=1, hidden_size=64, num_attention_heads=1,
-                                num_key_value_heads=1, intermediate_size=64, dtype="bfloat16")
+    config = tm.TinyModelConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        dtype="bfloat16",
+    )
     a, b, c = (tm.random_state_dict(config, seed) for seed in (1, 1, 2))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
@@ -82,8 +112,14 @@ def test_model_dir_loads_in_transformers(model_dir):
     from transformers import AutoModelForCausalLM
 
     names = {p.name for p in model_dir.iterdir()}
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "model.safetensors"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "model.safetensors",
+    } <= names
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     on_disk = tm.load_state_dict_from_dir(model_dir)
     expected = tm.random_state_dict(tm.TinyModelConfig.tiny(), seed=3)
@@ -94,8 +130,9 @@ def test_model_dir_loads_in_transformers(model_dir):
 def test_sharded_dir_round_trips(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    config = tm.TinyModelConfig(num_layers=2, hidden_size=128, num_attention_heads=2,
-                                num_key_value_heads=1, intermediate_size=256)
+    config = tm.TinyModelConfig(
+        num_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256
+    )
     out = tm.make_tiny_model(tmp_path, config, seed=5, max_shard_size_bytes=300_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = tm.safetensors_files(out)
@@ -109,8 +146,9 @@ def test_sharded_dir_round_trips(tmp_path):
 
 
 def test_rewriting_a_dir_removes_stale_shards(tmp_path):
-    config = tm.TinyModelConfig(num_layers=1, hidden_size=64, num_attention_heads=1,
-                                num_key_value_heads=1, intermediate_size=64)
+    config = tm.TinyModelConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=64
+    )
     tm.make_tiny_model(tmp_path, config, max_shard_size_bytes=20_000)
     tm.make_tiny_model(tmp_path, config)
     assert tm.safetensors_files(tmp_path) == [tmp_path / "model.safetensors"]
@@ -124,7 +162,8 @@ def test_tokenizer_is_char_level_everywhere(model_dir):
     raw = tm.build_tokenizer()
     rng = random.Random(0)
     texts = ["Q: 12+34=?\nA:  46\t", "it's 'll\n\n  x"] + [
-        "".join(rng.choice(tm.CHARACTERS) for _ in range(40)) for _ in range(50)]
+        "".join(rng.choice(tm.CHARACTERS) for _ in range(40)) for _ in range(50)
+    ]
     for text in texts:
         ids = hf(text)["input_ids"]
         assert ids == raw.encode(text).ids

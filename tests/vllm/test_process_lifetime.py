@@ -44,8 +44,10 @@ def _run_until_vllm_then_signal(cmd: list[str], sig: int, tmp_path: Path) -> set
             if "EngineCore" in names or "VLLM" in names:
                 break
             if parent.poll() is not None:
-                raise AssertionError(f"{cmd[2:4]} exited (rc {parent.returncode}) before vLLM started: "
-                                     f"{(tmp_path / 'parent.log').read_text()[-3000:]}")
+                raise AssertionError(
+                    f"{cmd[2:4]} exited (rc {parent.returncode}) before vLLM started: "
+                    f"{(tmp_path / 'parent.log').read_text()[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"no vLLM process below {cmd[2:4]} within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.2)  # polling the process tree, bounded by the deadline
@@ -71,9 +73,20 @@ def _assert_all_gone(seen: set[psutil.Process]) -> None:
 
 @pytest.mark.vllm
 def test_sigterm_to_benchmark_ends_its_servers(tmp_path):
-    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_vllm_update.py"), "--size-gib", "0.5",
-           "--repeats", "1", "--start-repeats", "0", "--skip-zero-copy", "--skip-vllm-impl",
-           "--out-dir", str(tmp_path / "bench")]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_vllm_update.py"),
+        "--size-gib",
+        "0.5",
+        "--repeats",
+        "1",
+        "--start-repeats",
+        "0",
+        "--skip-zero-copy",
+        "--skip-vllm-impl",
+        "--out-dir",
+        str(tmp_path / "bench"),
+    ]
     seen = _run_until_vllm_then_signal(cmd, signal.SIGTERM, tmp_path)
     _assert_all_gone(seen)
 
@@ -85,7 +98,16 @@ def test_sigterm_to_launcher_ends_vllm(tmp_path):
     from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(), seed=1)
-    cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--port", str(free_port()),
-           "--", *CPU_ENGINE_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_ext.launch",
+        "--model",
+        str(model),
+        "--port",
+        str(free_port()),
+        "--",
+        *CPU_ENGINE_ARGS,
+    ]
     seen = _run_until_vllm_then_signal(cmd, signal.SIGTERM, tmp_path)
     _assert_all_gone(seen)

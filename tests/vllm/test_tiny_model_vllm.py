@@ -30,9 +30,14 @@ def _run_vllm(model_dir: str, out_json: str) -> None:
     for result in results:
         completion = result.outputs[0]
         logprobs = [step[tid].logprob for step, tid in zip(completion.logprobs, completion.token_ids)]
-        out["outputs"].append({"prompt_token_ids": list(result.prompt_token_ids),
-                               "token_ids": list(completion.token_ids),
-                               "logprobs": logprobs, "text": completion.text})
+        out["outputs"].append(
+            {
+                "prompt_token_ids": list(result.prompt_token_ids),
+                "token_ids": list(completion.token_ids),
+                "logprobs": logprobs,
+                "text": completion.text,
+            }
+        )
     pathlib.Path(out_json).write_text(json.dumps(out))
 
 
@@ -46,13 +51,26 @@ def _hf_greedy(model_dir):
     for prompt in PROMPTS:
         ids = torch.tensor([tokenizer(prompt)["input_ids"]])
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 output_scores=True, return_dict_in_generate=True)
-        new_ids = gen.sequences[0, ids.shape[1]:].tolist()
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        new_ids = gen.sequences[0, ids.shape[1] :].tolist()
         logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, new_ids)]
-        outputs.append({"prompt_token_ids": ids[0].tolist(), "token_ids": new_ids,
-                        "logprobs": logprobs, "text": tokenizer.decode(new_ids, skip_special_tokens=True)})
+        outputs.append(
+            {
+                "prompt_token_ids": ids[0].tolist(),
+                "token_ids": new_ids,
+                "logprobs": logprobs,
+                "text": tokenizer.decode(new_ids, skip_special_tokens=True),
+            }
+        )
     return outputs
 
 
@@ -63,10 +81,19 @@ def test_vllm_matches_transformers_greedy(tmp_path):
     # A larger init std than the default gives clear logit margins, so greedy ties cannot flip.
     model_dir = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(init_std=0.1), seed=7)
     out_json = tmp_path / "vllm.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out_json)], env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, str(model_dir), str(out_json)],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out_json.read_text())
     expected = _hf_greedy(model_dir)

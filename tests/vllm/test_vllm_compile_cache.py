@@ -44,8 +44,12 @@ def _run_vllm(model_dir: str, out_json: str, extension: str, update_from: str) -
         out = []
         for result in llm.generate(PROMPTS, params, use_tqdm=False):
             c = result.outputs[0]
-            out.append({"token_ids": list(c.token_ids),
-                        "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]})
+            out.append(
+                {
+                    "token_ids": list(c.token_ids),
+                    "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
+                }
+            )
         return out
 
     result = {"start_s": start_s, "outputs": generate()}
@@ -66,22 +70,36 @@ def _run_vllm(model_dir: str, out_json: str, extension: str, update_from: str) -
     pathlib.Path(out_json).write_text(json.dumps(result))
 
 
-def _start(model_dir: pathlib.Path, out_json: pathlib.Path, cache_root: pathlib.Path, extension: str,
-           update_from: str = "") -> tuple[dict, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(cache_root),
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out_json), extension, update_from], env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+def _start(
+    model_dir: pathlib.Path, out_json: pathlib.Path, cache_root: pathlib.Path, extension: str, update_from: str = ""
+) -> tuple[dict, str]:
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CACHE_ROOT=str(cache_root),
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, str(model_dir), str(out_json), extension, update_from],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     return json.loads(out_json.read_text()), log
 
 
-@pytest.mark.parametrize("has_hook,calls_hook,repair", [
-    (False, True, True),    # vLLM-CPU 0.32 with torch's inductor artifact: the case repaired
-    (True, True, False),    # the artifact has the hook already (vLLM's own backend, or a fixed torch/vLLM)
-    (False, False, False),  # a vLLM that no longer calls the hook
-])
+@pytest.mark.parametrize(
+    "has_hook,calls_hook,repair",
+    [
+        (False, True, True),  # vLLM-CPU 0.32 with torch's inductor artifact: the case repaired
+        (True, True, False),  # the artifact has the hook already (vLLM's own backend, or a fixed torch/vLLM)
+        (False, False, False),  # a vLLM that no longer calls the hook
+    ],
+)
 def test_needs_repair(has_hook, calls_hook, repair):
     cls = type("Artifact", (), {"finalize_loading": lambda self, cfg: None} if has_hook else {})
     assert needs_repair(cls, calls_hook) is repair

@@ -44,8 +44,9 @@ def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
     from vllm_ext.launch import EXTENSION, model_safetensors_files
     from vllm_ext.req import llm_req_func
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=8, seed=0,
-              worker_extension_cls=EXTENSION)
+    llm = LLM(
+        model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=8, seed=0, worker_extension_cls=EXTENSION
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate():
@@ -53,8 +54,11 @@ def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
 
     out = {"token_ids": generate(), "state": llm.collective_rpc("weights_state")[0]}
     if update_to:
-        ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(
-            transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES)))
+        ps = ParameterServer(
+            rank=0,
+            world_size=1,
+            config=ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES)),
+        )
         ps.register_checkpoint("B", files=model_safetensors_files(update_to))
         ps.gather_metas("B")
         ps.update("B", llm_req_func(llm, timeout_s=120.0))
@@ -84,11 +88,21 @@ class _Refs:
         from vllm_ext.testing import child_env
 
         self.out = {k: workdir / f"ref_{k}.json" for k in ("a", "b")}
-        args = {"a": [str(models["A"]), str(self.out["a"]), str(models["B"])],
-                "b": [str(models["B"]), str(self.out["b"])]}
-        self.procs = {k: subprocess.Popen([sys.executable, __file__, *a], env=child_env(), cwd=REPO_ROOT,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                      for k, a in args.items()}
+        args = {
+            "a": [str(models["A"]), str(self.out["a"]), str(models["B"])],
+            "b": [str(models["B"]), str(self.out["b"])],
+        }
+        self.procs = {
+            k: subprocess.Popen(
+                [sys.executable, __file__, *a],
+                env=child_env(),
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for k, a in args.items()
+        }
 
     def result(self) -> dict:
         res = {}
@@ -105,10 +119,16 @@ def engines(workdir, models):
     from vllm_ext.testing import LaunchedServer, post_completions
 
     refs = _Refs(workdir, models)
-    fast = LaunchedServer(models["A"], workdir / "fast.log", gate_wait_s=STARTUP_TIMEOUT_S,
-                          engine_timeout_s=ENGINE_TIMEOUT_S)
-    gated = LaunchedServer(models["A"], workdir / "gated.log", initial_push=False, engine_timeout_s=ENGINE_TIMEOUT_S,
-                           extra=["--no-weight-cache", "--reload-impl", "vllm"])
+    fast = LaunchedServer(
+        models["A"], workdir / "fast.log", gate_wait_s=STARTUP_TIMEOUT_S, engine_timeout_s=ENGINE_TIMEOUT_S
+    )
+    gated = LaunchedServer(
+        models["A"],
+        workdir / "gated.log",
+        initial_push=False,
+        engine_timeout_s=ENGINE_TIMEOUT_S,
+        extra=["--no-weight-cache", "--reload-impl", "vllm"],
+    )
     early: dict = {}
     try:
         early["status_before"] = fast.wait_listening()
@@ -151,8 +171,9 @@ def _states(engines) -> list[dict]:
 def _checksums(engines) -> list[str | None]:
     from vllm_ext.req import collective_rpc
 
-    return [collective_rpc(engines[k].url, "weights_checksum", timeout_s=90.0)[0]["checksum"]
-            for k in ("fast", "gated")]
+    return [
+        collective_rpc(engines[k].url, "weights_checksum", timeout_s=90.0)[0]["checksum"] for k in ("fast", "gated")
+    ]
 
 
 def _outputs(engines) -> list[list[list[int]]]:
@@ -276,8 +297,12 @@ def test_engine_failure_aborts_update_then_next_update_restores(engines, models,
     results = _push(models, engines, "B", tag="fault-raise-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
     assert [c for c, _ in results] == [0, 0], results
     outputs = _outputs(engines)
-    assert outputs == [refs["b"]["token_ids"]] * 2, {"fast": outputs[0], "gated": outputs[1],
-                                                     "want": refs["b"]["token_ids"], "states": _states(engines)}
+    assert outputs == [refs["b"]["token_ids"]] * 2, {
+        "fast": outputs[0],
+        "gated": outputs[1],
+        "want": refs["b"]["token_ids"],
+        "states": _states(engines),
+    }
     _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines)
 
 
@@ -288,11 +313,15 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
     refs = engines["refs"]
     _ensure(models, engines, "A")
     marker = tmp_path / "rank1-mid-update"
-    collective_rpc(engines["gated"].url, "arm_update_fault",
-                   args=[{"kind": "stall", "bucket": 2, "stall_s": 2.0, "marker_path": str(marker)}])
+    collective_rpc(
+        engines["gated"].url,
+        "arm_update_fault",
+        args=[{"kind": "stall", "bucket": 2, "stall_s": 2.0, "marker_path": str(marker)}],
+    )
     urls = [engines["fast"].url, engines["gated"].url]
-    procs = start_push_ranks(models["B"], urls, tmp_path, tag="rank-death", timeout_s=30.0,
-                             bucket_size_bytes=SMALL_BUCKET_BYTES)
+    procs = start_push_ranks(
+        models["B"], urls, tmp_path, tag="rank-death", timeout_s=30.0, bucket_size_bytes=SMALL_BUCKET_BYTES
+    )
     deadline = time.monotonic() + 120
     while not marker.exists():  # the engine of rank 1 is inside bucket 2: kill its PS rank now
         assert procs[1].alive() and time.monotonic() < deadline, procs[1].log_tail()
@@ -306,8 +335,12 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
     results = _push(models, engines, "B", tag="rank-death-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
     assert [c for c, _ in results] == [0, 0], results
     outputs = _outputs(engines)
-    assert outputs == [refs["b"]["token_ids"]] * 2, {"fast": outputs[0], "gated": outputs[1],
-                                                     "want": refs["b"]["token_ids"], "states": _states(engines)}
+    assert outputs == [refs["b"]["token_ids"]] * 2, {
+        "fast": outputs[0],
+        "gated": outputs[1],
+        "want": refs["b"]["token_ids"],
+        "states": _states(engines),
+    }
     _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines)
 
 

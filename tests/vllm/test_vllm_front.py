@@ -43,7 +43,7 @@ class FakeEngine:
                     return self.reply(200, {"success": True})
                 if self.path == "/v1/completions":
                     return self.reply(200, {"choices": [{"index": 0, "text": "hi", "token_ids": [1, 2]}]})
-                self.reply(404, {"detail": "Not Found"})
+                return self.reply(404, {"detail": "Not Found"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -104,13 +104,16 @@ def test_unreachable_engine_is_clear():
         collective_rpc(f"http://127.0.0.1:{free_port()}", "weights_state", timeout_s=2)
 
 
-@pytest.mark.parametrize("results,ok", [
-    ([{"status": "ready", "version": 2}], True),
-    ([{"status": "ready"}, {"status": "ready"}], True),
-    ([{"status": "incomplete", "last_error": "boom"}], False),
-    ([], False),
-    (["not a dict"], False),
-])
+@pytest.mark.parametrize(
+    "results,ok",
+    [
+        ([{"status": "ready", "version": 2}], True),
+        ([{"status": "ready"}, {"status": "ready"}], True),
+        ([{"status": "incomplete", "last_error": "boom"}], False),
+        ([], False),
+        (["not a dict"], False),
+    ],
+)
 def test_check_reports(results, ok):
     if ok:
         assert check_reports(results, "e") == results
@@ -120,10 +123,17 @@ def test_check_reports(results, ok):
 
 
 # -- gate -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("reports,loaded", [
-    ([], False), ([{"version": 0}], False), ([{"version": 1}], True),
-    ([{"version": 1}, {"version": 0}], False), ([{"version": 3}, {"version": 2}], True), ([None], False),
-])
+@pytest.mark.parametrize(
+    "reports,loaded",
+    [
+        ([], False),
+        ([{"version": 0}], False),
+        ([{"version": 1}], True),
+        ([{"version": 1}, {"version": 0}], False),
+        ([{"version": 3}, {"version": 2}], True),
+        ([None], False),
+    ],
+)
 def test_weights_loaded(reports, loaded):
     assert weights_loaded(reports) is loaded
 
@@ -263,8 +273,18 @@ def test_receiver_defaults_match_what_the_launcher_assumes():
     from vllm_ext.receiver import ReceiverConfig
 
     d = ReceiverConfig()
-    assert engine_settings(LaunchConfig(model=str(REPO), engine_timeout_s=d.timeout_s, reload_mode=d.reload_mode,
-                                        weight_cache=d.weight_cache, reload_impl=d.reload_impl)) == {}
+    assert (
+        engine_settings(
+            LaunchConfig(
+                model=str(REPO),
+                engine_timeout_s=d.timeout_s,
+                reload_mode=d.reload_mode,
+                weight_cache=d.weight_cache,
+                reload_impl=d.reload_impl,
+            )
+        )
+        == {}
+    )
 
 
 def test_parser_passes_vllm_args_after_double_dash(tmp_path):
@@ -282,17 +302,20 @@ def test_model_safetensors_files(tmp_path):
     (tmp_path / "b.safetensors").write_bytes(b"")
     (tmp_path / "a.safetensors").write_bytes(b"")
     assert [Path(f).name for f in model_safetensors_files(str(tmp_path))] == ["a.safetensors", "b.safetensors"]
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"}})
+    )
     assert [Path(f).name for f in model_safetensors_files(str(tmp_path))] == ["b.safetensors", "a.safetensors"]
 
 
 @pytest.mark.parametrize("module", ["vllm_ext.launch", "vllm_ext.push", "vllm_ext"])
 def test_cli_help_is_instant(module):
-    code = (f"import runpy, sys; sys.argv = ['x', '--help']\n"
-            f"try:\n    runpy.run_module({module!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            f"heavy = [m for m in ('torch', 'vllm', 'zmq', 'httpx') if m in sys.modules]\n"
-            f"assert not heavy, heavy")
+    code = (
+        f"import runpy, sys; sys.argv = ['x', '--help']\n"
+        f"try:\n    runpy.run_module({module!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        f"heavy = [m for m in ('torch', 'vllm', 'zmq', 'httpx') if m in sys.modules]\n"
+        f"assert not heavy, heavy"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout
@@ -301,11 +324,13 @@ def test_cli_help_is_instant(module):
 def test_launcher_spawns_vllm_before_importing_anything_heavy(tmp_path):
     # vLLM's start is the long pole: building its command line must not import torch (~0.8 s of CPU
     # that vLLM's own start would wait for on a small machine)
-    code = ("import sys\nfrom vllm_ext.launch import LaunchConfig, Launcher, vllm_command\n"
-            f"cfg = LaunchConfig(model={str(tmp_path)!r}, reload_mode='end')\n"
-            "Launcher(cfg)\nvllm_command(cfg, 1234, 'ipc:///tmp/x')\n"
-            "heavy = [m for m in ('torch', 'vllm', 'zmq', 'httpx', 'uvicorn') if m in sys.modules]\n"
-            "assert not heavy, heavy")
+    code = (
+        "import sys\nfrom vllm_ext.launch import LaunchConfig, Launcher, vllm_command\n"
+        f"cfg = LaunchConfig(model={str(tmp_path)!r}, reload_mode='end')\n"
+        "Launcher(cfg)\nvllm_command(cfg, 1234, 'ipc:///tmp/x')\n"
+        "heavy = [m for m in ('torch', 'vllm', 'zmq', 'httpx', 'uvicorn') if m in sys.modules]\n"
+        "assert not heavy, heavy"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 

@@ -18,8 +18,15 @@ import zmq
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.pipeline import UpdateFailed
 from checkpoint_engine.ps import ParameterServer
-from vllm_ext.loader import (LoaderRendezvousError, LoaderSettings, loader_req_func, missing_parameters,
-                             parse_request, serve_initial_load, wait_for_loader)
+from vllm_ext.loader import (
+    LoaderRendezvousError,
+    LoaderSettings,
+    loader_req_func,
+    missing_parameters,
+    parse_request,
+    serve_initial_load,
+    wait_for_loader,
+)
 from vllm_ext.receiver import ReceiverConfig, WeightReceiver
 from vllm_ext.weight_cache import checkpoint_checksum
 from vllm_ext.worker import select_handle
@@ -34,8 +41,10 @@ def make_ckpt(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def ps():
-    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20,
-                                                                     engine_connect_timeout_s=20))
+    cfg = ParameterServerConfig(
+        transport="cpu",
+        update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20),
+    )
     server = ParameterServer(rank=0, world_size=1, config=cfg)
     yield server
     server.close()
@@ -62,8 +71,10 @@ class Engine:
     def _run(self, address: str, timeout_s: float) -> None:
         try:
             self.report = serve_initial_load(
-                address, lambda handles: self.receiver.receive(select_handle(handles, device_uuid=None, tp_rank=0), None),
-                timeout_s=timeout_s)
+                address,
+                lambda handles: self.receiver.receive(select_handle(handles, device_uuid=None, tp_rank=0), None),
+                timeout_s=timeout_s,
+            )
         except BaseException as e:  # noqa: BLE001 - checked by the test
             self.error = e
 
@@ -72,13 +83,19 @@ class Engine:
         assert not self.thread.is_alive(), "serve_initial_load did not return"
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({}, "needs --model-loader-extra-config"),
-    ({"rendezvous": "/tmp/x.sock"}, "ipc:// or tcp://"),
-    ({"rendezvous": "ipc:///tmp/x.sock", "timeout_s": 0}, "timeout_s must be a number > 0"),
-    ({"rendezvous": "ipc:///tmp/x.sock", "timeout_s": True}, "timeout_s must be a number > 0"),
-    ({"rendezvous": "ipc:///tmp/x.sock", "timout_s": 5}, "unknown checkpoint_engine loader setting(s) ['timout_s']"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({}, "needs --model-loader-extra-config"),
+        ({"rendezvous": "/tmp/x.sock"}, "ipc:// or tcp://"),
+        ({"rendezvous": "ipc:///tmp/x.sock", "timeout_s": 0}, "timeout_s must be a number > 0"),
+        ({"rendezvous": "ipc:///tmp/x.sock", "timeout_s": True}, "timeout_s must be a number > 0"),
+        (
+            {"rendezvous": "ipc:///tmp/x.sock", "timout_s": 5},
+            "unknown checkpoint_engine loader setting(s) ['timout_s']",
+        ),
+    ],
+)
 def test_settings_name_what_is_wrong(settings, message):
     with pytest.raises(ValueError) as e:
         LoaderSettings.from_dict(settings)
@@ -92,17 +109,20 @@ def test_settings_address_per_tp_rank():
         LoaderSettings.from_dict({"rendezvous": "ipc:///tmp/load.sock"}).address(1, 2)
 
 
-@pytest.mark.parametrize("raw, ok", [
-    (b'{"op": "hello"}', True),
-    (b'{"op": "load", "zmq_handles": {"0": "ipc:///tmp/a"}}', True),
-    (b'{"op": "load", "zmq_handles": {}}', False),
-    (b'{"op": "load", "zmq_handles": {"0": 5}}', False),
-    (b'{"op": "load"}', False),
-    (b'{"op": "drop_tables"}', False),
-    (b'[1, 2]', False),
-    (b'\x80\x04\x95 pickle', False),
-    (b'{"op": "hello", "pad": "' + b"x" * (1 << 20) + b'"}', False),
-])
+@pytest.mark.parametrize(
+    "raw, ok",
+    [
+        (b'{"op": "hello"}', True),
+        (b'{"op": "load", "zmq_handles": {"0": "ipc:///tmp/a"}}', True),
+        (b'{"op": "load", "zmq_handles": {}}', False),
+        (b'{"op": "load", "zmq_handles": {"0": 5}}', False),
+        (b'{"op": "load"}', False),
+        (b'{"op": "drop_tables"}', False),
+        (b"[1, 2]", False),
+        (b"\x80\x04\x95 pickle", False),
+        (b'{"op": "hello", "pad": "' + b"x" * (1 << 20) + b'"}', False),
+    ],
+)
 def test_parse_request_accepts_only_the_two_json_requests(raw, ok):
     if ok:
         assert parse_request(raw)["op"] in ("hello", "load")
@@ -177,8 +197,10 @@ def test_req_func_raises_the_engines_error(address):
         raise RuntimeError("the model has no parameter 'x'")
 
     result: dict = {}
-    t = threading.Thread(target=lambda: result.setdefault("e", _catch(lambda: serve_initial_load(
-        address, refuse, timeout_s=20))), daemon=True)
+    t = threading.Thread(
+        target=lambda: result.setdefault("e", _catch(lambda: serve_initial_load(address, refuse, timeout_s=20))),
+        daemon=True,
+    )
     t.start()
     with pytest.raises(LoaderRendezvousError, match="the model has no parameter 'x'"):
         loader_req_func(address, timeout_s=20)([("0", "ipc:///nowhere")])

@@ -36,20 +36,48 @@ def _vllm(model_dir: Path, log_dir: Path, tag: str):
     from vllm_ext.testing import CPU_ENGINE_ARGS, ServerProcess, child_env
 
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "demo", "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
-           "--worker-extension-cls", EXTENSION, *CPU_ENGINE_ARGS]
-    return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_dir / f"vllm-{tag}.log",
-                         env=child_env(VLLM_SERVER_DEV_MODE="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--worker-extension-cls",
+        EXTENSION,
+        *CPU_ENGINE_ARGS,
+    ]
+    return ServerProcess(
+        cmd, f"http://127.0.0.1:{port}", log_dir / f"vllm-{tag}.log", env=child_env(VLLM_SERVER_DEV_MODE="1")
+    )
 
 
 def _torchrun(log_dir: Path, tag: str, *flags: str):
     from vllm_ext.launch import free_port
     from vllm_ext.testing import REPO, ServerProcess, child_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
-           str(REPO / "examples" / "moonshot_update.py"), "--inference-parallel-size", "1",
-           "--checkpoint-name", "tiny-iter-0", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "examples" / "moonshot_update.py"),
+        "--inference-parallel-size",
+        "1",
+        "--checkpoint-name",
+        "tiny-iter-0",
+        *flags,
+    ]
     return ServerProcess(cmd, "", log_dir / f"{tag}.log", env=child_env(OMP_NUM_THREADS="1"))
 
 
@@ -94,8 +122,20 @@ def test_moonshot_readme_flow_broadcast_p2p_and_join(tmp_path):
         b = _vllm(model_dir, tmp_path, "b")
         procs += [a, b]
         # "No need to wait for vLLM to get ready": the job waits for A's /health itself
-        job1 = _torchrun(tmp_path, "job1", "--checkpoint-path", str(model_dir), "--endpoint", a.url,
-                         "--update-method", "all", "--save-metas-file", str(metas), "--sleep-time", "900")
+        job1 = _torchrun(
+            tmp_path,
+            "job1",
+            "--checkpoint-path",
+            str(model_dir),
+            "--endpoint",
+            a.url,
+            "--update-method",
+            "all",
+            "--save-metas-file",
+            str(metas),
+            "--sleep-time",
+            "900",
+        )
         procs.append(job1)
         done1 = _result_line(job1, STARTUP_TIMEOUT_S + JOB_TIMEOUT_S)
         assert [u["method"] for u in done1["updates"]] == ["broadcast", "p2p"]

@@ -6,7 +6,6 @@ function writes into a dict "model", so streaming, aborts and fallbacks are chec
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -46,8 +45,10 @@ class DictModel:
 
 @pytest.fixture
 def ps():
-    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=16 * 1024,
-                                                                     engine_timeout_s=20, engine_connect_timeout_s=20))
+    cfg = ParameterServerConfig(
+        transport="cpu",
+        update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20),
+    )
     server = ParameterServer(rank=0, world_size=1, config=cfg)
     yield server
     server.close()
@@ -64,9 +65,11 @@ def push(ps, receiver: WeightReceiver, name: str, ckpt: dict) -> None:
 
 
 def make_receiver(model: DictModel, mode: str = "streaming", weight_cache: bool = True) -> WeightReceiver:
-    return WeightReceiver(model.reload, recover_fn=model.recover,
-                          config=ReceiverConfig(timeout_s=20, reload_mode=mode, reload_timeout_s=20,
-                                                weight_cache=weight_cache))
+    return WeightReceiver(
+        model.reload,
+        recover_fn=model.recover,
+        config=ReceiverConfig(timeout_s=20, reload_mode=mode, reload_timeout_s=20, weight_cache=weight_cache),
+    )
 
 
 def push_a_then_fail_b(ps, r: WeightReceiver) -> tuple[dict, dict]:
@@ -191,14 +194,17 @@ def test_concurrent_receive_is_refused():
         r._busy.release()
 
 
-@pytest.mark.parametrize("cls,kwargs,field", [
-    (ReceiverConfig, {"timeout_s": 0}, "timeout_s"),
-    (ReceiverConfig, {"reload_timeout_s": -1}, "reload_timeout_s"),
-    (ReceiverConfig, {"reload_mode": "layer"}, "reload_mode"),
-    (FaultSpec, {"kind": "explode"}, "kind"),
-    (FaultSpec, {"kind": "raise", "bucket": -1}, "bucket"),
-    (FaultSpec, {"kind": "stall", "stall_s": 0}, "stall_s"),
-])
+@pytest.mark.parametrize(
+    "cls,kwargs,field",
+    [
+        (ReceiverConfig, {"timeout_s": 0}, "timeout_s"),
+        (ReceiverConfig, {"reload_timeout_s": -1}, "reload_timeout_s"),
+        (ReceiverConfig, {"reload_mode": "layer"}, "reload_mode"),
+        (FaultSpec, {"kind": "explode"}, "kind"),
+        (FaultSpec, {"kind": "raise", "bucket": -1}, "bucket"),
+        (FaultSpec, {"kind": "stall", "stall_s": 0}, "stall_s"),
+    ],
+)
 def test_config_validation_names_the_field(cls, kwargs, field):
     with pytest.raises(ValueError, match=field):
         cls(**kwargs)
@@ -211,13 +217,16 @@ def test_receiver_config_from_dict_rejects_unknown_keys():
         ReceiverConfig.from_dict({"timeout": 5})
 
 
-@pytest.mark.parametrize("handles,uuid,tp_rank,want", [
-    ({"cpu-h-0": "ipc://a"}, None, 0, "ipc://a"),
-    ({"cpu-h-0": "ipc://a"}, None, 3, "ipc://a"),  # the only handle, whatever the rank
-    ({"GPU-1": "ipc://a", "GPU-2": "ipc://b"}, "GPU-2", 0, "ipc://b"),  # UUID wins over rank
-    ({"cpu-h-0": "ipc://a", "cpu-h-1": "ipc://b"}, None, 1, "ipc://b"),
-    ({"cpu-h-0": "ipc://a", "cpu-h-1": "ipc://b"}, "GPU-9", 0, "ipc://a"),
-])
+@pytest.mark.parametrize(
+    "handles,uuid,tp_rank,want",
+    [
+        ({"cpu-h-0": "ipc://a"}, None, 0, "ipc://a"),
+        ({"cpu-h-0": "ipc://a"}, None, 3, "ipc://a"),  # the only handle, whatever the rank
+        ({"GPU-1": "ipc://a", "GPU-2": "ipc://b"}, "GPU-2", 0, "ipc://b"),  # UUID wins over rank
+        ({"cpu-h-0": "ipc://a", "cpu-h-1": "ipc://b"}, None, 1, "ipc://b"),
+        ({"cpu-h-0": "ipc://a", "cpu-h-1": "ipc://b"}, "GPU-9", 0, "ipc://a"),
+    ],
+)
 def test_select_handle(handles, uuid, tp_rank, want):
     assert select_handle(handles, device_uuid=uuid, tp_rank=tp_rank) == want
 
@@ -275,8 +284,12 @@ def test_receiver_keeps_its_cache_in_engine_slots_after_a_complete_update(ps):
     model = DictModel()
     a, b = make_ckpt(1), make_ckpt(2)
     slots = {n: torch.empty_like(t) for n, t in a.items() if n.startswith("layers.")}
-    r = WeightReceiver(model.reload, recover_fn=model.recover, cache_slots_fn=lambda: slots,
-                       config=ReceiverConfig(timeout_s=20, reload_timeout_s=20))
+    r = WeightReceiver(
+        model.reload,
+        recover_fn=model.recover,
+        cache_slots_fn=lambda: slots,
+        config=ReceiverConfig(timeout_s=20, reload_timeout_s=20),
+    )
     push(ps, r, "A", a)
     assert r.report()["cache_tensors_in_engine_memory"] == len(slots)
     assert all(torch.equal(slots[n], a[n]) for n in slots)  # the values moved with the cache
@@ -309,9 +322,11 @@ def test_stream_overlaps_reload_with_transfer(ps):
 def test_rl_sequence_reuses_host_chunks_and_engine_mappings():
     """register v+1, update, unregister v (as the orchestrator does): from v3 on, the PS writes into
     v1's chunks and the engine finds them still mapped; every update lands exactly."""
-    cfg = ParameterServerConfig(transport="cpu", reuse_host_memory=True,
-                                update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20,
-                                                    engine_connect_timeout_s=20))
+    cfg = ParameterServerConfig(
+        transport="cpu",
+        reuse_host_memory=True,
+        update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20),
+    )
     server = ParameterServer(rank=0, world_size=1, config=cfg)
     model = DictModel()
     r = make_receiver(model)
@@ -353,8 +368,10 @@ class AliasingModel(DictModel):
 def test_without_weight_cache_stable_tensors_reach_the_reload_uncopied(mode):
     """weight_cache off: tensors in the PS's registered chunks (stable until Done) are handed over
     as views; outputs stay exact, no host copy is kept, and the checksum says why it is absent."""
-    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(
-        bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20, mode=mode))
+    cfg = ParameterServerConfig(
+        transport="cpu",
+        update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20, mode=mode),
+    )
     server = ParameterServer(rank=0, world_size=1, config=cfg)
     model = AliasingModel()
     r = make_receiver(model, weight_cache=False)
