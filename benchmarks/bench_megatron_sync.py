@@ -18,6 +18,7 @@ adds the trainer-step-end to vLLM-serving split, measured the way the RL loop sy
 (orchestrator.weight_sync: an in-process ParameterServer, CPU transport) from a MegatronTrainer (TP=1,
 this process) into a real vLLM LLM (CPU, started on dummy weights) after each of --steps training steps:
   step_convert_s   trainer.named_tensors(): megatron_to_hf into the trainer's persistent HF buffers
+                   (--trainer-tp 2: the other rank's shards gathered to rank 0 over gloo first)
   step_register_s  ParameterServer.register_checkpoint + gather_metas (copy into host/shared memory)
   step_update_s    ParameterServer.update: buckets to the engine and its in-place reload
   step_serve_s     the first greedy request (1 token) served after the update
@@ -52,10 +53,13 @@ def parse_args(argv=None):
                    help="also time trainer step end -> vLLM serving (convert / register / update / serve)")
     p.add_argument("--model-dir", default=None, help="--vllm: HF model dir (default: a tiny demo-shaped model)")
     p.add_argument("--steps", type=int, default=3, help="--vllm: training steps, one sync after each")
+    p.add_argument("--trainer-tp", type=int, default=1,
+                   help="--vllm: the trainer's TP size (> 1: this process is rank 0 and starts the others; "
+                        "convert then includes gathering their shards over gloo)")
     return p.parse_args(argv)
 
 
-def step_to_serving(model_dir: str | None, steps: int) -> dict:
+def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> dict:
     """Median seconds per stage from the end of a Megatron training step to vLLM serving the new weights."""
     import os
     import statistics
@@ -77,7 +81,7 @@ def step_to_serving(model_dir: str | None, steps: int) -> dict:
         model_dir = str(make_tiny_model(pathlib_path(tmp.name) / "model", TinyModelConfig.tiny(), seed=0))
     llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0,
               worker_extension_cls=EXTENSION)
-    trainer = make_trainer("megatron", model_dir, TrainerConfig(lr=1e-4, autocast_dtype="float32"))
+    trainer = make_trainer("megatron", model_dir, TrainerConfig(lr=1e-4, autocast_dtype="float32"), tp_size=trainer_tp)
     ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(
         transport="cpu", update=UpdateConfig(), reuse_host_memory=True))
     req = llm_req_func(llm, timeout_s=300.0)
@@ -109,11 +113,12 @@ def step_to_serving(model_dir: str | None, steps: int) -> dict:
     finally:
         ps.close()
         trainer.close()
+        llm.llm_engine.engine_core.shutdown()  # its shutdown logs before the result lines, not after
         if tmp is not None:
             tmp.cleanup()
     out = {f"step_{key}_s": round(statistics.median(values), 4) for key, values in fields.items()}
     out["step_total_s"] = round(sum(out.values()), 4)
-    out.update(step_model_mib=round(num_bytes / 2**20, 1), step_count=steps)
+    out.update(step_model_mib=round(num_bytes / 2**20, 1), step_count=steps, step_trainer_tp=trainer_tp)
     return out
 
 
@@ -193,7 +198,7 @@ def main(argv=None) -> dict:
         "ratio_convert_alloc_vs_memcpy": round(memcpy_s / convert_alloc_s, 3),
     }
     if args.vllm:
-        result.update(step_to_serving(args.model_dir, args.steps))
+        result.update(step_to_serving(args.model_dir, args.steps, args.trainer_tp))
         print(f"step end -> vLLM serving ({result['step_model_mib']} MiB): convert {result['step_convert_s']} s, "
               f"register {result['step_register_s']} s, update {result['step_update_s']} s, "
               f"first request {result['step_serve_s']} s")
