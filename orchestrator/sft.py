@@ -73,6 +73,10 @@ class SFTConfig:
     # "auto": bfloat16 only where the CPU runs it natively (orchestrator.cpu); resolved before the
     # cache key is taken, so the key names the dtype that trained the weights.
     autocast_dtype: str = "auto"
+    # the chain-of-thought format of the SFT targets: "short" (task.solution_text) or "long" (the verbose
+    # task.long_solution_text: a long-CoT model for long2short); kept out of the cache key when "short",
+    # so the short model's key is what it was before the field existed
+    solution_style: str = "short"
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "batch_size", "num_threads", "num_layers", "hidden_size"):
@@ -90,6 +94,8 @@ class SFTConfig:
             raise ValueError(
                 f"level_weights={self.level_weights!r} must be {len(self.levels)} non-negative numbers, not all 0"
             )
+        if self.solution_style not in task.SOLUTION_STYLES:
+            raise ValueError(f"solution_style={self.solution_style!r} must be one of {task.SOLUTION_STYLES}")
         if self.autocast_dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
         if not self.lr > 0:
@@ -108,6 +114,8 @@ class SFTConfig:
     def cache_key(self) -> str:
         """Hash of the recipe version and every field that can change the result."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IN_CACHE_KEY}
+        if self.solution_style == "short":
+            del fields["solution_style"]  # the key of a short-CoT model predates the field
         payload = json.dumps({"recipe": SFT_RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -122,10 +130,13 @@ def lr_at(step: int, config: SFTConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def encode_examples(tokenizer, problems: Sequence[task.Problem]) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompt ids (with bos) and response ids (solution + eos) for SFT."""
+def encode_examples(
+    tokenizer, problems: Sequence[task.Problem], solution_style: str = "short"
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids (with bos) and response ids (solution in ``solution_style`` + eos) for SFT."""
     prompts = tokenizer([p.prompt for p in problems])["input_ids"]
-    responses = tokenizer([task.solution_text(p) for p in problems], add_special_tokens=False)["input_ids"]
+    targets = [task.solution_text_for(p, solution_style) for p in problems]
+    responses = tokenizer(targets, add_special_tokens=False)["input_ids"]
     return prompts, [r + [tokenizer.eos_token_id] for r in responses]
 
 
@@ -138,8 +149,11 @@ def iter_batches(config: SFTConfig) -> Iterator[list[task.Problem]]:
         yield [next(streams[level]) for _ in range(config.batch_size)]
 
 
-def greedy_responses(model, tokenizer, problems: Sequence[task.Problem], batch_size: int = 64) -> list[str]:
-    """Greedy completions (special tokens stripped) with ``transformers`` generate."""
+def greedy_responses(
+    model, tokenizer, problems: Sequence[task.Problem], batch_size: int = 64, solution_style: str = "short"
+) -> list[str]:
+    """Greedy completions (special tokens stripped) with ``transformers`` generate (a budget that fits
+    ``solution_style``'s reference solutions)."""
     import torch
 
     out: list[str] = []
@@ -150,7 +164,7 @@ def greedy_responses(model, tokenizer, problems: Sequence[task.Problem], batch_s
         for start in range(0, len(problems), batch_size):
             chunk = problems[start : start + batch_size]
             enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True)
-            budget = max(task.max_solution_chars(p) for p in chunk) + 1
+            budget = max(task.max_solution_chars_for(p, solution_style) for p in chunk) + 1
             with torch.no_grad():
                 gen = model.generate(
                     **enc,
@@ -166,9 +180,11 @@ def greedy_responses(model, tokenizer, problems: Sequence[task.Problem], batch_s
     return out
 
 
-def accuracy_by_level(model, tokenizer, problems: Sequence[task.Problem]) -> dict[int, float]:
+def accuracy_by_level(
+    model, tokenizer, problems: Sequence[task.Problem], solution_style: str = "short"
+) -> dict[int, float]:
     """Greedy accuracy per difficulty level."""
-    responses = greedy_responses(model, tokenizer, problems)
+    responses = greedy_responses(model, tokenizer, problems, solution_style=solution_style)
     totals: dict[int, list[int]] = {}
     for problem, response in zip(problems, responses):
         totals.setdefault(problem.level, []).append(int(task.is_correct(problem, response)))
@@ -240,7 +256,7 @@ def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
     ):
         for step in bar:
             problems = next(batches)
-            prompts, responses = encode_examples(tokenizer, problems)
+            prompts, responses = encode_examples(tokenizer, problems, config.solution_style)
             trainer.set_lr(lr_at(step, config))
             logprobs = trainer.sequence_logprobs(prompts, responses)
             loss = -logprobs.sum() / sum(len(r) for r in responses)
@@ -248,7 +264,9 @@ def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
             record = {"step": step, "loss": loss.item(), **stats, "elapsed_s": time.monotonic() - start}
             if config.eval_every_steps and (step + 1) % config.eval_every_steps == 0 and heldout:
                 small = _first_per_level(heldout, 16)
-                record["heldout_accuracy_by_level"] = accuracy_by_level(trainer.model, tokenizer, small)
+                record["heldout_accuracy_by_level"] = accuracy_by_level(
+                    trainer.model, tokenizer, small, config.solution_style
+                )
                 logger.info(
                     "step %d: held-out accuracy (16 per level) %s", step + 1, record["heldout_accuracy_by_level"]
                 )
@@ -259,7 +277,7 @@ def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
     model_dir = trainer.save(work_dir / "model")
     shutil.rmtree(init_dir)
     eval_start = time.monotonic()
-    accuracy = accuracy_by_level(trainer.model, tokenizer, heldout) if heldout else {}
+    accuracy = accuracy_by_level(trainer.model, tokenizer, heldout, config.solution_style) if heldout else {}
     return {
         "train_s": train_s,
         "eval_s": time.monotonic() - eval_start,
@@ -359,6 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=defaults.autocast_dtype,
         help="auto: bfloat16 only where the CPU runs it natively (default: %(default)s)",
     )
+    parser.add_argument(
+        "--solution-style",
+        choices=task.SOLUTION_STYLES,
+        default=defaults.solution_style,
+        help="chain-of-thought format of the targets: short, or long (verbose re-checks: the long-CoT "
+        "model of long2short) (default: %(default)s)",
+    )
     parser.add_argument("--levels", type=int, nargs="+", default=list(defaults.levels))
     parser.add_argument(
         "--level-weights",
@@ -382,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         autocast_dtype=args.autocast_dtype,
         level_weights=_level_weights(args, defaults),
         num_eval_problems_per_level=args.num_eval_problems_per_level,
+        solution_style=args.solution_style,
     )
     model_dir = run_sft(config, args.out_dir)
     print(json.dumps(sft_summary(model_dir)["heldout_accuracy_by_level"]))

@@ -236,3 +236,64 @@ def is_correct(problem: Problem, response_text: str) -> bool:
 def max_solution_chars(problem: Problem) -> int:
     """A generation budget: the reference solution's length plus slack for one extra line."""
     return len(solution_text(problem)) + 16
+
+
+# -- the verbose "long CoT" format (k1.5 long2short: a long-CoT model next to the short one) --------
+
+SolutionStyle = Literal["short", "long"]
+SOLUTION_STYLES: tuple[str, ...] = ("short", "long")
+RECHECK_PREFIX = "recheck "
+
+
+def check_line(problem: Problem, line: str) -> str:
+    """A redundant re-check of one column line: the inverse operation gives back the first digit.
+
+    "7+6+0=13" -> "check 13-6-0=7"; "13-8-1=4" -> "check 4+8+1=13".
+    """
+    left, value = line.split("=")
+    if problem.operation == "sub":
+        top, *rest = left.split("-")
+        return "check " + "+".join([value, *rest]) + f"={top}"
+    first, *rest = left.split("+")
+    return "check " + "-".join([value, *rest]) + f"={first}"
+
+
+def recheck_line(problem: Problem) -> str:
+    """The final re-add of the whole problem ("recheck 347+586=933"; subtraction adds back:
+    "recheck 45+45=90")."""
+    if problem.operation == "sub":
+        return f"{RECHECK_PREFIX}{problem.answer}+{problem.operands[1]}={problem.operands[0]}"
+    return f"{RECHECK_PREFIX}{'+'.join(str(x) for x in problem.operands)}={problem.answer}"
+
+
+def long_solution_text(problem: Problem) -> str:
+    """The verbose chain of thought: every column line followed by its re-check, a final re-add of the
+    whole problem, then the same answer line (rewards read only the "#### " line)::
+
+        7+6+0=13
+        check 13-6-0=7
+        4+8+1=13
+        check 13-8-1=4
+        3+5+1=9
+        check 9-5-1=3
+        recheck 347+586=933
+        #### 933
+    """
+    lines = []
+    for line in column_lines(problem):
+        lines += [line, check_line(problem, line)]
+    return "\n".join(lines + [recheck_line(problem), ANSWER_PREFIX + problem.answer])
+
+
+def solution_text_for(problem: Problem, style: str = "short") -> str:
+    """The SFT target in ``style`` ("short": ``solution_text``; "long": ``long_solution_text``)."""
+    if style == "short":
+        return solution_text(problem)
+    if style == "long":
+        return long_solution_text(problem)
+    raise ValueError(f"solution style {style!r} must be one of {SOLUTION_STYLES}")
+
+
+def max_solution_chars_for(problem: Problem, style: str = "short") -> int:
+    """``max_solution_chars`` for a solution style (the style's reference length plus one line of slack)."""
+    return len(solution_text_for(problem, style)) + 16
