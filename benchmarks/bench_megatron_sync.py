@@ -47,15 +47,26 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads of the process (0: torch's default)")
-    p.add_argument("--copy-threads", type=int, default=1,
-                   help="threads of the conversion's copies (convert.copy_threads_context; 0: the process's)")
-    p.add_argument("--vllm", action="store_true",
-                   help="also time trainer step end -> vLLM serving (convert / register / update / serve)")
+    p.add_argument(
+        "--copy-threads",
+        type=int,
+        default=1,
+        help="threads of the conversion's copies (convert.copy_threads_context; 0: the process's)",
+    )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also time trainer step end -> vLLM serving (convert / register / update / serve)",
+    )
     p.add_argument("--model-dir", default=None, help="--vllm: HF model dir (default: a tiny demo-shaped model)")
     p.add_argument("--steps", type=int, default=3, help="--vllm: training steps, one sync after each")
-    p.add_argument("--trainer-tp", type=int, default=1,
-                   help="--vllm: the trainer's TP size (> 1: this process is rank 0 and starts the others; "
-                        "convert then includes gathering their shards over gloo)")
+    p.add_argument(
+        "--trainer-tp",
+        type=int,
+        default=1,
+        help="--vllm: the trainer's TP size (> 1: this process is rank 0 and starts the others; "
+        "convert then includes gathering their shards over gloo)",
+    )
     return p.parse_args(argv)
 
 
@@ -79,11 +90,21 @@ def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> d
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory()
         model_dir = str(make_tiny_model(pathlib_path(tmp.name) / "model", TinyModelConfig.tiny(), seed=0))
-    llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0,
-              worker_extension_cls=EXTENSION)
+    llm = LLM(
+        model=model_dir,
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        seed=0,
+        worker_extension_cls=EXTENSION,
+    )
     trainer = make_trainer("megatron", model_dir, TrainerConfig(lr=1e-4, autocast_dtype="float32"), tp_size=trainer_tp)
-    ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(
-        transport="cpu", update=UpdateConfig(), reuse_host_memory=True))
+    ps = ParameterServer(
+        rank=0,
+        world_size=1,
+        config=ParameterServerConfig(transport="cpu", update=UpdateConfig(), reuse_host_memory=True),
+    )
     req = llm_req_func(llm, timeout_s=300.0)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     prompts, responses = [(1, 20, 21, 22)] * 4, [(30, 31, 32, 33, 34, 35)] * 4
@@ -146,9 +167,15 @@ def main(argv=None) -> dict:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    shape = ModelShape(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                       num_query_groups=args.kv_heads, head_dim=args.hidden // args.heads,
-                       ffn_hidden_size=args.ffn, vocab_size=args.vocab)
+    shape = ModelShape(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        ffn_hidden_size=args.ffn,
+        vocab_size=args.vocab,
+    )
     parallel = Parallelism(tp_size=args.tp, pp_size=args.pp)
     shapes = hf_param_shapes(shape)
     total = sum(torch.Size(s).numel() for s in shapes.values())
@@ -156,7 +183,7 @@ def main(argv=None) -> dict:
     hf, offset = {}, 0
     for name, dims in shapes.items():
         n = torch.Size(dims).numel()
-        hf[name] = flat_src[offset:offset + n].view(dims)
+        hf[name] = flat_src[offset : offset + n].view(dims)
         offset += n
     num_bytes = total * dtype.itemsize
     shards = hf_to_megatron(hf, shape, parallel)
@@ -166,7 +193,7 @@ def main(argv=None) -> dict:
     out, offset = {}, 0
     for name, dims in shapes.items():
         n = torch.Size(dims).numel()
-        out[name] = flat_dst[offset:offset + n].view(dims)
+        out[name] = flat_dst[offset : offset + n].view(dims)
         offset += n
 
     memcpy_threads_s = _best_of(args.repeats, lambda: flat_dst.copy_(flat_src))
@@ -177,34 +204,48 @@ def main(argv=None) -> dict:
     memcpy_s = min(memcpy_threads_s, memcpy_1_thread_s)
     copy_threads = args.copy_threads or None
     flat_dst.zero_()
-    convert_s = _best_of(args.repeats, lambda: megatron_to_hf(shards, shape, parallel, out=out,
-                                                              copy_threads=copy_threads))
+    convert_s = _best_of(
+        args.repeats, lambda: megatron_to_hf(shards, shape, parallel, out=out, copy_threads=copy_threads)
+    )
     if not torch.equal(flat_dst, flat_src):
         raise RuntimeError("conversion into preallocated tensors is not bit-exact")
-    convert_alloc_s = _best_of(args.repeats, lambda: megatron_to_hf(shards, shape, parallel,
-                                                                    copy_threads=copy_threads))
+    convert_alloc_s = _best_of(args.repeats, lambda: megatron_to_hf(shards, shape, parallel, copy_threads=copy_threads))
     to_megatron_s = _best_of(args.repeats, lambda: hf_to_megatron(hf, shape, parallel, copy_threads=copy_threads))
     gib = num_bytes / 2**30
     result = {
-        "bench": "megatron_sync", "dtype": args.dtype, "tp": args.tp, "pp": args.pp,
-        "num_tensors": len(shapes), "size_gib": round(gib, 3), "torch_threads": threads,
-        "copy_threads": args.copy_threads, "memcpy_1_thread_s": round(memcpy_1_thread_s, 4),
+        "bench": "megatron_sync",
+        "dtype": args.dtype,
+        "tp": args.tp,
+        "pp": args.pp,
+        "num_tensors": len(shapes),
+        "size_gib": round(gib, 3),
+        "torch_threads": threads,
+        "copy_threads": args.copy_threads,
+        "memcpy_1_thread_s": round(memcpy_1_thread_s, 4),
         "memcpy_threads_s": round(memcpy_threads_s, 4),
-        "memcpy_s": round(memcpy_s, 4), "convert_s": round(convert_s, 4),
-        "convert_alloc_s": round(convert_alloc_s, 4), "to_megatron_s": round(to_megatron_s, 4),
-        "memcpy_gib_s": round(gib / memcpy_s, 2), "convert_gib_s": round(gib / convert_s, 2),
-        "convert_alloc_gib_s": round(gib / convert_alloc_s, 2), "to_megatron_gib_s": round(gib / to_megatron_s, 2),
+        "memcpy_s": round(memcpy_s, 4),
+        "convert_s": round(convert_s, 4),
+        "convert_alloc_s": round(convert_alloc_s, 4),
+        "to_megatron_s": round(to_megatron_s, 4),
+        "memcpy_gib_s": round(gib / memcpy_s, 2),
+        "convert_gib_s": round(gib / convert_s, 2),
+        "convert_alloc_gib_s": round(gib / convert_alloc_s, 2),
+        "to_megatron_gib_s": round(gib / to_megatron_s, 2),
         "ratio_convert_vs_memcpy": round(memcpy_s / convert_s, 3),
         "ratio_convert_alloc_vs_memcpy": round(memcpy_s / convert_alloc_s, 3),
     }
     if args.vllm:
         result.update(step_to_serving(args.model_dir, args.steps, args.trainer_tp))
-        print(f"step end -> vLLM serving ({result['step_model_mib']} MiB): convert {result['step_convert_s']} s, "
-              f"register {result['step_register_s']} s, update {result['step_update_s']} s, "
-              f"first request {result['step_serve_s']} s")
-    print(f"{gib:.2f} GiB in {len(shapes)} tensors, TP={args.tp} PP={args.pp}, {args.dtype}: "
-          f"memcpy {result['memcpy_gib_s']} GiB/s, convert {result['convert_gib_s']} GiB/s "
-          f"(allocating: {result['convert_alloc_gib_s']}), HF->Megatron {result['to_megatron_gib_s']} GiB/s")
+        print(
+            f"step end -> vLLM serving ({result['step_model_mib']} MiB): convert {result['step_convert_s']} s, "
+            f"register {result['step_register_s']} s, update {result['step_update_s']} s, "
+            f"first request {result['step_serve_s']} s"
+        )
+    print(
+        f"{gib:.2f} GiB in {len(shapes)} tensors, TP={args.tp} PP={args.pp}, {args.dtype}: "
+        f"memcpy {result['memcpy_gib_s']} GiB/s, convert {result['convert_gib_s']} GiB/s "
+        f"(allocating: {result['convert_alloc_gib_s']}), HF->Megatron {result['to_megatron_gib_s']} GiB/s"
+    )
     print(json.dumps(result), flush=True)
     return result
 

@@ -54,8 +54,10 @@ def check_resumable(saved: dict, current: dict) -> None:
         saved = {**saved, "trainer": {"type": "hf", "tp_size": 1}}
     bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
     if bad:
-        raise ValueError(f"the output dir holds a run with a different config ({', '.join(bad)}); use another "
-                         f"--output-dir or the saved config (only {', '.join(RESUMABLE_CHANGES)} may change)")
+        raise ValueError(
+            f"the output dir holds a run with a different config ({', '.join(bad)}); use another "
+            f"--output-dir or the saved config (only {', '.join(RESUMABLE_CHANGES)} may change)"
+        )
 
 
 def make_sampler(config: JobConfig, problems: list) -> ProblemSampler:
@@ -64,9 +66,12 @@ def make_sampler(config: JobConfig, problems: list) -> ProblemSampler:
     if s.prioritized:
         stats = ProblemStats(s.prior_success_rate, s.prior_weight, s.stats_decay)
         prioritized = PrioritizedSampler(stats, s.priority_epsilon)
-    return ProblemSampler([p.id for p in problems], curriculum=CurriculumSampler(data.difficulties(problems),
-                                                                                  s.curriculum),
-                          prioritized=prioritized, seed=s.seed)
+    return ProblemSampler(
+        [p.id for p in problems],
+        curriculum=CurriculumSampler(data.difficulties(problems), s.curriculum),
+        prioritized=prioritized,
+        seed=s.seed,
+    )
 
 
 def load_weights(trainer, model_dir: pathlib.Path) -> None:
@@ -82,8 +87,14 @@ def load_weights(trainer, model_dir: pathlib.Path) -> None:
 class RLJob:
     """Holds every component of one run; ``run()`` trains to ``rl.num_iterations`` and returns the summary."""
 
-    def __init__(self, config: JobConfig, output_dir: str | pathlib.Path, *, progress_bar: bool = True,
-                 engine_factory: Callable[[Any, str], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        output_dir: str | pathlib.Path,
+        *,
+        progress_bar: bool = True,
+        engine_factory: Callable[[Any, str], Any] | None = None,
+    ) -> None:
         """``engine_factory(engine_config, model_dir)`` builds the rollout engine (default: ``make_engine``)."""
         self.config = config
         self.out = pathlib.Path(output_dir)
@@ -125,14 +136,28 @@ class RLJob:
             self.sft_summary = sft.sft_summary(self.sft_model_dir)
         saved = checkpointing.load_latest(self.out / "state")
         self.start_iteration = 0 if saved is None else saved.iteration
-        self.trainer = make_trainer(c.trainer.type, self.sft_model_dir, TrainerConfig(
-            lr=c.rl.lr, optimizer=c.rl.optimizer, eps=c.rl.adam_eps, weight_decay=c.rl.weight_decay,
-            grad_clip=c.rl.grad_clip, num_threads=c.rl.num_threads,
-            seed=c.rl.seed, autocast_dtype=c.rl.autocast_dtype), tp_size=c.trainer.tp_size)
+        self.trainer = make_trainer(
+            c.trainer.type,
+            self.sft_model_dir,
+            TrainerConfig(
+                lr=c.rl.lr,
+                optimizer=c.rl.optimizer,
+                eps=c.rl.adam_eps,
+                weight_decay=c.rl.weight_decay,
+                grad_clip=c.rl.grad_clip,
+                num_threads=c.rl.num_threads,
+                seed=c.rl.seed,
+                autocast_dtype=c.rl.autocast_dtype,
+            ),
+            tp_size=c.trainer.tp_size,
+        )
         # GRPO's KL reference: the policy RL started from, frozen (a resumed run starts it from the same dir).
         # Always a transformers model: it is never trained, and its log-probs equal Megatron's (1e-5).
-        self.initial_policy = (HFTrainer(self.sft_model_dir, self.trainer.config)
-                               if c.rl.algorithm == "grpo" and c.rl.kl_coef > 0 else None)
+        self.initial_policy = (
+            HFTrainer(self.sft_model_dir, self.trainer.config)
+            if c.rl.algorithm == "grpo" and c.rl.kl_coef > 0
+            else None
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(self.sft_model_dir)
         self.pool = data.train_pool(c.data)
         self.problems = {p.id: p for p in self.pool}
@@ -151,18 +176,36 @@ class RLJob:
         self.reward_fn = make_reward_fn(c.reward)
         self.engine = (self.engine_factory or make_engine)(c.engine, str(self.sft_model_dir))
         self.sync = WeightSync(c.sync, self.engine.weight_req_func(c.sync.timeout_s))
-        self.rollout = Rollout(self.engine, buffer, self.problems, self.encode, self.decode, self.reward_fn,
-                               c.reward.correct_threshold, c.repeat,
-                               SamplingSettings(temperature=c.rl.temperature, top_p=c.rl.top_p),
-                               num_scoring_workers=c.rollout.num_scoring_workers,
-                               timeout_s=c.rollout.request_timeout_s)
+        self.rollout = Rollout(
+            self.engine,
+            buffer,
+            self.problems,
+            self.encode,
+            self.decode,
+            self.reward_fn,
+            c.reward.correct_threshold,
+            c.repeat,
+            SamplingSettings(temperature=c.rl.temperature, top_p=c.rl.top_p),
+            num_scoring_workers=c.rollout.num_scoring_workers,
+            timeout_s=c.rollout.request_timeout_s,
+        )
 
     def _record_resume(self, saved: checkpointing.SavedState, buffer: ReplayBuffer) -> None:
         ids = [t.trajectory_id for t in buffer.unfinished()]
-        logger.info("resuming after iteration %d from %s: %d stored trajectories (%d unfinished)",
-                    saved.iteration, saved.path, len(buffer), len(ids))
-        record = {"iteration": saved.iteration, "checkpoint": saved.path.name, "num_trajectories": len(buffer),
-                  "unfinished_trajectory_ids": ids, "time": time.time()}
+        logger.info(
+            "resuming after iteration %d from %s: %d stored trajectories (%d unfinished)",
+            saved.iteration,
+            saved.path,
+            len(buffer),
+            len(ids),
+        )
+        record = {
+            "iteration": saved.iteration,
+            "checkpoint": saved.path.name,
+            "num_trajectories": len(buffer),
+            "unfinished_trajectory_ids": ids,
+            "time": time.time(),
+        }
         with open(self.out / "resume.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -182,56 +225,99 @@ class RLJob:
 
         c = self.config
         start = time.monotonic()
-        greedy = greedy_eval(self.engine, self.heldout, self.encode, self.decode, self.is_correct,
-                             c.rollout.max_response_tokens, timeout_s=c.rollout.request_timeout_s)
+        greedy = greedy_eval(
+            self.engine,
+            self.heldout,
+            self.encode,
+            self.decode,
+            self.is_correct,
+            c.rollout.max_response_tokens,
+            timeout_s=c.rollout.request_timeout_s,
+        )
         self._last_greedy = greedy
-        out: dict[str, Any] = {"heldout_accuracy": greedy.accuracy,
-                               "heldout_accuracy_by_level": greedy.accuracy_by_level,
-                               "heldout_response_tokens": greedy.mean_response_tokens,
-                               "heldout_pass_at_1": None, "heldout_pass_at_k": None}
+        out: dict[str, Any] = {
+            "heldout_accuracy": greedy.accuracy,
+            "heldout_accuracy_by_level": greedy.accuracy_by_level,
+            "heldout_response_tokens": greedy.mean_response_tokens,
+            "heldout_pass_at_1": None,
+            "heldout_pass_at_k": None,
+        }
         if sampled and c.eval.num_sampled_problems:
-            subset = self.heldout[::max(1, len(self.heldout) // c.eval.num_sampled_problems)]
-            subset = subset[:c.eval.num_sampled_problems]
-            result = sampled_eval(self.engine, subset, self.encode, self.decode, self.is_correct,
-                                  c.rollout.max_response_tokens, c.eval.num_samples_per_problem,
-                                  SamplingSettings(temperature=c.rl.temperature, top_p=c.rl.top_p),
-                                  timeout_s=c.rollout.request_timeout_s)
+            subset = self.heldout[:: max(1, len(self.heldout) // c.eval.num_sampled_problems)]
+            subset = subset[: c.eval.num_sampled_problems]
+            result = sampled_eval(
+                self.engine,
+                subset,
+                self.encode,
+                self.decode,
+                self.is_correct,
+                c.rollout.max_response_tokens,
+                c.eval.num_samples_per_problem,
+                SamplingSettings(temperature=c.rl.temperature, top_p=c.rl.top_p),
+                timeout_s=c.rollout.request_timeout_s,
+            )
             out.update(heldout_pass_at_1=result.pass_at_1, heldout_pass_at_k=result.pass_at_k)
         out["eval_s"] = time.monotonic() - start
         return out
 
     def _initial_eval(self) -> None:
-        from orchestrator.evaluate import compare_with_reference
-
-        from orchestrator.evaluate import accuracy_by_level
+        from orchestrator.evaluate import accuracy_by_level, compare_with_reference
 
         before = self._evaluate(sampled=True)
         reference = self.sft_summary.get("heldout_accuracy_by_level", {})
         sft_config = self.sft_summary.get("config", {})
         # The SFT evaluation used the first n problems per level of the same held-out draw.
         n = sft_config.get("num_eval_problems_per_level")
-        same_set = (self.config.data.heldout_seed == sft_config.get("heldout_seed") and n is not None
-                    and self.config.data.num_heldout_per_level >= n)
+        same_set = (
+            self.config.data.heldout_seed == sft_config.get("heldout_seed")
+            and n is not None
+            and self.config.data.num_heldout_per_level >= n
+        )
         measured = accuracy_by_level(self.heldout, self._last_greedy.correct, lambda p: p.level, n)
-        ok, gap = compare_with_reference(measured, reference,
-                                         self.config.eval.sft_match_tolerance) if same_set else (True, 0.0)
-        logger.info("before RL: held-out greedy accuracy %.1f%% by level %s (vLLM); on the SFT evaluation's "
-                    "problems %s (vLLM) vs %s (transformers)", 100 * before["heldout_accuracy"],
-                    before["heldout_accuracy_by_level"], measured, reference)
+        ok, gap = (
+            compare_with_reference(measured, reference, self.config.eval.sft_match_tolerance)
+            if same_set
+            else (True, 0.0)
+        )
+        logger.info(
+            "before RL: held-out greedy accuracy %.1f%% by level %s (vLLM); on the SFT evaluation's "
+            "problems %s (vLLM) vs %s (transformers)",
+            100 * before["heldout_accuracy"],
+            before["heldout_accuracy_by_level"],
+            measured,
+            reference,
+        )
         if not ok:
-            logger.warning("vLLM's greedy accuracy differs from transformers' by %.1f points on a level: check "
-                           "the weight sync", 100 * gap)
-        self.progress.update(before=before, sft_reference_by_level=reference, sft_vllm_by_level=measured,
-                             sft_match_gap=gap,
-                             sft_match_ok=ok, sft_match_checked=same_set, rl_elapsed_s=0.0,
-                             sync_total_s=0.0, iteration_total_s=0.0)
+            logger.warning(
+                "vLLM's greedy accuracy differs from transformers' by %.1f points on a level: check the weight sync",
+                100 * gap,
+            )
+        self.progress.update(
+            before=before,
+            sft_reference_by_level=reference,
+            sft_vllm_by_level=measured,
+            sft_match_gap=gap,
+            sft_match_ok=ok,
+            sft_match_checked=same_set,
+            rl_elapsed_s=0.0,
+            sync_total_s=0.0,
+            iteration_total_s=0.0,
+        )
 
     # -- one iteration ----------------------------------------------------------------------------
     def _rewards(self, groups, iteration: int) -> list[list[float]]:
         c = self.config
-        return [group_rewards(g.scores, [t.num_response_tokens for t in g.trajectories],
-                              [t.finish_reason == "repeat" for t in g.trajectories], iteration,
-                              c.length_penalty, c.repeat) for g in groups]
+        return [
+            group_rewards(
+                g.scores,
+                [t.num_response_tokens for t in g.trajectories],
+                [t.finish_reason == "repeat" for t in g.trajectories],
+                iteration,
+                c.length_penalty,
+                c.repeat,
+            )
+            for g in groups
+        ]
 
     def _train(self, groups, rewards, iteration: int) -> dict[str, Any]:
         from orchestrator.policy import TrainConfig, batch_from_groups, train_iteration
@@ -239,14 +325,28 @@ class RLJob:
         if not groups:
             return {"num_train_groups": 0, "num_skipped_groups": 0, "num_steps": 0}
         c = self.config
-        batch = batch_from_groups([g.trajectories for g in groups], rewards, current_policy_version=iteration,
-                                  exclude_stale=c.rollout.exclude_stale_segments)
+        batch = batch_from_groups(
+            [g.trajectories for g in groups],
+            rewards,
+            current_policy_version=iteration,
+            exclude_stale=c.rollout.exclude_stale_segments,
+        )
         rng = random.Random(f"{c.rl.seed}/{iteration}")
-        return train_iteration(self.trainer, batch, TrainConfig(tau=c.rl.tau, lr=c.rl.lr_at(iteration),
-                                                                num_minibatches=c.rl.num_minibatches,
-                                                                num_epochs=c.rl.num_epochs, algorithm=c.rl.algorithm,
-                                                                clip_eps=c.rl.clip_eps, kl_coef=c.rl.kl_coef),
-                               rng, initial_policy=self.initial_policy)
+        return train_iteration(
+            self.trainer,
+            batch,
+            TrainConfig(
+                tau=c.rl.tau,
+                lr=c.rl.lr_at(iteration),
+                num_minibatches=c.rl.num_minibatches,
+                num_epochs=c.rl.num_epochs,
+                algorithm=c.rl.algorithm,
+                clip_eps=c.rl.clip_eps,
+                kl_coef=c.rl.kl_coef,
+            ),
+            rng,
+            initial_policy=self.initial_policy,
+        )
 
     def _iteration(self, i: int) -> dict[str, Any]:
         """Iteration ``i`` (0-based) under policy version i; returns its metrics record."""
@@ -260,26 +360,41 @@ class RLJob:
         t_train = time.monotonic()
         train_stats = self._train(groups, rewards, i)
         t_sync = time.monotonic()
-        synced = self.sync.push(self.trainer.named_tensors(), version=i + 1)
-        t_eval = time.monotonic()
+        named = self.trainer.named_tensors()  # the Megatron trainer converts (and gathers TP shards) here
+        t_push = time.monotonic()
+        synced = self.sync.push(named, version=i + 1)
         evaluated = (i + 1) % c.eval.every_iterations == 0 or i + 1 == c.rl.num_iterations
         evaluation = self._evaluate(sampled=True) if evaluated else self._last_eval()
         scores = [s for g in groups for s in g.scores]
         lengths = [t.num_response_tokens for g in groups for t in g.trajectories]
         flat = [r for rs in rewards for r in rs]
         record = {
-            "iteration": i + 1, "policy_version": i + 1, "evaluated": evaluated, **evaluation,
+            "iteration": i + 1,
+            "policy_version": i + 1,
+            "evaluated": evaluated,
+            **evaluation,
             "mean_reward": sum(flat) / len(flat) if flat else None,
             "mean_task_reward": sum(s.task_reward for s in scores) / len(scores) if scores else None,
             "train_pass_at_1": sum(s.correct for s in scores) / len(scores) if scores else None,
             "mean_response_tokens": sum(lengths) / len(lengths) if lengths else None,
             "length_penalty_active": c.length_penalty.is_active(i),
-            "num_groups": len(groups), "num_requests": stats.num_requests, "num_new_groups": stats.num_new_groups,
-            "num_continued": stats.num_continued, "num_unfinished": stats.num_unfinished_trajectories,
-            "num_repeat_stops": stats.num_repeat_stops, "num_output_tokens": stats.num_output_tokens,
-            "tokens_per_s": stats.tokens_per_s, "rollout_s": stats.generate_s, "score_wait_s": stats.score_wait_s,
-            "train_s": t_sync - t_train, "weight_sync_s": synced.total_s, "weight_sync_update_s": synced.update_s,
-            "weight_sync_bytes": synced.total_bytes, **train_stats}
+            "num_groups": len(groups),
+            "num_requests": stats.num_requests,
+            "num_new_groups": stats.num_new_groups,
+            "num_continued": stats.num_continued,
+            "num_unfinished": stats.num_unfinished_trajectories,
+            "num_repeat_stops": stats.num_repeat_stops,
+            "num_output_tokens": stats.num_output_tokens,
+            "tokens_per_s": stats.tokens_per_s,
+            "rollout_s": stats.generate_s,
+            "score_wait_s": stats.score_wait_s,
+            "train_s": t_sync - t_train,
+            "weight_sync_s": synced.total_s,
+            "weight_sync_convert_s": t_push - t_sync,
+            "weight_sync_update_s": synced.update_s,
+            "weight_sync_bytes": synced.total_bytes,
+            **train_stats,
+        }
         if not evaluated:
             record["eval_s"] = 0.0
         record["iteration_s"] = time.monotonic() - start
@@ -289,14 +404,25 @@ class RLJob:
         records = self.metrics.records()
         last = next((r for r in reversed(records) if r.get("evaluated")), None)
         source = last if last is not None else self.progress["before"]
-        keys = ("heldout_accuracy", "heldout_accuracy_by_level", "heldout_response_tokens", "heldout_pass_at_1",
-                "heldout_pass_at_k")
+        keys = (
+            "heldout_accuracy",
+            "heldout_accuracy_by_level",
+            "heldout_response_tokens",
+            "heldout_pass_at_1",
+            "heldout_pass_at_k",
+        )
         return {k: source.get(k) for k in keys}
 
     def _save(self, iteration: int) -> float:
         start = time.monotonic()
-        checkpointing.save_state(self.out / "state", iteration, self.trainer.save, self.sampler.state_dict(),
-                                 self.rollout.buffer, self.progress)
+        checkpointing.save_state(
+            self.out / "state",
+            iteration,
+            self.trainer.save,
+            self.sampler.state_dict(),
+            self.rollout.buffer,
+            self.progress,
+        )
         return time.monotonic() - start
 
     # -- the run ----------------------------------------------------------------------------------
@@ -317,8 +443,14 @@ class RLJob:
         from tqdm import tqdm
 
         c = self.config
-        bar = tqdm(total=c.rl.num_iterations, initial=self.start_iteration, desc="rl", unit="it",
-                   disable=not self.progress_bar, dynamic_ncols=True)
+        bar = tqdm(
+            total=c.rl.num_iterations,
+            initial=self.start_iteration,
+            desc="rl",
+            unit="it",
+            disable=not self.progress_bar,
+            dynamic_ncols=True,
+        )
         with bar:
             for i in range(self.start_iteration, c.rl.num_iterations):
                 record = self._iteration(i)
@@ -330,13 +462,23 @@ class RLJob:
                 self._save(i + 1)
                 self._plot(self.metrics.records())
                 if record["evaluated"]:
-                    logger.info("iteration %d: held-out accuracy %.1f%% %s, pass@1 %s, mean reward %s, "
-                                "%.1f s/iteration, weight sync %.3f s", i + 1, 100 * record["heldout_accuracy"],
-                                record["heldout_accuracy_by_level"], _fmt(record["heldout_pass_at_1"]),
-                                _fmt(record["mean_reward"]), record["iteration_s"], record["weight_sync_s"])
+                    logger.info(
+                        "iteration %d: held-out accuracy %.1f%% %s, pass@1 %s, mean reward %s, "
+                        "%.1f s/iteration, weight sync %.3f s",
+                        i + 1,
+                        100 * record["heldout_accuracy"],
+                        record["heldout_accuracy_by_level"],
+                        _fmt(record["heldout_pass_at_1"]),
+                        _fmt(record["mean_reward"]),
+                        record["iteration_s"],
+                        record["weight_sync_s"],
+                    )
                 bar.update(1)
-                bar.set_postfix(acc=f"{100 * record['heldout_accuracy']:.1f}%",
-                                reward=_fmt(record["mean_reward"]), len=_fmt(record["mean_response_tokens"], 1))
+                bar.set_postfix(
+                    acc=f"{100 * record['heldout_accuracy']:.1f}%",
+                    reward=_fmt(record["mean_reward"]),
+                    len=_fmt(record["mean_response_tokens"], 1),
+                )
 
     def _finish(self) -> dict[str, Any]:
         records = self.metrics.records()
@@ -345,20 +487,25 @@ class RLJob:
         total = self.progress.get("iteration_total_s", 0.0)
         share = self.progress.get("sync_total_s", 0.0) / total if total > 0 else 0.0
         summary = {
-            "heldout_accuracy_before": before, "heldout_accuracy_after": after,
+            "heldout_accuracy_before": before,
+            "heldout_accuracy_after": after,
             "heldout_gain_points": 100 * (after - before),
             "heldout_accuracy_by_level_before": self.progress["before"]["heldout_accuracy_by_level"],
             "heldout_accuracy_by_level_after": records[-1]["heldout_accuracy_by_level"] if records else None,
-            "num_iterations": len(records), "rl_minutes": self.progress.get("rl_elapsed_s", 0.0) / 60,
+            "num_iterations": len(records),
+            "rl_minutes": self.progress.get("rl_elapsed_s", 0.0) / 60,
             "weight_sync_share": share,
             "mean_weight_sync_s": sum(r["weight_sync_s"] for r in records) / len(records) if records else None,
-            "sft_match_ok": self.progress.get("sft_match_ok"), "sft_match_gap": self.progress.get("sft_match_gap"),
+            "sft_match_ok": self.progress.get("sft_match_ok"),
+            "sft_match_gap": self.progress.get("sft_match_gap"),
             "sft_match_checked": self.progress.get("sft_match_checked"),
             "sft_vllm_by_level": self.progress.get("sft_vllm_by_level"),
             "sft_transformers_by_level": self.progress.get("sft_reference_by_level"),
             "sft_model_dir": str(self.sft_model_dir),
-            "autocast": self.trainer.dtype_choice.to_dict(), "sft_autocast": self.sft_summary.get("autocast"),
-            "trainer_num_threads": self.trainer.num_threads, "trainer": self.config.trainer.type,
+            "autocast": self.trainer.dtype_choice.to_dict(),
+            "sft_autocast": self.sft_summary.get("autocast"),
+            "trainer_num_threads": self.trainer.num_threads,
+            "trainer": self.config.trainer.type,
             "trainer_tp_size": self.config.trainer.tp_size,
         }
         if records:
@@ -388,9 +535,12 @@ def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def run_job(config: JobConfig, output_dir: str | pathlib.Path, *, progress_bar: bool = True,
-            engine_factory: Callable[[Any, str], Any] | None = None) -> dict[str, Any]:
+def run_job(
+    config: JobConfig,
+    output_dir: str | pathlib.Path,
+    *,
+    progress_bar: bool = True,
+    engine_factory: Callable[[Any, str], Any] | None = None,
+) -> dict[str, Any]:
     """Run (or resume) the job in ``output_dir``; returns the summary (also in DIR/summary.json)."""
     return RLJob(config, output_dir, progress_bar=progress_bar, engine_factory=engine_factory).run()
-
-

@@ -33,11 +33,19 @@ from orchestrator.loss import sequence_logprobs as _masked_sequence_logprobs
 logger = logging.getLogger(__name__)
 
 # Files of a model directory that are not weights; save() copies them from the source.
-_NON_WEIGHT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-                     "chat_template.jinja", "added_tokens.json")
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                       "F64": torch.float64}
+_NON_WEIGHT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +87,12 @@ class TrainerConfig:
 class Trainer(Protocol):
     """What the RL loop needs from a training backend."""
 
-    def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]],
-                          response_ids_list: Sequence[Sequence[int]],
-                          response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor: ...
+    def sequence_logprobs(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        response_ids_list: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -101,8 +112,9 @@ class Trainer(Protocol):
 TrainerBackend = Literal["hf", "megatron"]
 
 
-def make_trainer(backend: TrainerBackend, model_dir: str | pathlib.Path, config: TrainerConfig | None = None, *,
-                 tp_size: int = 1) -> Trainer:
+def make_trainer(
+    backend: TrainerBackend, model_dir: str | pathlib.Path, config: TrainerConfig | None = None, *, tp_size: int = 1
+) -> Trainer:
     """The one factory of training backends: ``"hf"`` (transformers) or ``"megatron"`` (megatron-core)."""
     if backend == "hf":
         if tp_size != 1:
@@ -138,15 +150,19 @@ def make_optimizer(model: torch.nn.Module, config: TrainerConfig, lr: float) -> 
     """AdamW (or SGD) with weight decay on matrices only: the one optimizer recipe of every backend."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr)
     return torch.optim.AdamW(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps)
 
 
-def save_hf_dir(source_dir: str | pathlib.Path, out_dir: str | pathlib.Path, named_tensors: dict[str, torch.Tensor],
-                config: TrainerConfig, extra: dict | None = None) -> pathlib.Path:
+def save_hf_dir(
+    source_dir: str | pathlib.Path,
+    out_dir: str | pathlib.Path,
+    named_tensors: dict[str, torch.Tensor],
+    config: TrainerConfig,
+    extra: dict | None = None,
+) -> pathlib.Path:
     """Write a HF model directory: non-weight files copied from ``source_dir``, ``named_tensors``."""
     from vllm_ext.tiny_model import write_safetensors
 
@@ -161,9 +177,12 @@ def save_hf_dir(source_dir: str | pathlib.Path, out_dir: str | pathlib.Path, nam
     return out
 
 
-def pad_sequences(prompt_ids_list: Sequence[Sequence[int]], response_ids_list: Sequence[Sequence[int]],
-                  response_masks: Sequence[Sequence[int]] | None, pad_id: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_sequences(
+    prompt_ids_list: Sequence[Sequence[int]],
+    response_ids_list: Sequence[Sequence[int]],
+    response_masks: Sequence[Sequence[int]] | None,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``prompt + response`` ids, attention mask, and the loss mask of targets.
 
     The loss mask is aligned with ``ids[:, 1:]`` (the next-token targets): 1 where the target is
@@ -183,12 +202,12 @@ def pad_sequences(prompt_ids_list: Sequence[Sequence[int]], response_ids_list: S
     for i, (prompt, response) in enumerate(zip(prompt_ids_list, response_ids_list)):
         if not prompt:
             raise ValueError(f"prompt {i} is empty (it needs at least a bos token)")
-        ids[i, :lengths[i]] = torch.tensor(list(prompt) + list(response), dtype=torch.long)
-        attention[i, :lengths[i]] = 1
+        ids[i, : lengths[i]] = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+        attention[i, : lengths[i]] = 1
         mask = [1.0] * len(response) if response_masks is None else [float(m) for m in response_masks[i]]
         if len(mask) != len(response):
             raise ValueError(f"response_masks[{i}] has {len(mask)} entries for {len(response)} tokens")
-        loss_mask[i, len(prompt) - 1:lengths[i] - 1] = torch.tensor(mask)
+        loss_mask[i, len(prompt) - 1 : lengths[i] - 1] = torch.tensor(mask)
     return ids, attention, loss_mask
 
 
@@ -220,16 +239,18 @@ class HFTrainer:
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return make_optimizer(self.model, self.config, self._lr)
 
-    def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]],
-                          response_ids_list: Sequence[Sequence[int]],
-                          response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    def sequence_logprobs(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        response_ids_list: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
         """Sum of the response tokens' log-probs per sequence ([batch], float32, with grad).
 
         Prompts must include any bos token; ``response_masks[i][t] = 0`` drops token t of
         response i from the sum (e.g. stale segments of a partial rollout).
         """
-        ids, attention, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks,
-                                                  self.pad_id)
+        ids, attention, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks, self.pad_id)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._autocast_bf16):
             logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits
         return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
@@ -283,8 +304,9 @@ class HFTrainer:
         """Copy a checkpoint's weights (names as HF saved them) into the model."""
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         if unexpected or [m for m in missing if m not in ("lm_head.weight",)]:
-            raise RuntimeError(f"checkpoint does not match the model (missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]})")
+            raise RuntimeError(
+                f"checkpoint does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
 
     def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
         """Write a HF model directory (config and tokenizer copied from the source, new weights)."""

@@ -141,23 +141,24 @@ def main() -> int:
             result["logits_ok"] = logits.shape == reference.shape and result["logits_max_abs_diff"] <= args.atol
 
         model.train()  # backward through the TP layers and across the stages (own loss on gathered logits)
-        out, received = _stage_forward(model, ids[:, :-1], positions[:, :-1], first, last, shape.hidden_size,
-                                       train=True)
+        out, received = _stage_forward(
+            model, ids[:, :-1], positions[:, :-1], first, last, shape.hidden_size, train=True
+        )
         _stage_backward(out, received, ids, first, last)
-        result["grads_finite"] = all(p.grad is not None and bool(torch.isfinite(p.grad).all())
-                                     for p in model.parameters())
+        result["grads_finite"] = all(
+            p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+        )
 
         ranks = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
         dist.all_gather(ranks, torch.tensor([pp_rank, tp_rank]))
         rank_of = {r: tuple(int(v) for v in t) for r, t in enumerate(ranks)}
-        shards = _gather_shards_to_rank0(mg_model.megatron_state(model), rank_of, state, shape,
-                                         config.parallelism)
-        grads = _gather_shards_to_rank0({n: p.grad for n, p in model.named_parameters()}, rank_of, state, shape,
-                                        config.parallelism)
+        shards = _gather_shards_to_rank0(mg_model.megatron_state(model), rank_of, state, shape, config.parallelism)
+        grads = _gather_shards_to_rank0(
+            {n: p.grad for n, p in model.named_parameters()}, rank_of, state, shape, config.parallelism
+        )
         if shards is not None:
             back = megatron_to_hf(shards, shape, config.parallelism)
-            result["round_trip_exact"] = set(back) == set(state) and all(torch.equal(back[n], state[n])
-                                                                         for n in state)
+            result["round_trip_exact"] = set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
             # the gradients, converted to HF layout like the weights, equal HF's for the same loss
             hf_grads = megatron_to_hf(grads, shape, config.parallelism)
             reference = _hf_grads(hf_config, state, ids)

@@ -23,13 +23,28 @@ pytest.importorskip("transformers")
 
 
 def _torchrun(tp: int, pp: int, out_dir, timeout_s: float = 240.0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(REPO / "tests" / "dist" / "megatron_tp_worker.py"), "--tp", str(tp), "--pp", str(pp),
-           "--out", str(out_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tp * pp),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tests" / "dist" / "megatron_tp_worker.py"),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--out",
+        str(out_dir),
+    ]
     try:
-        return subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout_s)
+        return subprocess.run(
+            cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"torchrun hung past {timeout_s} s: {exc.output}") from None
 

@@ -74,13 +74,25 @@ def test_tp2_trainer_matches_hf(tmp_path):
     from vllm_ext.tiny_model import TinyModelConfig, write_model_dir
 
     _, state = tiny_hf(seed=3)
-    config = TinyModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=256, max_position_embeddings=64)
+    config = TinyModelConfig(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=64,
+    )
     model_dir = write_model_dir(tmp_path / "model", config, state)
     out = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(model_dir), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     r = json.loads(out.read_text())
     print(json.dumps(r))

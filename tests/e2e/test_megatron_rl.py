@@ -32,9 +32,22 @@ ITERATIONS = 5
 GAIN_MIN_POINTS = 1.0
 # Smaller than the torch e2e run (a 64-problem held-out set per level, half the rollout budget):
 # about 2 minutes on 2 cores after the SFT fixture.
-SHORT = ["--set", f"rl.num_iterations={ITERATIONS}", "--set", f"eval.every_iterations={ITERATIONS}",
-         "--set", "rl.lr_schedule=constant", "--set", "rl.lr=5e-5", "--set", "data.num_heldout_per_level=64",
-         "--set", "rollout.iteration_token_budget=32768", "--set", "rollout.max_new_groups_per_iteration=64"]
+SHORT = [
+    "--set",
+    f"rl.num_iterations={ITERATIONS}",
+    "--set",
+    f"eval.every_iterations={ITERATIONS}",
+    "--set",
+    "rl.lr_schedule=constant",
+    "--set",
+    "rl.lr=5e-5",
+    "--set",
+    "data.num_heldout_per_level=64",
+    "--set",
+    "rollout.iteration_token_budget=32768",
+    "--set",
+    "rollout.max_new_groups_per_iteration=64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +61,26 @@ def start_model_dir(request) -> pathlib.Path:
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def megatron_run(request, start_model_dir, tmp_path_factory):
     pytest.importorskip("megatron.core")
-    sft_model_dir = start_model_dir
     out = tmp_path_factory.mktemp("rl_megatron") / "run"
-    cmd = [__import__("sys").executable, "-m", "orchestrator", "--config", str(MEGATRON), "--output-dir", str(out),
-           "--no-progress", *COMMON, "--set", f"init_model_dir={sft_model_dir}", *SHORT,
-           "--set", f"trainer.tp_size={request.param}"]
+    cmd = [
+        __import__("sys").executable,
+        "-m",
+        "orchestrator",
+        "--config",
+        str(MEGATRON),
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        *COMMON,
+        "--set",
+        f"init_model_dir={start_model_dir}",
+        *SHORT,
+        "--set",
+        f"trainer.tp_size={request.param}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), out, sft_model_dir, request.param
+    return json.loads(proc.stdout.strip().splitlines()[-1]), out, start_model_dir, request.param
 
 
 @pytest.mark.e2e
@@ -68,12 +93,16 @@ def test_megatron_rl_run_trains_syncs_and_reports(megatron_run):
     assert summary["trainer"] == "megatron"
     assert json.loads((out / "config.json").read_text())["trainer"]["type"] == "megatron"
     assert summary["trainer_tp_size"] == tp_size
-    followers = [p for p in psutil.process_iter(["cmdline"])
-                 if "trainer.megatron.tp" in (p.info["cmdline"] or []) and str(sft_dir) in " ".join(p.info["cmdline"] or [])]
+    followers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "trainer.megatron.tp" in (p.info["cmdline"] or []) and str(sft_dir) in " ".join(p.info["cmdline"] or [])
+    ]
     assert not followers, "TP follower ranks outlived the job"
     assert summary["sft_match_checked"] is True
     assert summary["sft_match_ok"] is True and summary["sft_match_gap"] == 0, (
-        f"vLLM {summary['sft_vllm_by_level']} vs transformers {summary['sft_transformers_by_level']}")
+        f"vLLM {summary['sft_vllm_by_level']} vs transformers {summary['sft_transformers_by_level']}"
+    )
     sft_state = load_state_dict_from_dir(sft_dir)
     model_bytes = sum(t.numel() * t.element_size() for t in sft_state.values())
     assert all(r["weight_sync_bytes"] == model_bytes for r in records)
@@ -85,8 +114,12 @@ def test_megatron_rl_run_trains_syncs_and_reports(megatron_run):
     state = load_state_dict_from_dir(saved[-1])
     assert set(state) == set(sft_state) and any(not state[n].equal(sft_state[n]) for n in state)
     gain = summary["heldout_gain_points"]
-    print(f"megatron RL: held-out {100 * summary['heldout_accuracy_before']:.1f}% -> "
-          f"{100 * summary['heldout_accuracy_after']:.1f}% ({summary['heldout_gain_points']:+.1f} points) in "
-          f"{summary['rl_minutes']:.1f} min, sync share {summary['weight_sync_share']:.3f}")
-    assert gain >= GAIN_MIN_POINTS, f"held-out accuracy {summary['heldout_accuracy_by_level_before']} -> " \
-                                    f"{summary['heldout_accuracy_by_level_after']}"
+    print(
+        f"megatron RL: held-out {100 * summary['heldout_accuracy_before']:.1f}% -> "
+        f"{100 * summary['heldout_accuracy_after']:.1f}% ({summary['heldout_gain_points']:+.1f} points) in "
+        f"{summary['rl_minutes']:.1f} min, sync share {summary['weight_sync_share']:.3f}"
+    )
+    assert gain >= GAIN_MIN_POINTS, (
+        f"held-out accuracy {summary['heldout_accuracy_by_level_before']} -> "
+        f"{summary['heldout_accuracy_by_level_after']}"
+    )

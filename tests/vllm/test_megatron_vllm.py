@@ -37,7 +37,7 @@ def _greedy(logits_fn, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(logits_fn(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _child(model_dir: str, out_json: str) -> None:
@@ -51,8 +51,15 @@ def _child(model_dir: str, out_json: str) -> None:
     from vllm_ext.launch import EXTENSION
     from vllm_ext.req import llm_req_func
 
-    llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0,
-              worker_extension_cls=EXTENSION)
+    llm = LLM(
+        model=model_dir,
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        seed=0,
+        worker_extension_cls=EXTENSION,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate() -> list[list[int]]:
@@ -76,8 +83,18 @@ def _child(model_dir: str, out_json: str) -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
     hf = [_greedy(lambda ids: hf_model(input_ids=ids).logits, p, MAX_TOKENS) for p in PROMPTS]
     trainer.close()
-    Path(out_json).write_text(json.dumps({"before": before, "after": after, "megatron": megatron, "hf": hf,
-                                          "sync_total_s": result.total_s, "sync_bytes": result.total_bytes}))
+    Path(out_json).write_text(
+        json.dumps(
+            {
+                "before": before,
+                "after": after,
+                "megatron": megatron,
+                "hf": hf,
+                "sync_total_s": result.total_s,
+                "sync_bytes": result.total_bytes,
+            }
+        )
+    )
 
 
 def test_vllm_greedy_after_megatron_sync_equals_megatron_and_hf(tmp_path):
@@ -90,8 +107,14 @@ def test_vllm_greedy_after_megatron_sync_equals_megatron_and_hf(tmp_path):
     out = tmp_path / "out.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", GLOG_minloglevel="2")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(model_dir), str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     got = json.loads(out.read_text())
     print(f"sync {got['sync_bytes'] / 2**20:.1f} MiB in {got['sync_total_s']:.3f} s")

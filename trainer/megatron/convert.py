@@ -11,13 +11,21 @@ table of ``trainer.megatron.layout``, so they cannot disagree:
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
 from trainer.megatron.layout import (  # noqa: F401  (re-exported: the public conversion API)
-    ModelShape, NormStyle, Parallelism, Piece, Rank, conversion_pieces, hf_param_shapes, hf_sources,
-    sources_of_slice, stage_layers,
+    ModelShape,
+    NormStyle,
+    Parallelism,
+    Piece,
+    Rank,
+    conversion_pieces,
+    hf_param_shapes,
+    hf_sources,
+    sources_of_slice,
+    stage_layers,
 )
 
 
@@ -25,13 +33,20 @@ def _check_hf(state_dict: Mapping[str, torch.Tensor], names: set[str]) -> None:
     missing = sorted(names - set(state_dict))
     extra = sorted(set(state_dict) - names)
     if missing or extra:
-        raise ValueError(f"HF state dict does not match the shape: missing={missing[:5]} "
-                         f"({len(missing)}), unexpected={extra[:5]} ({len(extra)})")
+        raise ValueError(
+            f"HF state dict does not match the shape: missing={missing[:5]} "
+            f"({len(missing)}), unexpected={extra[:5]} ({len(extra)})"
+        )
 
 
-def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], shape: ModelShape, parallel: Parallelism,
-                   norm_style: NormStyle = "local", ranks: list[Rank] | None = None,
-                   copy_threads: int | None = 1) -> dict[Rank, dict[str, torch.Tensor]]:
+def hf_to_megatron(
+    state_dict: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    parallel: Parallelism,
+    norm_style: NormStyle = "local",
+    ranks: list[Rank] | None = None,
+    copy_threads: int | None = 1,
+) -> dict[Rank, dict[str, torch.Tensor]]:
     """HF state dict -> {(pp_rank, tp_rank): Megatron state dict} (new contiguous tensors).
 
     ``ranks`` limits the output to some ranks (a trainer rank converts only its own).
@@ -62,9 +77,14 @@ def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], shape: ModelShape, pa
     return out
 
 
-def megatron_to_hf(shards: Mapping[Rank, Mapping[str, torch.Tensor]], shape: ModelShape, parallel: Parallelism,
-                   norm_style: NormStyle = "local", out: Mapping[str, torch.Tensor] | None = None,
-                   copy_threads: int | None = 1) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    shards: Mapping[Rank, Mapping[str, torch.Tensor]],
+    shape: ModelShape,
+    parallel: Parallelism,
+    norm_style: NormStyle = "local",
+    out: Mapping[str, torch.Tensor] | None = None,
+    copy_threads: int | None = 1,
+) -> dict[str, torch.Tensor]:
     """{(pp_rank, tp_rank): Megatron state dict} -> HF state dict (TP shards merged, PP stages joined).
 
     ``out``: preallocated HF tensors to write into (e.g. views of the checkpoint engine's host
@@ -79,8 +99,12 @@ def megatron_to_hf(shards: Mapping[Rank, Mapping[str, torch.Tensor]], shape: Mod
     return result
 
 
-def _merge_into(shards: Mapping[Rank, Mapping[str, torch.Tensor]], hf_name: str, pieces: list[Piece],
-                out: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+def _merge_into(
+    shards: Mapping[Rank, Mapping[str, torch.Tensor]],
+    hf_name: str,
+    pieces: list[Piece],
+    out: Mapping[str, torch.Tensor] | None,
+) -> torch.Tensor:
     first = _megatron_tensor(shards, pieces[0])
     dims = list(first.shape)
     dims[pieces[0].dim] = sum(p.length for p in pieces)
@@ -88,16 +112,23 @@ def _merge_into(shards: Mapping[Rank, Mapping[str, torch.Tensor]], hf_name: str,
     if tensor is None:
         tensor = torch.empty(dims, dtype=first.dtype, device=first.device)
     elif list(tensor.shape) != dims or tensor.dtype != first.dtype:
-        raise ValueError(f"out[{hf_name!r}] is {tuple(tensor.shape)} {tensor.dtype}, "
-                         f"expected {tuple(dims)} {first.dtype}")
+        raise ValueError(
+            f"out[{hf_name!r}] is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(dims)} {first.dtype}"
+        )
     for p in pieces:
         tensor.narrow(p.dim, p.hf_start, p.length).copy_(
-            _megatron_tensor(shards, p).narrow(p.dim, p.mg_start, p.length))
+            _megatron_tensor(shards, p).narrow(p.dim, p.mg_start, p.length)
+        )
     return tensor
 
 
-def rank_slices(shard: Mapping[str, torch.Tensor], shape: ModelShape, parallel: Parallelism, rank: Rank,
-                norm_style: NormStyle = "local") -> list[tuple[Piece, torch.Tensor]]:
+def rank_slices(
+    shard: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    parallel: Parallelism,
+    rank: Rank,
+    norm_style: NormStyle = "local",
+) -> list[tuple[Piece, torch.Tensor]]:
     """What one Megatron rank contributes to the HF checkpoint, without any copy or communication:
     (piece, view of this rank's tensor) for every primary piece it owns. The piece says which HF
     tensor and which slice along ``piece.dim`` the view fills (input for a sharding-aware plan)."""
@@ -138,6 +169,7 @@ def _megatron_tensor(shards: Mapping[Rank, Mapping[str, torch.Tensor]], piece: P
         raise ValueError(f"no Megatron shard for rank (pp={rank[0]}, tp={rank[1]}), needed for {piece.hf_name}")
     tensor = shards[rank].get(piece.mg_name)
     if tensor is None:
-        raise ValueError(f"Megatron shard (pp={rank[0]}, tp={rank[1]}) lacks {piece.mg_name} "
-                         f"(needed for {piece.hf_name})")
+        raise ValueError(
+            f"Megatron shard (pp={rank[0]}, tp={rank[1]}) lacks {piece.mg_name} (needed for {piece.hf_name})"
+        )
     return tensor

@@ -34,7 +34,7 @@ import logging
 import sys
 import threading
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -67,6 +67,7 @@ def megatron_core_version() -> str:
     """The installed megatron-core version, or ``"not installed"``."""
     try:
         from importlib.metadata import PackageNotFoundError, version
+
         return version("megatron-core")
     except PackageNotFoundError:
         return "not installed"
@@ -76,7 +77,8 @@ def _moved(spot: str, detail: str) -> RuntimeError:
     return RuntimeError(
         f"megatron-core {megatron_core_version()} moved a CUDA-only spot that "
         f"trainer.megatron.cpu_compat redirects for CPU runs (written against "
-        f"{TESTED_MEGATRON_CORE_VERSION}): {spot}: {detail}. Update cpu_compat.py for this version.")
+        f"{TESTED_MEGATRON_CORE_VERSION}): {spot}: {detail}. Update cpu_compat.py for this version."
+    )
 
 
 def _import(module_name: str, spot: str) -> types.ModuleType:
@@ -158,8 +160,12 @@ def _redirect_current_device() -> None:
     _rotary_target()
     view = _TorchWithCpuCuda()
     for name, module in sorted(sys.modules.items()):
-        if (name == "megatron" or name.startswith("megatron.")) and isinstance(module, types.ModuleType) \
-                and getattr(module, "torch", None) is torch and _uses_current_device(module):
+        if (
+            (name == "megatron" or name.startswith("megatron."))
+            and isinstance(module, types.ModuleType)
+            and getattr(module, "torch", None) is torch
+            and _uses_current_device(module)
+        ):
             _replace("current_device", module, "torch", view)
 
 
@@ -175,7 +181,7 @@ setattr(cpu_causal_mask, _MARK, True)
 
 
 def _mask_targets() -> list[tuple[types.ModuleType, str]]:
-    spot = f"{_UTILS_MODULE}.get_default_causal_mask (device=\"cuda\")"
+    spot = f'{_UTILS_MODULE}.get_default_causal_mask (device="cuda")'
     utils = _import(_UTILS_MODULE, spot)
     softmax = _import(_SOFTMAX_MODULE, spot)
     original = getattr(utils, "get_default_causal_mask", None)

@@ -25,7 +25,8 @@ with the expert's global index, and an EP axis beside TP in ``Piece``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Literal, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Literal
 
 Rank = tuple[int, int]  # (pp_rank, tp_rank)
 NormStyle = Literal["local", "te"]
@@ -47,33 +48,47 @@ class ModelShape:
     num_experts: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                     "head_dim", "ffn_hidden_size", "vocab_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+            "vocab_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.num_attention_heads % self.num_query_groups != 0:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                             f"num_query_groups={self.num_query_groups}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}"
+            )
         if self.num_experts is not None:
             raise NotImplementedError(
                 "MoE (num_experts) is not converted yet: add per-expert specs with global expert "
-                "indices in trainer.megatron.convert._layer_tensor_specs and an EP rank in Piece")
+                "indices in trainer.megatron.convert._layer_tensor_specs and an EP rank in Piece"
+            )
 
     @classmethod
-    def from_hf_config(cls, config: Mapping) -> "ModelShape":
+    def from_hf_config(cls, config: Mapping) -> ModelShape:
         """From a Qwen2 ``config.json`` dict (or a transformers config's ``to_dict()``)."""
         if config.get("num_experts") or config.get("num_local_experts"):
             raise NotImplementedError("MoE HF configs are not converted yet (see ModelShape)")
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        return cls(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-                   num_attention_heads=heads,
-                   num_query_groups=config.get("num_key_value_heads") or heads,
-                   head_dim=head_dim, ffn_hidden_size=config["intermediate_size"],
-                   vocab_size=config["vocab_size"],
-                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=bool(config.get("attention_bias", config.get("model_type", "qwen2") == "qwen2")))
+        return cls(
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            num_attention_heads=heads,
+            num_query_groups=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            ffn_hidden_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", config.get("model_type", "qwen2") == "qwen2")),
+        )
 
     @property
     def q_heads_per_group(self) -> int:
@@ -95,8 +110,10 @@ class Parallelism:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.layers_per_stage is not None:
             if len(self.layers_per_stage) != self.pp_size or min(self.layers_per_stage) < 1:
-                raise ValueError(f"layers_per_stage={self.layers_per_stage} must hold {self.pp_size} "
-                                 f"positive counts (one per PP stage)")
+                raise ValueError(
+                    f"layers_per_stage={self.layers_per_stage} must hold {self.pp_size} "
+                    f"positive counts (one per PP stage)"
+                )
 
     def ranks(self) -> list[Rank]:
         return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
@@ -118,9 +135,16 @@ def hf_param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.v_proj.weight"] = (kv, h)
         if shape.qkv_bias:
             out[p + "self_attn.v_proj.bias"] = (kv,)
-        out.update({p + "self_attn.o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (ffn, h),
-                    p + "mlp.up_proj.weight": (ffn, h), p + "mlp.down_proj.weight": (h, ffn),
-                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        out.update(
+            {
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (ffn, h),
+                p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     out["model.norm.weight"] = (h,)
     if not shape.tie_word_embeddings:
         out["lm_head.weight"] = (shape.vocab_size, h)
@@ -134,8 +158,9 @@ def stage_layers(num_layers: int, parallel: Parallelism, pp_rank: int) -> tuple[
     counts = parallel.layers_per_stage
     if counts is None:
         if num_layers % parallel.pp_size != 0:
-            raise ValueError(f"num_layers={num_layers} is not divisible by pp_size={parallel.pp_size}; "
-                             f"pass layers_per_stage")
+            raise ValueError(
+                f"num_layers={num_layers} is not divisible by pp_size={parallel.pp_size}; pass layers_per_stage"
+            )
         counts = (num_layers // parallel.pp_size,) * parallel.pp_size
     if sum(counts) != num_layers:
         raise ValueError(f"layers_per_stage={counts} does not add up to num_layers={num_layers}")
@@ -160,14 +185,14 @@ class Piece:
 
     def hf_byte_range(self, hf_shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
         """Byte range of this piece inside the (contiguous) HF tensor, when it is one range."""
-        if any(size != 1 for size in hf_shape[:self.dim]):
+        if any(size != 1 for size in hf_shape[: self.dim]):
             return None
         row_bytes = itemsize
-        for size in hf_shape[self.dim + 1:]:
+        for size in hf_shape[self.dim + 1 :]:
             row_bytes *= size
         return self.hf_start * row_bytes, (self.hf_start + self.length) * row_bytes
 
-    def clip(self, start: int, stop: int) -> "Piece | None":
+    def clip(self, start: int, stop: int) -> Piece | None:
         """The part of this piece that falls in HF slice [start, stop) along ``dim``, or None."""
         lo, hi = max(start, self.hf_start), min(stop, self.hf_start + self.length)
         if lo >= hi:
@@ -220,8 +245,9 @@ def _fc1_segments(shape: ModelShape, hf_prefix: str, tp_size: int) -> tuple[_Seg
     return tuple(segments)
 
 
-def _layer_tensor_specs(shape: ModelShape, parallel: Parallelism, global_layer: int, pp_rank: int,
-                        local_layer: int, norm_style: NormStyle) -> list[_TensorSpec]:
+def _layer_tensor_specs(
+    shape: ModelShape, parallel: Parallelism, global_layer: int, pp_rank: int, local_layer: int, norm_style: NormStyle
+) -> list[_TensorSpec]:
     h, hd = shape.hidden_size, shape.head_dim
     qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * hd
     hf = f"model.layers.{global_layer}."
@@ -230,19 +256,43 @@ def _layer_tensor_specs(shape: ModelShape, parallel: Parallelism, global_layer: 
     mlp_norm = "mlp.linear_fc1.layer_norm_weight" if norm_style == "te" else "pre_mlp_layernorm.weight"
     specs = [
         _TensorSpec(mg + attn_norm, pp_rank, 0, _whole(hf + "input_layernorm.weight", h), split=False),
-        _TensorSpec(mg + "self_attention.linear_qkv.weight", pp_rank, 0,
-                    _qkv_segments(shape, hf + "self_attn.", "weight"), split=True),
-        _TensorSpec(mg + "self_attention.linear_proj.weight", pp_rank, 1,
-                    _whole(hf + "self_attn.o_proj.weight", shape.num_attention_heads * hd), split=True),
+        _TensorSpec(
+            mg + "self_attention.linear_qkv.weight",
+            pp_rank,
+            0,
+            _qkv_segments(shape, hf + "self_attn.", "weight"),
+            split=True,
+        ),
+        _TensorSpec(
+            mg + "self_attention.linear_proj.weight",
+            pp_rank,
+            1,
+            _whole(hf + "self_attn.o_proj.weight", shape.num_attention_heads * hd),
+            split=True,
+        ),
         _TensorSpec(mg + mlp_norm, pp_rank, 0, _whole(hf + "post_attention_layernorm.weight", h), split=False),
-        _TensorSpec(mg + "mlp.linear_fc1.weight", pp_rank, 0,
-                    _fc1_segments(shape, hf + "mlp.", parallel.tp_size), split=True),
-        _TensorSpec(mg + "mlp.linear_fc2.weight", pp_rank, 1,
-                    _whole(hf + "mlp.down_proj.weight", shape.ffn_hidden_size), split=True),
+        _TensorSpec(
+            mg + "mlp.linear_fc1.weight", pp_rank, 0, _fc1_segments(shape, hf + "mlp.", parallel.tp_size), split=True
+        ),
+        _TensorSpec(
+            mg + "mlp.linear_fc2.weight",
+            pp_rank,
+            1,
+            _whole(hf + "mlp.down_proj.weight", shape.ffn_hidden_size),
+            split=True,
+        ),
     ]
     if shape.qkv_bias:
-        specs.insert(2, _TensorSpec(mg + "self_attention.linear_qkv.bias", pp_rank, 0,
-                                    _qkv_segments(shape, hf + "self_attn.", "bias"), split=True))
+        specs.insert(
+            2,
+            _TensorSpec(
+                mg + "self_attention.linear_qkv.bias",
+                pp_rank,
+                0,
+                _qkv_segments(shape, hf + "self_attn.", "bias"),
+                split=True,
+            ),
+        )
     assert sum(s.length for s in specs[1].segments) == qkv_rows
     return specs
 
@@ -250,20 +300,23 @@ def _layer_tensor_specs(shape: ModelShape, parallel: Parallelism, global_layer: 
 def _tensor_specs(shape: ModelShape, parallel: Parallelism, norm_style: NormStyle) -> list[_TensorSpec]:
     last = parallel.pp_size - 1
     vocab, h = shape.vocab_size, shape.hidden_size
-    specs = [_TensorSpec("embedding.word_embeddings.weight", 0, 0, _whole("model.embed_tokens.weight", vocab),
-                         split=True)]
+    specs = [
+        _TensorSpec("embedding.word_embeddings.weight", 0, 0, _whole("model.embed_tokens.weight", vocab), split=True)
+    ]
     for pp_rank in range(parallel.pp_size):
         offset, count = stage_layers(shape.num_layers, parallel, pp_rank)
         for local in range(count):
             specs += _layer_tensor_specs(shape, parallel, offset + local, pp_rank, local, norm_style)
-    specs.append(_TensorSpec("decoder.final_layernorm.weight", last, 0, _whole("model.norm.weight", h),
-                             split=False))
+    specs.append(_TensorSpec("decoder.final_layernorm.weight", last, 0, _whole("model.norm.weight", h), split=False))
     if not shape.tie_word_embeddings:
         specs.append(_TensorSpec("output_layer.weight", last, 0, _whole("lm_head.weight", vocab), split=True))
     elif parallel.pp_size > 1:
         # Megatron keeps a copy of the tied embedding on the last stage as output_layer.weight.
-        specs.append(_TensorSpec("output_layer.weight", last, 0, _whole("model.embed_tokens.weight", vocab),
-                                 split=True, primary=False))
+        specs.append(
+            _TensorSpec(
+                "output_layer.weight", last, 0, _whole("model.embed_tokens.weight", vocab), split=True, primary=False
+            )
+        )
     return specs
 
 
@@ -273,13 +326,21 @@ def _pieces_of(spec: _TensorSpec, tp_size: int) -> Iterator[Piece]:
         for tp in range(tp_size):
             start = 0
             for seg in spec.segments:
-                yield Piece(seg.hf_name, spec.pp_rank, tp, spec.mg_name, spec.dim, seg.hf_start, start,
-                            seg.length, primary=spec.primary and tp == 0)
+                yield Piece(
+                    seg.hf_name,
+                    spec.pp_rank,
+                    tp,
+                    spec.mg_name,
+                    spec.dim,
+                    seg.hf_start,
+                    start,
+                    seg.length,
+                    primary=spec.primary and tp == 0,
+                )
                 start += seg.length
         return
     if total % tp_size != 0:
-        raise ValueError(f"{spec.mg_name}: size {total} along dim {spec.dim} is not divisible by "
-                         f"tp_size={tp_size}")
+        raise ValueError(f"{spec.mg_name}: size {total} along dim {spec.dim} is not divisible by tp_size={tp_size}")
     shard = total // tp_size
     start = 0  # position of the segment in the unsharded tensor
     for seg in spec.segments:
@@ -287,8 +348,17 @@ def _pieces_of(spec: _TensorSpec, tp_size: int) -> Iterator[Piece]:
         while pos < start + seg.length:
             tp = pos // shard
             stop = min(start + seg.length, (tp + 1) * shard)
-            yield Piece(seg.hf_name, spec.pp_rank, tp, spec.mg_name, spec.dim,
-                        seg.hf_start + (pos - start), pos - tp * shard, stop - pos, primary=spec.primary)
+            yield Piece(
+                seg.hf_name,
+                spec.pp_rank,
+                tp,
+                spec.mg_name,
+                spec.dim,
+                seg.hf_start + (pos - start),
+                pos - tp * shard,
+                stop - pos,
+                primary=spec.primary,
+            )
             pos = stop
         start += seg.length
 
@@ -315,8 +385,7 @@ def hf_sources(shape: ModelShape, parallel: Parallelism, norm_style: NormStyle =
     return out
 
 
-def sources_of_slice(sources: Mapping[str, list[Piece]], hf_name: str, dim: int, start: int, stop: int
-                     ) -> list[Piece]:
+def sources_of_slice(sources: Mapping[str, list[Piece]], hf_name: str, dim: int, start: int, stop: int) -> list[Piece]:
     """Which Megatron (rank, tensor, slice) pieces fill HF slice [start, stop) of ``hf_name`` along
     ``dim``: what a destination that needs only a shard (an inference TP rank) must fetch.
     ``sources`` is ``hf_sources(...)``. A slice along another dim than the pieces' is not expressible

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -47,8 +47,14 @@ class MegatronModelConfig:
         return Parallelism(tp_size=self.tp_size, pp_size=self.pp_size)
 
 
-def transformer_config(hf_config: Mapping, *, tp_size: int = 1, pp_size: int = 1,
-                       params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool = True):
+def transformer_config(
+    hf_config: Mapping,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: bool = True,
+):
     """A megatron ``TransformerConfig`` equivalent to a Qwen2 HF config (dense, no dropout)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -59,20 +65,35 @@ def transformer_config(hf_config: Mapping, *, tp_size: int = 1, pp_size: int = 1
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
         raise ValueError(f"rope_scaling={rope_scaling!r} is not mapped (only default RoPE)")
     return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype if pp_size > 1 else None,
-        use_cpu_initialization=use_cpu_initialization, perform_initialization=True,
+        use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=True,
         # CPU-safe: no fused CUDA kernels.
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
     )
 
 
@@ -116,8 +137,7 @@ def this_rank() -> Rank:
     """(pp_rank, tp_rank) of this process in megatron's parallel_state."""
     from megatron.core import parallel_state
 
-    return (parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_rank())
+    return (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
 
 
 def _use_te(requested: bool | None) -> bool:
@@ -134,35 +154,43 @@ def _use_te(requested: bool | None) -> bool:
     return True
 
 
-def build_gpt_model(hf_config: Mapping, config: MegatronModelConfig = MegatronModelConfig(), *,
-                    parallel_output: bool = False):
+def build_gpt_model(
+    hf_config: Mapping, config: MegatronModelConfig = MegatronModelConfig(), *, parallel_output: bool = False
+):
     """The GPTModel stage of this rank (``init_parallel`` first). Returns (model, norm_style).
 
     ``parallel_output=False`` gathers the vocab-parallel logits on every TP rank."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
     from trainer.megatron.cpu_compat import apply_cpu_redirects
 
     if not torch.cuda.is_available():
         apply_cpu_redirects()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.params_dtype]
-    tconfig = transformer_config(hf_config, tp_size=config.tp_size, pp_size=config.pp_size, params_dtype=dtype,
-                                 use_cpu_initialization=not torch.cuda.is_available())
+    tconfig = transformer_config(
+        hf_config,
+        tp_size=config.tp_size,
+        pp_size=config.pp_size,
+        params_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
     te = _use_te(config.use_transformer_engine)
     if te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     model = GPTModel(
-        config=tconfig, transformer_layer_spec=spec, vocab_size=hf_config["vocab_size"],
+        config=tconfig,
+        transformer_layer_spec=spec,
+        vocab_size=hf_config["vocab_size"],
         max_sequence_length=hf_config.get("max_position_embeddings", 4096),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
-        position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf_config),
     )
     if torch.cuda.is_available():
         model = model.cuda()
@@ -173,25 +201,36 @@ def build_gpt_model(hf_config: Mapping, config: MegatronModelConfig = MegatronMo
 
 def megatron_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters and persistent tensors, Megatron names (no ``_extra_state``)."""
-    return {name: tensor for name, tensor in model.state_dict().items()
-            if not name.endswith("_extra_state") and isinstance(tensor, torch.Tensor)}
+    return {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if not name.endswith("_extra_state") and isinstance(tensor, torch.Tensor)
+    }
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Tensor], hf_config: Mapping,
-                    config: MegatronModelConfig, norm_style: NormStyle = "local") -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config: Mapping,
+    config: MegatronModelConfig,
+    norm_style: NormStyle = "local",
+) -> None:
     """Copy this rank's share of an HF state dict into the model; every parameter must be covered."""
     rank = this_rank()
-    shard = hf_to_megatron(hf_state_dict, ModelShape.from_hf_config(hf_config), config.parallelism,
-                           norm_style=norm_style, ranks=[rank])[rank]
+    shard = hf_to_megatron(
+        hf_state_dict, ModelShape.from_hf_config(hf_config), config.parallelism, norm_style=norm_style, ranks=[rank]
+    )[rank]
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(shard))
     unexpected = sorted(set(shard) - set(params))
     if missing or unexpected:
-        raise RuntimeError(f"rank {rank}: converted shard does not match the model: missing={missing}, "
-                           f"unexpected={unexpected}")
+        raise RuntimeError(
+            f"rank {rank}: converted shard does not match the model: missing={missing}, unexpected={unexpected}"
+        )
     for name, tensor in shard.items():
         if params[name].shape != tensor.shape:
-            raise RuntimeError(f"rank {rank}: {name}: model shape {tuple(params[name].shape)}, "
-                               f"converted {tuple(tensor.shape)}")
+            raise RuntimeError(
+                f"rank {rank}: {name}: model shape {tuple(params[name].shape)}, converted {tuple(tensor.shape)}"
+            )
         params[name].copy_(tensor)

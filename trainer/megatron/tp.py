@@ -60,8 +60,13 @@ def _broadcast(obj=None):
 class TPMegatronTrainer:
     """TP rank 0 of a Megatron trainer whose other ranks are follower processes it starts."""
 
-    def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None, tp_size: int = 2,
-                 follower_env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | pathlib.Path,
+        config: TrainerConfig | None = None,
+        tp_size: int = 2,
+        follower_env: Mapping[str, str] | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         from trainer.megatron.model import MegatronModelConfig
@@ -80,13 +85,32 @@ class TPMegatronTrainer:
         env = dict(os.environ, **(follower_env or {}))
         repo = str(pathlib.Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
-        self._followers = [subprocess.Popen(
-            [sys.executable, "-m", "trainer.megatron.tp", "--model-dir", str(model_dir), "--tp", str(tp_size),
-             "--rank", str(rank), "--port", str(port), "--config", json.dumps(dataclasses.asdict(config))],
-            env=env, cwd=repo) for rank in range(1, tp_size)]
+        self._followers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "trainer.megatron.tp",
+                    "--model-dir",
+                    str(model_dir),
+                    "--tp",
+                    str(tp_size),
+                    "--rank",
+                    str(rank),
+                    "--port",
+                    str(port),
+                    "--config",
+                    json.dumps(dataclasses.asdict(config)),
+                ],
+                env=env,
+                cwd=repo,
+            )
+            for rank in range(1, tp_size)
+        ]
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=tp_size,
-                                    timeout=_TIMEOUT)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=tp_size, timeout=_TIMEOUT
+            )
             self.inner = MegatronTrainer(model_dir, config, MegatronModelConfig(tp_size=tp_size))
         except BaseException:
             self._kill_followers()
@@ -125,14 +149,26 @@ class TPMegatronTrainer:
         self._pending.append((proxy, real))
         return proxy
 
-    def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]], response_ids_list: Sequence[Sequence[int]],
-                          response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-        return self._logprobs("sequence_logprobs", _plain(prompt_ids_list), _plain(response_ids_list),
-                              None if response_masks is None else _plain(response_masks))
+    def sequence_logprobs(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        response_ids_list: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        return self._logprobs(
+            "sequence_logprobs",
+            _plain(prompt_ids_list),
+            _plain(response_ids_list),
+            None if response_masks is None else _plain(response_masks),
+        )
 
     def token_logprobs(self, prompt_ids_list, response_ids_list, response_masks=None) -> torch.Tensor:
-        return self._logprobs("token_logprobs", _plain(prompt_ids_list), _plain(response_ids_list),
-                              None if response_masks is None else _plain(response_masks))
+        return self._logprobs(
+            "token_logprobs",
+            _plain(prompt_ids_list),
+            _plain(response_ids_list),
+            None if response_masks is None else _plain(response_masks),
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         if loss.dim() != 0:
@@ -167,8 +203,13 @@ class TPMegatronTrainer:
         self._call("load_hf_weights", {n: t.detach().cpu() for n, t in state_dict.items()})
 
     def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
-        return save_hf_dir(self.inner.source_dir, out_dir, self.named_tensors(), self.config,
-                           extra={"backend": "megatron", "tp_size": self.tp_size})
+        return save_hf_dir(
+            self.inner.source_dir,
+            out_dir,
+            self.named_tensors(),
+            self.config,
+            extra={"backend": "megatron", "tp_size": self.tp_size},
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -233,10 +274,12 @@ def follower_main(argv=None) -> int:
     p.add_argument("--config", required=True, help="TrainerConfig as JSON")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                            world_size=args.tp, timeout=_TIMEOUT)
-    trainer = MegatronTrainer(args.model_dir, TrainerConfig(**json.loads(args.config)),
-                              MegatronModelConfig(tp_size=args.tp))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.tp, timeout=_TIMEOUT
+    )
+    trainer = MegatronTrainer(
+        args.model_dir, TrainerConfig(**json.loads(args.config)), MegatronModelConfig(tp_size=args.tp)
+    )
     pending: list[torch.Tensor] = []
     try:
         while True:

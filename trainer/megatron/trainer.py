@@ -39,8 +39,12 @@ logger = logging.getLogger(__name__)
 class MegatronTrainer:
     """Trains a megatron-core GPTModel initialized from a HF (Qwen2) model directory."""
 
-    def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None,
-                 megatron: MegatronModelConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | pathlib.Path,
+        config: TrainerConfig | None = None,
+        megatron: MegatronModelConfig | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         from trainer.megatron import model as mg_model
@@ -49,17 +53,21 @@ class MegatronTrainer:
         self.config = TrainerConfig() if config is None else config
         self.megatron = MegatronModelConfig() if megatron is None else megatron
         if self.megatron.tp_size * self.megatron.pp_size != 1 and not dist.is_initialized():
-            raise ValueError(f"tp_size={self.megatron.tp_size}, pp_size={self.megatron.pp_size}: model "
-                             "parallelism needs the ranks of a torchrun job; in-process the trainer runs at TP=1")
+            raise ValueError(
+                f"tp_size={self.megatron.tp_size}, pp_size={self.megatron.pp_size}: model "
+                "parallelism needs the ranks of a torchrun job; in-process the trainer runs at TP=1"
+            )
         if self.megatron.pp_size != 1:
             raise NotImplementedError("MegatronTrainer trains without pipeline parallelism (pp_size=1)")
         self.source_dir = pathlib.Path(model_dir)
         self.num_threads = num_threads_for(self.config.num_threads)
         torch.set_num_threads(self.num_threads)
         if self.config.autocast_dtype == "bfloat16":
-            raise ValueError("autocast_dtype='bfloat16': megatron-core's linear layers are custom autograd "
-                             "functions that CPU autocast does not cast (float32 and bfloat16 meet in one matmul); "
-                             "the Megatron trainer runs float32 ('auto' resolves to it)")
+            raise ValueError(
+                "autocast_dtype='bfloat16': megatron-core's linear layers are custom autograd "
+                "functions that CPU autocast does not cast (float32 and bfloat16 meet in one matmul); "
+                "the Megatron trainer runs float32 ('auto' resolves to it)"
+            )
         # "auto" -> float32: see above (a bf16 Megatron would set MegatronModelConfig.params_dtype instead)
         self.dtype_choice = resolve_autocast_dtype("float32")
         self._autocast_bf16 = False
@@ -88,16 +96,23 @@ class MegatronTrainer:
             logits = self.model(ids.to(device), positions.to(device), None)
         return logits.float().cpu() if logits.device.type != "cpu" else logits.float()
 
-    def sequence_logprobs(self, prompt_ids_list: Sequence[Sequence[int]],
-                          response_ids_list: Sequence[Sequence[int]],
-                          response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    def sequence_logprobs(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        response_ids_list: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
         """Sum of the response tokens' log-probs per sequence ([batch], float32, with grad)."""
         ids, _, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks, self.pad_id)
         logits = self._logits(ids)
         return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
 
-    def token_logprobs(self, prompt_ids_list: Sequence[Sequence[int]], response_ids_list: Sequence[Sequence[int]],
-                       response_masks: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    def token_logprobs(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        response_ids_list: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
         """[batch, longest response] per-token log-probs, response-aligned, zero past each end (GRPO)."""
         ids, _, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks, self.pad_id)
         per_token = _masked_token_logprobs(self._logits(ids)[:, :-1], ids[:, 1:], loss_mask)
@@ -199,8 +214,9 @@ class MegatronTrainer:
         if self._out is None:
             self._out = {}
         with torch.no_grad():
-            hf = megatron_to_hf(self.gather_shards(), self.shape, self.megatron.parallelism,
-                                norm_style=self.norm_style, out=self._out)
+            hf = megatron_to_hf(
+                self.gather_shards(), self.shape, self.megatron.parallelism, norm_style=self.norm_style, out=self._out
+            )
         for name, tensor in hf.items():
             self._out.setdefault(name, tensor)
         out = {}
@@ -223,8 +239,13 @@ class MegatronTrainer:
 
     def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
         """A HF model directory (config and tokenizer from the source, the converted weights)."""
-        return save_hf_dir(self.source_dir, out_dir, self.named_tensors(), self.config,
-                           extra={"backend": "megatron", "tp_size": self.megatron.tp_size})
+        return save_hf_dir(
+            self.source_dir,
+            out_dir,
+            self.named_tensors(),
+            self.config,
+            extra={"backend": "megatron", "tp_size": self.megatron.tp_size},
+        )
 
     def close(self) -> None:
         """Tear down the process group if this trainer made it (tests build several trainers)."""

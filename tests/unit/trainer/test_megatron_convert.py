@@ -6,14 +6,27 @@ import pytest
 import torch
 
 from trainer.megatron.convert import (
-    ModelShape, Parallelism, conversion_pieces, hf_param_shapes, hf_sources, hf_to_megatron, megatron_to_hf,
+    ModelShape,
+    Parallelism,
+    conversion_pieces,
+    hf_param_shapes,
+    hf_sources,
+    hf_to_megatron,
+    megatron_to_hf,
     stage_layers,
 )
 
 
 def _shape(**overrides) -> ModelShape:
-    fields = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, head_dim=4,
-                  ffn_hidden_size=24, vocab_size=32)
+    fields = dict(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=4,
+        ffn_hidden_size=24,
+        vocab_size=32,
+    )
     fields.update(overrides)
     return ModelShape(**fields)
 
@@ -61,12 +74,19 @@ def test_qkv_interleave_table(tp, expected, kind):
 
 def test_qkv_interleave_head_dim_two_eight_heads():
     # head_dim=2, 8 q heads in 2 groups of 4: each group is 4*2 q rows, 2 k rows, 2 v rows
-    shape = _shape(num_layers=1, hidden_size=16, num_attention_heads=8, num_query_groups=2, head_dim=2,
-                   ffn_hidden_size=8, vocab_size=8)
+    shape = _shape(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=8,
+        num_query_groups=2,
+        head_dim=2,
+        ffn_hidden_size=8,
+        vocab_size=8,
+    )
     shards = hf_to_megatron(_labelled_hf(shape), shape, Parallelism(tp_size=2))
     rank0 = _row_labels(shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"])
     rank1 = _row_labels(shards[(0, 1)]["decoder.layers.0.self_attention.linear_qkv.weight"])
-    assert rank0 == list(range(0, 8)) + [100, 101, 200, 201]
+    assert rank0 == list(range(8)) + [100, 101, 200, 201]
     assert rank1 == list(range(8, 16)) + [102, 103, 202, 203]
 
 
@@ -79,8 +99,15 @@ FC1_TABLE = [
 
 @pytest.mark.parametrize("tp,expected", FC1_TABLE)
 def test_fc1_is_gate_shard_then_up_shard(tp, expected):
-    shape = _shape(num_layers=1, hidden_size=4, head_dim=1, num_attention_heads=4, num_query_groups=4,
-                   ffn_hidden_size=4, vocab_size=8)
+    shape = _shape(
+        num_layers=1,
+        hidden_size=4,
+        head_dim=1,
+        num_attention_heads=4,
+        num_query_groups=4,
+        ffn_hidden_size=4,
+        vocab_size=8,
+    )
     shards = hf_to_megatron(_labelled_hf(shape), shape, Parallelism(tp_size=tp))
     got = [_row_labels(shards[(0, r)]["decoder.layers.0.mlp.linear_fc1.weight"]) for r in range(tp)]
     assert got == expected
@@ -92,15 +119,22 @@ def test_row_column_vocab_splits_and_replicated_norms():
     shards = hf_to_megatron(hf, shape, Parallelism(tp_size=2))
     for r in range(2):
         mg = shards[(0, r)]
-        assert torch.equal(mg["decoder.layers.1.self_attention.linear_proj.weight"],
-                           hf["model.layers.1.self_attn.o_proj.weight"][:, r * 8:(r + 1) * 8])
-        assert torch.equal(mg["decoder.layers.0.mlp.linear_fc2.weight"],
-                           hf["model.layers.0.mlp.down_proj.weight"][:, r * 12:(r + 1) * 12])
-        assert torch.equal(mg["embedding.word_embeddings.weight"], hf["model.embed_tokens.weight"][r * 16:(r + 1) * 16])
-        assert torch.equal(mg["output_layer.weight"], hf["lm_head.weight"][r * 16:(r + 1) * 16])
+        assert torch.equal(
+            mg["decoder.layers.1.self_attention.linear_proj.weight"],
+            hf["model.layers.1.self_attn.o_proj.weight"][:, r * 8 : (r + 1) * 8],
+        )
+        assert torch.equal(
+            mg["decoder.layers.0.mlp.linear_fc2.weight"],
+            hf["model.layers.0.mlp.down_proj.weight"][:, r * 12 : (r + 1) * 12],
+        )
+        assert torch.equal(
+            mg["embedding.word_embeddings.weight"], hf["model.embed_tokens.weight"][r * 16 : (r + 1) * 16]
+        )
+        assert torch.equal(mg["output_layer.weight"], hf["lm_head.weight"][r * 16 : (r + 1) * 16])
         assert torch.equal(mg["decoder.layers.0.input_layernorm.weight"], hf["model.layers.0.input_layernorm.weight"])
-        assert torch.equal(mg["decoder.layers.0.pre_mlp_layernorm.weight"],
-                           hf["model.layers.0.post_attention_layernorm.weight"])
+        assert torch.equal(
+            mg["decoder.layers.0.pre_mlp_layernorm.weight"], hf["model.layers.0.post_attention_layernorm.weight"]
+        )
         assert torch.equal(mg["decoder.final_layernorm.weight"], hf["model.norm.weight"])
         assert all(t.is_contiguous() for t in mg.values())
 
@@ -108,12 +142,18 @@ def test_row_column_vocab_splits_and_replicated_norms():
 # ── round trips ─────────────────────────────────────────────────────────────────────────────────
 
 ROUND_TRIPS = [
-    (_shape(), 1, 1), (_shape(), 2, 1), (_shape(), 4, 1), (_shape(), 1, 2), (_shape(), 2, 2), (_shape(), 4, 2),
+    (_shape(), 1, 1),
+    (_shape(), 2, 1),
+    (_shape(), 4, 1),
+    (_shape(), 1, 2),
+    (_shape(), 2, 2),
+    (_shape(), 4, 2),
     (_shape(num_attention_heads=8, num_query_groups=4, head_dim=2), 4, 2),
     (_shape(num_query_groups=4), 2, 1),  # MHA
     (_shape(num_query_groups=1), 2, 1),  # MQA, tp > groups
     (_shape(qkv_bias=False), 2, 2),
-    (_shape(tie_word_embeddings=True), 2, 1), (_shape(tie_word_embeddings=True), 2, 2),
+    (_shape(tie_word_embeddings=True), 2, 1),
+    (_shape(tie_word_embeddings=True), 2, 2),
 ]
 
 
@@ -132,8 +172,10 @@ def test_round_trip_bit_exact(shape, tp, pp, dtype):
     # the element count is preserved, TP replicas aside
     replicated = sum(t.numel() for n, t in hf.items() if n.endswith("norm.weight")) * (tp - 1)
     tied_copy = hf["model.embed_tokens.weight"].numel() if shape.tie_word_embeddings and pp > 1 else 0
-    assert sum(t.numel() for s in shards.values() for t in s.values()) == \
-        sum(t.numel() for t in hf.values()) + replicated + tied_copy
+    assert (
+        sum(t.numel() for s in shards.values() for t in s.values())
+        == sum(t.numel() for t in hf.values()) + replicated + tied_copy
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -207,7 +249,8 @@ def test_sources_cover_every_hf_tensor_once_with_byte_ranges():
     # layer 3 lives on pp stage 1 as local layer 1; q rows of group g come from tp rank g
     assert [(p.pp_rank, p.tp_rank, p.mg_name, p.hf_start, p.mg_start, p.length) for p in q] == [
         (1, 0, "decoder.layers.1.self_attention.linear_qkv.weight", 0, 0, 8),
-        (1, 1, "decoder.layers.1.self_attention.linear_qkv.weight", 8, 0, 8)]
+        (1, 1, "decoder.layers.1.self_attention.linear_qkv.weight", 8, 0, 8),
+    ]
     assert q[1].hf_byte_range(shapes["model.layers.3.self_attn.q_proj.weight"], 4) == (8 * 16 * 4, 16 * 16 * 4)
     o = hf_sources(shape, parallel)["model.layers.0.self_attn.o_proj.weight"]
     assert o[0].dim == 1 and o[0].hf_byte_range((16, 16), 4) is None
@@ -280,7 +323,7 @@ def test_megatron_to_hf_into_preallocated_tensors():
     flat = torch.zeros(sum(t.numel() for t in hf.values()))
     out, offset = {}, 0
     for name, tensor in hf.items():
-        out[name] = flat[offset:offset + tensor.numel()].view(tensor.shape)
+        out[name] = flat[offset : offset + tensor.numel()].view(tensor.shape)
         offset += tensor.numel()
     back = megatron_to_hf(shards, shape, parallel, out=out)
     assert all(back[n] is out[n] and torch.equal(out[n], hf[n]) for n in hf)
@@ -313,17 +356,29 @@ def test_copy_threads_restores_torch_threads():
     assert torch.get_num_threads() == before
     with copy_threads_context(None):
         assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="copy_threads"):
-        with copy_threads_context(0):
-            pass
+    with pytest.raises(ValueError, match="copy_threads"), copy_threads_context(0):
+        pass
 
 
-@pytest.mark.parametrize("extra,qkv_bias", [({"model_type": "qwen2"}, True), ({}, True),
-                                            ({"model_type": "llama"}, False),
-                                            ({"model_type": "llama", "attention_bias": True}, True)])
+@pytest.mark.parametrize(
+    "extra,qkv_bias",
+    [
+        ({"model_type": "qwen2"}, True),
+        ({}, True),
+        ({"model_type": "llama"}, False),
+        ({"model_type": "llama", "attention_bias": True}, True),
+    ],
+)
 def test_qkv_bias_from_hf_config(extra, qkv_bias):
-    config = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 24, "vocab_size": 32, **extra}
+    config = {
+        "num_hidden_layers": 2,
+        "hidden_size": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 24,
+        "vocab_size": 32,
+        **extra,
+    }
     assert ModelShape.from_hf_config(config).qkv_bias is qkv_bias
 
 
@@ -333,12 +388,16 @@ def test_sources_of_an_inference_tp_shard():
     shape = _shape(num_layers=1)  # 4 q heads of 4 rows, 2 groups
     sources = hf_sources(shape, Parallelism(tp_size=2))
     # an inference rank holding q heads 1..2 (rows 4..12) reads from both trainer TP ranks
-    got = [(p.tp_rank, p.mg_start, p.hf_start, p.length)
-           for p in sources_of_slice(sources, "model.layers.0.self_attn.q_proj.weight", 0, 4, 12)]
+    got = [
+        (p.tp_rank, p.mg_start, p.hf_start, p.length)
+        for p in sources_of_slice(sources, "model.layers.0.self_attn.q_proj.weight", 0, 4, 12)
+    ]
     assert got == [(0, 4, 4, 4), (1, 0, 8, 4)]
     # k of group 1 = rows 4..8 of k_proj sit after group 1's 8 q rows on trainer rank 1
-    got = [(p.tp_rank, p.mg_start, p.length)
-           for p in sources_of_slice(sources, "model.layers.0.self_attn.k_proj.weight", 0, 4, 8)]
+    got = [
+        (p.tp_rank, p.mg_start, p.length)
+        for p in sources_of_slice(sources, "model.layers.0.self_attn.k_proj.weight", 0, 4, 8)
+    ]
     assert got == [(1, 8, 4)]
     # o_proj is split along dim 1 (inputs); a row slice is not expressible
     with pytest.raises(ValueError, match="split dim 1"):
@@ -349,5 +408,7 @@ def test_sources_of_an_inference_tp_shard():
     hf = _random_hf(shape)
     shards = hf_to_megatron(hf, shape, Parallelism(tp_size=2))
     for p in sources_of_slice(sources, "model.layers.0.self_attn.q_proj.weight", 0, 4, 12):
-        assert torch.equal(shards[(0, p.tp_rank)][p.mg_name].narrow(0, p.mg_start, p.length),
-                           hf[p.hf_name].narrow(0, p.hf_start, p.length))
+        assert torch.equal(
+            shards[(0, p.tp_rank)][p.mg_name].narrow(0, p.mg_start, p.length),
+            hf[p.hf_name].narrow(0, p.hf_start, p.length),
+        )

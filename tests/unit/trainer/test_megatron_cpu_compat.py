@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 
-from trainer.megatron import cpu_compat  # noqa: E402
+from trainer.megatron import cpu_compat
 
 NEEDS_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
@@ -35,10 +35,14 @@ def test_installed_version_is_the_tested_one():
 
 
 def test_import_applies_nothing():
-    code = ("import sys, trainer.megatron.cpu_compat as c; "
-            "assert not any(m.startswith('megatron') for m in sys.modules), 'megatron imported'; "
-            "assert c.active_cpu_redirects() == ()")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=pathlib.Path(__file__).resolve().parents[3])
+    code = (
+        "import sys, trainer.megatron.cpu_compat as c; "
+        "assert not any(m.startswith('megatron') for m in sys.modules), 'megatron imported'; "
+        "assert c.active_cpu_redirects() == ()"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=120, cwd=pathlib.Path(__file__).resolve().parents[3]
+    )
 
 
 @NEEDS_NO_CUDA
@@ -52,9 +56,8 @@ def test_redirects_make_the_spots_work_on_cpu():
     rotary = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
     with pytest.raises((AssertionError, RuntimeError)):  # torch without CUDA
         rotary.get_emb(4)
-    with pytest.raises(Exception, match="not added"):
-        with CudaRNGStatesTracker().fork():
-            pass
+    with pytest.raises(Exception, match="not added"), CudaRNGStatesTracker().fork():
+        pass
     original_current_device = torch.cuda.current_device
 
     active = cpu_compat.apply_cpu_redirects()

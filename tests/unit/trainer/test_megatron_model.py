@@ -11,9 +11,10 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 transformers = pytest.importorskip("transformers")
 
-from trainer.megatron import cpu_compat, model as mg_model  # noqa: E402
-from trainer.megatron.convert import ModelShape, Parallelism, megatron_to_hf  # noqa: E402
 from tests.unit.trainer.tiny import tiny_hf  # noqa: E402
+from trainer.megatron import cpu_compat  # noqa: E402
+from trainer.megatron import model as mg_model  # noqa: E402
+from trainer.megatron.convert import ModelShape, Parallelism, megatron_to_hf  # noqa: E402
 from vllm_ext.tiny_model import VOCAB_SIZE  # noqa: E402
 
 LOGITS_ATOL = 1e-5
@@ -53,8 +54,7 @@ def test_tp1_logits_equal_hf_and_state_converts_back(parallel):
     print(f"TP=1 max |megatron - HF| logits: {diff:.3g}")
     assert logits.shape == reference.shape and diff <= LOGITS_ATOL
 
-    back = megatron_to_hf({(0, 0): mg_model.megatron_state(model)}, ModelShape.from_hf_config(hf_config),
-                          Parallelism())
+    back = megatron_to_hf({(0, 0): mg_model.megatron_state(model)}, ModelShape.from_hf_config(hf_config), Parallelism())
     assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
 
 

@@ -23,11 +23,11 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytest.importorskip("transformers")
 
-from orchestrator import policy  # noqa: E402
-from orchestrator.loss import k15_policy_loss  # noqa: E402
-from orchestrator.trainer import HFTrainer, TrainerConfig, make_trainer  # noqa: E402
-from tests.unit.trainer.tiny import tiny_hf  # noqa: E402
-from vllm_ext.tiny_model import VOCAB_SIZE, TinyModelConfig, load_state_dict_from_dir, write_model_dir  # noqa: E402
+from orchestrator import policy
+from orchestrator.loss import k15_policy_loss
+from orchestrator.trainer import HFTrainer, TrainerConfig, make_trainer
+from tests.unit.trainer.tiny import tiny_hf
+from vllm_ext.tiny_model import VOCAB_SIZE, TinyModelConfig, load_state_dict_from_dir, write_model_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 LOGPROB_ATOL = 1e-4
@@ -40,8 +40,14 @@ def model_dir(tmp_path_factory):
     if torch.distributed.is_initialized():
         pytest.skip("a default process group is already initialized in this pytest process")
     _, state = tiny_hf(seed=3)
-    config = TinyModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=256, max_position_embeddings=64)
+    config = TinyModelConfig(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=64,
+    )
     return write_model_dir(tmp_path_factory.mktemp("mg_trainer") / "model", config, state)
 
 
@@ -117,13 +123,23 @@ def test_one_k15_iteration_matches_hf_and_lowers_the_loss(model_dir, optimizer):
         diff = max((got[n] - want[n]).abs().max().item() for n in want)
         mean = sum((got[n] - want[n]).abs().sum().item() for n in want) / sum(t.numel() for t in want.values())
         moved = max((want[n] - w).abs().max().item() for n, w in load_state_dict_from_dir(model_dir).items())
-        print(f"{optimizer}: after one k1.5 step |megatron - HF| max {diff:.3g} mean {mean:.3g} "
-              f"(weights moved up to {moved:.3g})")
+        print(
+            f"{optimizer}: after one k1.5 step |megatron - HF| max {diff:.3g} mean {mean:.3g} "
+            f"(weights moved up to {moved:.3g})"
+        )
         assert diff <= STEP_ATOL[optimizer] and mean <= STEP_MEAN_ATOL and moved > 10 * STEP_ATOL[optimizer]
         with torch.no_grad():
-            after = {name: k15_policy_loss(t.sequence_logprobs(batch.prompt_ids, batch.response_ids,
-                                                              batch.response_masks).view(batch.num_groups, batch.k),
-                                           ref, rewards, 0.5).item() for name, t in (("megatron", mg), ("hf", hf))}
+            after = {
+                name: k15_policy_loss(
+                    t.sequence_logprobs(batch.prompt_ids, batch.response_ids, batch.response_masks).view(
+                        batch.num_groups, batch.k
+                    ),
+                    ref,
+                    rewards,
+                    0.5,
+                ).item()
+                for name, t in (("megatron", mg), ("hf", hf))
+            }
         assert abs(after["megatron"] - after["hf"]) <= 1e-4
         if optimizer == "sgd":  # a small plain gradient step descends (AdamW's sign-like lr 1e-3 step may overshoot)
             assert after["megatron"] < stats["megatron"]["loss"]
