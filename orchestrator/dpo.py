@@ -22,11 +22,13 @@ import dataclasses
 import logging
 import random
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from orchestrator.loss import dpo_loss
+# torch (and orchestrator.loss) load in the functions that use them: the data rules and the CLIs built
+# on them (orchestrator.long2short) stay light to import
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,10 @@ def dpo_train(
         raise ValueError("no DPO pairs")
     if pairs_per_step < 1 or num_epochs < 1:
         raise ValueError(f"pairs_per_step={pairs_per_step!r} and num_epochs={num_epochs!r} must be >= 1")
+    import torch
+
+    from orchestrator.loss import dpo_loss
+
     rng = rng if rng is not None else random.Random(0)
     with torch.no_grad():
         ref_w, ref_l = (t.detach() for t in _pair_logprobs(reference, pairs))
