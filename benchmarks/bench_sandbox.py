@@ -4,7 +4,7 @@
          plain      subprocess.run([python, -I, -S, -c, "print(1)"])
          sandbox    Sandbox.run(print(1)) through the warm pool (the service's path)
          cold       the same with no pool (bwrap + interpreter start on the critical path)
-    2. throughput: the real service (python -m orchestrator.sandbox) under concurrent HTTP load
+    2. throughput: the real service (python -m sandbox) under concurrent HTTP load
        of trivial programs, in runs per second per usable core; plus the CPU time one run costs
        (service, its sandboxes and this client), which still reads right on a busy machine.
 
@@ -45,9 +45,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure_starts(num_starts: int, python: str) -> dict[str, list[float]]:
-    from orchestrator.sandbox.config import SandboxConfig
-    from orchestrator.sandbox.executor import Sandbox
-    from orchestrator.sandbox.models import RunRequest
+    from sandbox.config import SandboxConfig
+    from sandbox.executor import Sandbox
+    from sandbox.models import RunRequest
 
     warm = Sandbox(SandboxConfig(python_executable=python, pool_size=2))
     cold = Sandbox(SandboxConfig(python_executable=python, pool_size=0, uid_base=150_000))
@@ -92,7 +92,7 @@ def start_service(port: int, workers: int) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "orchestrator.sandbox",
+            "sandbox",
             "--port",
             str(port),
             "--workers",
@@ -186,7 +186,7 @@ def main() -> int:
     from checkpoint_engine.procs import exit_on_signals
 
     exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
-    from orchestrator.sandbox.bwrap import probe_bwrap
+    from sandbox.bwrap import probe_bwrap
 
     reason = probe_bwrap()
     if reason is not None:

@@ -49,23 +49,6 @@ def group_rewards(
     return length_penalty.apply(rewards, list(lengths), [s.correct for s in scores], iteration)
 
 
-class _CodeSandboxReward:
-    """RewardFn over ``orchestrator.sandbox``: problems carry ``test_cases``."""
-
-    def __init__(self, config: RewardConfig) -> None:
-        from orchestrator.sandbox.reward import CodeRewardConfig, SandboxClient
-
-        self.code_config = CodeRewardConfig(**dict(config.code or {}))
-        self.client = SandboxClient(str(config.sandbox_url))
-
-    def __call__(self, problem: Any, response_text: str) -> float:
-        from orchestrator.sandbox.reward import code_reward, extract_code_block
-
-        cases = problem["test_cases"] if isinstance(problem, dict) else problem.test_cases
-        code = extract_code_block(response_text, self.code_config.language)
-        return code_reward(self.client, code, cases, **dataclasses.asdict(self.code_config))
-
-
 def _load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     try:
@@ -80,7 +63,9 @@ def make_reward_fn(config: RewardConfig) -> RewardFn:
     if config.type == "math_verify":
         base: RewardFn = MathVerifyReward()
     elif config.type == "code_sandbox":
-        base = _CodeSandboxReward(config)
+        from orchestrator.rewards.code_sandbox import CodeSandboxReward
+
+        base = CodeSandboxReward(str(config.sandbox_url), config.code)
     else:
         raise ValueError(f"reward.type={config.type!r} is not supported")
     if config.reward_model is None:

@@ -10,7 +10,7 @@
     MathVerifyReward   rule-based math verifier (math-verify), exact-match fallback
     RewardModelHook    adapter for any batched callable (a reward model served elsewhere)
     CombinedReward     weighted sum of rewards
-    (code rewards come from orchestrator.sandbox)
+    CodeSandboxReward  code (orchestrator.rewards.code_sandbox, over the sandbox service, sandbox/)
 
 The interface is per sample on purpose: rule-based verifiers and sandboxes score one response
 at a time, and a per-sample signature is the easiest to implement and test. Batching is an

@@ -27,7 +27,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def bwrap_ok() -> None:
-    from orchestrator.sandbox.bwrap import probe_bwrap
+    from sandbox.bwrap import probe_bwrap
 
     reason = probe_bwrap()
     if reason is not None:
@@ -37,7 +37,7 @@ def bwrap_ok() -> None:
 
 
 class Service:
-    """A running `python -m orchestrator.sandbox` process."""
+    """A running `python -m sandbox` process."""
 
     def __init__(self, extra_args: list[str], env_secret: str) -> None:
         self.port = free_port()
@@ -49,7 +49,7 @@ class Service:
             [
                 sys.executable,
                 "-m",
-                "orchestrator.sandbox",
+                "sandbox",
                 "--host",
                 "127.0.0.1",
                 "--port",

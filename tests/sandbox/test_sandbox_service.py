@@ -17,8 +17,9 @@ import httpx
 import psutil
 import pytest
 
-from orchestrator.sandbox.models import TestCase
-from orchestrator.sandbox.reward import SandboxClient, code_reward
+from orchestrator.rewards.code_sandbox import code_reward
+from sandbox.client import SandboxClient
+from sandbox.models import TestCase
 
 from .conftest import SECRET_ENV_NAME, start_service
 

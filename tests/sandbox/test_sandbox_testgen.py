@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from orchestrator.sandbox.bwrap import DEFAULT_PYTHON_PACKAGES, python_package_binds
-from orchestrator.sandbox.config import SandboxConfig
-from orchestrator.sandbox.executor import Sandbox
-from orchestrator.sandbox.judge import judge_submission
-from orchestrator.sandbox.testgen import Problem, Solution, TestGenConfig, build_problem, load_problems
+from sandbox.bwrap import DEFAULT_PYTHON_PACKAGES, python_package_binds
+from sandbox.config import SandboxConfig
+from sandbox.executor import Sandbox
+from sandbox.judge import judge_submission
+from sandbox.testgen import Problem, Solution, TestGenConfig, build_problem, load_problems
 
 from .conftest import REPO
 
 pytestmark = pytest.mark.sandbox
-PROBLEMS = REPO / "orchestrator" / "sandbox" / "problems"
+PROBLEMS = REPO / "sandbox" / "problems"
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_cli_reports_and_writes_kept_cases(bwrap_ok, tmp_path):
         [
             sys.executable,
             "-m",
-            "orchestrator.sandbox.testgen",
+            "sandbox.testgen",
             "--problems",
             str(PROBLEMS / "sum_list.json"),
             str(PROBLEMS / "max_list.json"),

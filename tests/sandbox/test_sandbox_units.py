@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sandbox.bwrap import sandbox_argv, system_mount_args, visible_inside
-from orchestrator.sandbox.cgroup import RunCgroup, is_cgroup2_mount, probe_cgroup_v2, process_tree
-from orchestrator.sandbox.config import SandboxConfig, ServiceConfig
-from orchestrator.sandbox.judge import normalize_output, outputs_match
-from orchestrator.sandbox.models import JudgeResult, RunRequest, TestCase
-from orchestrator.sandbox.pool import UidAllocator, WarmPool
-from orchestrator.sandbox.protocol import (
+from orchestrator.rewards.code_sandbox import CodeRewardConfig, code_reward, extract_code_block
+from sandbox.bwrap import sandbox_argv, system_mount_args, visible_inside
+from sandbox.cgroup import RunCgroup, is_cgroup2_mount, probe_cgroup_v2, process_tree
+from sandbox.config import SandboxConfig, ServiceConfig
+from sandbox.judge import normalize_output, outputs_match
+from sandbox.models import JudgeResult, RunRequest, TestCase
+from sandbox.pool import UidAllocator, WarmPool
+from sandbox.protocol import (
     ExitReport,
     Limits,
     Observation,
@@ -27,10 +28,9 @@ from orchestrator.sandbox.protocol import (
     encode_request,
     parse_exit,
 )
-from orchestrator.sandbox.reward import CodeRewardConfig, code_reward, extract_code_block
-from orchestrator.sandbox.runner import MEMORY_EXIT_CODE, SYNTAX_EXIT_CODE, _parse
-from orchestrator.sandbox.service import Admission
-from orchestrator.sandbox.testgen import (
+from sandbox.runner import MEMORY_EXIT_CODE, SYNTAX_EXIT_CODE, _parse
+from sandbox.service import Admission
+from sandbox.testgen import (
     Solution,
     TestGenConfig,
     decide_problem,
@@ -40,7 +40,7 @@ from orchestrator.sandbox.testgen import (
 )
 
 MIB = 1 << 20
-PROBLEMS = Path(__file__).resolve().parents[2] / "orchestrator" / "sandbox" / "problems"
+PROBLEMS = Path(__file__).resolve().parents[2] / "sandbox" / "problems"
 
 
 def report(code=0, sig=0, cpu_s=0.01, rss=10 * MIB):
@@ -412,6 +412,32 @@ def test_code_reward_edge_cases():
         code_reward(client, "x", [TestCase("1", "1")], mode="best_of")
     with pytest.raises(ValueError, match="test_cases"):
         code_reward(client, "x", [], mode="fraction")
+
+
+def test_reward_type_code_sandbox_builds_the_code_reward():
+    from orchestrator.config import RewardConfig
+    from orchestrator.rewards.code_sandbox import CodeSandboxReward
+    from orchestrator.scoring import make_reward_fn
+
+    reward = make_reward_fn(
+        RewardConfig(type="code_sandbox", sandbox_url="http://127.0.0.1:1", code={"mode": "all_or_nothing"})
+    )
+    assert isinstance(reward, CodeSandboxReward)
+    reward.client.close()
+    reward.client = FakeClient(2)
+    answer = "Here:\n```python\nprint(input())\n```\n"
+    assert reward({"test_cases": [["1", "1"], ["2", "2"]]}, answer) == 1.0
+    assert reward.client.calls[0]["stop_on_first_failure"] is True
+
+
+def test_old_module_path_still_starts_the_service_cli():
+    """`python -m orchestrator.sandbox` is an alias of `python -m sandbox` (README, users' scripts)."""
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.sandbox", "--help"], cwd=repo, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "python -m sandbox" in out.stdout
 
 
 # ----------------------------------------------------------------- k1.5 test-case filtering

@@ -1,4 +1,4 @@
-"""Start the code sandbox service: `python -m orchestrator.sandbox --host 127.0.0.1 --port PORT`."""
+"""Start the code sandbox service: `python -m sandbox --host 127.0.0.1 --port PORT`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
     p = argparse.ArgumentParser(
-        prog="python -m orchestrator.sandbox", description="HTTP service that runs untrusted code in bubblewrap."
+        prog="python -m sandbox", description="HTTP service that runs untrusted code in bubblewrap."
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8090)

@@ -15,7 +15,7 @@ holds *.json files):
      "solutions": [{"name": "builtin", "code": "..."},
                    {"name": "abs_bug", "code": "...", "planted_wrong": true}, ...]}
 
-CLI: python -m orchestrator.sandbox.testgen --problems DIR_OR_FILE [...] [--out DIR]
+CLI: python -m sandbox.testgen --problems DIR_OR_FILE [...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ProblemReport:
 
 
 class Runner(Protocol):
-    """`executor.Sandbox` (in process) and `reward.SandboxClient` (over HTTP) both fit."""
+    """`executor.Sandbox` (in process) and `client.SandboxClient` (over HTTP) both fit."""
 
     def run(self, request: RunRequest) -> RunResult: ...
 
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m orchestrator.sandbox.testgen", description="Generate and filter test cases (k1.5 recipe)."
+        prog="python -m sandbox.testgen", description="Generate and filter test cases (k1.5 recipe)."
     )
     p.add_argument("--problems", nargs="+", required=True, help="problem JSON files or dirs")
     p.add_argument("--out", default=None, help="write <name>.json test sets and report.json here")
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _make_runner(url: str | None, num_threads: int):
     if url is not None:
-        from .reward import SandboxClient
+        from .client import SandboxClient
 
         client = SandboxClient(url)
         return client, client.close
