@@ -24,16 +24,18 @@ engine, so the models must share an architecture); tests drive the same function
 engines. Training runs on ``orchestrator.trainer.HFTrainer`` (CPU, float32). The last printed line of
 every command is one JSON object.
 
-**long2short RL is a config, not code**: run the RL job from the long model with the length penalty
-at full weight from the first iteration and a lower response cap::
+**long2short RL is a config, not code**: the RL job, started from the long-CoT model, with the length
+penalty at full weight from the first iteration and a lower response cap::
 
     python -m orchestrator --config configs/demo.json --output-dir runs/long2short-rl \\
-        --set init_model_dir=LONG/model \\
+        --set sft.solution_style=long \\
         --set length_penalty.weight=1.0 --set length_penalty.warmup_iterations=0 \\
-        --set rollout.max_response_tokens=64
+        --set rollout.max_response_tokens=96
 
-(the long format needs up to ~103 tokens on the RL levels, the short one ~35: a cap between the two
-pushes the policy toward short answers; responses cut at the cap score 0).
+``sft.solution_style=long`` makes the job's (cached) SFT warm-up the long-CoT model; ``--set
+init_model_dir=DIR`` starts from any other model directory instead (a merged one, say). The long format
+takes up to 103 tokens (eos included) on the RL levels 2-4 and the short one up to 35; a cap below the
+long length truncates (and so zeroes the reward of) the longest long answers. The cap is not tuned.
 """
 
 from __future__ import annotations

@@ -312,3 +312,13 @@ def test_cli_help_is_light():
     ).stdout
     for command in ("merge", "shortest-rejection", "sft-on", "dpo", "evaluate"):
         assert command in out
+
+
+def test_documented_long2short_rl_overrides_load():
+    from orchestrator.config import load_config
+
+    overrides = re.findall(r"--set (\S+)", long2short.__doc__)
+    assert len(overrides) == 4
+    config = load_config(REPO / "configs" / "demo.json", overrides)
+    assert config.sft.solution_style == "long" and config.length_penalty.warmup_iterations == 0
+    assert config.length_penalty.weight == 1.0 and config.rollout.max_response_tokens < 128
