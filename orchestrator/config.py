@@ -9,10 +9,11 @@
                                         ▼
                           from_dict(JobConfig, merged) ──▶ every __post_init__ validates
 
-Unknown keys are errors that name the full dotted path (keys starting with "_" are comments). Sections reuse the components' own
-config classes where they exist (``SFTConfig``, ``LengthPenaltyConfig``, ``RepeatConfig``,
-``CurriculumConfig``), so one JSON file describes the whole run. This module stays light to
-import (no torch, no vLLM): ``python -m orchestrator --help`` must be instant.
+Unknown keys are errors that name the full dotted path (keys starting with "_" are comments).
+Sections reuse the components' own config classes where they exist (``SFTConfig``,
+``LengthPenaltyConfig``, ``RepeatConfig``, ``CurriculumConfig``), so one JSON file describes the whole
+run. This module stays light to import (no torch, no vLLM): ``python -m orchestrator --help`` must
+be instant.
 """
 
 from __future__ import annotations
@@ -39,8 +40,14 @@ from orchestrator.sft import SFTConfig
 logger = logging.getLogger(__name__)
 
 # Fields a resumed run may change (everything else must match the saved config).
-RESUMABLE_CHANGES = ("rl.num_iterations", "eval.every_iterations", "eval.num_sampled_problems",
-                     "engine.start_timeout_s", "rollout.request_timeout_s", "sync.timeout_s")
+RESUMABLE_CHANGES = (
+    "rl.num_iterations",
+    "eval.every_iterations",
+    "eval.num_sampled_problems",
+    "engine.start_timeout_s",
+    "rollout.request_timeout_s",
+    "sync.timeout_s",
+)
 
 
 def _levels(owner: str, name: str, value: Sequence[int]) -> None:
@@ -67,8 +74,9 @@ class DataConfig:
         check_int("data.num_heldout_per_level", self.num_heldout_per_level)
         w = self.train_level_weights
         if w is not None and (len(w) != len(self.train_levels) or min(w) < 0 or sum(w) <= 0):
-            raise ValueError(f"data.train_level_weights={w!r} must be {len(self.train_levels)} "
-                             f"non-negative numbers, not all 0")
+            raise ValueError(
+                f"data.train_level_weights={w!r} must be {len(self.train_levels)} non-negative numbers, not all 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +162,7 @@ class RolloutConfig:
     num_scoring_workers: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens",
-                     "num_scoring_workers"):
+        for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens", "num_scoring_workers"):
             check_int(f"rollout.{name}", getattr(self, name))
         if self.max_new_groups_per_iteration is not None:
             check_int("rollout.max_new_groups_per_iteration", self.max_new_groups_per_iteration)
@@ -190,8 +197,9 @@ class SamplingConfig:
 class RewardConfig:
     """Which reward scores a response; ``correct_threshold`` turns a task reward into correct/wrong.
 
-    type: "math_verify" (the demo), or "code_sandbox" (``orchestrator.sandbox``; problems carry
-    ``test_cases``). reward_model: optional "module:factory" returning ``fn(problems, texts)``;
+    type: "math_verify" (the demo), or "code_sandbox" (the ``sandbox/`` service,
+    ``orchestrator.rewards.code_sandbox``; problems carry ``test_cases``).
+    reward_model: optional "module:factory" returning ``fn(problems, texts)``;
     its scores are added with ``reward_model_weight`` (k1.5's reward-model hook).
     """
 
@@ -305,8 +313,7 @@ class JobConfig:
     rollout: RolloutConfig = RolloutConfig()
     sampling: SamplingConfig = SamplingConfig()
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig(weight=0.5, warmup_iterations=10)
-    repeat: RepeatConfig = RepeatConfig(min_ngram=1, max_ngram=32, min_repeats=4, min_tail_tokens=24,
-                                        penalty=0.5)
+    repeat: RepeatConfig = RepeatConfig(min_ngram=1, max_ngram=32, min_repeats=4, min_tail_tokens=24, penalty=0.5)
     reward: RewardConfig = RewardConfig()
     engine: EngineConfig = EngineConfig()
     sync: SyncConfig = SyncConfig()
@@ -314,23 +321,29 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self.partial_rollout()  # validates the budget against k and the segment size
-        longest_prompt = 1 + max(len(task.sample_problem(_FixedRng(), level).prompt)
-                                 for level in set(self.data.train_levels) | set(self.data.heldout_levels))
+        longest_prompt = 1 + max(
+            len(task.sample_problem(_FixedRng(), level).prompt)
+            for level in set(self.data.train_levels) | set(self.data.heldout_levels)
+        )
         need = longest_prompt + self.rollout.max_response_tokens
         if self.engine.max_model_len < need:
-            raise ValueError(f"engine.max_model_len={self.engine.max_model_len} is below the longest prompt "
-                             f"({longest_prompt} tokens) plus rollout.max_response_tokens "
-                             f"({self.rollout.max_response_tokens})")
+            raise ValueError(
+                f"engine.max_model_len={self.engine.max_model_len} is below the longest prompt "
+                f"({longest_prompt} tokens) plus rollout.max_response_tokens "
+                f"({self.rollout.max_response_tokens})"
+            )
 
     def partial_rollout(self) -> PartialRolloutConfig:
         r = self.rollout
         try:
             return PartialRolloutConfig(
-                iteration_token_budget=r.iteration_token_budget, segment_max_tokens=r.segment_max_tokens,
+                iteration_token_budget=r.iteration_token_budget,
+                segment_max_tokens=r.segment_max_tokens,
                 max_response_tokens=r.max_response_tokens,
                 num_responses_per_prompt=self.rl.num_responses_per_prompt,
                 exclude_stale_segments=r.exclude_stale_segments,
-                max_new_groups_per_iteration=r.max_new_groups_per_iteration)
+                max_new_groups_per_iteration=r.max_new_groups_per_iteration,
+            )
         except ValueError as e:
             raise ValueError(f"rollout: {e}") from None
 
@@ -343,6 +356,7 @@ class _FixedRng:
 
 
 # -- dict <-> dataclass ----------------------------------------------------------------------------
+
 
 def to_dict(obj: Any) -> Any:
     """A JSON-ready form of a config tree (tuples become lists)."""
@@ -365,8 +379,9 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{path}." if path else ""
-        raise ValueError(f"unknown config key(s) {[where + k for k in unknown]}; known in "
-                         f"{path or 'the top level'}: {sorted(names)}")
+        raise ValueError(
+            f"unknown config key(s) {[where + k for k in unknown]}; known in {path or 'the top level'}: {sorted(names)}"
+        )
     kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -420,7 +435,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         node = out
         for i, key in enumerate(keys[:-1]):
             if not isinstance(node.get(key), dict):
-                raise ValueError(f"override {text!r}: {'.'.join(keys[:i + 1])} is not a config section")
+                raise ValueError(f"override {text!r}: {'.'.join(keys[: i + 1])} is not a config section")
             node = node[key]
         node[keys[-1]] = value
     return out

@@ -45,7 +45,6 @@ _NON_WEIGHT_FILES = (
     "chat_template.jinja",
     "added_tokens.json",
 )
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,16 +133,9 @@ def make_trainer(
 
 def disk_dtypes(model_dir: str | pathlib.Path) -> dict[str, torch.dtype]:
     """{tensor name: dtype} as the model directory's safetensors store them."""
-    from safetensors import safe_open
+    from checkpoint_engine.hf_dir import tensor_dtypes
 
-    from vllm_ext.tiny_model import safetensors_files
-
-    out: dict[str, torch.dtype] = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                out[name] = _SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()]
-    return out
+    return tensor_dtypes(model_dir)
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainerConfig, lr: float) -> torch.optim.Optimizer:
@@ -164,7 +156,7 @@ def save_hf_dir(
     extra: dict | None = None,
 ) -> pathlib.Path:
     """Write a HF model directory: non-weight files copied from ``source_dir``, ``named_tensors``."""
-    from vllm_ext.tiny_model import write_safetensors
+    from checkpoint_engine.hf_dir import write_safetensors
 
     source, out = pathlib.Path(source_dir), pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

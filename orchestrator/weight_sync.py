@@ -15,17 +15,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.ps import ParameterServer
+from checkpoint_engine.types import ReqFunc
 from orchestrator.config import SyncConfig
 
 logger = logging.getLogger(__name__)
-
-ReqFunc = Callable[[list[tuple[str, str]]], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +40,17 @@ class WeightSync:
     """Owns the in-process ParameterServer; ``push`` makes the engine serve the given weights."""
 
     def __init__(self, config: SyncConfig, req_func: ReqFunc) -> None:
-        update = UpdateConfig(bucket_size_bytes=config.bucket_size_bytes, engine_timeout_s=config.timeout_s,
-                              engine_connect_timeout_s=config.timeout_s, req_func_timeout_s=config.timeout_s)
+        update = UpdateConfig(
+            bucket_size_bytes=config.bucket_size_bytes,
+            engine_timeout_s=config.timeout_s,
+            engine_connect_timeout_s=config.timeout_s,
+            req_func_timeout_s=config.timeout_s,
+        )
         # reuse_host_memory: every iteration registers the same shapes, so v+1 lands in v-1's chunks
         # (no fresh page faults here, and the engine finds segments it already has mapped).
-        self.ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(
-            transport="cpu", update=update, reuse_host_memory=True))
+        self.ps = ParameterServer(
+            rank=0, world_size=1, config=ParameterServerConfig(transport="cpu", update=update, reuse_host_memory=True)
+        )
         self.req_func = req_func
         self._current: str | None = None
 
@@ -63,8 +67,13 @@ class WeightSync:
         self._current = name
         total_s = time.monotonic() - start
         logger.debug("weights v%d synced in %.3f s (%s)", version, total_s, metrics.summary())
-        return SyncResult(version=version, total_s=total_s, update_s=metrics.total_s,
-                          total_bytes=metrics.total_bytes, num_buckets=metrics.num_buckets)
+        return SyncResult(
+            version=version,
+            total_s=total_s,
+            update_s=metrics.total_s,
+            total_bytes=metrics.total_bytes,
+            num_buckets=metrics.num_buckets,
+        )
 
     def close(self) -> None:
         self.ps.close()

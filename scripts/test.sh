@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export GLOG_minloglevel=2 TOKENIZERS_PARALLELISM=false
+echo "[test] ruff check + ruff format --check"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

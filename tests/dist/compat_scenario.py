@@ -48,8 +48,11 @@ def expected_tensors(seed: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    )
 
 
 # -- engine process ----------------------------------------------------------------------------
@@ -84,8 +87,9 @@ def engine_main(rank: int, device_id: str, world: int, cmds, results) -> None:
                 raise AssertionError(f"{len(missing)} tensors never arrived, e.g. {missing[:3]}")
 
         try:
-            state = update_weights_from_ipc(ctx, dict(paths)[device_id], None, run=run, post_hook=post_hook,
-                                            timeout_s=ENGINE_WAIT_S)
+            state = update_weights_from_ipc(
+                ctx, dict(paths)[device_id], None, run=run, post_hook=post_hook, timeout_s=ENGINE_WAIT_S
+            )
             results.put(("ok", len(seen), state.version))
         except RuntimeError as e:  # UpdateAborted: reported, the engine keeps serving
             results.put(("aborted", str(e), -1))
@@ -165,7 +169,7 @@ def scenario_files(ps, dist, engine, rank, world, args) -> None:
     tensors = make_tensors(3, rank)
     items = list(tensors.items())
     third = len(items) // 3
-    in_shm, on_disk, in_memory = dict(items[:third]), dict(items[third: 2 * third]), dict(items[2 * third:])
+    in_shm, on_disk, in_memory = dict(items[:third]), dict(items[third : 2 * third]), dict(items[2 * third :])
     shm_dir = os.path.join(args.shm_dir, f"rank{rank}")
     disk_dir = os.path.join(args.tmp, f"rank{rank}")
     try:
@@ -174,8 +178,13 @@ def scenario_files(ps, dist, engine, rank, world, args) -> None:
         files = [os.path.join(shm_dir, "part.safetensors"), os.path.join(disk_dir, "part.safetensors")]
         save_file(in_shm, files[0])
         save_file(on_disk, files[1])
-        ps.register_checkpoint("test_with_files", files=files, named_tensors=in_memory,
-                               use_shared_memory_pool=False, use_inplace_pin_memory=True)
+        ps.register_checkpoint(
+            "test_with_files",
+            files=files,
+            named_tensors=in_memory,
+            use_shared_memory_pool=False,
+            use_inplace_pin_memory=True,
+        )
         assert all(os.path.exists(f) for f in files), "registration must not remove the user's files"
         ps.gather_metas("test_with_files")
         ps.update("test_with_files", engine.req_func("check", 3), ranks=[])
@@ -225,8 +234,13 @@ def scenario_join(ps, dist, engine, rank, world, args) -> None:
     dist.barrier()
 
 
-SCENARIOS = {"ranks": scenario_ranks, "error": scenario_error, "files": scenario_files,
-             "owner": scenario_owner, "join": scenario_join}
+SCENARIOS = {
+    "ranks": scenario_ranks,
+    "error": scenario_error,
+    "files": scenario_files,
+    "owner": scenario_owner,
+    "join": scenario_join,
+}
 
 
 def main() -> int:

@@ -34,8 +34,11 @@ def get_json(url: str, timeout_s: float = 10.0) -> dict:
 
 
 def rpc(url: str, method: str, timeout_s: float = 30.0) -> dict:
-    req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": method, "args": []}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/collective_rpc",
+        data=json.dumps({"method": method, "args": []}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())["results"][0]
 
@@ -45,9 +48,23 @@ class Engine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", str(self.port), "--device", device,
-             "--timeout-s", str(timeout_s), *flags],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "checkpoint_engine.plain_engine",
+                "--port",
+                str(self.port),
+                "--device",
+                device,
+                "--timeout-s",
+                str(timeout_s),
+                *flags,
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
@@ -58,7 +75,7 @@ class Engine:
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise TimeoutError("engine did not come up within 60 s")
+                    raise TimeoutError("engine did not come up within 60 s") from None
                 time.sleep(0.05)
 
     def state(self) -> dict:
@@ -100,10 +117,21 @@ def run_ranks(world: int, args_for_rank, timeout_s: float = 120.0, kill_rank_aft
     port = free_port()
     procs = []
     for r in range(world):
-        cmd = [sys.executable, "-m", "tests.dist.scenario", "--rank", str(r), "--world", str(world),
-               "--master-port", str(port), *args_for_rank(r)]
-        procs.append(subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.dist.scenario",
+            "--rank",
+            str(r),
+            "--world",
+            str(world),
+            "--master-port",
+            str(port),
+            *args_for_rank(r),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     if kill_rank_after is not None:
         kill_rank_after(procs)
     out = []
@@ -114,6 +142,6 @@ def run_ranks(world: int, args_for_rank, timeout_s: float = 120.0, kill_rank_aft
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"rank processes hung past {timeout_s} s")
+            raise AssertionError(f"rank processes hung past {timeout_s} s") from None
         out.append((p.returncode, text))
     return out

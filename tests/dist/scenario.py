@@ -73,8 +73,12 @@ def main() -> int:
     p.add_argument("--checksums", action="store_true")
     p.add_argument("--mode", default="collective", choices=["auto", "collective", "local"])
     p.add_argument("--transport", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--p2p-recover", type=int, default=None,
-                   help="after the steps: this rank's engine restarts empty and recovers by P2P alone")
+    p.add_argument(
+        "--p2p-recover",
+        type=int,
+        default=None,
+        help="after the steps: this rank's engine restarts empty and recovers by P2P alone",
+    )
     p.add_argument("--tamper-metas", action="store_true", help="last rank loads metas that differ")
     p.add_argument("--dup-name", action="store_true", help="last rank also registers a name rank 0 owns")
     args = p.parse_args()
@@ -82,16 +86,28 @@ def main() -> int:
     torch.set_num_threads(1)
     from checkpoint_engine.p2p import P2PConfig
 
-    cfg = ParameterServerConfig(transport=args.transport, p2p=P2PConfig() if args.p2p_recover is not None else None, collective_timeout_s=args.timeout_s, verify_checksums=args.checksums,
-                                update=UpdateConfig(bucket_size_bytes=args.bucket_size, engine_timeout_s=args.timeout_s,
-                                                    engine_connect_timeout_s=args.timeout_s, mode=args.mode,
-                                                    agree_every_buckets=2))
-    ps = ParameterServer(rank=args.rank, world_size=args.world, master_addr="127.0.0.1",
-                         master_port=args.master_port, config=cfg)
+    cfg = ParameterServerConfig(
+        transport=args.transport,
+        p2p=P2PConfig() if args.p2p_recover is not None else None,
+        collective_timeout_s=args.timeout_s,
+        verify_checksums=args.checksums,
+        update=UpdateConfig(
+            bucket_size_bytes=args.bucket_size,
+            engine_timeout_s=args.timeout_s,
+            engine_connect_timeout_s=args.timeout_s,
+            mode=args.mode,
+            agree_every_buckets=2,
+        ),
+    )
+    ps = ParameterServer(
+        rank=args.rank, world_size=args.world, master_addr="127.0.0.1", master_port=args.master_port, config=cfg
+    )
     req = http_req_func(args.engine_url, rank=args.rank, timeout_s=args.timeout_s)
     if args.req_func_raise and args.rank == args.world - 1:
+
         def req(_paths):
             raise ConnectionError("injected: engine endpoint unreachable")
+
     registered: dict[str, int] = {}
     for n, step in enumerate(args.steps.split(",")):
         name, seed = step[0], int(step[1:])

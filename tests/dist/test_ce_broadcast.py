@@ -19,15 +19,31 @@ def stop_all(engines):
     return [e.stop() for e in engines]
 
 
-@pytest.mark.parametrize("world,source,mode", [(1, "files", "collective"), (2, "both", "collective"),
-                                               (3, "named", "collective"), (2, "both", "auto")])
+@pytest.mark.parametrize(
+    "world,source,mode",
+    [(1, "files", "collective"), (2, "both", "collective"), (3, "named", "collective"), (2, "both", "auto")],
+)
 def test_updates_are_bit_exact(tmp_path, world, source, mode):
     """Two checkpoints updated alternately, then new weights for one: every tensor bit-exact each time."""
     engines = engines_for(world)
     try:
-        res = run_ranks(world, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--source", source,
-                                          "--mode", mode, "--steps", "A1,B2,A1,A3", *BUCKET,
-                                          *(["--checksums"] if world == 2 else [])])
+        res = run_ranks(
+            world,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--source",
+                source,
+                "--mode",
+                mode,
+                "--steps",
+                "A1,B2,A1,A3",
+                *BUCKET,
+                *(["--checksums"] if world == 2 else []),
+            ],
+        )
         for rank, (rc, out) in enumerate(res):
             assert rc == 0, f"rank {rank} failed:\n{out}"
             assert out.count("STEP_OK") == 4
@@ -59,8 +75,20 @@ def test_engine_killed_mid_update(tmp_path):
     engines = engines_for(2, ("--die-on-bucket", "2"), ())
     try:
         t0 = time.monotonic()
-        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", *BUCKET,
-                                      "--timeout-s", "60"])
+        res = run_ranks(
+            2,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--steps",
+                "A1",
+                *BUCKET,
+                "--timeout-s",
+                "60",
+            ],
+        )
         assert time.monotonic() - t0 < 45, "a dead engine must be noticed without waiting for the 60 s deadline"
         _assert_all_failed(res, "rank 0: engine: engine disconnected")
         assert engines[0].proc.wait(5) == -9
@@ -82,11 +110,27 @@ def test_rank_killed_mid_update(tmp_path, mode):
         procs[1].kill()
 
     try:
-        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", *BUCKET,
-                                      "--timeout-s", "20", "--mode", mode], kill_rank_after=kill_rank1_once_receiving)
+        res = run_ranks(
+            2,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--steps",
+                "A1",
+                *BUCKET,
+                "--timeout-s",
+                "20",
+                "--mode",
+                mode,
+            ],
+            kill_rank_after=kill_rank1_once_receiving,
+        )
         assert res[1][0] == -9
-        assert res[0][0] == 3 and "UPDATE_ERROR: RuntimeError: rank 0: weight update aborted: rank 1 (pid" in res[0][1], \
-            res[0][1]
+        assert (
+            res[0][0] == 3 and "UPDATE_ERROR: RuntimeError: rank 0: weight update aborted: rank 1 (pid" in res[0][1]
+        ), res[0][1]
         assert engines[0].state()["status"] == "incomplete"
         deadline = time.monotonic() + 30  # engine 1 lost its PS rank: its own deadline (5 s) fires
         while engines[1].state()["status"] != "incomplete":
@@ -99,8 +143,9 @@ def test_rank_killed_mid_update(tmp_path, mode):
 def test_req_func_raising(tmp_path):
     engines = engines_for(2)
     try:
-        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1",
-                                      "--req-func-raise"])
+        res = run_ranks(
+            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--req-func-raise"]
+        )
         _assert_all_failed(res, "rank 1: req_func raised ConnectionError: injected: engine endpoint unreachable")
         assert engines[0].state()["status"] == "incomplete" and engines[1].state()["status"] == "initial"
     finally:
@@ -110,8 +155,9 @@ def test_req_func_raising(tmp_path):
 def test_metas_differing_between_ranks(tmp_path):
     engines = engines_for(2)
     try:
-        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1",
-                                      "--tamper-metas"])
+        res = run_ranks(
+            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--tamper-metas"]
+        )
         _assert_all_failed(res, "metas of 'A' differ between ranks")
         assert [e.state()["status"] for e in engines] == ["initial", "initial"]  # nothing was sent
     finally:
@@ -121,9 +167,10 @@ def test_metas_differing_between_ranks(tmp_path):
 def test_duplicate_name_across_ranks(tmp_path):
     engines = engines_for(2)
     try:
-        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1",
-                                      "--dup-name"])
-        for rank, (rc, out) in enumerate(res):
+        res = run_ranks(
+            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--dup-name"]
+        )
+        for rc, out in res:
             assert rc == 4 and "'layers.0.w' is registered on rank 0 and on rank 1" in out, out
     finally:
         assert stop_all(engines) == [0, 0]
@@ -134,8 +181,20 @@ def test_p2p_recovery_of_a_restarted_engine(tmp_path):
     Mooncake (TCP) while rank 0's engine is not touched."""
     engines = engines_for(2)
     try:
-        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1",
-                                      *BUCKET, "--p2p-recover", "1"])
+        res = run_ranks(
+            2,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--steps",
+                "A1",
+                *BUCKET,
+                "--p2p-recover",
+                "1",
+            ],
+        )
         for rank, (rc, out) in enumerate(res):
             assert rc == 0 and "P2P_OK" in out, f"rank {rank}:\n{out}"
         assert engines[0].state()["version"] == 1 and engines[1].state()["version"] == 1

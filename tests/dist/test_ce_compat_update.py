@@ -23,12 +23,26 @@ JOB_TIMEOUT_S = 90.0
 
 
 def start_job(scenario: str, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "tests.dist.compat_scenario", scenario, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(WORLD),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "tests.dist.compat_scenario",
+        scenario,
+        *args,
+    ]
     env = _env()
     env.setdefault("GLOG_minloglevel", "2")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = JOB_TIMEOUT_S) -> str:

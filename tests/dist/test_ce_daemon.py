@@ -28,8 +28,9 @@ def call(method: str, url: str, body: dict | None = None, timeout_s: float = 60.
 
 def test_help_is_instant():
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "checkpoint_engine", "--help"], capture_output=True, text=True,
-                         env=_env(), timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "checkpoint_engine", "--help"], capture_output=True, text=True, env=_env(), timeout=30
+    )
     assert out.returncode == 0 and "POST /update" in out.stdout
     assert time.perf_counter() - t0 < 5.0
 
@@ -45,10 +46,32 @@ def test_daemon_register_update_shutdown(tmp_path):
     engines = [Engine(), Engine()]
     port = free_port()
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "checkpoint_engine", "--port", str(port), "--collective-timeout-s", "60",
-         "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), "--p2p-host", "127.0.0.1"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "checkpoint_engine",
+            "--port",
+            str(port),
+            "--collective-timeout-s",
+            "60",
+            "--metrics-jsonl",
+            str(tmp_path / "metrics.jsonl"),
+            "--p2p-host",
+            "127.0.0.1",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -67,7 +90,9 @@ def test_daemon_register_update_shutdown(tmp_path):
         assert code == 500 and "already registered" in res["errors"]["0"]
         code, res = call("POST", base + "/checkpoints", {"name": "x"})
         assert code == 400 and "'files' must be a non-empty list" in res["error"]
-        code, res = call("POST", base + "/update", {"name": "m", "endpoints": [e.url for e in engines], "timeout_s": 30})
+        code, res = call(
+            "POST", base + "/update", {"name": "m", "endpoints": [e.url for e in engines], "timeout_s": 30}
+        )
         assert code == 200 and res["ok"], res
         assert res["ranks"][0]["result"]["gib_per_s"] > 0
         expected = {k: tensor_checksum(v) for k, v in tensors.items()}
@@ -127,9 +152,28 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
         s.bind(uds)
     engines = [Engine(), Engine()]
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "checkpoint_engine", "--uds", uds, "--collective-timeout-s", "60"],  # as theirs: no P2P flags
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "checkpoint_engine",
+            "--uds",
+            uds,
+            "--collective-timeout-s",
+            "60",
+        ],  # as theirs: no P2P flags
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     rpc_urls = [e.url + "/collective_rpc" for e in engines]
     try:
         deadline = time.monotonic() + 90

@@ -21,11 +21,26 @@ pytestmark = [pytest.mark.etcd, pytest.mark.skipif(shutil.which("etcd") is None,
 def etcd(tmp_path_factory):
     port, peer = free_port(), free_port()
     proc = subprocess.Popen(
-        ["etcd", "--data-dir", str(tmp_path_factory.mktemp("etcd")), "--name", "test",
-         "--listen-client-urls", f"http://127.0.0.1:{port}", "--advertise-client-urls", f"http://127.0.0.1:{port}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "etcd",
+            "--data-dir",
+            str(tmp_path_factory.mktemp("etcd")),
+            "--name",
+            "test",
+            "--listen-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"test=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
