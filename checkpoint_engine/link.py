@@ -54,6 +54,13 @@ class EngineLink:
                 self._sock.send(data, flags=zmq.NOBLOCK)
                 return
             except zmq.Again:
+                while self._monitor.poll(0, zmq.POLLIN):  # a disconnect may be waiting to be read
+                    self._on_monitor_event()
+                if self._gone:
+                    raise EngineFailure(
+                        f"engine disconnected before {type(msg).__name__} could be sent "
+                        "(its process exited or was killed)"
+                    ) from None
                 if deadline_s is None or time.monotonic() > deadline_s:
                     raise EngineFailure(
                         f"timed out waiting for the engine to connect (could not send {type(msg).__name__})"

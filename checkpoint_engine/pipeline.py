@@ -256,7 +256,11 @@ def _stream_buckets(job, link, req, shared, staging, layout, status, m) -> None:
                 _read_bucket(job, bucket, shared, staging, half, bucket.owner_rank in layout.base, m)
             elif job.mode == "collective":
                 _move_bucket(job, bucket, shared, half, bucket.owner_rank in layout.base, m)
-            link.send(P.Bucket(index=i, tensors=layout.wire(bucket, half)))
+            if link.failure is None:  # the bucket still moved above: other ranks broadcast in lockstep
+                try:
+                    link.send(P.Bucket(index=i, tensors=layout.wire(bucket, half)))
+                except EngineFailure as e:
+                    link.failure = e.describe()  # spread to every rank at the next agreement
             if bar is not None:
                 bar.update(sum(t.nbytes for t in bucket.tensors))
         _wait_acks(job, link, req, acked, len(job.buckets), m)

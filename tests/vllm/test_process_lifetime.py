@@ -28,6 +28,14 @@ def _descendants(proc: psutil.Process) -> set[psutil.Process]:
         return set()
 
 
+def _describe(proc: psutil.Process) -> str:
+    """Command line and name, or "" for a process that is gone or a zombie (short-lived helpers)."""
+    try:
+        return " ".join(proc.cmdline()) + " " + proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
+        return ""
+
+
 def _run_until_vllm_then_signal(cmd: list[str], sig: int, tmp_path: Path) -> set[psutil.Process]:
     """Start `cmd`, wait until a vLLM engine process runs below it, send `sig`; every process seen."""
     from vllm_ext.testing import child_env
@@ -40,7 +48,7 @@ def _run_until_vllm_then_signal(cmd: list[str], sig: int, tmp_path: Path) -> set
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             seen |= _descendants(root)
-            names = " ".join(" ".join(p.cmdline()) + " " + p.name() for p in seen if p.is_running())
+            names = " ".join(_describe(p) for p in seen)
             if "EngineCore" in names or "VLLM" in names:
                 break
             if parent.poll() is not None:
@@ -63,12 +71,22 @@ def _run_until_vllm_then_signal(cmd: list[str], sig: int, tmp_path: Path) -> set
     return seen
 
 
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _assert_all_gone(seen: set[psutil.Process]) -> None:
-    _, alive = psutil.wait_procs(list(seen), timeout=END_TIMEOUT_S)
-    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + END_TIMEOUT_S
+    alive = [p for p in seen if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling the recorded processes, bounded by the deadline
+        alive = [p for p in alive if _running(p)]
     for p in alive:  # leave nothing behind for the next test, then fail
         p.kill()
-    assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
+    assert not alive, f"left running: {[(p.pid, _describe(p)[:80]) for p in alive]}"
 
 
 @pytest.mark.vllm
