@@ -63,7 +63,10 @@ class SFTConfig:
     grad_clip: float = 1.0
     seed: int = 0
     init_seed: int = 0
-    num_threads: int | None = None  # None: every CPU of the process's affinity
+    # One thread by default: the thread count changes float reduction order, and SFT amplifies it
+    # (two threads trained a different, weaker demo model than one), so one thread makes the cached
+    # model the same on every machine whatever its core count. None: every CPU of the affinity mask.
+    num_threads: int | None = 1
     num_layers: int = 4
     hidden_size: int = 256
     eval_levels: tuple[int, ...] = tuple(sorted(task.LEVELS))
