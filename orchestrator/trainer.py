@@ -203,7 +203,35 @@ def pad_sequences(
     return ids, attention, loss_mask
 
 
-class HFTrainer:
+class OptimizerSteps:
+    """backward/step shared by every backend; a backend overrides ``_clip_grad_norm`` when its
+    parameters are sharded (megatron at TP > 1). Needs ``model``, ``optimizer``, ``config``, ``_lr``."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of ``loss`` (for micro-batches); ``step()`` applies them."""
+        if loss.dim() != 0:
+            raise ValueError(f"loss must be a scalar, got shape {tuple(loss.shape)}")
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()!r}")
+        loss.backward()
+
+    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]:
+        """Backward ``loss`` (if given), clip gradients, take an optimizer step, zero gradients."""
+        if loss is not None:
+            self.backward(loss)
+        grad_norm = self._clip_grad_norm()
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(f"non-finite gradient norm {grad_norm.item()!r}; step skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": self._lr}
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+
+class HFTrainer(OptimizerSteps):
     """Trains a ``transformers`` causal LM loaded from a model directory (float32 on CPU)."""
 
     def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None) -> None:
@@ -246,26 +274,6 @@ class HFTrainer:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._autocast_bf16):
             logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits
         return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of ``loss`` (for micro-batches); ``step()`` applies them."""
-        if loss.dim() != 0:
-            raise ValueError(f"loss must be a scalar, got shape {tuple(loss.shape)}")
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"non-finite loss {loss.item()!r}")
-        loss.backward()
-
-    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]:
-        """Backward ``loss`` (if given), clip gradients, take an optimizer step, zero gradients."""
-        if loss is not None:
-            self.backward(loss)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise RuntimeError(f"non-finite gradient norm {grad_norm.item()!r}; step skipped")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": self._lr}
 
     def reset_optimizer(self) -> None:
         """A fresh AdamW (empty moment estimates); gradients are cleared."""

@@ -29,14 +29,14 @@ import torch
 from orchestrator.cpu import num_threads_for, resolve_autocast_dtype
 from orchestrator.loss import sequence_logprobs as _masked_sequence_logprobs
 from orchestrator.loss import token_logprobs as _masked_token_logprobs
-from orchestrator.trainer import TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
+from orchestrator.trainer import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
 from trainer.megatron.convert import ModelShape, megatron_to_hf
 from trainer.megatron.model import MegatronModelConfig
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronTrainer:
+class MegatronTrainer(OptimizerSteps):
     """Trains a megatron-core GPTModel initialized from a HF (Qwen2) model directory."""
 
     def __init__(
@@ -123,30 +123,12 @@ class MegatronTrainer:
         return per_token.gather(1, index) * inside
 
     # -- optimization -----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        if loss.dim() != 0:
-            raise ValueError(f"loss must be a scalar, got shape {tuple(loss.shape)}")
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"non-finite loss {loss.item()!r}")
-        loss.backward()
-
-    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]:
-        if loss is not None:
-            self.backward(loss)
-        grad_norm = self._clip_grad_norm()
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise RuntimeError(f"non-finite gradient norm {grad_norm.item()!r}; step skipped")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": self._lr}
-
     def _clip_grad_norm(self) -> torch.Tensor:
         """Clip by the whole model's gradient norm (torch's rule). At TP > 1 a rank holds slices of the
         split parameters and a copy of the replicated ones: their squares are summed over the TP group,
         each replicated parameter counted once; every rank then scales by the same coefficient."""
         if self.megatron.tp_size == 1:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            return super()._clip_grad_norm()
         import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
