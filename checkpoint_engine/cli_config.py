@@ -36,6 +36,12 @@ from typing import Any, Literal
 _SCALARS = (int, float, str)
 
 
+def meta(text: str = "", **extra: Any) -> dict[str, Any]:
+    """A field's metadata for its flag: ``field(default=8000, metadata=meta("public port"))``;
+    ``extra``: ``choices=...``, ``metavar=...``."""
+    return {"help": text, **extra}
+
+
 @dataclasses.dataclass(frozen=True)
 class ConfigFlag:
     """One generated flag: the field it sets (names from the top dataclass down) and its argparse dest."""
@@ -115,8 +121,21 @@ def add_config_args(
     return ConfigArgs(cls, tuple(flags))
 
 
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The dataclass's resolved field types. A module run by ``runpy`` (``python -m``, tests) is not the
+    ``sys.modules`` entry its class names, so its annotations are resolved again in the namespace of
+    the class's own functions (``__post_init__``, properties) when the first try cannot find a name."""
+    try:
+        return typing.get_type_hints(cls)
+    except NameError:
+        namespace: dict[str, Any] = {}
+        for obj in vars(cls).values():
+            namespace.update(getattr(getattr(obj, "fget", obj), "__globals__", {}))
+        return typing.get_type_hints(cls, localns=namespace)
+
+
 def _field_paths(cls: type, path: tuple[str, ...]) -> set[str]:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     out = set()
     for f in dataclasses.fields(cls):
         if not f.init:
@@ -135,7 +154,7 @@ def _included(dotted: str, only: Collection[str] | None) -> bool:
 
 
 def _add_fields(parser, cls, instance, path, prefix, exclude, only, rename, flatten, flags) -> None:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         dotted = ".".join((*path, f.name))
         if not f.init or dotted in exclude or not _included(dotted, only):
@@ -236,8 +255,8 @@ def _argparse_kwargs(where: str, hint: Any, default: Any, metadata: Mapping) -> 
     else:
         conv, kwargs["choices"] = _scalar(where, inner)
         kwargs["type"] = _or_none(conv) if optional and conv in (int, float) else conv
-        if optional and conv in (int, float):
-            suffix = suffix[:-1] + "; none: None)"
+        if optional and conv in (int, float) and default not in (None, dataclasses.MISSING):
+            suffix = suffix[:-1] + "; 'none' for None)"
     if "choices" in metadata:
         kwargs["choices"] = list(metadata["choices"])
     if kwargs.get("choices") is None:
@@ -250,7 +269,7 @@ def _argparse_kwargs(where: str, hint: Any, default: Any, metadata: Mapping) -> 
 
 def _construct(cls: type, instance: Any, path: tuple[str, ...], values: dict, fixed: Mapping[str, Any]) -> Any:
     """``cls`` from the flag values under ``path``; nested dataclasses start from their default instance."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         here = (*path, f.name)

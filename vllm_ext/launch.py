@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta
 from checkpoint_engine.procs import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -49,24 +50,60 @@ RESERVED_VLLM_FLAGS = (
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine_port: int | None = None  # None: a free port
-    checkpoint_name: str | None = None  # None: the model directory's name
-    initial_push: bool = True
-    initial_mode: Literal["load", "push"] = "load"  # weights into vLLM's load step, or pushed once it is healthy
-    gate_wait_s: float = 0.0
+    """The launcher's settings; its command line is generated from these fields (checkpoint_engine.cli_config)."""
+
+    model: str = field(metadata=meta("HF model directory (safetensors)"))
+    host: str = field(default="127.0.0.1", metadata=meta("public address of the gate"))
+    port: int = field(default=8000, metadata=meta("public port (OpenAI API, gated)"))
+    engine_port: int | None = field(default=None, metadata=meta("vLLM's internal port (None: a free one)"))
+    checkpoint_name: str | None = field(default=None, metadata=meta("None: the model directory's name"))
+    initial_push: bool = field(
+        default=True,
+        metadata=meta(
+            "load the checkpoint into the engine at start; --no-initial-push: open the gate when an "
+            "external parameter server pushes weights"
+        ),
+    )
+    initial_mode: Literal["load", "push"] = field(
+        default="load",
+        metadata=meta(
+            "load: vLLM's load step receives the weights from the parameter server (load format "
+            "checkpoint_engine); push: vLLM starts with dummy weights, pushed once it is healthy"
+        ),
+    )
+    gate_wait_s: float = field(
+        default=0.0,
+        metadata=meta("hold requests that arrive before the weights this long (0: refuse at once with 503)"),
+    )
     startup_timeout_s: float = 900.0
     push_timeout_s: float = 600.0
-    engine_timeout_s: float = 600.0
+    engine_timeout_s: float = field(default=600.0, metadata=meta("engine-side deadline per PS message"))
     reload_mode: Literal["streaming", "end"] = "streaming"
-    weight_cache: bool = True  # False: the engine keeps no host copy; stable tensors reach the reload uncopied
-    reload_impl: Literal["auto", "direct", "vllm"] = "auto"  # the engine's reload (see vllm_ext.direct_reload)
+    weight_cache: bool = field(
+        default=True,
+        metadata=meta(
+            "--no-weight-cache: the engine keeps no host copy of the weights (saves the model's size in "
+            "memory and a copy per update; no weights checksum, no fill-in of previous values after an abort)"
+        ),
+    )
+    reload_impl: Literal["auto", "direct", "vllm"] = field(
+        default="auto",
+        metadata=meta(
+            "engine-side reload: direct (CPU backend, unquantized, one TP rank: vLLM's loaders and "
+            "packing without its layerwise bookkeeping), vllm (vLLM's reload_weights), auto (direct "
+            "where it applies; see vllm_ext.direct_reload)"
+        ),
+    )
     transport: Literal["auto", "cpu", "cuda"] = "auto"
     bucket_size_bytes: int | None = None
-    register_nice: int = 19  # CPU niceness of the registration thread (19: SCHED_IDLE): vLLM's start keeps the CPU
-    vllm_args: tuple[str, ...] = field(default_factory=tuple)
+    register_nice: int = field(
+        default=19,
+        metadata=meta(
+            "CPU niceness of the checkpoint registration running beside vLLM's start (0..19; "
+            "19: SCHED_IDLE, only CPU time vLLM leaves idle)"
+        ),
+    )
+    vllm_args: tuple[str, ...] = field(default_factory=tuple)  # after `--` on the command line
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -432,88 +469,27 @@ class Launcher:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs]:
+    """The command line: LaunchConfig's fields as flags (defaults and help from the dataclass), plus
+    --log-level and the `vllm serve` arguments after `--`."""
     p = argparse.ArgumentParser(
         prog="python -m vllm_ext.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", required=True, help="HF model directory (safetensors)")
-    p.add_argument("--host", default="127.0.0.1", help="public address of the gate")
-    p.add_argument("--port", type=int, default=8000, help="public port (OpenAI API, gated)")
-    p.add_argument("--engine-port", type=int, default=None, help="vLLM's internal port (default: a free one)")
-    p.add_argument("--checkpoint-name", default=None)
-    p.add_argument(
-        "--no-initial-push",
-        action="store_true",
-        help="do not load the checkpoint; open the gate when an external PS pushes weights",
-    )
-    p.add_argument(
-        "--initial-mode",
-        choices=["load", "push"],
-        default="load",
-        help="load: vLLM's load step receives the weights from the parameter server (load format "
-        "checkpoint_engine); push: vLLM starts with dummy weights, pushed once it is healthy",
-    )
-    p.add_argument(
-        "--gate-wait-s",
-        type=float,
-        default=0.0,
-        help="hold requests that arrive before the weights this long (0: refuse at once with 503)",
-    )
-    p.add_argument("--startup-timeout-s", type=float, default=900.0)
-    p.add_argument("--push-timeout-s", type=float, default=600.0)
-    p.add_argument("--engine-timeout-s", type=float, default=600.0, help="engine-side deadline per PS message")
-    p.add_argument("--reload-mode", choices=["streaming", "end"], default="streaming")
-    p.add_argument(
-        "--no-weight-cache",
-        action="store_true",
-        help="the engine keeps no host copy of the weights (saves the model's size in memory and a "
-        "copy per update; no weights checksum, no fill-in of previous values after an abort)",
-    )
-    p.add_argument(
-        "--reload-impl",
-        choices=["auto", "direct", "vllm"],
-        default="auto",
-        help="engine-side reload: direct (CPU backend, unquantized, one TP rank: vLLM's loaders and "
-        "packing without its layerwise bookkeeping), vllm (vLLM's reload_weights), auto (direct "
-        "where it applies)",
-    )
-    p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--bucket-size-bytes", type=int, default=None)
-    p.add_argument(
-        "--register-nice",
-        type=int,
-        default=19,
-        help="CPU niceness of the checkpoint registration running beside vLLM's start (0..19; "
-        "19: SCHED_IDLE, only CPU time vLLM leaves idle)",
-    )
+    spec = add_config_args(p, LaunchConfig, exclude=("vllm_args",))
     p.add_argument("--log-level", default="INFO")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after `--`: arguments for `vllm serve`")
-    return p
+    return p, spec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _parser()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser, spec = _parser()
+    args = parser.parse_args(argv)
     vllm_args = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
-    cfg = LaunchConfig(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        engine_port=args.engine_port,
-        checkpoint_name=args.checkpoint_name,
-        initial_push=not args.no_initial_push,
-        initial_mode=args.initial_mode,
-        gate_wait_s=args.gate_wait_s,
-        startup_timeout_s=args.startup_timeout_s,
-        push_timeout_s=args.push_timeout_s,
-        engine_timeout_s=args.engine_timeout_s,
-        reload_mode=args.reload_mode,
-        weight_cache=not args.no_weight_cache,
-        transport=args.transport,
-        reload_impl=args.reload_impl,
-        bucket_size_bytes=args.bucket_size_bytes,
-        register_nice=args.register_nice,
-        vllm_args=vllm_args,
-    )
+    cfg = spec.build(args, parser, vllm_args=vllm_args)  # a bad value: exit 2 naming the flag
     from checkpoint_engine.logs import setup_logging
 
     setup_logging(args.log_level)

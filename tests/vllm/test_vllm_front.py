@@ -287,13 +287,30 @@ def test_receiver_defaults_match_what_the_launcher_assumes():
     )
 
 
-def test_parser_passes_vllm_args_after_double_dash(tmp_path):
+def test_parser_passes_vllm_args_after_double_dash(tmp_path, capsys):
     from vllm_ext import launch
 
     args = build_parser().parse_args(["--model", str(tmp_path), "--", "--dtype", "float32"])
     assert args.vllm_args == ["--", "--dtype", "float32"] or args.vllm_args == ["--dtype", "float32"]
-    with pytest.raises(ValueError, match="--port"):  # main() strips the `--` and validates what follows
+    with pytest.raises(SystemExit) as e:  # main() strips the `--` and validates what follows
         launch.main(["--model", str(tmp_path), "--", "--port", "9"])
+    assert e.value.code == 2 and "vllm_args must not set ['--port']" in capsys.readouterr().err
+
+
+def test_parser_defaults_are_the_configs(tmp_path, capsys):
+    """The launcher's flags come from LaunchConfig: no flag set gives the dataclass's defaults; the old
+    flag names still work; a bad value exits 2 naming its flag."""
+    from vllm_ext import launch
+
+    parser, spec = launch._parser()
+    assert spec.build(parser.parse_args(["--model", str(tmp_path)])) == LaunchConfig(model=str(tmp_path))
+    argv = ["--model", str(tmp_path), "--no-initial-push", "--no-weight-cache", "--reload-impl", "vllm"]
+    cfg = spec.build(parser.parse_args([*argv, "--bucket-size-bytes", "4096", "--engine-port", "9000"]))
+    assert (cfg.initial_push, cfg.weight_cache, cfg.reload_impl) == (False, False, "vllm")
+    assert (cfg.bucket_size_bytes, cfg.engine_port) == (4096, 9000)
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--model", str(tmp_path), "--register-nice", "30"])
+    assert e.value.code == 2 and "(flag: --register-nice)" in capsys.readouterr().err
 
 
 def test_model_safetensors_files(tmp_path):
