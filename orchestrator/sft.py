@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from checkpoint_engine.cli_config import add_config_args, meta
 from checkpoint_engine.validate import check_int
 from orchestrator import task
 from orchestrator.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
@@ -52,34 +53,49 @@ _NOT_IN_CACHE_KEY = ("eval_every_steps", "eval_levels", "num_eval_problems_per_l
 class SFTConfig:
     """What to train and how to evaluate it; see ``cache_key`` for what identifies a result."""
 
-    levels: tuple[int, ...] = task.SFT_LEVELS
-    level_weights: tuple[float, ...] | None = None  # None: uniform
+    levels: tuple[int, ...] = dataclasses.field(default=task.SFT_LEVELS, metadata=meta("difficulty levels trained on"))
+    level_weights: tuple[float, ...] | None = dataclasses.field(
+        default=None, metadata=meta("one weight per level (None: uniform)")
+    )
     num_steps: int = 600
     batch_size: int = 64
     lr: float = 2e-3
     warmup_steps: int = 30
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = dataclasses.field(default=0.1, metadata=meta("cosine decay floor, a fraction of lr"))
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
-    init_seed: int = 0
+    init_seed: int = dataclasses.field(default=0, metadata=meta("seed of the random initial model"))
     # One thread by default: the thread count changes float reduction order, and SFT amplifies it
     # (two threads trained a different, weaker demo model than one), so one thread makes the cached
-    # model the same on every machine whatever its core count. None: every CPU of the affinity mask.
-    num_threads: int | None = 1
+    # model the same on every machine whatever its core count.
+    num_threads: int | None = dataclasses.field(
+        default=1, metadata=meta("torch threads; None: every CPU of the affinity mask (part of the cache key)")
+    )
     num_layers: int = 4
     hidden_size: int = 256
-    eval_levels: tuple[int, ...] = tuple(sorted(task.LEVELS))
+    eval_levels: tuple[int, ...] = dataclasses.field(
+        default=tuple(sorted(task.LEVELS)), metadata=meta("held-out levels evaluated")
+    )
     num_eval_problems_per_level: int = 64
     heldout_seed: int = 0
-    eval_every_steps: int = 0  # 0: only the final evaluation
-    # "auto": bfloat16 only where the CPU runs it natively (orchestrator.cpu); resolved before the
-    # cache key is taken, so the key names the dtype that trained the weights.
-    autocast_dtype: str = "auto"
-    # the chain-of-thought format of the SFT targets: "short" (task.solution_text) or "long" (the verbose
-    # task.long_solution_text: a long-CoT model for long2short); kept out of the cache key when "short",
-    # so the short model's key is what it was before the field existed
-    solution_style: str = "short"
+    eval_every_steps: int = dataclasses.field(
+        default=0, metadata=meta("evaluate on 16 problems per level this often (0: only at the end)")
+    )
+    # resolved before the cache key is taken, so the key names the dtype that trained the weights
+    autocast_dtype: str = dataclasses.field(
+        default="auto",
+        metadata=meta("auto: bfloat16 only where the CPU runs it natively (orchestrator.cpu)", choices=AUTOCAST_DTYPES),
+    )
+    # kept out of the cache key when "short", so the short model's key is what it was before the field existed
+    solution_style: str = dataclasses.field(
+        default="short",
+        metadata=meta(
+            "chain-of-thought format of the targets: short (task.solution_text), or long (verbose re-checks, "
+            "task.long_solution_text: the long-CoT model of long2short)",
+            choices=task.SOLUTION_STYLES,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "batch_size", "num_threads", "num_layers", "hidden_size"):
@@ -357,61 +373,17 @@ def sft_summary(model_dir: str | pathlib.Path) -> dict[str, Any]:
     return json.loads((pathlib.Path(model_dir).parent / DONE_FILE).read_text())
 
 
-def _level_weights(args: argparse.Namespace, defaults: SFTConfig) -> tuple[float, ...] | None:
-    if args.level_weights is not None:
-        return tuple(args.level_weights)
-    return defaults.level_weights if tuple(args.levels) == defaults.levels else None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    defaults = SFTConfig()
     parser = argparse.ArgumentParser(
         description="SFT warm-up of the tiny model on the arithmetic task (cached by config hash)."
     )
     parser.add_argument("--out-dir", default=".cache/sft", help="cache root (default: %(default)s)")
-    parser.add_argument("--num-steps", type=int, default=defaults.num_steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--num-threads", type=int, default=defaults.num_threads)
-    parser.add_argument(
-        "--autocast-dtype",
-        choices=AUTOCAST_DTYPES,
-        default=defaults.autocast_dtype,
-        help="auto: bfloat16 only where the CPU runs it natively (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--solution-style",
-        choices=task.SOLUTION_STYLES,
-        default=defaults.solution_style,
-        help="chain-of-thought format of the targets: short, or long (verbose re-checks: the long-CoT "
-        "model of long2short) (default: %(default)s)",
-    )
-    parser.add_argument("--levels", type=int, nargs="+", default=list(defaults.levels))
-    parser.add_argument(
-        "--level-weights",
-        type=float,
-        nargs="+",
-        default=None,
-        help=f"one weight per level (default: {defaults.level_weights} for the default levels, else uniform)",
-    )
-    parser.add_argument("--num-eval-problems-per-level", type=int, default=defaults.num_eval_problems_per_level)
+    spec = add_config_args(parser, SFTConfig)  # every field a flag; defaults and help from SFTConfig
     args = parser.parse_args(argv)
+    config = spec.build(args, parser)
     from checkpoint_engine.logs import setup_logging
 
     setup_logging("INFO")
-    config = SFTConfig(
-        num_steps=args.num_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        levels=tuple(args.levels),
-        autocast_dtype=args.autocast_dtype,
-        level_weights=_level_weights(args, defaults),
-        num_eval_problems_per_level=args.num_eval_problems_per_level,
-        solution_style=args.solution_style,
-    )
     model_dir = run_sft(config, args.out_dir)
     print(json.dumps(sft_summary(model_dir)["heldout_accuracy_by_level"]))
     print(
