@@ -34,6 +34,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta
 from orchestrator import task
 
 logger = logging.getLogger(__name__)
@@ -43,16 +44,26 @@ DROP_REASONS = ("bad_record", "empty_prompt", "overlong_prompt", "uncheckable_an
 
 @dataclasses.dataclass(frozen=True)
 class CurationConfig:
-    num_samples: int = 10  # pass rate samples per prompt (with chain of thought)
-    temperature: float = 1.0  # "high temperature" of the pass-rate samples
-    num_hack_tries: int = 8  # direct-answer tries per prompt (N of the easy-to-hack filter)
+    num_samples: int = dataclasses.field(
+        default=10, metadata=meta("pass-rate samples per prompt (with chain of thought)")
+    )
+    temperature: float = dataclasses.field(
+        default=1.0, metadata=meta('the "high temperature" of the pass-rate samples')
+    )
+    num_hack_tries: int = dataclasses.field(
+        default=8, metadata=meta("direct-answer tries per prompt (N of the easy-to-hack filter)")
+    )
     hack_temperature: float = 1.0
     max_prompt_tokens: int = 128
     max_response_tokens: int = 96
     max_direct_answer_tokens: int = 8
-    max_pass_rate: float = 1.0  # drop prompts solved more often than this ("too_easy"); 1.0 keeps all
-    direct_answer_suffix: str = task.ANSWER_PREFIX  # appended to the prompt: answer without a chain of thought
-    request_chunk_problems: int = 256  # problems per engine.generate call
+    max_pass_rate: float = dataclasses.field(
+        default=1.0, metadata=meta('drop prompts solved more often than this ("too_easy"); 1.0 keeps all')
+    )
+    direct_answer_suffix: str = dataclasses.field(
+        default=task.ANSWER_PREFIX, metadata=meta("appended to the prompt: answer without a chain of thought")
+    )
+    request_chunk_problems: int = dataclasses.field(default=256, metadata=meta("problems per engine.generate call"))
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -235,7 +246,11 @@ def summarize(results: Sequence[dict]) -> dict:
 # -- the command ----------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs, ConfigArgs]:
+    """The command line: CurationConfig's fields and the engine's context length as generated flags
+    (defaults from the dataclasses), plus the paths, the endpoint and the log level."""
+    from orchestrator.config import EngineConfig  # light: dataclasses only
+
     p = argparse.ArgumentParser(
         prog="python -m orchestrator.curation",
         description="Curate a JSONL problem set with a model: format filters, the easy-to-hack "
@@ -244,38 +259,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--problems", required=True, help="input JSONL, one problem per line (prompt, answer, ...)")
     p.add_argument("--out", required=True, help="output JSONL: every problem with pass_rate, kept and reason")
     p.add_argument("--model", required=True, help="HF model directory (e.g. the SFT model)")
-    d = CurationConfig()
-    p.add_argument("--num-samples", type=int, default=d.num_samples)
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--num-hack-tries", type=int, default=d.num_hack_tries)
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    p.add_argument("--max-response-tokens", type=int, default=d.max_response_tokens)
-    p.add_argument(
-        "--max-pass-rate",
-        type=float,
-        default=d.max_pass_rate,
-        help="drop prompts solved more often than this (default 1.0: keep all)",
-    )
+    config = add_config_args(p.add_argument_group("curation"), CurationConfig)
     p.add_argument(
         "--endpoint",
         default=None,
         help="a running vLLM server that already serves the model (default: an in-process vLLM)",
     )
-    p.add_argument("--max-model-len", type=int, default=256)
+    engine = add_config_args(p, EngineConfig, only=("max_model_len",))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return p.parse_args(argv)
+    return p, config, engine
 
 
-def _engine(args: argparse.Namespace):
-    from orchestrator.config import EngineConfig, SyncConfig
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return _parser()[0].parse_args(argv)
+
+
+def _engine(args: argparse.Namespace, engine_config):
+    from orchestrator.config import SyncConfig
     from orchestrator.engine import make_engine
 
     if args.endpoint:
-        return make_engine(EngineConfig(type="vllm_http", endpoint=args.endpoint), args.model), None
+        return make_engine(
+            dataclasses.replace(engine_config, type="vllm_http", endpoint=args.endpoint), args.model
+        ), None
     from checkpoint_engine.hf_dir import read_tensors
     from orchestrator.weight_sync import WeightSync
 
-    engine = make_engine(EngineConfig(max_model_len=args.max_model_len), args.model)
+    engine = make_engine(engine_config, args.model)
     sync = None
     try:
         sync = WeightSync(SyncConfig(), engine.weight_req_func(300.0))
@@ -289,18 +299,13 @@ def _engine(args: argparse.Namespace):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser, config_args, engine_args = _parser()
+    args = parser.parse_args(argv)
+    config = config_args.build(args, parser)  # a bad value: exit 2 naming the flag
+    engine_config = engine_args.build(args, parser)
     try:
-        config = CurationConfig(
-            num_samples=args.num_samples,
-            temperature=args.temperature,
-            num_hack_tries=args.num_hack_tries,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_response_tokens=args.max_response_tokens,
-            max_pass_rate=args.max_pass_rate,
-        )
         lines = [line for line in pathlib.Path(args.problems).read_text().splitlines() if line.strip()]
-    except (ValueError, OSError) as e:
+    except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -311,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engine, sync = _engine(args)
+    engine, sync = _engine(args, engine_config)
     try:
         results = curate(
             lines,

@@ -172,3 +172,19 @@ def test_cli_help_is_light_and_missing_input_is_an_error(tmp_path):
         )
         == 2
     )
+
+
+def test_cli_flags_come_from_the_configs(tmp_path, capsys):
+    from orchestrator.config import EngineConfig
+
+    parser, config_args, engine_args = curation._parser()
+    args = parser.parse_args(["--problems", "p", "--out", "o", "--model", "m"])
+    assert config_args.build(args, parser) == CurationConfig()
+    assert engine_args.build(args, parser) == EngineConfig()
+    args = parser.parse_args(["--problems", "p", "--out", "o", "--model", "m", "--num-hack-tries", "0"])
+    assert config_args.build(args, parser) == CurationConfig(num_hack_tries=0)
+    with pytest.raises(SystemExit) as e:
+        curation.main(["--problems", "p", "--out", "o", "--model", "m", "--max-pass-rate", "2"])
+    assert (
+        e.value.code == 2 and "max_pass_rate=2.0 must be in [0, 1] (flag: --max-pass-rate)" in capsys.readouterr().err
+    )
