@@ -101,23 +101,25 @@ def add_config_args(
     only: Collection[str] | None = None,
     rename: Mapping[str, str] | None = None,
     flatten: Collection[str] = (),
+    defaults: Mapping[str, Any] | None = None,
 ) -> ConfigArgs:
     """Add a flag per field of dataclass ``cls`` to ``parser`` (or an argument group).
 
     ``prefix`` goes before every flag and dest (``prefix="engine-"``: ``--engine-max-model-len``).
     ``exclude`` / ``only`` / ``rename`` / ``flatten`` name fields by dotted path (``"update.timeout_s"``);
     excluding a nested dataclass excludes its fields. ``rename`` maps a field to its flag name without
-    the dashes (kebab case). A field without a default becomes a required flag.
+    the dashes (kebab case). ``defaults`` gives a field another default in this command (the built
+    config gets it when the flag is not given). A field without a default becomes a required flag.
     """
     if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         raise TypeError(f"add_config_args needs a dataclass type, got {cls!r}")
-    rename = dict(rename or {})
+    rename, defaults = dict(rename or {}), dict(defaults or {})
     names = _field_paths(cls, ())
-    unknown = sorted((set(exclude) | set(rename) | set(flatten) | set(only or ())) - names)
+    unknown = sorted((set(exclude) | set(rename) | set(flatten) | set(only or ()) | set(defaults)) - names)
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {unknown}; its fields: {sorted(names)}")
     flags: list[ConfigFlag] = []
-    _add_fields(parser, cls, None, (), prefix, set(exclude), only, rename, set(flatten), flags)
+    _add_fields(parser, cls, None, (), prefix, set(exclude), only, rename, set(flatten), defaults, flags)
     return ConfigArgs(cls, tuple(flags))
 
 
@@ -153,19 +155,22 @@ def _included(dotted: str, only: Collection[str] | None) -> bool:
     return any(dotted == o or dotted.startswith(o + ".") or o.startswith(dotted + ".") for o in only)
 
 
-def _add_fields(parser, cls, instance, path, prefix, exclude, only, rename, flatten, flags) -> None:
+def _add_fields(parser, cls, instance, path, prefix, exclude, only, rename, flatten, defaults, flags) -> None:
     hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         dotted = ".".join((*path, f.name))
         if not f.init or dotted in exclude or not _included(dotted, only):
             continue
         hint = hints[f.name]
-        default = _default_of(f, instance)
+        default = defaults.get(dotted, _default_of(f, instance))
         if dataclasses.is_dataclass(hint):
             if default is dataclasses.MISSING:
                 default = hint()
             inner_prefix = prefix if dotted in flatten else f"{prefix}{_kebab(rename.get(dotted, f.name))}-"
-            _add_fields(parser, hint, default, (*path, f.name), inner_prefix, exclude, only, rename, flatten, flags)
+            inner_path = (*path, f.name)
+            _add_fields(
+                parser, hint, default, inner_path, inner_prefix, exclude, only, rename, flatten, defaults, flags
+            )
             continue
         name = f"{prefix}{_kebab(rename.get(dotted, f.name))}"
         dest = name.replace("-", "_")

@@ -52,6 +52,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta
+from checkpoint_engine.validate import check_int, check_number
 from orchestrator import dpo, task
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ logger = logging.getLogger(__name__)
 WEIGHT_FILE_SUFFIXES = (".safetensors",)
 WEIGHT_INDEX_FILE = "model.safetensors.index.json"
 INFO_FILE = "long2short.json"  # what made a model directory (written next to its weights)
+DEFAULT_ALPHA = 0.5  # merge: weight of the long-CoT model
 
 
 # -- merge ----------------------------------------------------------------------------------------
@@ -102,7 +105,10 @@ def merge_state_dicts(long: Mapping[str, Any], short: Mapping[str, Any], alpha: 
 
 
 def merge_model_dirs(
-    long_dir: str | pathlib.Path, short_dir: str | pathlib.Path, out_dir: str | pathlib.Path, alpha: float = 0.5
+    long_dir: str | pathlib.Path,
+    short_dir: str | pathlib.Path,
+    out_dir: str | pathlib.Path,
+    alpha: float = DEFAULT_ALPHA,
 ) -> pathlib.Path:
     """Weight-average two HF model directories into ``out_dir`` (config and tokenizer from ``short_dir``)."""
     from checkpoint_engine.hf_dir import read_tensors, write_safetensors
@@ -136,18 +142,32 @@ class Response:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    num_samples: int = 8  # n of k1.5's shortest rejection sampling
+    num_samples: int = dataclasses.field(
+        default=8, metadata=meta("samples per problem (n of k1.5's shortest rejection sampling)")
+    )
     temperature: float = 1.0
     max_response_tokens: int = 128
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         for name in ("num_samples", "max_response_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if not self.temperature >= 0 or not self.timeout_s > 0:
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 and timeout_s > 0")
+            check_int(name, getattr(self, name))
+        check_number("temperature", self.temperature, allow_zero=True)
+        check_number("timeout_s", self.timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemSetConfig:
+    """Which problems a command samples (the training split) or evaluates (the held-out split)."""
+
+    num_problems: int = 256
+    levels: tuple[int, ...] = task.RL_LEVELS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("num_problems", self.num_problems)
+        if not self.levels or any(level not in task.LEVELS for level in self.levels):
+            raise ValueError(f"levels={self.levels!r} must be a non-empty subset of {sorted(task.LEVELS)}")
 
 
 def sample_groups(
@@ -231,15 +251,16 @@ class TrainConfig:
     num_epochs: int = 2
     batch_size: int = 16
     seed: int = 0
-    num_threads: int | None = None
+    num_threads: int | None = dataclasses.field(
+        default=None, metadata=meta("torch threads (None: the affinity mask's CPUs)")
+    )
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr!r} must be > 0")
+        check_number("lr", self.lr)
         for name in ("num_epochs", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            check_int(name, getattr(self, name))
+        if self.num_threads is not None:
+            check_int("num_threads", self.num_threads)
 
 
 def _trainer(model_dir: str | pathlib.Path, config: TrainConfig):
@@ -311,12 +332,26 @@ def sft_on(
 @dataclasses.dataclass(frozen=True)
 class DpoConfig:
     beta: float = 0.1
-    length_ratio: float = 1.5
+    length_ratio: float = dataclasses.field(
+        default=1.5, metadata=meta("a correct sample this many times longer than the shortest is rejected")
+    )
     lr: float = 1e-4
     num_epochs: int = 2
     pairs_per_step: int = 16
     seed: int = 0
-    num_threads: int | None = None
+    num_threads: int | None = dataclasses.field(
+        default=None, metadata=meta("torch threads (None: the affinity mask's CPUs)")
+    )
+
+    def __post_init__(self) -> None:
+        check_number("beta", self.beta)
+        check_number("lr", self.lr)
+        if not self.length_ratio >= 1:
+            raise ValueError(f"length_ratio={self.length_ratio!r} must be >= 1")
+        for name in ("num_epochs", "pairs_per_step"):
+            check_int(name, getattr(self, name))
+        if self.num_threads is not None:
+            check_int("num_threads", self.num_threads)
 
 
 def dpo_token_pairs(
@@ -479,93 +514,104 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
 # -- the command ----------------------------------------------------------------------------------
 
 
-def _problems(args: argparse.Namespace) -> list[task.Problem]:
-    return task.training_problems(args.seed, args.num_problems, args.levels)
+# Each subcommand's generated flags: name -> (its parser, the configs built from its arguments).
+Commands = dict[str, tuple[argparse.ArgumentParser, dict[str, ConfigArgs]]]
 
 
-def _add_common(p: argparse.ArgumentParser, *, engine: bool = True) -> None:
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the affinity mask's CPUs)")
-    if engine:
-        p.add_argument("--max-model-len", type=int, default=256, help="vLLM context length (default: %(default)s)")
-        p.add_argument("--max-response-tokens", type=int, default=128, help="(default: %(default)s)")
-        p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+def _add_engine(p: argparse.ArgumentParser, specs: dict[str, ConfigArgs]) -> None:
+    """Flags of the commands that run vLLM: its context length (EngineConfig) and the log level."""
+    from orchestrator.config import EngineConfig  # light: dataclasses only
+
+    specs["engine"] = add_config_args(p, EngineConfig, only=("max_model_len",))
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    _add_common(p)
+def _add_sampling(p: argparse.ArgumentParser, specs: dict[str, ConfigArgs]) -> None:
+    _add_engine(p, specs)
     p.add_argument("--model", required=True, help="HF model directory to sample from (and to train, for dpo)")
-    p.add_argument("--num-samples", type=int, default=8, help="samples per problem (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--num-problems", type=int, default=256, help="training-split problems (default: %(default)s)")
-    p.add_argument("--levels", type=int, nargs="+", default=list(task.RL_LEVELS))
-    p.add_argument("--seed", type=int, default=0)
+    specs["sampling"] = add_config_args(p, SamplingConfig)
+    specs["problems"] = add_config_args(p.add_argument_group("problems (training split)"), ProblemSetConfig)
     p.add_argument(
         "--endpoint", default=None, help="a running vLLM server that already serves --model (default: in-process)"
     )
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _unused_num_threads(p: argparse.ArgumentParser) -> None:
+    """--num-threads, accepted by every command; sampling and evaluation run inside vLLM and ignore it."""
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads of training commands (unused here)")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, Commands]:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.long2short",
         description="k1.5 long2short over HF model directories: merge, shortest rejection sampling (+ sft-on), "
         "DPO, token-efficiency evaluation. long2short RL is a config of the RL job (see the module docstring).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    commands: Commands = {}
+
     p = sub.add_parser("merge", help="weight-average a long-CoT and a short-CoT model")
     p.add_argument("--long", required=True, help="long-CoT model dir")
     p.add_argument("--short", required=True, help="short-CoT model dir (config and tokenizer are copied from it)")
-    p.add_argument("--alpha", type=float, default=0.5, help="weight of the long model (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="weight of the long model (default: %(default)s)")
     p.add_argument("--out", required=True, help="new model dir")
+    commands["merge"] = (p, {})
 
     p = sub.add_parser("shortest-rejection", help="n samples per problem; keep the shortest correct as SFT data")
-    _add_sampling(p)
+    specs: dict[str, ConfigArgs] = {}
+    _unused_num_threads(p)
+    _add_sampling(p, specs)
     p.add_argument("--out", required=True, help="SFT data (JSONL: prompt, response, response_ids, num_tokens, ...)")
+    commands["shortest-rejection"] = (p, specs)
 
     p = sub.add_parser("sft-on", help="fine-tune a model on shortest-rejection data")
-    _add_common(p, engine=False)
-    d = TrainConfig()
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSONL from shortest-rejection")
     p.add_argument("--out", required=True, help="new model dir")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--num-epochs", type=int, default=d.num_epochs)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seed", type=int, default=d.seed)
+    commands["sft-on"] = (p, {"train": add_config_args(p, TrainConfig)})
 
     p = sub.add_parser("dpo", help="DPO toward the shortest correct sample, against the frozen model")
-    _add_sampling(p)
-    d = DpoConfig()
+    specs = {}
+    _add_sampling(p, specs)  # its --seed seeds both the problems and DPO
     p.add_argument("--out", required=True, help="new model dir")
-    p.add_argument("--beta", type=float, default=d.beta)
-    p.add_argument("--length-ratio", type=float, default=d.length_ratio)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--num-epochs", type=int, default=d.num_epochs)
-    p.add_argument("--pairs-per-step", type=int, default=d.pairs_per_step)
+    specs["dpo"] = add_config_args(p.add_argument_group("dpo"), DpoConfig, exclude=("seed",))
+    commands["dpo"] = (p, specs)
 
     p = sub.add_parser("evaluate", help="held-out accuracy vs mean response tokens of several models")
-    _add_common(p)
+    specs = {}
+    _unused_num_threads(p)
+    _add_engine(p, specs)
+    specs["sampling"] = add_config_args(p, SamplingConfig, only=("max_response_tokens",))
     p.add_argument("--models", nargs="+", required=True, help="[LABEL=]DIR ... (one architecture)")
     p.add_argument("--out-dir", required=True, help="writes summary.json and token_efficiency.png")
-    p.add_argument("--num-problems", type=int, default=192, help="held-out problems (default: %(default)s)")
-    p.add_argument("--levels", type=int, nargs="+", default=list(task.RL_LEVELS))
-    p.add_argument("--heldout-seed", type=int, default=0)
-    return parser.parse_args(argv)
+    specs["problems"] = add_config_args(
+        p.add_argument_group("problems (held-out split)"),
+        ProblemSetConfig,
+        rename={"seed": "heldout-seed"},
+        defaults={"num_problems": 192},
+    )
+    commands["evaluate"] = (p, specs)
+    return parser, commands
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return _parser()[0].parse_args(argv)
 
 
 class _Engine:
     """The CLI's engine: vLLM (in-process on dummy weights, or a server) and a weight pusher."""
 
-    def __init__(self, model_dir: str, endpoint: str | None, max_model_len: int) -> None:
-        from orchestrator.config import EngineConfig, SyncConfig
+    def __init__(self, model_dir: str, endpoint: str | None, config: Any) -> None:
+        """``config``: the ``orchestrator.config.EngineConfig`` of the in-process engine."""
+        from orchestrator.config import SyncConfig
         from orchestrator.engine import make_engine
         from orchestrator.weight_sync import WeightSync
 
         self.sync = None
         self.version = 0
         if endpoint:
-            self.engine = make_engine(EngineConfig(type="vllm_http", endpoint=endpoint), model_dir)
-        else:
-            self.engine = make_engine(EngineConfig(max_model_len=max_model_len), model_dir)
+            config = dataclasses.replace(config, type="vllm_http", endpoint=endpoint)
+        self.engine = make_engine(config, model_dir)
         try:
             self.sync = WeightSync(SyncConfig(), self.engine.weight_req_func(300.0))
         except BaseException:
@@ -602,39 +648,39 @@ def _codec(model_dir: str):
     )
 
 
-def _sample(args: argparse.Namespace) -> tuple[list[task.Problem], list[list[dpo.Sample]]]:
-    config = SamplingConfig(
-        num_samples=args.num_samples, temperature=args.temperature, max_response_tokens=args.max_response_tokens
-    )
-    problems = _problems(args)
+def _sample(args: argparse.Namespace, configs: dict[str, Any]) -> tuple[list[task.Problem], list[list[dpo.Sample]]]:
+    problem_set: ProblemSetConfig = configs["problems"]
+    problems = task.training_problems(problem_set.seed, problem_set.num_problems, problem_set.levels)
     encode, decode = _codec(args.model)
-    engine = _Engine(args.model, args.endpoint, args.max_model_len)
+    engine = _Engine(args.model, args.endpoint, configs["engine"])
     try:
         if not args.endpoint:
             engine.load(args.model)  # vLLM started on dummy weights
-        groups = sample_groups(engine.engine, problems, encode, decode, config)
+        groups = sample_groups(engine.engine, problems, encode, decode, configs["sampling"])
     finally:
         engine.close()
     return problems, groups
 
 
-def _run(args: argparse.Namespace) -> dict[str, Any]:
+def _configs(args: argparse.Namespace, commands: Commands) -> dict[str, Any]:
+    """The command's configs built from its flags (a bad value: exit 2 naming the flag)."""
+    parser, specs = commands[args.command]
+    configs = {key: spec.build(args, parser) for key, spec in specs.items() if key != "dpo"}
+    if "dpo" in specs:  # the command's one --seed seeds the problems and DPO
+        configs["dpo"] = specs["dpo"].build(args, parser, seed=configs["problems"].seed)
+    return configs
+
+
+def _run(args: argparse.Namespace, configs: dict[str, Any]) -> dict[str, Any]:
     if args.command == "merge":
         out = merge_model_dirs(args.long, args.short, args.out, args.alpha)
         return {"model_dir": str(out), "alpha": args.alpha}
     if args.command == "sft-on":
         records = [json.loads(line) for line in pathlib.Path(args.data).read_text().splitlines() if line.strip()]
-        config = TrainConfig(
-            lr=args.lr,
-            num_epochs=args.num_epochs,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            num_threads=args.num_threads,
-        )
-        return sft_on(args.model, records, args.out, config)
+        return sft_on(args.model, records, args.out, configs["train"])
     _setup(args)
     if args.command == "shortest-rejection":
-        problems, groups = _sample(args)
+        problems, groups = _sample(args, configs)
         records = shortest_rejection_records(problems, groups)
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -647,26 +693,25 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             "mean_kept_tokens": sum(kept) / len(kept) if kept else None,
         }
     if args.command == "dpo":
-        problems, groups = _sample(args)
-        config = DpoConfig(
-            beta=args.beta,
-            length_ratio=args.length_ratio,
-            lr=args.lr,
-            num_epochs=args.num_epochs,
-            pairs_per_step=args.pairs_per_step,
-            seed=args.seed,
-            num_threads=args.num_threads,
-        )
-        result = run_dpo(args.model, args.out, problems, groups, config)
+        problems, groups = _sample(args, configs)
+        result = run_dpo(args.model, args.out, problems, groups, configs["dpo"])
         return {**result, "samples": _group_stats(groups)}
     # evaluate
     models = [parse_model_spec(spec) for spec in args.models]
-    problems = task.heldout_problems(args.heldout_seed, args.num_problems, args.levels, allow_fewer=True)
+    problem_set: ProblemSetConfig = configs["problems"]
+    problems = task.heldout_problems(problem_set.seed, problem_set.num_problems, problem_set.levels, allow_fewer=True)
     encode, decode = _codec(models[0][1])
-    engine = _Engine(models[0][1], None, args.max_model_len)
+    engine = _Engine(models[0][1], None, configs["engine"])
     try:
         summary = evaluate_models(
-            models, engine.engine, engine.load, problems, encode, decode, args.max_response_tokens
+            models,
+            engine.engine,
+            engine.load,
+            problems,
+            encode,
+            decode,
+            configs["sampling"].max_response_tokens,
+            timeout_s=configs["sampling"].timeout_s,
         )
     finally:
         engine.close()
@@ -683,9 +728,11 @@ def write_evaluation(summary: dict[str, Any], out_dir: str | pathlib.Path) -> di
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser, commands = _parser()
+    args = parser.parse_args(argv)
+    configs = _configs(args, commands)
     try:
-        result = _run(args)
+        result = _run(args, configs)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

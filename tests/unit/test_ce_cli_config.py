@@ -158,6 +158,11 @@ def test_exclude_only_rename_prefix_flatten_and_fixed():
     assert (cfg.enabled, cfg.extra, cfg.inner) == (False, ("z",), Inner(timeout_s=2.0, retries=3))
 
     parser = argparse.ArgumentParser()
+    spec = add_config_args(parser, Sample, only=("port",), defaults={"port": 9000})
+    assert spec.build(parser.parse_args([]), name="c") == Sample(name="c", port=9000)
+    assert "(default: 9000)" in parser.format_help()
+
+    parser = argparse.ArgumentParser()
     spec = add_config_args(parser, Sample, only=("port", "inner.retries"), flatten=("inner",))
     assert [f.flag for f in spec.flags] == ["--port", "--retries"]
     cfg = spec.build(parser.parse_args(["--retries", "9"]), name="b")

@@ -322,3 +322,23 @@ def test_documented_long2short_rl_overrides_load():
     config = load_config(REPO / "configs" / "demo.json", overrides)
     assert config.sft.solution_style == "long" and config.length_penalty.warmup_iterations == 0
     assert config.length_penalty.weight == 1.0 and config.rollout.max_response_tokens < 128
+
+
+def test_cli_flags_come_from_the_configs(capsys):
+    from orchestrator.config import EngineConfig
+
+    parser, commands = long2short._parser()
+    args = parser.parse_args(["dpo", "--model", "m", "--out", "o", "--seed", "3", "--beta", "0.2"])
+    configs = long2short._configs(args, commands)
+    assert configs["sampling"] == long2short.SamplingConfig()
+    assert configs["engine"] == EngineConfig()
+    assert configs["problems"] == long2short.ProblemSetConfig(seed=3)
+    assert configs["dpo"] == long2short.DpoConfig(beta=0.2, seed=3)  # one --seed for problems and DPO
+    args = parser.parse_args(["evaluate", "--models", "a", "--out-dir", "o", "--heldout-seed", "2"])
+    configs = long2short._configs(args, commands)
+    assert configs["problems"] == long2short.ProblemSetConfig(num_problems=192, seed=2)
+    args = parser.parse_args(["sft-on", "--model", "m", "--data", "d", "--out", "o", "--num-threads", "1"])
+    assert long2short._configs(args, commands)["train"] == long2short.TrainConfig(num_threads=1)
+    with pytest.raises(SystemExit) as e:
+        long2short.main(["shortest-rejection", "--model", "m", "--out", "o", "--levels", "9"])
+    assert e.value.code == 2 and "(flag: --levels)" in capsys.readouterr().err
