@@ -225,10 +225,18 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """The rollout engine: an in-process vLLM (async, streaming) or a vLLM server over HTTP."""
+    """The rollout engine: an in-process vLLM (async, streaming), a vLLM server over HTTP, or a pool.
+
+    ``num_engines`` >= 2 (with the default ``type``): the job starts that many vLLM servers on this
+    machine (``python -m vllm_ext.launch --no-initial-push``, each bound to its share of the CPUs) and
+    spreads rollouts over them (``orchestrator.engine_pool``); every weight version reaches each one.
+    ``self_heal``: a pool engine that dies is restarted, brought to the current version and put back.
+    """
 
     type: Literal["vllm_async", "vllm_http"] = "vllm_async"
     endpoint: str | None = None  # vllm_http: http://127.0.0.1:8000
+    num_engines: int = 1
+    self_heal: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_model_len: int = 256
     max_num_seqs: int = 256
@@ -248,6 +256,14 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_gib"):
             check_int(f"engine.{name}", getattr(self, name))
         check_number("engine.start_timeout_s", self.start_timeout_s)
+        check_int("engine.num_engines", self.num_engines)
+        if self.num_engines > 1 and self.type != "vllm_async":
+            raise ValueError(
+                f"engine.num_engines={self.num_engines} starts its own vLLM servers: leave engine.type at "
+                f"'vllm_async' (got {self.type!r}), or use engine.num_engines=1 with one external endpoint"
+            )
+        if not isinstance(self.self_heal, bool):
+            raise ValueError(f"engine.self_heal={self.self_heal!r} must be true or false")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,8 @@ class _StreamStopper:
         return self._detector.triggered_at - self._num_earlier
 
 
-def _check_requests(requests: Sequence[GenRequest]) -> None:
+def check_requests(requests: Sequence[GenRequest]) -> None:
+    """ValueError for duplicate request ids or a request without a prompt or tokens to generate."""
     ids = [r.request_id for r in requests]
     if len(set(ids)) != len(ids):
         raise ValueError("request ids must be unique within one generate call")
@@ -165,7 +166,7 @@ class AsyncVllmEngine:
         on_result: ResultCallback | None = None,
         timeout_s: float = 900.0,
     ) -> list[GenResult]:
-        _check_requests(requests)
+        check_requests(requests)
         if not requests:
             return []
         batch = next(self._serial)
@@ -306,7 +307,7 @@ class HttpVllmEngine:
         on_result: ResultCallback | None = None,
         timeout_s: float = 900.0,
     ) -> list[GenResult]:
-        _check_requests(requests)
+        check_requests(requests)
         futures = [self._pool.submit(self._complete, r, sampling, repeat, timeout_s) for r in requests]
         if on_result is not None:
             for future in concurrent.futures.as_completed(futures, timeout=timeout_s):
@@ -327,8 +328,15 @@ class HttpVllmEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_engine(config: EngineConfig, model_dir: str) -> RolloutEngine:
-    """The engine ``config.type`` names (vLLM imports happen here, not at module import)."""
+def make_engine(config: EngineConfig, model_dir: str, *, log_dir: str | None = None) -> RolloutEngine:
+    """The engine ``config.type`` names (vLLM imports happen here, not at module import).
+
+    ``config.num_engines`` >= 2: an ``EnginePool`` of that many vLLM servers started on this machine
+    (their logs go to ``log_dir``, a temporary directory when None)."""
+    if config.num_engines > 1:
+        from orchestrator.engine_pool import EnginePool  # imports this module: not at module level
+
+        return EnginePool.start(config, model_dir, log_dir=log_dir)
     if config.type == "vllm_async":
         return AsyncVllmEngine(model_dir, config)
     if config.type == "vllm_http":

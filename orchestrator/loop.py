@@ -22,6 +22,7 @@
           or the rl.algorithm baseline: grpo | reinforce)
           ▼
       WeightSync.push(version i+1): register -> gather_metas -> update(engine) -> unregister v i
+          (engine.num_engines >= 2: EnginePool of vLLM servers, PoolWeightSync: one update per engine)
           ▼
       evaluate on schedule (greedy accuracy, sampled pass@1) ──▶ metrics.jsonl, metrics.png
           ▼
@@ -122,6 +123,7 @@ class RLJob:
 
         from orchestrator import sft
         from orchestrator.engine import SamplingSettings, make_engine
+        from orchestrator.engine_pool import EnginePool, PoolWeightSync
         from orchestrator.rollout import Rollout
         from orchestrator.trainer import HFTrainer, TrainerConfig, make_trainer
         from orchestrator.weight_sync import WeightSync
@@ -174,8 +176,14 @@ class RLJob:
         if dropped:
             logger.info("dropped %d metrics lines written after the last checkpoint", dropped)
         self.reward_fn = make_reward_fn(c.reward)
-        self.engine = (self.engine_factory or make_engine)(c.engine, str(self.sft_model_dir))
-        self.sync = WeightSync(c.sync, self.engine.weight_req_func(c.sync.timeout_s))
+        if self.engine_factory is not None:
+            self.engine = self.engine_factory(c.engine, str(self.sft_model_dir))
+        else:  # engine.num_engines >= 2: a pool of vLLM servers, their logs beside the run's
+            self.engine = make_engine(c.engine, str(self.sft_model_dir), log_dir=str(self.out / "engines"))
+        if isinstance(self.engine, EnginePool):  # one registration, one update per engine; heals engines
+            self.sync = PoolWeightSync(c.sync, self.engine)
+        else:
+            self.sync = WeightSync(c.sync, self.engine.weight_req_func(c.sync.timeout_s))
         self.rollout = Rollout(
             self.engine,
             buffer,
@@ -395,10 +403,20 @@ class RLJob:
             "weight_sync_bytes": synced.total_bytes,
             **train_stats,
         }
+        if getattr(synced, "engine_update_s", None) is not None:  # a pool: the update time of each engine
+            record["weight_sync_engine_s"] = synced.engine_update_s
+        if self._engine_pool() is not None:  # requests per engine, failures, requeues, recoveries (run totals)
+            record.update(self._engine_pool().metrics())
         if not evaluated:
             record["eval_s"] = 0.0
         record["iteration_s"] = time.monotonic() - start
         return record
+
+    def _engine_pool(self):
+        """The engine when it is a pool of servers (``engine.num_engines`` >= 2), else None."""
+        from orchestrator.engine_pool import EnginePool
+
+        return self.engine if isinstance(self.engine, EnginePool) else None
 
     def _last_eval(self) -> dict[str, Any]:
         records = self.metrics.records()
@@ -508,6 +526,8 @@ class RLJob:
             "trainer": self.config.trainer.type,
             "trainer_tp_size": self.config.trainer.tp_size,
         }
+        if self._engine_pool() is not None:
+            summary["engines"] = self._engine_pool().metrics()
         if records:
             self._plot(records)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
