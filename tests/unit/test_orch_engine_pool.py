@@ -1,0 +1,244 @@
+"""The engine pool's scheduling, requeue and healing, with scripted engines (no vLLM); its pure helpers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from checkpoint_engine.errors import HTTPError
+from orchestrator.config import EngineConfig
+from orchestrator.engine import GenRequest, GenResult, SamplingSettings
+from orchestrator.engine_pool import EnginePool, Member, cpu_binds, launch_command
+
+SAMPLING = SamplingSettings()
+
+
+class ScriptedEngine:
+    """Answers each request with one token (its prompt length); ``hold`` keeps requests in flight until
+    set; ``kill()`` makes every request in flight and later fail like a dead server."""
+
+    def __init__(self, name: str, *, hold: bool = False, reject: bool = False, fail_alive: bool = False) -> None:
+        self.name = name
+        self.alive = True
+        self.reject = reject
+        self.fail_alive = fail_alive
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
+        self.lock = threading.Lock()
+        self.inflight = 0
+        self.max_inflight = 0
+        self.served: list[str] = []
+
+    def generate(self, requests, sampling, *, repeat=None, on_result=None, timeout_s=900.0):
+        (request,) = requests
+        with self.lock:
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not self.release.wait(0.01):
+                if not self.alive or time.monotonic() > deadline:
+                    break
+            if self.reject:
+                raise HTTPError("POST", f"http://{self.name}/v1/completions", 400, "prompt too long")
+            if not self.alive:
+                raise RuntimeError(f"POST http://{self.name}/v1/completions failed: ConnectionRefusedError")
+            if self.fail_alive:
+                raise RuntimeError(f"POST http://{self.name}/v1/completions answered HTTP 500")
+            with self.lock:
+                self.served.append(request.request_id)
+            return [GenResult(request.request_id, (len(request.prompt_token_ids),), "stop")]
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+    def answers(self) -> bool:
+        return self.alive
+
+    def kill(self) -> None:
+        self.alive = False
+
+    def weight_req_func(self, timeout_s):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _requests(n: int, prefix: str = "r") -> list[GenRequest]:
+    return [GenRequest(f"{prefix}{i}", (1,) * (i + 1), 8) for i in range(n)]
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pools():
+    made = []
+
+    def make(engines, **kwargs):
+        pool = EnginePool([Member(i, engine=e) for i, e in enumerate(engines)], watch_interval_s=0.05, **kwargs)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        pool.close()
+
+
+def test_cpu_binds_share_the_cpus():
+    assert cpu_binds([0, 1], 1) == ["0,1"]
+    assert cpu_binds([0, 1], 2) == ["0", "1"]
+    assert cpu_binds([1, 0, 3, 2, 4], 2) == ["0,1,2", "3,4"]
+    assert cpu_binds([0, 1], 3) == ["0", "1", "0"]  # fewer CPUs than engines: shared round-robin
+    with pytest.raises(ValueError, match="1 CPU"):
+        cpu_binds([], 2)
+
+
+def test_launch_command_is_the_gated_launcher_with_the_engine_settings(tmp_path):
+    from vllm_ext.launch import build_parser
+
+    config = EngineConfig(num_engines=2, max_model_len=192, enable_prefix_caching=False)
+    cmd = launch_command(str(tmp_path), config, 4321)
+    assert cmd[1:3] == ["-m", "vllm_ext.launch"]
+    args = build_parser().parse_args(cmd[3:])  # every launcher flag exists
+    assert args.initial_push is False and args.host == "127.0.0.1" and args.port == 4321
+    vllm_args = args.vllm_args[1:]
+    assert vllm_args[vllm_args.index("--max-model-len") + 1] == "192"
+    assert "--no-enable-prefix-caching" in vllm_args
+
+
+def test_config_validates_num_engines():
+    assert EngineConfig().num_engines == 1
+    with pytest.raises(ValueError, match=r"engine.num_engines=0 must be an int >= 1"):
+        EngineConfig(num_engines=0)
+    with pytest.raises(ValueError, match="engine.num_engines=2 starts its own vLLM servers"):
+        EngineConfig(type="vllm_http", endpoint="http://127.0.0.1:1", num_engines=2)
+
+
+def test_requests_go_to_the_engine_with_the_fewest_in_flight(pools):
+    a, b = ScriptedEngine("a", hold=True), ScriptedEngine("b", hold=True)
+    pool = pools([a, b])
+    seen = []
+    done = threading.Thread(target=lambda: seen.extend(pool.generate(_requests(6), SAMPLING, on_result=seen.append)))
+    done.start()
+    _wait(lambda: a.inflight + b.inflight == 6)
+    assert (a.inflight, b.inflight) == (3, 3)
+    a.release.set()
+    b.release.set()
+    done.join(timeout=10)
+    assert not done.is_alive()
+    assert pool.metrics()["engine_requests"] == {"engine0": 3, "engine1": 3}
+    assert len(seen) == 12  # 6 callbacks + 6 results appended after the call
+
+
+def test_in_flight_cap_and_order_of_results(pools):
+    a = ScriptedEngine("a")
+    pool = pools([a], max_inflight_per_engine=2)
+    results = pool.generate(_requests(20), SAMPLING)
+    assert [r.request_id for r in results] == [f"r{i}" for i in range(20)]
+    assert [r.token_ids for r in results] == [(i + 1,) for i in range(20)]
+    assert a.max_inflight <= 2
+
+
+def test_a_dead_engines_requests_are_requeued_to_the_others(pools):
+    fast, doomed = ScriptedEngine("fast"), ScriptedEngine("doomed", hold=True)
+    pool = pools([fast, doomed], max_inflight_per_engine=4)
+    called: list[str] = []
+    out: list = []
+    record = lambda r: called.append(r.request_id)
+    worker = threading.Thread(target=lambda: out.extend(pool.generate(_requests(30), SAMPLING, on_result=record)))
+    worker.start()
+    _wait(lambda: doomed.inflight == 4)
+    doomed.kill()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert sorted(r.request_id for r in out) == sorted(f"r{i}" for i in range(30))
+    assert sorted(called) == sorted(f"r{i}" for i in range(30))  # one callback per request, none twice
+    metrics = pool.metrics()
+    assert metrics["engine_failures"] == 1 and metrics["requests_requeued"] == 4
+    assert metrics["engine_requests"] == {"engine0": 30, "engine1": 0}
+    assert metrics["engine_states"]["engine1"] == "down"  # no healer: it stays down
+    assert len(fast.served) == 30
+
+
+def test_a_healed_engine_rejoins_and_takes_requests(pools):
+    first, second = ScriptedEngine("a"), ScriptedEngine("b", hold=True)
+    replacement = ScriptedEngine("b2")
+
+    def restart(member):
+        time.sleep(0.2)  # a restart takes time; the other engine keeps generating meanwhile
+        member.engine = replacement
+
+    pool = pools([first, second], restart=restart)
+    worker = threading.Thread(target=lambda: pool.generate(_requests(40), SAMPLING))
+    worker.start()
+    _wait(lambda: second.inflight > 0)
+    second.kill()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert pool.wait_serving(10)
+    metrics = pool.metrics()
+    assert metrics["engine_failures"] == 1 and metrics["engine_recoveries"] == 1
+    assert 0.2 <= metrics["recovery_s"][0] < 10
+    pool.generate(_requests(10, "s"), SAMPLING)
+    assert replacement.served, "the healed engine takes requests again"
+
+
+def test_the_pool_notices_a_dead_server_without_requests(pools):
+    class Server:
+        proc = type("P", (), {"returncode": -9})()
+
+        port = 0
+
+        def exited(self):
+            return True
+
+        def stop(self, grace_s):
+            return -9
+
+    pool = pools([ScriptedEngine("a")])
+    pool.members[0].server = Server()  # as if its process had exited
+    _wait(lambda: pool.metrics()["engine_failures"] == 1)
+
+
+def test_a_rejected_request_fails_the_call_and_no_engine_goes_down(pools):
+    pool = pools([ScriptedEngine("a", reject=True), ScriptedEngine("b", reject=True)])
+    with pytest.raises(HTTPError, match="prompt too long"):
+        pool.generate(_requests(3), SAMPLING)
+    assert pool.metrics()["engine_failures"] == 0
+
+
+def test_a_request_failing_on_live_engines_is_retried_then_fails(pools):
+    pool = pools([ScriptedEngine("a", fail_alive=True)])
+    with pytest.raises(RuntimeError, match="failed 3 times on engines that still answer"):
+        pool.generate(_requests(1), SAMPLING)
+    assert pool.metrics()["engine_failures"] == 0
+
+
+def test_every_engine_down_without_healing_is_an_error(pools):
+    a = ScriptedEngine("a")
+    a.kill()
+    pool = pools([a])
+    with pytest.raises(RuntimeError, match="every engine is down.*engine0: down"):
+        pool.generate(_requests(2), SAMPLING, timeout_s=30)
+
+
+def test_deadline_is_bounded(pools):
+    pool = pools([ScriptedEngine("a", hold=True)])
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 1 s"):
+        pool.generate(_requests(2), SAMPLING, timeout_s=1.0)
+    assert time.monotonic() - start < 5
+
+
+def test_a_pool_has_no_single_req_func(pools):
+    with pytest.raises(TypeError, match="PoolWeightSync"):
+        pools([ScriptedEngine("a")]).weight_req_func(10.0)
