@@ -7,6 +7,13 @@ Rank 0 serves the HTTP API; every rank holds its shard of each registered checkp
   GET  /metas/NAME, POST /metas                  export / import global metas (JSON) for P2P recovery
   GET  /checkpoints                              what is registered, the last update's metrics
   DELETE /checkpoints/NAME, GET /health, POST /shutdown
+Managed engines (--engine-cmd 'python -m ENGINE ... --port {port}'; {rank} {device} also filled in):
+  POST /engines/start {"ranks": null | [...], "name": null | NAME}  start (dummy weights), then push NAME
+                                                 (default: the current checkpoint) before reporting serving
+  POST /engines/stop  {"ranks": null | [...]}     SIGTERM, SIGKILL after a grace period
+  GET  /engines                                  every rank's engine: state, checkpoint, pid, url, restarts
+  POST /update {"name", "ranks"?}                without "endpoints": the managed engines
+  --auto-heal (default): a dead engine is restarted and pulls the current checkpoint (update ranks=[r])
 MoonshotAI checkpoint-engine's routes (200 + empty body, 500 + error text), each acting on every rank:
   POST /v1/checkpoints/NAME/files {"files": [...]}  register (files split across ranks), no gather
   POST /v1/checkpoints/NAME/gather-metas           gather metas
@@ -40,8 +47,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--p2p-host", default=None, help="start Mooncake's transfer engine on this address (P2P)")
     p.add_argument("--p2p-protocol", choices=["tcp", "rdma"], default="tcp")
     p.add_argument("--p2p-device", default="", help="RDMA device names for Mooncake (rdma protocol)")
+    p.add_argument(
+        "--engine-cmd",
+        default=None,
+        help="the engine each rank manages: a JSON list or a shell-style string with {port} (and {rank}, "
+        "{device}), e.g. 'python -m checkpoint_engine.plain_engine --port {port}'",
+    )
+    p.add_argument(
+        "--auto-heal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a dead managed engine and bring it to the current checkpoint",
+    )
+    p.add_argument("--engine-health-path", default="/health", help="GET path answering 200 once an engine is up")
+    p.add_argument("--engine-start-timeout-s", type=float, default=300.0, help="engine start -> healthy deadline")
+    p.add_argument("--engine-log-dir", default=None, help="engine logs (default: a temporary folder per rank)")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.engine_cmd is not None:
+        from checkpoint_engine.engines import EngineConfig, parse_engine_cmd
+
+        try:
+            args.engine_config = EngineConfig(
+                cmd=parse_engine_cmd(args.engine_cmd),
+                health_path=args.engine_health_path,
+                start_timeout_s=args.engine_start_timeout_s,
+                auto_heal=args.auto_heal,
+                log_dir=args.engine_log_dir,
+                update_timeout_s=args.collective_timeout_s,
+            )
+        except ValueError as e:
+            p.error(str(e))
+    else:
+        args.engine_config = None
+    return args
 
 
 def main(argv=None) -> int:
@@ -53,8 +92,9 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
+    from checkpoint_engine import engines
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
-    from checkpoint_engine.daemon import Driver, Relay, serve_http, serve_rank
+    from checkpoint_engine.daemon import Driver, EngineBoard, Relay, serve_http, serve_rank
     from checkpoint_engine.logs import setup_logging
     from checkpoint_engine.ps import ParameterServer
 
@@ -86,22 +126,59 @@ def main(argv=None) -> int:
         ),
     )
     ps = ParameterServer(config=cfg)
+    host = None
     try:
         ps.init_process_group()
-        relay = Relay(
-            dist.distributed_c10d._get_default_store(),
-            rank,
-            ps.world_size,
-            result_timeout_s=args.collective_timeout_s + 60,
-        )
+        store = dist.distributed_c10d._get_default_store()
+        relay = Relay(store, rank, ps.world_size, result_timeout_s=args.collective_timeout_s + 60)
+        board = None
+        if args.engine_config is not None:
+            board = EngineBoard(store, ps.world_size)
+            host = engines.EngineHost(
+                rank,
+                ps.world_size,
+                args.engine_config,
+                device=_engine_device(args.transport),
+                publish=_engine_publisher(board, ps, rank),
+            )
         if rank == 0:
-            asyncio.run(serve_http(Driver(ps, relay), args.host, args.port, args.uds))
+            asyncio.run(serve_http(Driver(ps, relay, host, board), args.host, args.port, args.uds))
         else:
-            serve_rank(ps, relay, threading.Event())
+            serve_rank(ps, relay, threading.Event(), host)
         logging.getLogger(__name__).info("rank %d: exiting", rank)
     finally:
+        if host is not None:
+            host.close()  # engines end with the daemon, whatever ended it
         ps.close()
     return 0
+
+
+def _engine_device(transport: str) -> str:
+    """The `{device}` of this rank's engine: the rank's GPU with the CUDA transport, else cpu."""
+    import os
+
+    import torch
+
+    if transport == "cuda" or (transport == "auto" and torch.cuda.is_available()):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def _engine_publisher(board, ps, rank: int):
+    """Each engine record goes to the process-group store (rank 0 reads it) and the metadata store (etcd)."""
+    import json
+    import logging
+
+    log = logging.getLogger(__name__)
+
+    def publish(record: dict) -> None:
+        board.put(record)
+        try:
+            ps.registry.store.put(f"engines/{rank}/lifecycle", json.dumps(record))
+        except Exception as e:  # noqa: BLE001 - etcd down must not stop the watchdog; the record is on the board
+            log.warning("rank %d: engine record not published to the metadata store: %s: %s", rank, type(e).__name__, e)
+
+    return publish
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ same commands: one server for the whole job (their daemon ran one per rank), so 
 routes is called once and acts on every rank; `files` are split across ranks as `POST /checkpoints`
 does. Their answers: 200 with an empty body, 500 with the error text (a JSON string), 422 naming the
 field of a bad request.
+
+Managed engines (`--engine-cmd`, see engines.py): each rank runs the one engine process of its
+device. `POST /engines/start`, `POST /engines/stop` and `POST /update` without engine URLs are
+relayed commands like the others; `GET /engines` reads every rank's engine record from the process
+group's store (no command: it answers during a long update). With `--auto-heal`, a `Healer` thread
+on rank 0 notices a failed engine there and relays a restart + `update(current, ranks=[its rank])`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from checkpoint_engine import engines
 from checkpoint_engine.api import group_req_func, http_req_func
 from checkpoint_engine.ps import ParameterServer
 
@@ -85,9 +92,40 @@ class Relay:
         self.seq += 1
 
 
-def execute(ps: ParameterServer, cmd: dict) -> dict:
+class EngineBoard:
+    """Every rank's engine record in the process group's store: each rank writes its own, rank 0 reads
+    them all. Its own store connection, so a rank's command thread waiting on the relay never delays it."""
+
+    def __init__(self, store: dist.Store, world_size: int):
+        self.store = dist.PrefixStore("ckpt-engines/", store.clone())
+        self.world_size = world_size
+        self._lock = threading.Lock()
+
+    def put(self, record: dict) -> None:
+        with self._lock:
+            self.store.set(f"engines/{record['rank']}", json.dumps(record))
+
+    def records(self) -> list[dict]:
+        out = []
+        with self._lock:
+            for r in range(self.world_size):
+                key = f"engines/{r}"
+                known = self.store.check([key])
+                out.append(json.loads(self.store.get(key)) if known else {"rank": r, "state": "stopped"})
+        return out
+
+
+def execute(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None) -> dict:
     """Run one command on this rank's ParameterServer; return a JSON-ready result."""
     op = cmd.get("op")
+    if op in ("engine_start", "engine_stop") or (op == "update" and cmd.get("managed")):
+        if host is None:
+            raise CommandError(f"{op}: this daemon manages no engines (start it with --engine-cmd)")
+        if op == "engine_start":
+            return engines.engine_start(host, ps, cmd)
+        if op == "engine_stop":
+            return engines.engine_stop(host, cmd)
+        return engines.managed_update(host, ps, cmd["name"], cmd.get("ranks"), cmd.get("timeout_s"))
     if op == "register":
         files = cmd.get("files") or []
         mine = (
@@ -116,6 +154,8 @@ def execute(ps: ParameterServer, cmd: dict) -> dict:
     if op == "inspect":
         return {"checkpoints": ps.checkpoints(), "last_update": ps.last_metrics.to_dict() if ps.last_metrics else None}
     if op == "exit":
+        if host is not None:
+            host.close()
         return {}
     raise CommandError(f"unknown op {op!r}")
 
@@ -149,6 +189,10 @@ def _int_list(value) -> bool:
 def validate(cmd: dict) -> dict:
     """Check a command on rank 0 before it goes to every rank (HTTP 400 on failure)."""
     op = cmd.get("op")
+    if op in ("engine_start", "engine_stop") and cmd.get("ranks") is not None and not _int_list(cmd["ranks"]):
+        raise CommandError(f"{op}: 'ranks' must be a list of ranks or null (all)", "ranks")
+    if op == "engine_start" and cmd.get("name") is not None and not (isinstance(cmd["name"], str) and cmd["name"]):
+        raise CommandError("engine_start: 'name' must be a checkpoint name or null", "name")
     if op in ("register", "unregister", "update", "gather_metas") and not (
         isinstance(cmd.get("name"), str) and cmd["name"]
     ):
@@ -189,48 +233,67 @@ def validate(cmd: dict) -> dict:
             raise CommandError("update: 'uds' must be a unix socket path or null", "uds")
         if not _int_list(cmd.get("inference_group_ranks", [])):
             raise CommandError("update: 'inference_group_ranks' must be a list of ints", "inference_group_ranks")
-    elif op == "update":
+    elif op == "update" and not cmd.get("managed"):
         eps = cmd.get("endpoints")
         if not (isinstance(eps, str) or (isinstance(eps, list) and eps and all(isinstance(e, str) for e in eps))):
             raise CommandError(
-                "update: 'endpoints' must be an engine URL or a list of URLs (one per engine)", "endpoints"
+                "update: 'endpoints' must be an engine URL or a list of URLs (one per engine); leave it out "
+                "to update the engines the daemon manages (--engine-cmd)",
+                "endpoints",
             )
     return cmd
 
 
-def serve_rank(ps: ParameterServer, relay: Relay, stop: threading.Event) -> None:
+def serve_rank(
+    ps: ParameterServer, relay: Relay, stop: threading.Event, host: engines.EngineHost | None = None
+) -> None:
     """Non-zero ranks: execute commands until 'exit'."""
     while (cmd := relay.next_command(stop)) is not None:
-        relay.put_result(_run(ps, cmd))
+        relay.put_result(_run(ps, cmd, host))
         relay.done()
         if cmd.get("op") == "exit":
             return
 
 
-def _run(ps: ParameterServer, cmd: dict) -> dict:
+def _run(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None) -> dict:
     t0 = time.perf_counter()
     try:
-        return {"ok": True, "result": execute(ps, cmd), "elapsed_s": round(time.perf_counter() - t0, 4)}
+        return {"ok": True, "result": execute(ps, cmd, host), "elapsed_s": round(time.perf_counter() - t0, 4)}
     except Exception as e:
         logger.exception("command %s failed", cmd.get("op"))
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
 class Driver:
-    """Rank 0: serialises commands (one at a time) on a worker thread."""
+    """Rank 0: serialises commands (one at a time) on a worker thread.
 
-    def __init__(self, ps: ParameterServer, relay: Relay):
-        self.ps, self.relay = ps, relay
+    With managed engines it also keeps `current`: the checkpoint the engines serve (the last managed
+    update or start with a name that succeeded), which heals bring a restarted engine to."""
+
+    def __init__(
+        self,
+        ps: ParameterServer,
+        relay: Relay,
+        host: engines.EngineHost | None = None,
+        board: EngineBoard | None = None,
+    ):
+        self.ps, self.relay, self.host, self.board = ps, relay, host, board
         self.lock = threading.Lock()
+        self.current: str | None = None
 
     def run(self, cmd: dict) -> dict:
         with self.lock:
             self.relay.publish(cmd)
-            mine = _run(self.ps, cmd)
+            mine = _run(self.ps, cmd, self.host)
             self.relay.put_result(mine)
             results = self.relay.gather_results()
             self.relay.done()
-        ok = all(r.get("ok") for r in results)
+            ok = all(r.get("ok") for r in results)
+            op, name = cmd.get("op"), cmd.get("name")
+            if ok and name and (op == "engine_start" or (op == "update" and cmd.get("managed"))):
+                self.current = name
+            elif ok and op == "unregister" and name == self.current:
+                self.current = None  # heals now start engines without weights until the next update
         errors = {str(r): res["error"] for r, res in enumerate(results) if not res.get("ok")}
         return {"ok": ok, "op": cmd.get("op"), "ranks": results, **({"errors": errors} if errors else {})}
 
@@ -266,7 +329,38 @@ def make_app(driver: Driver, stop: asyncio.Event):
         return await call({"op": "unregister", "name": request.match_info["name"]})
 
     async def update(request):
-        return await call({"op": "update", **await body(request)})
+        cmd = {"op": "update", **await body(request)}
+        if driver.host is not None and "endpoints" not in cmd and "update_url" not in cmd:
+            cmd["managed"] = True  # no engine URLs: the engines this daemon manages
+            refused = _engines_not_in(driver, cmd.get("ranks"), engines.UPDATABLE, "cannot take an update")
+            if refused is not None:
+                return refused
+        return await call(cmd)
+
+    async def engines_start(request):
+        data = await body(request)
+        bad = _check_engine_request(driver, data, ("ranks", "name", "timeout_s"))
+        if bad is not None:
+            return bad
+        busy = _engines_not_in(driver, data.get("ranks"), engines.STARTABLE, "is running; POST /engines/stop first")
+        if busy is not None:
+            return busy
+        name = data.get("name", driver.current)  # a started engine is brought to the current weights
+        return await call({"op": "engine_start", "ranks": data.get("ranks"), "name": name, **_timeout(data)})
+
+    async def engines_stop(request):
+        data = await body(request)
+        bad = _check_engine_request(driver, data, ("ranks",))
+        if bad is not None:
+            return bad
+        return await call({"op": "engine_stop", "ranks": data.get("ranks")})
+
+    async def engines_list(request):
+        if driver.board is None:
+            return web.json_response({"ok": False, "error": NO_ENGINES}, status=400)
+        records = await asyncio.get_running_loop().run_in_executor(None, driver.board.records)
+        auto_heal = driver.host.config.auto_heal
+        return web.json_response({"ok": True, "current": driver.current, "auto_heal": auto_heal, "engines": records})
 
     async def inspect(request):
         return await call({"op": "inspect"})
@@ -293,12 +387,113 @@ def make_app(driver: Driver, stop: asyncio.Event):
             web.post("/checkpoints", register),
             web.delete("/checkpoints/{name}", unregister),
             web.post("/update", update),
+            web.get("/engines", engines_list),
+            web.post("/engines/start", engines_start),
+            web.post("/engines/stop", engines_stop),
             web.get("/metas/{name}", get_metas),
             web.post("/metas", load_metas),
             web.post("/shutdown", shutdown),
         ]
     )
     return app
+
+
+NO_ENGINES = "this daemon manages no engines: start it with --engine-cmd 'python -m ENGINE ... --port {port}'"
+
+
+def _timeout(data: dict) -> dict:
+    return {"timeout_s": data["timeout_s"]} if data.get("timeout_s") is not None else {}
+
+
+def _check_engine_request(driver: Driver, data: dict, fields: tuple[str, ...]):
+    """A 400 answer naming the bad field of an /engines request, or None when it is good."""
+    from aiohttp import web
+
+    def bad(msg: str):
+        return web.json_response({"ok": False, "error": msg}, status=400)
+
+    if driver.host is None:
+        return bad(NO_ENGINES)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        return bad(f"unknown field(s) {unknown}; this route takes {list(fields)}")
+    ranks, n = data.get("ranks"), driver.ps.world_size
+    if ranks is not None and (
+        not _int_list(ranks) or not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks)
+    ):
+        return bad(f"'ranks' must be a non-empty list of distinct ranks in [0, {n}) or null (all), got {ranks!r}")
+    if data.get("name") is not None and not (isinstance(data["name"], str) and data["name"]):
+        return bad(f"'name' must be a registered checkpoint's name or null, got {data['name']!r}")
+    t = data.get("timeout_s")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+        return bad(f"'timeout_s' must be a number > 0, got {t!r}")
+    return None
+
+
+def _engines_not_in(driver: Driver, ranks, allowed: frozenset, why: str):
+    """A 409 answer when an engine of `ranks` (all when None) is not in an `allowed` state, else None."""
+    from aiohttp import web
+
+    if not (ranks is None or _int_list(ranks)):
+        return None  # validate() answers 400 for it
+    records = driver.board.records()
+    wanted = set(ranks) if ranks else set(range(driver.ps.world_size))
+    wrong = {
+        r["rank"]: r["state"]
+        for r in records
+        if r["rank"] in wanted
+        and (r["state"] not in allowed or (allowed is engines.UPDATABLE and not r.get("healthy")))
+    }
+    if not wrong:
+        return None
+    detail = ", ".join(f"rank {r} is {st}" for r, st in sorted(wrong.items()))
+    return web.json_response({"ok": False, "error": f"engine {why} ({detail})", "states": wrong}, status=409)
+
+
+class Healer:
+    """Rank 0: restarts failed engines and brings them to the current checkpoint (see engines.py)."""
+
+    def __init__(self, driver: Driver, interval_s: float, max_attempts: int):
+        self.driver, self.interval_s, self.max_attempts = driver, interval_s, max_attempts
+        self._stop = threading.Event()
+        self._attempts: dict[int, int] = {}  # per rank: heals since it last served
+        self._thread = threading.Thread(target=self._loop, name="engine-healer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.heal_once()
+            except Exception:  # the healer must outlive one bad round (a store hiccup): logged, next round
+                logger.exception("engine healer round failed")
+
+    def heal_once(self) -> None:
+        failed = []
+        for rec in self.driver.board.records():
+            r, state = rec["rank"], rec["state"]
+            if state == "serving":
+                self._attempts.pop(r, None)
+            elif state == "failed":
+                n = self._attempts.get(r, 0)
+                if n < self.max_attempts:
+                    failed.append(r)
+                elif n == self.max_attempts:
+                    self._attempts[r] = n + 1  # say it once
+                    logger.error("rank %d: engine still failed after %d heals; giving up: %s", r, n, rec["last_error"])
+        if not failed or self._stop.is_set():
+            return
+        for r in failed:
+            self._attempts[r] = self._attempts.get(r, 0) + 1
+        logger.warning("healing the engines of ranks %s (checkpoint %r)", failed, self.driver.current)
+        result = self.driver.run({"op": "engine_start", "ranks": failed, "name": self.driver.current, "heal": True})
+        if result["ok"]:
+            logger.info("healed the engines of ranks %s", failed)
+        else:
+            logger.error("heal of ranks %s failed: %s", failed, result.get("errors"))
+
+    def close(self, timeout_s: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
 
 
 def compat_routes(driver: Driver) -> list:
@@ -434,10 +629,16 @@ async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> N
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    healer = None
+    if driver.host is not None and driver.host.config.auto_heal:
+        cfg = driver.host.config
+        healer = Healer(driver, cfg.poll_interval_s, cfg.max_heal_attempts)
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+        if healer is not None:  # a heal in progress finishes first (bounded by its own deadlines)
+            await loop.run_in_executor(None, healer.close, driver.host.config.start_timeout_s)
         await loop.run_in_executor(None, driver.run, {"op": "exit"})
         if uds:
             import contextlib
