@@ -172,6 +172,9 @@ def open_buffer(
     args = list(handle.cuda_args)
     if device_id is not None:
         args[0] = device_id  # processes may see the GPU under different indices (CUDA_VISIBLE_DEVICES)
+    # Opening an IPC handle needs an initialized CUDA context in this process: an engine that has
+    # not touched the GPU yet (a fresh process) would crash inside the driver call otherwise.
+    torch.cuda.init()
     storage = torch.UntypedStorage._new_shared_cuda(*args)
     buf = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", args[0]))
     buf.set_(storage, 0, (handle.size_bytes,), (1,))

@@ -102,7 +102,7 @@ def _rope_theta(hf_config: Mapping) -> float:
     return float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
 
 
-def init_parallel(tp_size: int, pp_size: int = 1) -> None:
+def init_parallel(tp_size: int, pp_size: int = 1, seed: int = 1234) -> None:
     """torch.distributed (gloo on CPU, nccl on GPU) + megatron's parallel_state.
 
     Uses torchrun's environment when set; a single process without it gets a world of one."""
@@ -121,6 +121,12 @@ def init_parallel(tp_size: int, pp_size: int = 1) -> None:
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp*pp={tp_size * pp_size}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp_size, pp_size)
+    if torch.cuda.is_available():
+        # Weight init forks the model-parallel CUDA RNG stream: it must be seeded (per TP rank) first.
+        # On CPU cpu_compat replaces that fork with the default generator.
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def close_parallel() -> None:
