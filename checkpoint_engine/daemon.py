@@ -491,6 +491,9 @@ class Healer:
         else:
             logger.error("heal of ranks %s failed: %s", failed, result.get("errors"))
 
+    def stop(self) -> None:
+        self._stop.set()
+
     def close(self, timeout_s: float) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
@@ -637,9 +640,13 @@ async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> N
         await stop.wait()
     finally:
         await runner.cleanup()
-        if healer is not None:  # a heal in progress finishes first (bounded by its own deadlines)
-            await loop.run_in_executor(None, healer.close, driver.host.config.start_timeout_s)
+        if healer is not None:
+            healer.stop()  # no new heals; one in progress finishes first (bounded by its own deadlines)
+        # exit stops every engine; then the healer thread ends (a rank-0 engine it restarted has
+        # PR_SET_PDEATHSIG on that thread: stopping it first keeps that engine from dying unasked)
         await loop.run_in_executor(None, driver.run, {"op": "exit"})
+        if healer is not None:
+            await loop.run_in_executor(None, healer.close, driver.host.config.start_timeout_s)
         if uds:
             import contextlib
             import os

@@ -112,6 +112,21 @@ def render_cmd(cmd: Sequence[str], *, port: int, rank: int, device: str) -> list
     return out
 
 
+# torchrun's variables describe the daemon's process group, which the engine is no member of (an
+# engine that starts its own torch.distributed group, as vLLM does, must not pick them up)
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+TORCHRUN_VARS += ("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The daemon's environment without torchrun's process-group variables."""
+    env = dict(os.environ if environ is None else environ)
+    for key in list(env):
+        if key in TORCHRUN_VARS or key.startswith(("TORCHELASTIC_", "TORCH_NCCL_ASYNC")):
+            del env[key]
+    return env
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -253,6 +268,7 @@ class ManagedEngine:
                 self._proc = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
+                    env=engine_env(),
                     stdout=self._log,
                     stderr=subprocess.STDOUT,
                     preexec_fn=die_with_parent,  # the engine ends with this thread (the daemon's)

@@ -16,6 +16,7 @@ from checkpoint_engine.engines import (
     ManagedEngine,
     TransitionError,
     check_transition,
+    engine_env,
     parse_engine_cmd,
     render_cmd,
 )
@@ -101,6 +102,13 @@ def test_parse_engine_cmd_errors(text, match):
 def test_render_cmd_fills_placeholders_and_leaves_other_braces():
     argv = render_cmd(("e", "--port={port}", "r{rank}", "{device}", '{"k": 1}'), port=9, rank=1, device="cuda:1")
     assert argv == ["e", "--port=9", "r1", "cuda:1", '{"k": 1}']
+
+
+def test_engine_env_drops_torchrun_variables():
+    env = engine_env(
+        {"RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    )
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize(
