@@ -190,6 +190,7 @@ class ManagedEngine:
         self.failed_at: float | None = None  # monotonic time of the last failure (for recovery_s)
         self.recovery_s: float | None = None  # failure -> serving again, of the last heal
         self.last_failure: dict | None = None  # kept across restarts: {"reason", "exit_code", "at"}
+        self._served_before: str | None = None  # the checkpoint served when the running update began
         self.healthy = False
         self._emit()
 
@@ -385,16 +386,22 @@ class ManagedEngine:
             refusal = self.update_refusal()
             if refusal is not None:
                 raise RuntimeError(refusal)
+            self._served_before = self.checkpoint if self.state == "serving" else None
             self._set("updating")
 
-    def end_update(self, checkpoint: str, error: str | None) -> None:
-        """updating -> serving (error None) or incomplete; failed when the process is gone."""
+    def end_update(self, checkpoint: str, error: str | None, *, engine_untouched: bool = False) -> None:
+        """updating -> serving (error None) or incomplete; failed when the process is gone.
+
+        `engine_untouched`: the update failed before any weight reached the engine (a bad request):
+        an engine that served a checkpoint goes back to serving it, one with dummy weights is incomplete."""
         with self._lock:
             if self.state != "updating":  # the watchdog marked it failed meanwhile
                 return
             code = self._proc.poll() if self._proc is not None else None
             if code is not None:
                 self._fail(f"engine exited with code {code} during the update of {checkpoint!r}: {error}", code)
+            elif error is not None and engine_untouched and self._served_before is not None:
+                self._set("serving", checkpoint=self._served_before, last_error=f"update to {checkpoint!r}: {error}")
             elif error is None:
                 recovery = None if self.failed_at is None else round(time.monotonic() - self.failed_at, 3)
                 self.failed_at = None
@@ -510,8 +517,8 @@ def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, tim
     try:
         metrics = ps.update(name, req_func, timeout=timeout_s, ranks=pull_ranks)
     except Exception as e:
-        if mine:
-            host.engine.end_update(name, f"{type(e).__name__}: {e}")
+        if mine:  # a ValueError is a request the PS refused before contacting any engine
+            host.engine.end_update(name, f"{type(e).__name__}: {e}", engine_untouched=isinstance(e, ValueError))
         raise
     if mine:
         host.engine.end_update(name, None)

@@ -137,6 +137,12 @@ def test_engines_start_update_heal_stop(tmp_path):
         assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "v1")] * 2, states
         urls = [e["url"] for e in states]
         assert all(rpc(u, "weights_digest") == expected for u in urls)
+        # an update the PS refuses before touching the engines leaves them serving v1
+        code, res = call("POST", base + "/update", {"name": "nope"})
+        assert code == 500 and "nope" in res["errors"]["0"], res
+        states = engines(base)
+        assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "v1")] * 2, states
+        assert "'nope'" in states[0]["last_error"]
 
         # SIGKILL rank 1's engine: noticed (failed, exit code -9), restarted, pulled v1 from the owners
         pid0, pid1 = states[0]["pid"], states[1]["pid"]

@@ -152,6 +152,9 @@ def test_lifecycle_of_one_process(tmp_path):
     engine.begin_update("v1")
     engine.end_update("v1", None)
     assert engine.record()["state"] == "serving" and engine.record()["checkpoint"] == "v1"
+    engine.begin_update("v2")
+    engine.end_update("v2", "ValueError: unknown checkpoint 'v2'", engine_untouched=True)
+    assert engine.record()["state"] == "serving" and engine.record()["checkpoint"] == "v1"
     pid = engine.pid
     engine._proc.send_signal(signal.SIGKILL)
     engine._proc.wait(10)
@@ -167,7 +170,7 @@ def test_lifecycle_of_one_process(tmp_path):
     seq = [p["state"] for p in published]
     changes = [st for i, st in enumerate(seq) if i == 0 or st != seq[i - 1]]
     assert changes == [
-        *("stopped", "starting", "updating", "serving", "failed"),
+        *("stopped", "starting", "updating", "serving", "updating", "serving", "failed"),
         *("starting", "updating", "incomplete", "stopped"),
     ]
     assert json.dumps(published)  # every record is JSON
