@@ -197,9 +197,9 @@ class EngineServer:
             return False
         return status == 200
 
-    def vllm_pids(self) -> list[int]:
-        """Pids of the vLLM processes under the launcher (recorded when it became ready)."""
-        return [p.pid for p in self._tree if p.is_running()]
+    def processes(self) -> list[Any]:
+        """The vLLM processes under the launcher (``psutil.Process``, recorded when it became ready)."""
+        return list(self._tree)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the launcher (it stops vLLM), then SIGKILL whatever of the tree is left; its exit code."""

@@ -53,6 +53,9 @@ def check_resumable(saved: dict, current: dict) -> None:
     """A resumed run may change only RESUMABLE_CHANGES; anything else needs a new output dir."""
     if "trainer" not in saved:  # a run saved before the trainer section existed trained with the hf backend
         saved = {**saved, "trainer": {"type": "hf", "tp_size": 1}}
+    engine = saved.get("engine")
+    if isinstance(engine, dict) and "num_engines" not in engine:  # saved before engine pools: one engine
+        saved = {**saved, "engine": {"num_engines": 1, "self_heal": True, **engine}}
     bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
     if bad:
         raise ValueError(
@@ -360,7 +363,14 @@ class RLJob:
         """Iteration ``i`` (0-based) under policy version i; returns its metrics record."""
         c = self.config
         start = time.monotonic()
+        pool = self._engine_pool()
+        requests_before = pool.metrics()["engine_requests"] if pool is not None else {}
         groups, stats = self.rollout.run(i, policy_version=i, sample_problems=lambda n: self.sampler.sample(n, i))
+        rollout_requests = (  # this iteration's rollout requests per engine of a pool
+            {k: v - requests_before.get(k, 0) for k, v in pool.metrics()["engine_requests"].items()}
+            if pool is not None
+            else None
+        )
         if self.sampler.prioritized is not None:
             for g in groups:
                 self.sampler.prioritized.stats.record(g.problem_id, sum(s.correct for s in g.scores), len(g.scores))
@@ -405,8 +415,8 @@ class RLJob:
         }
         if getattr(synced, "engine_update_s", None) is not None:  # a pool: the update time of each engine
             record["weight_sync_engine_s"] = synced.engine_update_s
-        if self._engine_pool() is not None:  # requests per engine, failures, requeues, recoveries (run totals)
-            record.update(self._engine_pool().metrics())
+        if pool is not None:  # requests per engine, failures, requeues, recoveries (totals since the job started)
+            record.update(pool.metrics(), rollout_engine_requests=rollout_requests)
         if not evaluated:
             record["eval_s"] = 0.0
         record["iteration_s"] = time.monotonic() - start

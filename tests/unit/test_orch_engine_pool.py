@@ -242,3 +242,14 @@ def test_deadline_is_bounded(pools):
 def test_a_pool_has_no_single_req_func(pools):
     with pytest.raises(TypeError, match="PoolWeightSync"):
         pools([ScriptedEngine("a")]).weight_req_func(10.0)
+
+
+def test_a_run_saved_before_engine_pools_still_resumes():
+    from orchestrator.config import load_config, to_dict
+    from orchestrator.loop import check_resumable
+
+    current = to_dict(load_config(None))
+    saved = {**current, "engine": {k: v for k, v in current["engine"].items() if k not in ("num_engines", "self_heal")}}
+    check_resumable(saved, current)
+    with pytest.raises(ValueError, match="engine.num_engines"):
+        check_resumable(saved, to_dict(load_config(None, ["engine.num_engines=2"])))
