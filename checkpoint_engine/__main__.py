@@ -140,6 +140,7 @@ def main(argv=None) -> int:
                 args.engine_config,
                 device=_engine_device(args.transport),
                 publish=_engine_publisher(board, ps, rank),
+                store=dist.PrefixStore("ckpt-engines-agree/", store.clone()),
             )
         if rank == 0:
             asyncio.run(serve_http(Driver(ps, relay, host, board), args.host, args.port, args.uds))

@@ -21,13 +21,15 @@ How a death reaches rank 0, and the heal (the daemon wires it; see daemon.py):
             ── failed (and --auto-heal) ──▶ Driver.run({"op": "engine_start", "ranks": [r], "name": current,
                                                         "heal": true})   (queued behind any running command)
     every rank runs that command: rank r restarts its engine (dummy weights) and waits for health;
-    all ranks agree on the outcome (all_gather), then call update(current, ranks=[r]): rank r's engine
+    all ranks agree on the outcome (keys agree/<n>/<rank> in the process-group store, waited for with
+    the start's own deadline, not a gloo collective bound by the process group's timeout), then call
+    update(current, ranks=[r]): rank r's engine
     pulls from the owners' memory; the other ranks return at once and their engines keep serving.
 
 The process-group store (torchrun's TCPStore, one extra client connection per rank) carries the
 records because it is shared by all ranks whatever the metadata store is (the in-process default is
 per process). Every wait has a deadline: health (`start_timeout_s`), stop (`stop_grace_s`, then
-SIGKILL), the agreement (the process group's timeout), the update (its `timeout_s`).
+SIGKILL), the agreements (start deadline + margin), the update (its `timeout_s`).
 """
 
 from __future__ import annotations
@@ -329,6 +331,12 @@ class ManagedEngine:
             self._fail(f"engine process {self._proc.pid} exited with code {code} ({self._log_tail()})", code)
             return code
 
+    def abandon(self, reason: str) -> None:
+        """Stop the process and report the engine failed (a start the other ranks gave up on)."""
+        with self._lock:
+            self._terminate()
+            self._fail(reason, self.poll())
+
     def stop(self) -> None:
         """SIGTERM, SIGKILL after `stop_grace_s`, always reaped; state -> stopped."""
         with self._lock:
@@ -446,24 +454,57 @@ class Watchdog:
 
 # -- the daemon's engine commands (every rank runs each one; rank 0 relays them) ---------------------
 class EngineHost:
-    """This rank's managed engine and its watchdog."""
+    """This rank's managed engine, its watchdog, and the store the ranks agree through.
 
-    def __init__(self, rank: int, world_size: int, config: EngineConfig, *, device: str, publish):
-        self.rank, self.world_size, self.config = rank, world_size, config
+    `store`: a torch.distributed Store shared by all ranks (its own client connection); None only
+    with one rank."""
+
+    AGREE_MARGIN_S = 30.0
+
+    def __init__(self, rank: int, world_size: int, config: EngineConfig, *, device: str, publish, store=None):
+        if store is None and world_size > 1:
+            raise ValueError(f"EngineHost of {world_size} ranks needs a store shared by the ranks")
+        self.rank, self.world_size, self.config, self.store = rank, world_size, config, store
         self.engine = ManagedEngine(rank, config, device=device, publish=publish)
         self.watchdog = Watchdog(self.engine, config.poll_interval_s)
+        self._num_agreements = 0  # every rank runs the same commands, so the counts match
+
+    @property
+    def start_agreement_timeout_s(self) -> float:
+        """Longer than any rank's own start deadline (health wait, then a stop), so no rank is late."""
+        return self.config.start_timeout_s + 2 * self.config.stop_grace_s + self.AGREE_MARGIN_S
 
     def close(self) -> None:
         self.watchdog.close()
         self.engine.stop()
 
 
-def _agree(host: EngineHost, error: str | None) -> dict[int, str]:
-    """Every rank's error of a step (all_gather over the process group): {rank: error} of the failed ones."""
-    from checkpoint_engine.collectives import all_gather_obj
+def _agree(host: EngineHost, error: str | None, timeout_s: float) -> dict[int, str]:
+    """Every rank's error of a step, {rank: error} of the failed ones, agreed through the store.
 
-    everyone = all_gather_obj(error, host.world_size)
-    return {r: e for r, e in enumerate(everyone) if e}
+    Not a gloo collective: a rank whose engine takes minutes to start would otherwise run the others
+    into the process group's timeout; here the deadline is the step's own."""
+    if host.world_size == 1:
+        return {host.rank: error} if error else {}
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    n = host._num_agreements
+    host._num_agreements += 1
+    keys = [f"agree/{n}/{r}" for r in range(host.world_size)]
+    host.store.set(keys[host.rank], json.dumps(error))
+    try:
+        host.store.wait(keys, timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        pass  # the missing ranks are named below
+    failed = {}
+    for r, key in enumerate(keys):
+        if not host.store.check([key]):
+            failed[r] = f"rank {r} did not report within {timeout_s:g} s"
+        elif (e := json.loads(host.store.get(key))) is not None:
+            failed[r] = e
+    return failed
 
 
 def engine_start(host: EngineHost, ps, cmd: dict) -> dict:
@@ -476,11 +517,14 @@ def engine_start(host: EngineHost, ps, cmd: dict) -> dict:
             host.engine.wait_healthy()
         except RuntimeError as e:
             error = str(e)
-    failed = _agree(host, error)
+    failed = _agree(host, error, host.start_agreement_timeout_s)
     if failed:
+        why = f"engines of ranks {sorted(failed)} did not start"
+        if cmd.get("heal") and error is None and host.rank in ranks:
+            host.engine.abandon(f"heal abandoned: {why}")  # failed again: the healer retries (bounded)
         if host.rank in failed:
             raise RuntimeError(failed[host.rank])
-        return {"engine": host.engine.record(), "update": f"skipped: engines of ranks {sorted(failed)} did not start"}
+        return {"engine": host.engine.record(), "update": f"skipped: {why}"}
     result = {"engine": host.engine.record()}
     if cmd.get("name"):
         result["update"] = managed_update(host, ps, cmd["name"], ranks, cmd.get("timeout_s"))
@@ -497,7 +541,7 @@ def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, tim
 
     members = sorted(set(ranks)) if ranks else list(range(host.world_size))
     mine = host.rank in members
-    refused = _agree(host, host.engine.update_refusal() if mine else None)
+    refused = _agree(host, host.engine.update_refusal() if mine else None, host.AGREE_MARGIN_S)
     if refused:
         raise RuntimeError(
             refused.get(host.rank) or f"update refused: the engines of ranks {sorted(refused)} cannot take updates"

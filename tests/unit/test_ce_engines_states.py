@@ -215,3 +215,40 @@ def test_health_deadline(tmp_path):
     with pytest.raises(RuntimeError, match=r"not healthy at http://127.0.0.1:\d+/health within 0.5 s"):
         engine.wait_healthy()
     assert engine.state == "failed" and engine.poll() is not None  # stopped, reaped
+
+
+def test_ranks_agree_through_the_store_with_a_deadline(tmp_path):
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from checkpoint_engine.engines import EngineHost, _agree
+    from tests.dist.harness import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    config = EngineConfig(cmd=("e", "{port}"), log_dir=str(tmp_path))
+    hosts = [
+        EngineHost(r, 2, config, device="cpu", publish=None, store=dist.TCPStore("127.0.0.1", port, is_master=False))
+        for r in range(2)
+    ]
+    try:
+        out: dict[int, dict] = {}
+        threads = [
+            threading.Thread(target=lambda r=r: out.__setitem__(r, _agree(hosts[r], [None, "boom"][r], 10.0)))
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert out == {0: {1: "boom"}, 1: {1: "boom"}}
+        # rank 1 never reports: rank 0 names it once the step's deadline passes
+        t0 = time.monotonic()
+        assert _agree(hosts[0], None, 0.5) == {1: "rank 1 did not report within 0.5 s"}
+        assert time.monotonic() - t0 < 5
+    finally:
+        for h in hosts:
+            h.close()
+        del server
