@@ -27,6 +27,7 @@ import statistics
 import time
 
 GIB = 2**30
+PHASES = ("setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s", "total_s")
 
 
 def parse_args(argv=None):
@@ -72,12 +73,14 @@ def engine_main(conn, device_index: int) -> None:
     import torch
     import zmq
 
+    from checkpoint_engine.shm import MappingCache
     from checkpoint_engine.state import EngineWeightState
     from checkpoint_engine.worker import update_weights_from_ipc
 
     device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
     ctx, state, weights = zmq.Context(), EngineWeightState(), {}
+    mappings = MappingCache()  # as the plain and vLLM engines: the IPC buffers stay open across updates
 
     def put(name, t):
         dst = weights.get(name)
@@ -98,9 +101,10 @@ def engine_main(conn, device_index: int) -> None:
                 run=lambda named: [put(n, t) for n, t in named],
                 state=state,
                 timeout_s=300,
+                mapping_cache=mappings,
             )
             torch.cuda.synchronize(device)
-            reply = {"ok": True, "version": state.version}
+            reply = {"ok": True, "version": state.version, "cache_hits": mappings.hits}
         elif cmd["op"] == "checksum":  # exact integer sums of a few tensors' bits: did the bytes arrive?
             reply = {"ok": True, "sums": {n: int_sum(weights[n]) for n in cmd["names"]}}
         else:  # "naive": the engine reads a pageable host copy of its shard tensor by tensor
@@ -166,9 +170,12 @@ def main() -> int:
             parent.send_bytes(json.dumps({"op": "ours", "address": paths[rank][1]}).encode())
             reply = json.loads(parent.recv_bytes())
             assert reply["ok"], reply
+            engine_cache_hits[0] = reply["cache_hits"]
 
+        engine_cache_hits = [0]
         updates: dict[int, list[float]] = {}
         gpu_peak_mib: dict[int, float] = {}
+        phases: dict[int, dict] = {}
         for size in bucket_sizes:
             ps.config = replace(ps.config, update=replace(ps.config.update, bucket_size_bytes=size))
             torch.cuda.reset_peak_memory_stats()
@@ -180,6 +187,8 @@ def main() -> int:
                 dist.barrier()
                 updates[size].append(time.perf_counter() - t0)
             gpu_peak_mib[size] = torch.cuda.max_memory_allocated() / 2**20
+            m = ps.last_metrics.to_dict()  # the last repeat's stage times (this rank)
+            phases[size] = {k: m[k] for k in PHASES}
 
         names = [n for n, _ in specs[:3]]
         parent.send_bytes(json.dumps({"op": "checksum", "names": names}).encode())
@@ -217,6 +226,7 @@ def main() -> int:
             "num_tensors": num_tensors,
             "register_s": round(register_s, 3),
             "bytes_ok": bytes_ok,
+            "engine_ipc_cache_hits": engine_cache_hits[0],
             "bucket_size_mib": first // 2**20,
             "update_s": round(med[first], 4),
             "update_gib_per_s": round(total / GIB / med[first], 2),
@@ -230,6 +240,7 @@ def main() -> int:
                     "ratio_to_h2d": round(med[s] / h2d_s, 3),
                     "ps_gpu_peak_mib": round(gpu_peak_mib[s], 1),
                     "all_s": [round(x, 4) for x in updates[s]],
+                    "phases_s": phases[s],
                 }
                 for s in bucket_sizes
             },

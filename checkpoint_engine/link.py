@@ -36,7 +36,10 @@ class EngineLink:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)  # an Abort sent just before close still goes out
         self._sock.bind(address)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # HANDSHAKE_SUCCEEDED: the moment a message can be queued for the engine (wakes `send`).
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -65,7 +68,10 @@ class EngineLink:
                     raise EngineFailure(
                         f"timed out waiting for the engine to connect (could not send {type(msg).__name__})"
                     ) from None
-            if self._monitor.poll(self.POLL_SLICE_MS, zmq.POLLIN):
+            # Once the engine is accepted the pipe is usable within a handshake (well under a ms), and
+            # its HANDSHAKE_SUCCEEDED event may already have been drained above, before the send that
+            # failed: retry in short slices then, or every update's set-up would sleep a full slice.
+            if self._monitor.poll(1 if self.connected else self.POLL_SLICE_MS, zmq.POLLIN):
                 self._on_monitor_event()
             if check is not None and (problem := check()):
                 raise CheckFailed(problem)
@@ -98,7 +104,7 @@ class EngineLink:
         from zmq.utils.monitor import recv_monitor_message
 
         evt = recv_monitor_message(self._monitor)
-        if evt["event"] == zmq.EVENT_ACCEPTED:
+        if evt["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
             self.connected = True
         elif evt["event"] == zmq.EVENT_DISCONNECTED and self.connected:
             self._gone = True  # raised by recv once what the engine sent before is read

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -120,7 +121,7 @@ class MappingCache:
         if keep_updates < 1:
             raise ValueError(f"keep_updates={keep_updates!r} must be >= 1")
         self.keep_updates = keep_updates
-        self._maps: dict[tuple[int, int, int], tuple[tuple[int, int], torch.Tensor, int]] = {}
+        self._maps: dict[tuple, tuple[tuple[int, int] | None, torch.Tensor, int]] = {}
         self._update = 0
         self.hits = 0
         self.misses = 0
@@ -145,6 +146,28 @@ class MappingCache:
         self.misses += 1
         tensor, identity = _map_fd(_open_segment(ref), ref)
         self._maps[key] = (identity, tensor, self._update)
+        return tensor
+
+    def open_cuda(self, args: tuple, size_bytes: int, opener: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A CUDA IPC buffer (``_share_cuda_`` arguments), kept open across updates like a segment.
+
+        Opening maps the allocation into this process: about 50 ms per update for a 2 x 1 GiB double
+        buffer on an H100, a quarter of an 8 GiB update. The key is the allocation's IPC handle and
+        offset; while this process holds the mapping the producer cannot free the allocation (its
+        CUDA IPC reference counter stays above zero), so a key never names a different buffer.
+        """
+        key = ("cuda", args[0], bytes(args[1]), args[3], size_bytes)
+        cached = self._maps.get(key)
+        if cached is not None:
+            # Each share counts one more consumer on the producer side; the mapping held here already
+            # keeps the allocation alive, so give that count back (as torch.multiprocessing does).
+            torch.UntypedStorage._release_ipc_counter_cuda(args[4], args[5])
+            self.hits += 1
+            self._maps[key] = (cached[0], cached[1], self._update)
+            return cached[1]
+        self.misses += 1
+        tensor = opener()
+        self._maps[key] = (None, tensor, self._update)
         return tensor
 
     def end_update(self) -> None:

@@ -163,7 +163,7 @@ def make_transport(kind: str, local_rank: int) -> Transport:
 def open_buffer(
     handle: BufferHandle, device_id: int | None, mapping_cache: shm.MappingCache | None = None
 ) -> torch.Tensor:
-    """Engine side: map one of the PS's shared buffers (per update, or cached across updates on CPU)."""
+    """Engine side: map one of the PS's shared buffers (per update, or kept across updates by `mapping_cache`)."""
     if handle.kind == "fd":
         ref = shm.SegmentRef(handle.pid, handle.fd, handle.size_bytes)
         return mapping_cache.open(ref) if mapping_cache is not None else shm.map_readonly(ref)
@@ -175,7 +175,13 @@ def open_buffer(
     # Opening an IPC handle needs an initialized CUDA context in this process: an engine that has
     # not touched the GPU yet (a fresh process) would crash inside the driver call otherwise.
     torch.cuda.init()
-    storage = torch.UntypedStorage._new_shared_cuda(*args)
-    buf = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", args[0]))
-    buf.set_(storage, 0, (handle.size_bytes,), (1,))
-    return buf
+
+    def open_now() -> torch.Tensor:
+        storage = torch.UntypedStorage._new_shared_cuda(*args)
+        buf = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", args[0]))
+        buf.set_(storage, 0, (handle.size_bytes,), (1,))
+        return buf
+
+    if mapping_cache is not None:
+        return mapping_cache.open_cuda(tuple(args), handle.size_bytes, open_now)
+    return open_now()
