@@ -179,6 +179,9 @@ def test_engines_start_update_heal_stop(tmp_path):
         assert code == 200 and res["ok"], res
         assert [e["state"] for e in engines(base)] == ["stopped", "stopped"]
         assert not alive(pid0) and not alive(e1["pid"])
+        for pid in (pid0, pid1, e1["pid"]):  # each engine ran in its own process group: none of it is left
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pid, 0)
         shutdown(daemon, base, tmp_path)
         print(f"start of 2 engines {start_s:.2f} s, heal after SIGKILL {heal_s:.2f} s, recovery_s {e1['recovery_s']}")
     finally:

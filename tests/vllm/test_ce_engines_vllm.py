@@ -107,6 +107,9 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res
         assert [e["state"] for e in engines()] == ["stopped", "stopped"]
+        for pid in (states[0]["pid"], states[1]["pid"], now[1]["pid"]):  # launchers and their vLLM processes
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pid, 0)  # each engine ran in its own process group: none of it is left
         assert call("POST", "/shutdown", timeout_s=30)[0] == 200
         assert daemon.wait(120) == 0, (tmp_path / "daemon.log").read_text()[-4000:]
         print(f"heal of a vLLM engine: {heal_s:.1f} s (recovery_s {now[1]['recovery_s']})")
