@@ -281,14 +281,19 @@ class Driver:
         self.lock = threading.Lock()
         self.current: str | None = None
 
+    ENGINE_OPS = ("engine_start", "engine_stop")
+
     def run(self, cmd: dict) -> dict:
         with self.lock:
+            op_key = self._begin_engine_op(cmd)
             self.relay.publish(cmd)
             mine = _run(self.ps, cmd, self.host)
             self.relay.put_result(mine)
             results = self.relay.gather_results()
             self.relay.done()
             ok = all(r.get("ok") for r in results)
+            if op_key is not None:
+                self.ps.registry.store.delete(op_key)
             op, name = cmd.get("op"), cmd.get("name")
             if ok and name and (op == "engine_start" or (op == "update" and cmd.get("managed"))):
                 self.current = name
@@ -296,6 +301,16 @@ class Driver:
                 self.current = None  # heals now start engines without weights until the next update
         errors = {str(r): res["error"] for r, res in enumerate(results) if not res.get("ok")}
         return {"ok": ok, "op": cmd.get("op"), "ranks": results, **({"errors": errors} if errors else {})}
+
+    def _begin_engine_op(self, cmd: dict) -> str | None:
+        """An engine operation in flight goes to the metadata store (`ops/engines-<n>`, with a TTL) until it
+        ends; updates publish their own (`ps.update`)."""
+        if cmd.get("op") not in self.ENGINE_OPS:
+            return None
+        key = f"ops/engines-{self.relay.seq}"
+        info = {k: cmd.get(k) for k in ("op", "ranks", "name", "heal")}
+        self.ps.registry.store.put(key, json.dumps({**info, "started_at_s": time.time()}), ttl_s=3600.0)
+        return key
 
 
 def make_app(driver: Driver, stop: asyncio.Event):

@@ -266,6 +266,7 @@ def test_engine_states_in_etcd_without_auto_heal(tmp_path, etcd_port):
         assert rpc(states[0]["url"], "weights_digest") == rpc(states[1]["url"], "weights_digest") == expected
 
         assert call("POST", base + "/engines/stop", {"ranks": [1]})[0] == 200
+        assert store.get_prefix("ops/") == {}  # engine operations in flight are listed there until they end
         assert [s["state"] for s in etcd_states()] == ["serving", "stopped"]
         shutdown(daemon, base, tmp_path)  # stops rank 0's engine too
         assert [s["state"] for s in etcd_states()] == ["stopped", "stopped"]
