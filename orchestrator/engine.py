@@ -253,10 +253,16 @@ class AsyncVllmEngine:
 class HttpVllmEngine:
     """A running vLLM server (``python -m vllm_ext.launch`` or ``vllm serve`` in dev mode)."""
 
-    def __init__(self, config: EngineConfig, max_workers: int = 32) -> None:
+    def __init__(self, config: EngineConfig, max_workers: int = 32, batch_size: int = 1) -> None:
+        """``batch_size`` > 1: requests of one ``generate`` call that share ``max_tokens`` go out up to that
+        many per POST (a list of token-id prompts): on a few cores the per-request HTTP work, not vLLM,
+        bounds throughput otherwise; ``on_result`` then fires per batch."""
         from vllm_ext.req import get_json
 
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be >= 1")
         self.config = config
+        self.batch_size = batch_size
         self.endpoint = str(config.endpoint).rstrip("/")
         status, body = get_json(self.endpoint + "/v1/models", timeout_s=30.0)
         if status != 200 or not body.get("data"):
@@ -267,12 +273,20 @@ class HttpVllmEngine:
     def _complete(
         self, request: GenRequest, sampling: SamplingSettings, repeat: RepeatConfig | None, timeout_s: float
     ) -> GenResult:
+        return self._complete_batch([request], sampling, repeat, timeout_s)[0]
+
+    def _complete_batch(
+        self, requests: Sequence[GenRequest], sampling: SamplingSettings, repeat: RepeatConfig | None, timeout_s: float
+    ) -> list[GenResult]:
+        """One POST for requests that share ``max_tokens`` (one prompt: as before batching existed)."""
         from checkpoint_engine.api import post_json
 
         body = {
             "model": self.model_name,
-            "prompt": list(request.prompt_token_ids),
-            "max_tokens": request.max_tokens,
+            "prompt": list(requests[0].prompt_token_ids)
+            if len(requests) == 1
+            else [list(r.prompt_token_ids) for r in requests],
+            "max_tokens": requests[0].max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "return_token_ids": True,
@@ -280,11 +294,18 @@ class HttpVllmEngine:
         }
         answer = post_json(self.endpoint + "/v1/completions", body, timeout_s=timeout_s)
         try:
-            choice = answer["choices"][0]
-            tokens = [int(t) for t in choice["token_ids"]]
+            choices = sorted(answer["choices"], key=lambda c: int(c.get("index", 0)))
+            if len(choices) != len(requests):
+                raise ValueError(f"{len(choices)} choices for {len(requests)} prompts")
+            answers = [([int(t) for t in c["token_ids"]], c.get("finish_reason")) for c in choices]
         except (KeyError, IndexError, TypeError, ValueError):
             raise RuntimeError(f"unexpected completion answer: {str(answer)[:300]}") from None
-        finish = _FINISH.get(choice.get("finish_reason"), "abort")
+        return [self._result(r, tokens, reason, repeat) for r, (tokens, reason) in zip(requests, answers)]
+
+    @staticmethod
+    def _result(request: GenRequest, tokens: list[int], reason: str | None, repeat: RepeatConfig | None) -> GenResult:
+        """The result of one completion; a repeat (over earlier segments and these tokens) is cut after the fact."""
+        finish = _FINISH.get(reason, "abort")
         if repeat is not None and repeat.enabled:
             earlier = list(request.earlier_response_ids)
             end = first_repeat_end(
@@ -308,6 +329,8 @@ class HttpVllmEngine:
         timeout_s: float = 900.0,
     ) -> list[GenResult]:
         check_requests(requests)
+        if self.batch_size > 1:
+            return self._generate_batched(requests, sampling, repeat, on_result, timeout_s)
         futures = [self._pool.submit(self._complete, r, sampling, repeat, timeout_s) for r in requests]
         if on_result is not None:
             for future in concurrent.futures.as_completed(futures, timeout=timeout_s):
@@ -318,6 +341,35 @@ class HttpVllmEngine:
                 future.cancel()
             raise TimeoutError(f"{len(pending)} of {len(requests)} requests did not finish within {timeout_s:.0f} s")
         return [f.result() for f in futures]
+
+    def _generate_batched(
+        self,
+        requests: Sequence[GenRequest],
+        sampling: SamplingSettings,
+        repeat: RepeatConfig | None,
+        on_result: ResultCallback | None,
+        timeout_s: float,
+    ) -> list[GenResult]:
+        by_tokens: dict[int, list[GenRequest]] = {}
+        for r in requests:
+            by_tokens.setdefault(r.max_tokens, []).append(r)
+        batches = [g[i : i + self.batch_size] for g in by_tokens.values() for i in range(0, len(g), self.batch_size)]
+        futures = [self._pool.submit(self._complete_batch, b, sampling, repeat, timeout_s) for b in batches]
+        results: dict[str, GenResult] = {}
+        try:
+            for future in concurrent.futures.as_completed(futures, timeout=timeout_s):
+                for result in future.result():
+                    results[result.request_id] = result
+                    if on_result is not None:
+                        on_result(result)
+        except concurrent.futures.TimeoutError:
+            for future in futures:
+                future.cancel()
+            missing = len(requests) - len(results)
+            raise TimeoutError(
+                f"{missing} of {len(requests)} requests did not finish within {timeout_s:.0f} s"
+            ) from None
+        return [results[r.request_id] for r in requests]
 
     def weight_req_func(self, timeout_s: float) -> ReqFunc:
         from vllm_ext.req import vllm_http_req_func

@@ -31,11 +31,12 @@ class ScriptedEngine:
         self.inflight = 0
         self.max_inflight = 0
         self.served: list[str] = []
+        self.calls: list[list[str]] = []
 
     def generate(self, requests, sampling, *, repeat=None, on_result=None, timeout_s=900.0):
-        (request,) = requests
         with self.lock:
-            self.inflight += 1
+            self.calls.append([r.request_id for r in requests])
+            self.inflight += len(requests)
             self.max_inflight = max(self.max_inflight, self.inflight)
         try:
             deadline = time.monotonic() + timeout_s
@@ -49,11 +50,11 @@ class ScriptedEngine:
             if self.fail_alive:
                 raise RuntimeError(f"POST http://{self.name}/v1/completions answered HTTP 500")
             with self.lock:
-                self.served.append(request.request_id)
-            return [GenResult(request.request_id, (len(request.prompt_token_ids),), "stop")]
+                self.served += [r.request_id for r in requests]
+            return [GenResult(r.request_id, (len(r.prompt_token_ids),), "stop") for r in requests]
         finally:
             with self.lock:
-                self.inflight -= 1
+                self.inflight -= len(requests)
 
     def answers(self) -> bool:
         return self.alive
@@ -253,3 +254,20 @@ def test_a_run_saved_before_engine_pools_still_resumes():
     check_resumable(saved, current)
     with pytest.raises(ValueError, match="engine.num_engines"):
         check_resumable(saved, to_dict(load_config(None, ["engine.num_engines=2"])))
+
+
+def test_batches_share_max_tokens_and_spread_over_engines(pools):
+    a, b = ScriptedEngine("a"), ScriptedEngine("b")
+    pool = pools([a, b], batch_size=4)
+    requests = [GenRequest(f"r{i}", (1,) * (i + 1), 8 if i % 3 else 5) for i in range(20)]
+    results = pool.generate(requests, SAMPLING)
+    assert [r.request_id for r in results] == [r.request_id for r in requests]
+    assert [r.token_ids for r in results] == [(i + 1,) for i in range(20)]
+    max_tokens = {r.request_id: r.max_tokens for r in requests}
+    calls = a.calls + b.calls
+    assert all(len(c) <= 4 and len({max_tokens[i] for i in c}) == 1 for c in calls), calls
+    assert sorted(i for c in calls for i in c) == sorted(max_tokens)
+    assert a.calls and b.calls
+    small = pools([ScriptedEngine("c"), ScriptedEngine("d")], batch_size=32)
+    small.generate(_requests(4), SAMPLING)  # a short queue still goes to both engines
+    assert [len(m.engine.calls) for m in small.members] == [1, 1]
