@@ -274,3 +274,37 @@ def test_engine_states_in_etcd_without_auto_heal(tmp_path, etcd_port):
     finally:
         store.close()
         stop_group(daemon)
+
+
+def test_engine_operations_queue_and_get_engines_answers_during_an_update(tmp_path):
+    import threading
+
+    files, expected = write_checkpoint(tmp_path / "v1", seed=3)
+    slow = json.loads(ENGINE_CMD) + ["--load-delay-s", "1.5"]  # each bucket takes 1.5 s to load
+    daemon, base = start_daemon(tmp_path, "--engine-cmd", json.dumps(slow))  # the last --engine-cmd wins
+    try:
+        assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
+        assert call("POST", base + "/engines/start", {})[0] == 200
+        answers: dict[str, tuple[float, int]] = {}
+
+        def post(key: str, path: str, body: dict) -> None:
+            code, _ = call("POST", base + path, body)
+            answers[key] = (time.monotonic(), code)
+
+        update = threading.Thread(target=post, args=("update", "/update", {"name": "v1"}))
+        update.start()
+        during = wait_for(lambda: [e["state"] for e in engines(base)] == ["updating"] * 2, "updating", 30)
+        t0 = time.monotonic()
+        assert engines(base) and time.monotonic() - t0 < 1.0  # read from the store, not queued behind the update
+        stop = threading.Thread(target=post, args=("stop", "/engines/stop", {"ranks": [1]}))
+        stop.start()
+        update.join(60)
+        stop.join(60)
+        assert during and answers["update"][1] == 200 and answers["stop"][1] == 200, answers
+        assert answers["update"][0] <= answers["stop"][0]  # the stop waited for the update: never interleaved
+        states = engines(base)
+        assert [e["state"] for e in states] == ["serving", "stopped"], states
+        assert rpc(states[0]["url"], "weights_digest") == expected
+        shutdown(daemon, base, tmp_path)
+    finally:
+        stop_group(daemon)
