@@ -23,13 +23,18 @@ How a death reaches rank 0, and the heal (the daemon wires it; see daemon.py):
     every rank runs that command: rank r restarts its engine (dummy weights) and waits for health;
     all ranks agree on the outcome (keys agree/<n>/<rank> in the process-group store, waited for with
     the start's own deadline, not a gloo collective bound by the process group's timeout), then call
-    update(current, ranks=[r]): rank r's engine
-    pulls from the owners' memory; the other ranks return at once and their engines keep serving.
+    update(current, ranks=[r]): rank r's engine pulls from the owners' memory; the other ranks return
+    at once and their engines keep serving.
 
-The process-group store (torchrun's TCPStore, one extra client connection per rank) carries the
-records because it is shared by all ranks whatever the metadata store is (the in-process default is
-per process). Every wait has a deadline: health (`start_timeout_s`), stop (`stop_grace_s`, then
-SIGKILL), the agreements (start deadline + margin), the update (its `timeout_s`).
+The process-group store (torchrun's TCPStore; two extra client connections per rank, records and
+agreements, so neither waits behind the relay's blocking wait) carries the records because it is
+shared by all ranks whatever the metadata store is (the in-process default is per process). Every
+wait has a deadline: health (`start_timeout_s`), stop (`stop_grace_s`, then SIGKILL of the engine's
+process group), the agreements (start deadline + margin), the update (its `timeout_s`).
+
+Health: GET `health_path` answers 200 once the engine can take an update. For `vllm_ext.launch
+--no-initial-push` that is `/version` (vLLM's own, proxied by the gate), not the gate's `/health`,
+which opens only after the first update.
 """
 
 from __future__ import annotations
