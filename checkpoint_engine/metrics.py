@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
+from checkpoint_engine.sources import Mode
+
 logger = logging.getLogger(__name__)
 
 
@@ -16,7 +18,7 @@ class UpdateMetrics:
     checkpoint: str
     rank: int
     world_size: int
-    mode: str = "broadcast"
+    mode: Mode  # how the bytes moved: "collective", "local" or "p2p"
     num_buckets: int = 0
     num_tensors: int = 0
     bucket_size_bytes: int = 0

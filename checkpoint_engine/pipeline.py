@@ -1,13 +1,14 @@
-"""The double-buffered broadcast update, run identically on every PS rank.
+"""The double-buffered update, run identically on every PS rank taking part (`run_update`).
 
-    for bucket i (shared buffer half h = i % 2):
+    Hello(buffers the source chose) -> Ready               # engine maps them (or reuses its mappings)
+    for bucket i (double buffer half h = i % 2):
         wait Ack(i-2) from my engine        # half h is free again
-        agree: all ranks exchange status    # any failure -> every rank aborts
-        owner: copy-in host chunk -> half h # memcpy (CPU) / H2D (CUDA)
-        broadcast half h from owner         # gloo / NCCL, into every rank's shared buffer
-        send Bucket(i, offsets) to engine   # engine loads bucket i while we move bucket i+1
+        agree: all ranks exchange status    # every agree_every_buckets buckets; any failure -> all abort
+        source.fill(bucket i, half h)       # collective: copy-in + broadcast; local: nothing; p2p: read
+        send Bucket(i, offsets) to engine   # engine loads bucket i while we fill bucket i+1
     drain acks, agree, Done -> post_hook, agree, join req_func, agree
 
+The loop is the same for every mode; what moves the bytes is the job's `BucketSource` (sources.py).
 Every wait has a deadline. A failure anywhere (engine error or death, req_func error, a
 collective failing because a rank died) ends the update on every live rank with an error that
 names the rank and the cause, and each engine is told to abort.
@@ -27,11 +28,10 @@ import zmq
 from checkpoint_engine import protocol as P
 from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.errors import UpdateFailed  # also re-exported: callers import it from here
-from checkpoint_engine.host_memory import RegisteredCheckpoint
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics
-from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up
+from checkpoint_engine.sources import BucketSource, EngineBuffers, Mode
 from checkpoint_engine.transport import Transport
 from checkpoint_engine.types import ReqFunc
 
@@ -92,76 +92,157 @@ class _ReqThread:
 
 @dataclass
 class UpdateJob:
+    """One update on this rank: what every mode shares. What differs by mode is in `source`."""
+
     rank: int
     world_size: int
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | None  # None: every rank (default group); a pull: the receivers' subgroup
+    members: list[int]  # ranks taking part, in group order
     checkpoint: str
-    ckpt: RegisteredCheckpoint | None  # this rank's shard (None when it owns no tensor)
     buckets: list[Bucket]
     bucket_size_bytes: int
     checksums: dict[str, int] | None
+    source: BucketSource
     transport: Transport
     zmq_ctx: zmq.Context
-    address: str
-    addresses: list[tuple[str, str]]
+    address: str  # this rank's engine link
+    addresses: list[tuple[str, str]]  # every rank's (device id, engine link address), for req_func
     req_func: ReqFunc
     cfg: UpdateConfig
     update_id: str
-    mode: str = "collective"  # "collective": broadcast; "local": engines read owners' chunks; "p2p": Mooncake reads
-    rank_chunk_handles: dict[int, list[P.BufferHandle]] | None = None  # local mode: every rank's chunks
-    pids: tuple[int, ...] = ()
+    pids: tuple[int, ...] = ()  # every rank's PS process: dead-rank checks after a failure
     hosts: tuple[str, ...] = ()
-    members: list[int] | None = None  # ranks taking part (P2P: the receivers); None: every rank
-    p2p: P2PStore | None = None
-    p2p_addrs: dict[int, str] | None = None  # owner rank -> transfer engine address
-    chunk_ptrs: dict[int, list[int]] | None = None  # owner rank -> address of each chunk
+
+    @property
+    def mode(self) -> Mode:
+        return self.source.mode
+
+    @property
+    def half_stride(self) -> int:
+        """Bytes from the start of one double-buffer half to the next."""
+        return align_up(self.bucket_size_bytes, DEFAULT_ALIGN_BYTES)
 
 
-class _Layout:
-    """Which shared buffers this rank's engine maps, and where each bucket's tensors are in them."""
+@dataclass
+class UpdateRun:
+    """One update in progress: the job, the engine's buffers and link, the req_func thread, the
+    cross-rank status agreement and the metrics the stages add to."""
 
-    def __init__(self, job: UpdateJob, double_buffer: P.BufferHandle | None):
-        self.job = job
-        self.handles: list[P.BufferHandle] = []
-        self.base: dict[int, int] = {}  # owner rank -> index of its chunk 0 in handles
-        if job.mode == "local":
-            for r in sorted(job.rank_chunk_handles or {}):
-                self.base[r] = len(self.handles)
-                self.handles += job.rank_chunk_handles[r]
-        else:
-            self.handles.append(double_buffer)
-            if job.transport.engines_map_host_chunks and job.ckpt is not None:
-                self.base[job.rank] = 1
-                self.handles += [c.handle for c in job.ckpt.chunks]
+    job: UpdateJob
+    buffers: EngineBuffers
+    link: EngineLink
+    req: _ReqThread
+    status: StatusExchange
+    metrics: UpdateMetrics
 
-    def stable_buffers(self) -> tuple[int, ...]:
-        """Registered chunks keep their bytes for the whole update; the double buffer (index 0
-        outside local mode) is overwritten two buckets later."""
-        first = 0 if self.job.mode == "local" else 1
-        return tuple(range(first, len(self.handles)))
-
-    def wire(self, bucket: Bucket, half_offset: int) -> tuple[P.WireTensor, ...]:
-        direct = bucket.owner_rank in self.base
-        out = []
-        for t in bucket.tensors:
-            if direct:
-                buf, off = self.base[bucket.owner_rank] + t.chunk, t.offset_bytes
-            else:
-                buf, off = 0, half_offset + t.offset_bytes - bucket.start_bytes
-            out.append(
-                P.WireTensor(
-                    t.name,
-                    t.dtype,
-                    t.shape,
-                    buf,
-                    off,
-                    None if self.job.checksums is None else self.job.checksums[t.name],
-                )
+    def connect(self) -> None:
+        """Hello -> Ready from the engine (it maps the buffers), then agree."""
+        job, link, req = self.job, self.link, self.req
+        t0 = time.perf_counter()
+        err = None
+        deadline = time.monotonic() + job.cfg.engine_connect_timeout_s
+        try:
+            link.send(
+                P.Hello(
+                    update_id=job.update_id,
+                    checkpoint=job.checkpoint,
+                    num_buckets=len(job.buckets),
+                    buffers=self.buffers.handles,
+                    verify_checksums=job.checksums is not None,
+                    stable_buffers=self.buffers.stable_buffers(),
+                ),
+                deadline_s=deadline,
+                check=lambda: req.error,
             )
-        return tuple(out)
+            msg = link.recv(deadline, what="the engine to connect", check=lambda: req.error)
+            if isinstance(msg, P.Error):
+                err = f"engine could not start the update: {msg.reason}"
+            elif not isinstance(msg, P.Ready):
+                err = f"engine sent {type(msg).__name__} instead of Ready"
+        except EngineFailure as e:
+            err = e.describe()
+        self.status.agree(err)
+        self.metrics.setup_s = time.perf_counter() - t0
+
+    def stream_buckets(self) -> None:
+        """The double-buffered loop: wait for the half to be free, agree, fill it, send Bucket."""
+        job, link, m = self.job, self.link, self.metrics
+        bar = None
+        if job.cfg.progress and job.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"update {job.checkpoint}")
+        acked = 0
+        try:
+            for i, bucket in enumerate(job.buckets):
+                if i >= 2:
+                    acked = self.wait_acks(acked, i - 1)  # Ack(i-2) frees half i % 2
+                if i % job.cfg.agree_every_buckets == 0:
+                    t0 = time.perf_counter()
+                    self.status.agree(link.failure)
+                    m.agree_s += time.perf_counter() - t0
+                half = (i % 2) * job.half_stride
+                job.source.fill(self, bucket, half)  # even after a failure: other ranks broadcast in lockstep
+                if link.failure is None:
+                    try:
+                        link.send(P.Bucket(index=i, tensors=self.buffers.wire(bucket, half, job.checksums)))
+                    except EngineFailure as e:
+                        link.failure = e.describe()  # spread to every rank at the next agreement
+                if bar is not None:
+                    bar.update(sum(t.nbytes for t in bucket.tensors))
+            self.wait_acks(acked, len(job.buckets))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def wait_acks(self, acked: int, upto: int) -> int:
+        """Collect acks until buckets [0, upto) are acknowledged; an engine error is recorded on link."""
+        link, req = self.link, self.req
+        t0 = time.perf_counter()
+        try:
+            while acked < upto and link.failure is None:
+                msg = link.recv(
+                    time.monotonic() + self.job.cfg.engine_timeout_s,
+                    what=f"the engine to load bucket {acked}",
+                    check=lambda: req.error,
+                )
+                if isinstance(msg, P.Ack) and msg.index == acked:
+                    acked += 1
+                elif isinstance(msg, P.Error):
+                    link.failure = f"engine failed on {msg.reason}"
+                else:
+                    link.failure = f"engine sent unexpected {msg} while bucket {acked} was loading"
+        except EngineFailure as e:
+            link.failure = e.describe()
+        self.metrics.engine_wait_s += time.perf_counter() - t0
+        return acked
+
+    def finish(self) -> None:
+        """Agree, Done -> the engine's post_hook -> Ack(DONE_ACK), agree, join req_func, agree."""
+        job, link, req, status = self.job, self.link, self.req, self.status
+        t0 = time.perf_counter()
+        status.agree(link.failure)
+        err = None
+        link.send(P.Done(update_id=job.update_id))
+        try:
+            msg = link.recv(
+                time.monotonic() + job.cfg.engine_timeout_s,
+                what="the engine's post-update hook",
+                check=lambda: req.error,
+            )
+            if isinstance(msg, P.Error):
+                err = f"engine failed in {msg.reason}"
+            elif not (isinstance(msg, P.Ack) and msg.index == P.DONE_ACK):
+                err = f"engine sent unexpected {msg} after Done"
+        except EngineFailure as e:
+            err = e.describe()
+        status.agree(err)
+        status.agree(req.join(job.cfg.req_func_timeout_s))
+        self.metrics.finish_s = time.perf_counter() - t0
 
 
-def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
+def run_update(job: UpdateJob) -> UpdateMetrics:
+    """Push `job.checkpoint` into this rank's engine; every rank taking part runs it in lockstep."""
     m = UpdateMetrics(
         job.checkpoint,
         job.rank,
@@ -173,20 +254,15 @@ def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
         total_bytes=sum(t.nbytes for b in job.buckets for t in b.tensors),
     )
     t_start = time.perf_counter()
-    status = StatusExchange(job.rank, job.members or list(range(job.world_size)), job.group)
-    shared, handle, staging = None, None, None
-    if job.mode != "local":
-        shared, handle = job.transport.shared_buffer(2 * _half_stride(job))
-    if job.mode == "p2p":
-        staging = shared if job.transport.engines_map_host_chunks else job.transport.p2p_staging(2 * _half_stride(job))
-        job.p2p.register(staging.data_ptr(), staging.numel())
-    layout = _Layout(job, handle)
+    status = StatusExchange(job.rank, job.members, job.group)
+    buffers = job.source.open(job)
     link = EngineLink(job.zmq_ctx, job.address)
     req = _ReqThread(job.req_func, job.addresses)
+    run = UpdateRun(job, buffers, link, req, status, m)
     try:
-        _connect(job, link, req, layout, status, m)
-        _stream_buckets(job, link, req, shared, staging, layout, status, m)
-        _finish(job, link, req, status, m)
+        run.connect()
+        run.stream_buckets()
+        run.finish()
         m.ok = True
         return m
     except BaseException as e:
@@ -206,101 +282,6 @@ def run_broadcast_update(job: UpdateJob) -> UpdateMetrics:
         link.close()
         if not job.cfg.keep_buffers:
             job.transport.release_shared()
-
-
-def _connect(job, link, req, layout, status, m) -> None:
-    t0 = time.perf_counter()
-    err = None
-    deadline = time.monotonic() + job.cfg.engine_connect_timeout_s
-    try:
-        link.send(
-            P.Hello(
-                update_id=job.update_id,
-                checkpoint=job.checkpoint,
-                num_buckets=len(job.buckets),
-                buffers=tuple(layout.handles),
-                verify_checksums=job.checksums is not None,
-                stable_buffers=layout.stable_buffers(),
-            ),
-            deadline_s=deadline,
-            check=lambda: req.error,
-        )
-        msg = link.recv(deadline, what="the engine to connect", check=lambda: req.error)
-        if isinstance(msg, P.Error):
-            err = f"engine could not start the update: {msg.reason}"
-        elif not isinstance(msg, P.Ready):
-            err = f"engine sent {type(msg).__name__} instead of Ready"
-    except EngineFailure as e:
-        err = e.describe()
-    status.agree(err)
-    m.setup_s = time.perf_counter() - t0
-
-
-def _stream_buckets(job, link, req, shared, staging, layout, status, m) -> None:
-    bar = None
-    if job.cfg.progress and job.rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"update {job.checkpoint}")
-    acked = 0
-    try:
-        for i, bucket in enumerate(job.buckets):
-            if i >= 2:
-                acked = _wait_acks(job, link, req, acked, i - 1, m)  # Ack(i-2) frees half i % 2
-            if i % job.cfg.agree_every_buckets == 0:
-                t0 = time.perf_counter()
-                status.agree(link.failure)
-                m.agree_s += time.perf_counter() - t0
-            half = (i % 2) * _half_stride(job)
-            if job.mode == "p2p":
-                _read_bucket(job, bucket, shared, staging, half, bucket.owner_rank in layout.base, m)
-            elif job.mode == "collective":
-                _move_bucket(job, bucket, shared, half, bucket.owner_rank in layout.base, m)
-            if link.failure is None:  # the bucket still moved above: other ranks broadcast in lockstep
-                try:
-                    link.send(P.Bucket(index=i, tensors=layout.wire(bucket, half)))
-                except EngineFailure as e:
-                    link.failure = e.describe()  # spread to every rank at the next agreement
-            if bar is not None:
-                bar.update(sum(t.nbytes for t in bucket.tensors))
-        _wait_acks(job, link, req, acked, len(job.buckets), m)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _move_bucket(job, bucket: Bucket, shared, half: int, engine_reads_chunk: bool, m) -> None:
-    """Copy-in (when the engine cannot read the owner's chunk) and broadcast one bucket."""
-    dst = shared[half : half + bucket.size_bytes]
-    if job.rank == bucket.owner_rank:
-        src = job.ckpt.chunk(bucket.chunk)[bucket.start_bytes : bucket.start_bytes + bucket.size_bytes]
-        if engine_reads_chunk:
-            dst = src  # CPU: broadcast straight from the registered chunk, which our engine maps
-        else:
-            t0 = time.perf_counter()
-            job.transport.copy_in(dst, src)
-            m.copy_in_s += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if job.world_size > 1:
-        job.transport.broadcast(dst, bucket.owner_rank, job.group)
-    job.transport.synchronize()
-    m.broadcast_s += time.perf_counter() - t0
-
-
-def _read_bucket(job, bucket: Bucket, shared, staging, half: int, engine_reads_chunk: bool, m) -> None:
-    """P2P: pull one bucket from its owner's registered memory (one-sided read) into half `half`."""
-    if engine_reads_chunk:
-        return  # our own shard: the engine reads it in place
-    t0 = time.perf_counter()
-    remote = job.chunk_ptrs[bucket.owner_rank][bucket.chunk] + bucket.start_bytes
-    local = staging[half : half + bucket.size_bytes]
-    job.p2p.read(job.p2p_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
-    m.broadcast_s += time.perf_counter() - t0
-    if staging is not shared:  # CUDA: host staging -> device half
-        t0 = time.perf_counter()
-        job.transport.copy_in(shared[half : half + bucket.size_bytes], local)
-        job.transport.synchronize()
-        m.copy_in_s += time.perf_counter() - t0
 
 
 def _dead_ranks(job: UpdateJob, settle_s: float = 2.0) -> str:
@@ -329,52 +310,6 @@ def _dead_ranks(job: UpdateJob, settle_s: float = 2.0) -> str:
         if dead or not local or time.monotonic() > deadline:
             return "; ".join(dead) + "; " if dead else ""
         time.sleep(0.05)
-
-
-def _half_stride(job: UpdateJob) -> int:
-    return align_up(job.bucket_size_bytes, DEFAULT_ALIGN_BYTES)
-
-
-def _wait_acks(job, link, req, acked: int, upto: int, m) -> int:
-    """Collect acks until buckets [0, upto) are acknowledged; an engine error is recorded on link."""
-    t0 = time.perf_counter()
-    try:
-        while acked < upto and link.failure is None:
-            msg = link.recv(
-                time.monotonic() + job.cfg.engine_timeout_s,
-                what=f"the engine to load bucket {acked}",
-                check=lambda: req.error,
-            )
-            if isinstance(msg, P.Ack) and msg.index == acked:
-                acked += 1
-            elif isinstance(msg, P.Error):
-                link.failure = f"engine failed on {msg.reason}"
-            else:
-                link.failure = f"engine sent unexpected {msg} while bucket {acked} was loading"
-    except EngineFailure as e:
-        link.failure = e.describe()
-    m.engine_wait_s += time.perf_counter() - t0
-    return acked
-
-
-def _finish(job, link, req, status, m) -> None:
-    t0 = time.perf_counter()
-    status.agree(link.failure)
-    err = None
-    link.send(P.Done(update_id=job.update_id))
-    try:
-        msg = link.recv(
-            time.monotonic() + job.cfg.engine_timeout_s, what="the engine's post-update hook", check=lambda: req.error
-        )
-        if isinstance(msg, P.Error):
-            err = f"engine failed in {msg.reason}"
-        elif not (isinstance(msg, P.Ack) and msg.index == P.DONE_ACK):
-            err = f"engine sent unexpected {msg} after Done"
-    except EngineFailure as e:
-        err = e.describe()
-    status.agree(err)
-    status.agree(req.join(job.cfg.req_func_timeout_s))
-    m.finish_s = time.perf_counter() - t0
 
 
 def _abort_engine(link: EngineLink, reason: str, timeout_s: float = 5.0) -> None:

@@ -3,7 +3,7 @@ pushes them into the engines (call-compatible with MoonshotAI's checkpoint-engin
 
     register_checkpoint(name, files | named_tensors)   host chunks (this rank's shard)
     gather_metas(name)                                  all_gather of metas -> global view, per name
-    update(name, req_func)                              plan buckets -> pipeline.run_broadcast_update
+    update(name, req_func)                              jobs.make_job -> pipeline.run_update
 """
 
 from __future__ import annotations
@@ -14,118 +14,25 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import timedelta
 
-import psutil
 import torch
 import torch.distributed as dist
 import zmq
 
 from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
-from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+from checkpoint_engine.config import ParameterServerConfig
 from checkpoint_engine.host_memory import HostMemoryPool, RegisteredCheckpoint, register_tensors
+from checkpoint_engine.jobs import GlobalMetas, make_job, memory_budget_bytes
 from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
 from checkpoint_engine.p2p import P2PStore
-from checkpoint_engine.pipeline import UpdateFailed, UpdateJob, run_broadcast_update
-from checkpoint_engine.plan import TensorMeta
-from checkpoint_engine.protocol import BufferHandle
+from checkpoint_engine.pipeline import UpdateFailed, run_update
 from checkpoint_engine.transport import make_transport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GlobalMetas:
-    """What every rank knows about one checkpoint: the owners' side and this job's side.
-
-    Owners (ranks holding tensors): `rank_metas`, `chunk_handles`, `p2p_addrs`, `chunk_ptrs`,
-    `owner_pids`, `owner_hosts`. This job (every rank): `device_ids`, `pids`, `hosts` (engine
-    addresses, dead-rank checks). After `gather_metas` both describe this job; `load_metas` of another
-    job's metas replaces the owners' side only (the join flow), so owners may live in another job.
-    """
-
-    checkpoint: str
-    rank_metas: dict[int, tuple[TensorMeta, ...]]
-    device_ids: tuple[str, ...]
-    pids: tuple[int, ...]
-    hosts: tuple[str, ...]
-    checksums: dict[str, int] | None
-    chunk_handles: dict[int, list[BufferHandle]]  # per rank: memfd handles of its chunks (CPU)
-    p2p_addrs: dict[int, str] = field(default_factory=dict)  # per owner rank: Mooncake address
-    chunk_ptrs: dict[int, list[int]] = field(default_factory=dict)  # per owner rank: chunk addresses
-    owner_pids: dict[int, int] = field(default_factory=dict)  # per owner rank: its PS process
-    owner_hosts: dict[int, str] = field(default_factory=dict)  # per owner rank: its host
-    job_local: bool = field(default=True, compare=False)  # device_ids/pids/hosts are this job's (not sent)
-
-    def __post_init__(self) -> None:
-        for r in self.rank_metas:  # metas of older writers: owners are ranks of the job described
-            if r < len(self.pids):
-                self.owner_pids.setdefault(r, self.pids[r])
-                self.owner_hosts.setdefault(r, self.hosts[r])
-
-    @property
-    def owners_in_job(self) -> bool:
-        """True when every owner rank is the rank of the same number in this job (same process)."""
-        return all(
-            r < len(self.pids) and self.owner_pids.get(r) == self.pids[r] and self.owner_hosts.get(r) == self.hosts[r]
-            for r in self.rank_metas
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "checkpoint": self.checkpoint,
-            "device_ids": list(self.device_ids),
-            "pids": list(self.pids),
-            "hosts": list(self.hosts),
-            "ranks": {str(r): [m.to_wire() for m in ms] for r, ms in self.rank_metas.items()},
-            "chunk_handles": {
-                str(r): [[h.pid, h.fd, h.size_bytes] for h in hs] for r, hs in self.chunk_handles.items()
-            },
-            "p2p_addrs": {str(r): a for r, a in self.p2p_addrs.items()},
-            "chunk_ptrs": {str(r): ps for r, ps in self.chunk_ptrs.items()},
-            "owner_pids": {str(r): p for r, p in self.owner_pids.items()},
-            "owner_hosts": {str(r): h for r, h in self.owner_hosts.items()},
-            "checksums": self.checksums,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> GlobalMetas:
-        try:
-            ranks = {int(r): tuple(TensorMeta.from_wire(x) for x in ms) for r, ms in d["ranks"].items()}
-            handles = {
-                int(r): [BufferHandle(kind="fd", pid=int(p), fd=int(f), size_bytes=int(n)) for p, f, n in hs]
-                for r, hs in d.get("chunk_handles", {}).items()
-            }
-            return cls(
-                str(d["checkpoint"]),
-                ranks,
-                tuple(str(x) for x in d["device_ids"]),
-                tuple(int(x) for x in d["pids"]),
-                tuple(str(x) for x in d["hosts"]),
-                d.get("checksums"),
-                handles,
-                {int(r): str(a) for r, a in d.get("p2p_addrs", {}).items()},
-                {int(r): [int(p) for p in ps] for r, ps in d.get("chunk_ptrs", {}).items()},
-                {int(r): int(p) for r, p in d.get("owner_pids", {}).items()},
-                {int(r): str(h) for r, h in d.get("owner_hosts", {}).items()},
-            )
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise ValueError(f"malformed metas: {e!r}") from None
-
-    def with_job(self, device_ids, pids, hosts) -> GlobalMetas:
-        """These metas' owners, with this job's per-rank info."""
-        return replace(
-            self,
-            device_ids=tuple(device_ids),
-            pids=tuple(pids),
-            hosts=tuple(hosts),
-            owner_pids=dict(self.owner_pids),
-            owner_hosts=dict(self.owner_hosts),
-            job_local=True,
-        )
 
 
 def _env_int(value: int | None, var: str) -> int:
@@ -332,36 +239,10 @@ class ParameterServer:
             "p2p_addr": self._p2p.addr if self._p2p is not None else None,
             "chunk_ptrs": [c.tensor.data_ptr() for c in ckpt.chunks] if ckpt else [],
         }
-        everyone = all_gather_obj(mine, self._world_size)
-        names = {r: e["name"] for r, e in enumerate(everyone)}
-        if len(set(names.values())) != 1:
-            raise ValueError(f"gather_metas called with different checkpoint names on different ranks: {names}")
-        owners = [r for r, e in enumerate(everyone) if e["metas"]]
-        rank_metas = {r: tuple(TensorMeta.from_wire(x) for x in e["metas"]) for r, e in enumerate(everyone)}
-        plan.check_global_metas(rank_metas)
-        checksums = None
-        if self.config.verify_checksums:
-            checksums = {k: v for e in everyone for k, v in (e["checksums"] or {}).items()}
-        handles = {
-            r: [BufferHandle(kind="fd", pid=p, fd=f, size_bytes=n) for p, f, n in e["chunks"]]
-            for r, e in enumerate(everyone)
-            if e["chunks"]
-        }
-        self._global[checkpoint_name] = GlobalMetas(
-            checkpoint_name,
-            {r: ms for r, ms in rank_metas.items() if ms},
-            tuple(e["device_id"] for e in everyone),
-            tuple(e["pid"] for e in everyone),
-            tuple(e["host"] for e in everyone),
-            checksums,
-            handles,
-            {r: everyone[r]["p2p_addr"] for r in owners if everyone[r]["p2p_addr"]},
-            {r: everyone[r]["chunk_ptrs"] for r in owners},
-            {r: everyone[r]["pid"] for r in owners},
-            {r: everyone[r]["host"] for r in owners},
-        )
+        g = GlobalMetas.from_gathered(all_gather_obj(mine, self._world_size), self.config.verify_checksums)
+        self._global[checkpoint_name] = g
         self._last_gathered = checkpoint_name
-        if not owners:  # the join flow: a new job learns its own ranks' info, then load_metas(owners' metas)
+        if not g.rank_metas:  # the join flow: a new job learns its own ranks' info, then load_metas(owners' metas)
             logger.info(
                 "rank %d: %r is registered on no rank of this job; load_metas() must name its owners",
                 self._rank,
@@ -369,14 +250,10 @@ class ParameterServer:
             )
             return
         if self._rank == 0:
-            self.registry.publish_metas(checkpoint_name, self._global[checkpoint_name].to_dict())
-        n = sum(len(ms) for ms in rank_metas.values())
+            self.registry.publish_metas(checkpoint_name, g.to_dict())
+        n = sum(len(ms) for ms in g.rank_metas.values())
         logger.info(
-            "rank %d: gathered metas of %r: %d tensors on %d ranks",
-            self._rank,
-            checkpoint_name,
-            n,
-            sum(1 for ms in rank_metas.values() if ms),
+            "rank %d: gathered metas of %r: %d tensors on %d ranks", self._rank, checkpoint_name, n, len(g.rank_metas)
         )
 
     def get_metas(self, checkpoint_name: str | None = None) -> dict:
@@ -487,14 +364,30 @@ class ParameterServer:
                 return None  # not a receiver: our engine keeps serving, undisturbed
         publish, job, metrics = False, None, None
         try:
-            job = self._make_job(g, req_func, cfg, seq, group=group, members=members, pull=pull)
+            job = make_job(
+                g,
+                req_func,
+                cfg,
+                rank=self._rank,
+                world_size=self._world_size,
+                group=group,
+                members=members,
+                pull=pull,
+                seq=seq,
+                update_id=f"{self._run_id}-{seq}",
+                budget_bytes=memory_budget_bytes(cfg, self._transport, self._mem_fraction),
+                transport=self._transport,
+                zmq_ctx=self._zmq_ctx,
+                ckpt=self._checkpoints.get(g.checkpoint) if g.owners_in_job else None,
+                p2p=self._p2p,
+            )
             publish = self._rank == members[0]
             if publish:
                 self.registry.begin_update(
                     job.update_id,
                     {"checkpoint": checkpoint_name, "ranks": members, "mode": job.mode, "started_at_s": time.time()},
                 )
-            metrics = run_broadcast_update(job)
+            metrics = run_update(job)
         except UpdateFailed as e:
             logger.error("rank %d: %s", self._rank, e)
             raise
@@ -519,110 +412,6 @@ class ParameterServer:
         if len(members) != len(ranks) or not all(isinstance(r, int) and 0 <= r < self._world_size for r in ranks):
             raise ValueError(f"ranks must be distinct ints in [0, {self._world_size}), got {ranks!r}")
         return members
-
-    def _make_job(
-        self, g: GlobalMetas, req_func, cfg: UpdateConfig, seq: int, *, group=None, members: list[int], pull: bool
-    ) -> UpdateJob:
-        n = len(members)
-        budget = self._memory_budget_bytes(cfg)
-        # one small exchange: memory budgets, the update number, whether our engine can map every owner's chunks
-        budgets = all_gather_obj([budget, seq, self._engine_can_map_owners(g)], n, group)
-        if len({b[1] for b in budgets}) != 1:
-            raise RuntimeError(f"ranks disagree on the update sequence number: {[b[1] for b in budgets]}")
-        bucket_size = plan.choose_bucket_size(
-            g.rank_metas,
-            requested_bytes=cfg.bucket_size_bytes,
-            default_bytes=cfg.default_bucket_size_bytes,
-            budget_bytes=min(b[0] for b in budgets),
-        )
-        buckets = plan.plan_buckets(g.rank_metas, bucket_size)
-        digests = all_gather_obj(plan.plan_digest(buckets).hex(), n, group)
-        if len(set(digests)) != 1:
-            groups: dict[str, list[int]] = {}
-            for r, d in zip(members, digests):
-                groups.setdefault(d, []).append(r)
-            raise ValueError(
-                f"metas of {g.checkpoint!r} differ between ranks (ranks grouped by identical plans: "
-                f"{sorted(groups.values())}); gather_metas/load_metas must give every rank the same view"
-            )
-        cannot_map = [r for r, b in zip(members, budgets) if not b[2]]
-        mode = self._choose_mode(g, cfg, pull=pull, cannot_map=cannot_map)
-        addresses = [(g.device_ids[r], self._zmq_address(g.pids[r], r, seq)) for r in range(self._world_size)]
-        return UpdateJob(
-            rank=self._rank,
-            world_size=self._world_size,
-            group=group,
-            checkpoint=g.checkpoint,
-            ckpt=self._checkpoints.get(g.checkpoint) if g.owners_in_job else None,
-            buckets=buckets,
-            bucket_size_bytes=bucket_size,
-            checksums=g.checksums,
-            transport=self._transport,
-            zmq_ctx=self._zmq_ctx,
-            address=addresses[self._rank][1],
-            addresses=addresses,
-            req_func=req_func,
-            cfg=cfg,
-            update_id=f"{self._run_id}-{seq}",
-            mode=mode,
-            rank_chunk_handles=g.chunk_handles,
-            pids=g.pids,
-            hosts=g.hosts,
-            members=members,
-            p2p=self._p2p,
-            p2p_addrs=g.p2p_addrs,
-            chunk_ptrs=g.chunk_ptrs,
-        )
-
-    def _engine_can_map_owners(self, g: GlobalMetas) -> bool:
-        """Our engine (on this host) can map every owner's chunks: CPU transport, owners on this host."""
-        here = socket.gethostname()
-        return self._transport.engines_map_host_chunks and all(
-            g.owner_hosts.get(r) == here and g.chunk_handles.get(r) for r in g.rank_metas
-        )
-
-    def _choose_mode(self, g: GlobalMetas, cfg: UpdateConfig, *, pull: bool, cannot_map: list[int]) -> str:
-        """`local` when every taking part rank's engine can map the owners' chunks (and the config allows);
-        otherwise a broadcast (`collective`) or, for a pull (`ranks=[...]`, owners in another job), Mooncake."""
-        local_ok = not cannot_map
-        if cfg.mode == "local" and not local_ok:
-            raise ValueError(
-                "mode='local' needs every owner on the receivers' host with CPU transport (ranks "
-                f"{cannot_map} cannot map the owners' chunks; owner hosts: "
-                f"{sorted(set(g.owner_hosts.values()))}, transport: {self._transport.backend})"
-            )
-        if local_ok and cfg.mode in ("auto", "local"):
-            return "local"
-        if not pull:
-            return "collective"
-        if local_ok and self._p2p is None:
-            return "local"  # mode='collective' asked for moving bytes, but there is no Mooncake: read in place
-        if self._p2p is None:
-            where = (
-                "the owners are in another job: " if not g.owners_in_job else ""
-            ) + f"ranks {cannot_map} cannot map the owners' chunks (owner hosts {sorted(set(g.owner_hosts.values()))})"
-            raise ValueError(
-                f"update of {g.checkpoint!r} from the owners' memory: {where}; across hosts (or with the "
-                "CUDA transport) start every parameter server with ParameterServerConfig(p2p=P2PConfig(...))"
-            )
-        missing = [r for r in g.rank_metas if r not in g.p2p_addrs]
-        if missing:
-            raise ValueError(
-                f"owner ranks {missing} of {g.checkpoint!r} have no P2P address: start every "
-                "parameter server with p2p enabled"
-            )
-        return "p2p"
-
-    def _memory_budget_bytes(self, cfg: UpdateConfig) -> int:
-        if cfg.memory_budget_bytes is not None:
-            return cfg.memory_budget_bytes
-        if self._transport.backend == "nccl":
-            return int(torch.cuda.mem_get_info()[0] * self._mem_fraction)
-        return int(psutil.virtual_memory().available * self._mem_fraction)
-
-    @staticmethod
-    def _zmq_address(pid: int, rank: int, seq: int) -> str:
-        return f"ipc://@ckpt-engine-{pid}-r{rank}-u{seq}.sock"
 
     def close(self) -> None:
         self.registry.store.close()

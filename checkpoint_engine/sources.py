@@ -1,0 +1,184 @@
+"""Where each bucket's bytes come from: one bucket source per update mode, behind one interface.
+
+The pipeline (`pipeline.run_update`) is the same for every mode; the source decides which buffers
+the engine maps and what happens to a bucket before the engine is told to read it:
+
+    collective  owner copies its bucket into double-buffer half h (H2D on CUDA; on CPU it
+                broadcasts straight from its registered chunk, which its engine maps), then
+                broadcast(half h, src=owner) over gloo / NCCL
+    local       nothing moves: every engine maps every owner's chunks read-only and reads the
+                bucket in place (CPU, every rank on one host)
+    p2p         Mooncake one-sided read from the owner's chunk into the receiver's half h
+                (CUDA: into pinned staging, then H2D); the owners do no work
+
+A source is built for one update (`jobs.make_job`), opened once by the pipeline, then asked to
+`fill` every bucket in order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, get_args
+
+from checkpoint_engine import protocol as P
+
+if TYPE_CHECKING:  # annotations only: this module stays free of torch (metrics.py imports Mode)
+    import torch
+
+    from checkpoint_engine.host_memory import RegisteredCheckpoint
+    from checkpoint_engine.p2p import P2PStore
+    from checkpoint_engine.pipeline import UpdateJob, UpdateRun
+    from checkpoint_engine.plan import Bucket
+
+Mode = Literal["collective", "local", "p2p"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+
+
+@dataclass(frozen=True)
+class EngineBuffers:
+    """Which shared buffers this rank's engine maps, and where each bucket's tensors are in them.
+
+    `handles[0]` is the double buffer when `double_buffer` is true. `base[owner]` is the index in
+    `handles` of that owner's chunk 0: buckets of those owners are read in place, not from a half.
+    """
+
+    handles: tuple[P.BufferHandle, ...]
+    base: dict[int, int] = field(default_factory=dict)
+    double_buffer: bool = True
+
+    def reads_in_place(self, owner_rank: int) -> bool:
+        return owner_rank in self.base
+
+    def stable_buffers(self) -> tuple[int, ...]:
+        """Registered chunks keep their bytes for the whole update; the double buffer is overwritten
+        two buckets later."""
+        return tuple(range(1 if self.double_buffer else 0, len(self.handles)))
+
+    def wire(self, bucket: Bucket, half_offset: int, checksums: dict[str, int] | None) -> tuple[P.WireTensor, ...]:
+        """Where the engine finds each tensor of `bucket` (buffer index, byte offset)."""
+        direct = self.reads_in_place(bucket.owner_rank)
+        out = []
+        for t in bucket.tensors:
+            if direct:
+                buf, off = self.base[bucket.owner_rank] + t.chunk, t.offset_bytes
+            else:
+                buf, off = 0, half_offset + t.offset_bytes - bucket.start_bytes
+            out.append(
+                P.WireTensor(t.name, t.dtype, t.shape, buf, off, None if checksums is None else checksums[t.name])
+            )
+        return tuple(out)
+
+
+class BucketSource(Protocol):
+    """How one update mode gets a bucket's bytes to where this rank's engine reads them."""
+
+    mode: ClassVar[Mode]
+
+    def open(self, job: UpdateJob) -> EngineBuffers:
+        """Allocate what the mode needs for this update (kept by the source); say what the engine maps."""
+        ...
+
+    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+        """Make `bucket` readable by the engine: in the double buffer at byte `half`, or in place.
+        Every rank taking part calls it for every bucket, in order (collectives run in lockstep)."""
+        ...
+
+
+def _double_buffer(job: UpdateJob, ckpt: RegisteredCheckpoint | None) -> tuple[torch.Tensor, EngineBuffers]:
+    """The double buffer, plus this rank's own chunks when its engine can map them (CPU)."""
+    shared, handle = job.transport.shared_buffer(2 * job.half_stride)
+    handles, base = [handle], {}
+    if job.transport.engines_map_host_chunks and ckpt is not None:
+        base[job.rank] = 1
+        handles += [c.handle for c in ckpt.chunks]
+    return shared, EngineBuffers(tuple(handles), base)
+
+
+@dataclass
+class CollectiveSource:
+    """Broadcast every bucket from its owner (any topology; on GPU always)."""
+
+    ckpt: RegisteredCheckpoint | None  # this rank's shard (None when it owns no tensor)
+    mode: ClassVar[Mode] = "collective"
+    _shared: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _buffers: EngineBuffers | None = field(default=None, init=False, repr=False)
+
+    def open(self, job: UpdateJob) -> EngineBuffers:
+        self._shared, self._buffers = _double_buffer(job, self.ckpt)
+        return self._buffers
+
+    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+        """Copy-in (when the engine cannot read the owner's chunk) and broadcast one bucket."""
+        job, m = run.job, run.metrics
+        dst = self._shared[half : half + bucket.size_bytes]
+        if job.rank == bucket.owner_rank:
+            src = self.ckpt.chunk(bucket.chunk)[bucket.start_bytes : bucket.start_bytes + bucket.size_bytes]
+            if self._buffers.reads_in_place(bucket.owner_rank):
+                dst = src  # CPU: broadcast straight from the registered chunk, which our engine maps
+            else:
+                t0 = time.perf_counter()
+                job.transport.copy_in(dst, src)
+                m.copy_in_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if job.world_size > 1:
+            job.transport.broadcast(dst, bucket.owner_rank, job.group)
+        job.transport.synchronize()
+        m.broadcast_s += time.perf_counter() - t0
+
+
+@dataclass
+class LocalSource:
+    """No data moves: every engine maps every owner's registered chunks and reads buckets in place."""
+
+    chunk_handles: dict[int, list[P.BufferHandle]]  # owner rank -> memfd handles of its chunks
+    mode: ClassVar[Mode] = "local"
+
+    def open(self, job: UpdateJob) -> EngineBuffers:
+        handles: list[P.BufferHandle] = []
+        base: dict[int, int] = {}
+        for r in sorted(self.chunk_handles):
+            base[r] = len(handles)
+            handles += self.chunk_handles[r]
+        return EngineBuffers(tuple(handles), base, double_buffer=False)
+
+    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+        pass  # the engine reads the owner's chunk in place
+
+
+@dataclass
+class P2PSource:
+    """Pull every bucket from its owner's registered memory with a Mooncake one-sided read."""
+
+    ckpt: RegisteredCheckpoint | None  # our own shard when the owners are this job: read in place
+    store: P2PStore
+    owner_addrs: dict[int, str]  # owner rank -> transfer engine address
+    chunk_ptrs: dict[int, list[int]]  # owner rank -> address of each of its chunks
+    mode: ClassVar[Mode] = "p2p"
+    _shared: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _staging: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _buffers: EngineBuffers | None = field(default=None, init=False, repr=False)
+
+    def open(self, job: UpdateJob) -> EngineBuffers:
+        self._shared, self._buffers = _double_buffer(job, self.ckpt)
+        # CPU: reads land in the double buffer itself; CUDA: in pinned host staging, then H2D
+        tr = job.transport
+        self._staging = self._shared if tr.engines_map_host_chunks else tr.p2p_staging(2 * job.half_stride)
+        self.store.register(self._staging.data_ptr(), self._staging.numel())
+        return self._buffers
+
+    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+        """Read one bucket into half `half` (our own shard: nothing, the engine reads it in place)."""
+        if self._buffers.reads_in_place(bucket.owner_rank):
+            return
+        job, m = run.job, run.metrics
+        t0 = time.perf_counter()
+        remote = self.chunk_ptrs[bucket.owner_rank][bucket.chunk] + bucket.start_bytes
+        local = self._staging[half : half + bucket.size_bytes]
+        self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
+        m.broadcast_s += time.perf_counter() - t0
+        if self._staging is not self._shared:  # CUDA: host staging -> device half
+            t0 = time.perf_counter()
+            job.transport.copy_in(self._shared[half : half + bucket.size_bytes], local)
+            job.transport.synchronize()
+            m.copy_in_s += time.perf_counter() - t0

@@ -1,0 +1,134 @@
+"""Table tests of an update's mode and bucket source (checkpoint_engine.jobs, checkpoint_engine.sources)."""
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from checkpoint_engine.jobs import GlobalMetas, choose_mode, engine_can_map_owners, make_source
+from checkpoint_engine.plan import Bucket, TensorMeta
+from checkpoint_engine.protocol import BufferHandle
+from checkpoint_engine.sources import MODES, CollectiveSource, EngineBuffers, LocalSource, P2PSource
+
+HERE = socket.gethostname()
+
+
+def handle(fd: int, size: int = 4096) -> BufferHandle:
+    return BufferHandle(kind="fd", pid=100, fd=fd, size_bytes=size)
+
+
+def metas(*, owner_host: str = HERE, p2p: bool = True, owners_in_job: bool = True) -> GlobalMetas:
+    """Two ranks on this host; rank 0 owns one tensor in one chunk."""
+    return GlobalMetas(
+        "ck",
+        {0: (TensorMeta("w", "float32", (4,), 0, 0),)},
+        ("dev0", "dev1"),
+        (100, 101),
+        (HERE, HERE),
+        None,
+        {0: [handle(7)]},
+        {0: "10.0.0.1:1234"} if p2p else {},
+        {0: [0x1000]},
+        {0: 100 if owners_in_job else 999},
+        {0: owner_host},
+    )
+
+
+@pytest.mark.parametrize(
+    "requested,pull,cannot_map,have_p2p,p2p_addrs,expected",
+    [
+        # every engine can map the owners' chunks
+        ("auto", False, [], False, True, "local"),
+        ("local", False, [], False, True, "local"),
+        ("collective", False, [], False, True, "collective"),
+        ("local", True, [], True, True, "local"),
+        ("collective", True, [], False, True, "local"),  # a pull without Mooncake reads in place
+        ("collective", True, [], True, True, "p2p"),
+        # some engine cannot map them (another host, or CUDA)
+        ("auto", False, [1], False, True, "collective"),
+        ("collective", False, [0, 1], True, True, "collective"),
+        ("auto", True, [1], True, True, "p2p"),
+        ("collective", True, [0, 1], True, True, "p2p"),
+        ("local", False, [1], True, True, "mode='local' needs every owner"),
+        ("local", True, [1], True, True, "mode='local' needs every owner"),
+        ("auto", True, [1], False, True, "ParameterServerConfig(p2p=P2PConfig"),
+        ("auto", True, [1], True, False, "have no P2P address"),
+    ],
+)
+def test_choose_mode(requested, pull, cannot_map, have_p2p, p2p_addrs, expected):
+    g = metas(p2p=p2p_addrs)
+    if expected in MODES:
+        assert choose_mode(g, requested, pull=pull, cannot_map=cannot_map, have_p2p=have_p2p, backend="gloo") == (
+            expected
+        )
+    else:
+        with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+            choose_mode(g, requested, pull=pull, cannot_map=cannot_map, have_p2p=have_p2p, backend="gloo")
+
+
+def test_choose_mode_error_names_another_job():
+    g = metas(owners_in_job=False)
+    with pytest.raises(ValueError, match="the owners are in another job"):
+        choose_mode(g, "auto", pull=True, cannot_map=[1], have_p2p=False, backend="gloo")
+
+
+@pytest.mark.parametrize(
+    "maps_chunks,owner_host,handles,expected",
+    [
+        (True, HERE, True, True),
+        (False, HERE, True, False),  # CUDA: engines read device buffers only
+        (True, "elsewhere", True, False),
+        (True, HERE, False, False),  # owner without memfd handles
+    ],
+)
+def test_engine_can_map_owners(maps_chunks, owner_host, handles, expected):
+    g = metas(owner_host=owner_host)
+    if not handles:
+        g.chunk_handles.clear()
+    assert engine_can_map_owners(g, SimpleNamespace(engines_map_host_chunks=maps_chunks)) is expected
+
+
+def test_make_source_holds_only_its_modes_fields():
+    g, ckpt, store = metas(), object(), object()
+    src = make_source("collective", g, ckpt, None)
+    assert isinstance(src, CollectiveSource) and src.ckpt is ckpt and src.mode == "collective"
+    src = make_source("local", g, ckpt, store)
+    assert isinstance(src, LocalSource) and src.chunk_handles == {0: [handle(7)]} and src.mode == "local"
+    src = make_source("p2p", g, None, store)
+    assert isinstance(src, P2PSource) and src.mode == "p2p"
+    assert (src.ckpt, src.store, src.owner_addrs, src.chunk_ptrs) == (None, store, g.p2p_addrs, g.chunk_ptrs)
+    with pytest.raises(ValueError, match="needs a Mooncake transfer engine"):
+        make_source("p2p", g, None, None)
+    with pytest.raises(ValueError, match="unknown update mode"):
+        make_source("broadcast", g, None, None)
+    assert {make_source(m, g, ckpt, store).mode for m in MODES} == set(MODES)
+
+
+def test_local_source_maps_every_owners_chunks_in_rank_order():
+    src = LocalSource({2: [handle(9)], 0: [handle(7), handle(8)]})
+    buffers = src.open(None)  # the local source needs nothing from the job
+    assert buffers.handles == (handle(7), handle(8), handle(9))
+    assert buffers.base == {0: 0, 2: 2}
+    assert buffers.stable_buffers() == (0, 1, 2)  # no double buffer: every buffer is a registered chunk
+
+
+@pytest.mark.parametrize(
+    "base,double_buffer,half,expected_bufs,expected_offs",
+    [
+        ({}, True, 0, [0, 0], [0, 64]),  # through the double buffer, half 0
+        ({}, True, 1024, [0, 0], [1024, 1088]),  # half 1
+        ({1: 1}, True, 1024, [2, 2], [448, 512]),  # our own chunks after the double buffer: in place
+        ({1: 0}, False, 0, [1, 1], [448, 512]),  # local mode: owner 1's chunks from index 0
+    ],
+)
+def test_engine_buffers_wire(base, double_buffer, half, expected_bufs, expected_offs):
+    # a bucket of owner 1: bytes [448, 520) of its chunk 1, tensors at 448 and 512
+    tensors = (TensorMeta("a", "uint8", (8,), 448, 1), TensorMeta("b", "uint8", (8,), 512, 1))
+    bucket = Bucket(0, 1, 1, 448, 72, tensors)
+    buffers = EngineBuffers(tuple(handle(i) for i in range(3)), base, double_buffer)
+    wire = buffers.wire(bucket, half, {"a": 1, "b": 2})
+    assert [w.buffer for w in wire] == expected_bufs
+    assert [w.offset_bytes for w in wire] == expected_offs
+    assert [w.checksum for w in wire] == [1, 2]
+    assert buffers.stable_buffers() == ((1, 2) if double_buffer else (0, 1, 2))
+    assert all(w.checksum is None for w in buffers.wire(bucket, half, None))
