@@ -125,12 +125,19 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 TORCHRUN_VARS += ("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
-def engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The daemon's environment without torchrun's process-group variables."""
+def engine_env(environ: dict[str, str] | None = None, device: str = "cpu") -> dict[str, str]:
+    """The daemon's environment without torchrun's process-group variables; a GPU engine sees only
+    its rank's device (`cuda:N` -> CUDA_VISIBLE_DEVICES naming that GPU, within the daemon's own list)."""
     env = dict(os.environ if environ is None else environ)
     for key in list(env):
         if key in TORCHRUN_VARS or key.startswith(("TORCHELASTIC_", "TORCH_NCCL_ASYNC")):
             del env[key]
+    if device.startswith("cuda:"):
+        index = int(device.split(":", 1)[1])
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if visible and index >= len(visible):
+            raise ValueError(f"device {device} is not among CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
+        env["CUDA_VISIBLE_DEVICES"] = visible[index].strip() if visible else str(index)
     return env
 
 
@@ -276,7 +283,7 @@ class ManagedEngine:
                 self._proc = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
-                    env=engine_env(),
+                    env=engine_env(device=self.device),
                     stdout=self._log,
                     stderr=subprocess.STDOUT,
                     preexec_fn=die_with_parent,  # the engine ends with this thread (the daemon's)

@@ -112,6 +112,26 @@ def test_engine_env_drops_torchrun_variables():
 
 
 @pytest.mark.parametrize(
+    "device,daemon_visible,engine_visible",
+    [
+        ("cpu", None, None),
+        ("cpu", "2,3", "2,3"),
+        ("cuda:1", None, "1"),
+        ("cuda:0", "2,3", "2"),
+        ("cuda:1", "2, 3", "3"),
+    ],
+)
+def test_engine_env_gives_a_gpu_engine_its_rank_device(device, daemon_visible, engine_visible):
+    environ = {"PATH": "/bin"} | ({"CUDA_VISIBLE_DEVICES": daemon_visible} if daemon_visible else {})
+    assert engine_env(environ, device=device).get("CUDA_VISIBLE_DEVICES") == engine_visible
+
+
+def test_engine_env_refuses_a_device_outside_the_visible_list():
+    with pytest.raises(ValueError, match="cuda:2 is not among CUDA_VISIBLE_DEVICES=0,1"):
+        engine_env({"CUDA_VISIBLE_DEVICES": "0,1"}, device="cuda:2")
+
+
+@pytest.mark.parametrize(
     "field,value,match",
     [
         ("health_path", "health", "must start with '/'"),
