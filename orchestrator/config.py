@@ -231,10 +231,13 @@ class EngineConfig:
     machine (``python -m vllm_ext.launch --no-initial-push``, each bound to its share of the CPUs) and
     spreads rollouts over them (``orchestrator.engine_pool``); every weight version reaches each one.
     ``self_heal``: a pool engine that dies is restarted, brought to the current version and put back.
+    ``type="daemon"``: the engines are the checkpoint-engine daemon's (``torchrun -m checkpoint_engine
+    --engine-cmd ...`` at ``endpoint``), which starts, updates and heals them
+    (``orchestrator.daemon_engines``; weights handed over as files in ``sync.handoff_dir``).
     """
 
-    type: Literal["vllm_async", "vllm_http"] = "vllm_async"
-    endpoint: str | None = None  # vllm_http: http://127.0.0.1:8000
+    type: Literal["vllm_async", "vllm_http", "daemon"] = "vllm_async"
+    endpoint: str | None = None  # vllm_http: http://127.0.0.1:8000; daemon: the daemon's HTTP API
     num_engines: int = 1
     self_heal: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -247,10 +250,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.type not in ("vllm_async", "vllm_http"):
-            raise ValueError(f"engine.type={self.type!r} must be 'vllm_async' or 'vllm_http'")
-        if self.type == "vllm_http" and not self.endpoint:
-            raise ValueError("engine.endpoint must be set when engine.type='vllm_http'")
+        if self.type not in ("vllm_async", "vllm_http", "daemon"):
+            raise ValueError(f"engine.type={self.type!r} must be 'vllm_async', 'vllm_http' or 'daemon'")
+        if self.type in ("vllm_http", "daemon") and not self.endpoint:
+            raise ValueError(f"engine.endpoint must be set when engine.type={self.type!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"engine.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_gib"):
@@ -268,12 +271,17 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-    """Weight sync through the checkpoint engine (one CPU rank, in-process)."""
+    """Weight sync through the checkpoint engine: one CPU rank in-process, or the daemon's
+    (``engine.type="daemon"``: each version written as safetensors into ``handoff_dir``, a memory-backed
+    folder the daemon's ranks can read, then registered and pushed through its HTTP API)."""
 
     bucket_size_bytes: int | None = None
     timeout_s: float = 300.0
+    handoff_dir: str = "/dev/shm/ckpt-handoff"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.handoff_dir, str) or not self.handoff_dir:
+            raise ValueError(f"sync.handoff_dir={self.handoff_dir!r} must be a folder path")
         if self.bucket_size_bytes is not None:
             check_int("sync.bucket_size_bytes", self.bucket_size_bytes)
         check_number("sync.timeout_s", self.timeout_s)

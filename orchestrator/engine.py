@@ -393,4 +393,6 @@ def make_engine(config: EngineConfig, model_dir: str, *, log_dir: str | None = N
         return AsyncVllmEngine(model_dir, config)
     if config.type == "vllm_http":
         return HttpVllmEngine(config)
+    if config.type == "daemon":
+        raise ValueError("engine.type='daemon': the engines are the daemon's (orchestrator.daemon_engines)")
     raise ValueError(f"engine.type={config.type!r} is not supported")

@@ -181,9 +181,17 @@ class RLJob:
         self.reward_fn = make_reward_fn(c.reward)
         if self.engine_factory is not None:
             self.engine = self.engine_factory(c.engine, str(self.sft_model_dir))
+        elif c.engine.type == "daemon":  # the checkpoint-engine daemon's engines; versions as files
+            from orchestrator.daemon_engines import start_daemon_pool
+
+            self.engine = start_daemon_pool(c.engine, str(self.sft_model_dir), c.sync.handoff_dir, c.sync.timeout_s)
         else:  # engine.num_engines >= 2: a pool of vLLM servers, their logs beside the run's
             self.engine = make_engine(c.engine, str(self.sft_model_dir), log_dir=str(self.out / "engines"))
-        if isinstance(self.engine, EnginePool):  # one registration, one update per engine; heals engines
+        if c.engine.type == "daemon" and self.engine_factory is None:
+            from orchestrator.daemon_engines import DaemonWeightSync
+
+            self.sync = DaemonWeightSync(c.sync, self.engine)
+        elif isinstance(self.engine, EnginePool):  # one registration, one update per engine; heals engines
             self.sync = PoolWeightSync(c.sync, self.engine)
         else:
             self.sync = WeightSync(c.sync, self.engine.weight_req_func(c.sync.timeout_s))

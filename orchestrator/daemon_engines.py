@@ -1,0 +1,268 @@
+"""Rollouts and weight sync through the checkpoint-engine daemon (``engine.type: "daemon"``).
+
+The layouts of deploy/k8s: the daemon (``torchrun -m checkpoint_engine --engine-cmd ...``, one rank
+per inference device) owns the vLLM engines (start, update, stop, heal); this job only talks to its
+HTTP API and hands each version over as safetensors files in ``sync.handoff_dir`` (a memory-backed
+volume in the colocated pod, a shared volume across nodes)::
+
+    start_daemon_pool(engine config, SFT model, handoff dir)
+        <handoff>/model: the SFT model (config, tokenizer, weights): what --engine-cmd's --model names
+        POST /checkpoints {name: policy-v0, files}   every rank registers its share of the files
+        POST /engines/start {name: policy-v0}        every engine starts with dummy weights and gets
+                                                     v0 before it reports serving
+        GET /engines -> EnginePool: one HttpVllmEngine per rank's engine, fewest requests in flight first
+    DaemonWeightSync.push(v)
+        <handoff>/policy-v<v>/model-*.safetensors (one shard per rank) -> POST /checkpoints
+        -> POST /update (the engines that can take it; the others are being healed)
+        -> DELETE /checkpoints/policy-v<v-1> and its files
+    an engine that dies: the pool requeues its requests; the daemon (--auto-heal) restarts it and
+        pulls the current version into it from the ranks that hold it; the pool takes it back once
+        GET /engines shows it serving that version again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import pathlib
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from checkpoint_engine import hf_dir
+from checkpoint_engine.httpjson import call_json
+from orchestrator.config import EngineConfig, SyncConfig
+from orchestrator.engine import RolloutEngine
+from orchestrator.engine_pool import BATCH_SIZE, SERVING, EnginePool, Member
+from orchestrator.weight_sync import SyncResult
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.5
+MODEL_DIR = "model"  # under the handoff dir: the engines' --model
+
+
+class DaemonClient:
+    """The daemon's HTTP API (its rank 0); every call has a deadline and raises naming the route."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, route: str, body=None, timeout_s: float | None = None):
+        return call_json(method, self.endpoint + route, body, timeout_s=timeout_s or self.timeout_s)
+
+    def engines(self) -> dict:
+        """``{"current": name | None, "engines": [per-rank record]}``."""
+        return self._call("GET", "/engines")
+
+    def register(self, name: str, files: list[str]) -> None:
+        self._call("POST", "/checkpoints", {"name": name, "files": files})
+
+    def unregister(self, name: str) -> None:
+        self._call("DELETE", f"/checkpoints/{name}")
+
+    def start_engines(self, name: str, timeout_s: float) -> None:
+        self._call("POST", "/engines/start", {"name": name}, timeout_s=timeout_s)
+
+    def update(self, name: str, ranks: list[int] | None) -> dict:
+        body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
+        return self._call("POST", "/update", body)
+
+    def wait_serving(
+        self,
+        rank: int,
+        name: str,
+        timeout_s: float,
+        *,
+        replaced_pid: int | None = None,
+        still_answers: Callable[[str], bool] | None = None,
+        stop: threading.Event | None = None,
+    ) -> dict:
+        """Wait until rank ``rank``'s engine serves checkpoint ``name``; its record.
+
+        ``replaced_pid``: the engine process that failed. Until the daemon notices (its watchdog
+        polls), its record still says serving with that pid: such a record counts only if
+        ``still_answers(url)`` (the failure was not the engine's death)."""
+        deadline = time.monotonic() + timeout_s
+        last: dict = {}
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+            try:
+                last = self.engines()["engines"][rank]
+            except Exception as e:  # noqa: BLE001 - the daemon may be busy with the heal's update: ask again
+                last = {"error": str(e)}
+            if last.get("state") == "serving" and last.get("checkpoint") == name and last.get("url"):
+                if replaced_pid is None or last.get("pid") != replaced_pid:
+                    return last
+                if still_answers is not None and still_answers(last["url"]):
+                    return last
+            time.sleep(POLL_INTERVAL_S)
+        raise TimeoutError(f"rank {rank}'s engine did not serve {name} within {timeout_s:.0f} s (last: {last})")
+
+
+def shard_size_bytes(sizes_bytes: Mapping[str, int], num_ranks: int) -> int:
+    """Largest shard so that the files split over ``num_ranks`` ranks about evenly (the daemon gives
+    file i to rank i % world) and no tensor is cut."""
+    total = sum(sizes_bytes.values())
+    return max(max(sizes_bytes.values(), default=1), math.ceil(total / max(num_ranks, 1)))
+
+
+def write_version(handoff: pathlib.Path, name: str, tensors: Mapping[str, torch.Tensor], num_ranks: int) -> list[str]:
+    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    files = hf_dir.write_safetensors(handoff / name, tensors, max_shard_size_bytes=shard_size_bytes(sizes, num_ranks))
+    return [str(f) for f in files]
+
+
+def _http_engine(config: EngineConfig, url: str):
+    from orchestrator.engine import HttpVllmEngine
+
+    http = dataclasses.replace(config, type="vllm_http", endpoint=url, num_engines=1)
+    return HttpVllmEngine(http, max_workers=min(config.max_num_seqs, 256), batch_size=BATCH_SIZE)
+
+
+class DaemonEnginePool(EnginePool):
+    """An EnginePool over the daemon's engines: the daemon heals them, the pool waits for it."""
+
+    def __init__(
+        self, members, *, client: DaemonClient, handoff: pathlib.Path, records: list[dict], probe_path: str, **kw
+    ) -> None:
+        super().__init__(members, **kw)
+        self.daemon, self.handoff, self.probe_path = client, handoff, probe_path
+        self.records = {i: r for i, r in enumerate(records)}  # each member's engine as the daemon last said
+        self.current = "policy-v0"
+
+    def url_answers(self, url: str) -> bool:
+        from checkpoint_engine.httpjson import status_json
+
+        try:
+            code, _ = status_json("GET", url + self.probe_path, timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - no answer at all
+            return False
+        return code == 200
+
+    def _answers(self, member: Member) -> bool:  # the engine's own server, not the daemon
+        return self.url_answers(self.records[member.index]["url"])
+
+    def endpoints(self) -> dict[str, str]:
+        with self._cond:
+            return {m.name: self.records[m.index]["url"] for m in self.members}
+
+
+def start_daemon_pool(
+    config: EngineConfig,
+    model_dir: str,
+    handoff_dir: str,
+    timeout_s: float,
+    *,
+    engine_for_url: Callable[[str], RolloutEngine] | None = None,
+    probe_path: str = "/v1/models",
+) -> DaemonEnginePool:
+    """The SFT model into the handoff dir, the daemon's engines started on it, a pool over them.
+
+    ``engine_for_url(url)``: the rollout client of one engine (default: vLLM's OpenAI API over HTTP);
+    ``probe_path``: what answers 200 while an engine is alive."""
+    engine_for_url = engine_for_url or (lambda url: _http_engine(config, url))
+    client = DaemonClient(config.endpoint, timeout_s)
+    ranks = client.engines()["engines"]
+    handoff = pathlib.Path(handoff_dir)
+    model = handoff / MODEL_DIR
+    if model.exists():
+        shutil.rmtree(model)
+    # config and tokenizer for vLLM; the weights come from the daemon (--no-initial-push: the load step
+    # waits for the first update), so the SFT weights travel once, as the first version's files
+    shutil.copytree(model_dir, model, ignore=shutil.ignore_patterns("*.safetensors", hf_dir.INDEX_FILE))
+    name = "policy-v0"
+    files = write_version(handoff, name, hf_dir.read_tensors(model_dir), len(ranks))
+    client.register(name, files)
+    started = time.monotonic()
+    client.start_engines(name, timeout_s=config.start_timeout_s)
+    records = client.engines()["engines"]
+    not_serving = [r for r in records if r.get("state") != "serving"]
+    if not_serving:
+        raise RuntimeError(f"the daemon's engines did not all start: {not_serving}")
+    logger.info("%d daemon engines serving %s in %.1f s", len(records), name, time.monotonic() - started)
+    members = [Member(i, engine=engine_for_url(r["url"]), state=SERVING, version=0) for i, r in enumerate(records)]
+
+    def restart(member: Member) -> None:  # the daemon heals; wait until it serves the current version
+        current = client.engines().get("current") or name
+        pool.records[member.index] = client.wait_serving(
+            member.index,
+            current,
+            config.start_timeout_s,
+            replaced_pid=pool.records[member.index].get("pid"),
+            still_answers=pool.url_answers,
+            stop=pool._closing,
+        )
+
+    def connect(member: Member) -> RolloutEngine:
+        return engine_for_url(pool.records[member.index]["url"])
+
+    pool = DaemonEnginePool(
+        members,
+        client=client,
+        handoff=handoff,
+        records=records,
+        probe_path=probe_path,
+        max_inflight_per_engine=min(config.max_num_seqs, 256),
+        batch_size=BATCH_SIZE,
+        restart=restart,
+        connect=connect,
+    )
+    return pool
+
+
+class DaemonWeightSync:
+    """Each version as files in the handoff dir, registered with the daemon and pushed into its engines."""
+
+    def __init__(self, config: SyncConfig, pool: DaemonEnginePool) -> None:
+        self.pool = pool
+        self.client: DaemonClient = pool.daemon
+        self.handoff: pathlib.Path = pool.handoff
+        self._current: str | None = pool.current
+        self._version = 0
+        self._lock = threading.Lock()
+        pool.set_bring_up(self.bring_up)
+
+    def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> SyncResult:
+        name = f"policy-v{version}"
+        with self._lock:
+            start = time.monotonic()
+            records = self.client.engines()["engines"]
+            if name != self._current:
+                files = write_version(self.handoff, name, named_tensors, len(records))
+                self.client.register(name, files)
+            # An engine being healed cannot take the update; it is brought to this version by its heal.
+            ready = [i for i, r in enumerate(records) if r.get("state") in ("serving", "incomplete")]
+            if not ready:
+                raise RuntimeError(f"no daemon engine can take weights v{version}: {records}")
+            t0 = time.monotonic()
+            self.client.update(name, None if len(ready) == len(records) else ready)
+            update_s = time.monotonic() - t0
+            if self._current is not None and self._current != name:
+                self.client.unregister(self._current)
+                shutil.rmtree(self.handoff / self._current, ignore_errors=True)
+            self._current, self._version = name, version
+            for member, epoch in self.pool.sync_targets():
+                if member.index in ready:
+                    self.pool.weights_in(member, version, epoch)
+            total_s = time.monotonic() - start
+        nbytes = sum(t.numel() * t.element_size() for t in named_tensors.values())
+        return SyncResult(version=version, total_s=total_s, update_s=update_s, total_bytes=nbytes, num_buckets=0)
+
+    def bring_up(self, member: Member) -> None:
+        """Healer: the daemon already pulled the current version into the restarted engine."""
+        self.pool.weights_in(member, self._version, member.epoch)
+
+    def close(self) -> None:
+        self.pool.stop_healing()
+        with self._lock:
+            if self._current is not None:
+                try:
+                    self.client.unregister(self._current)
+                except Exception as e:  # noqa: BLE001 - the daemon may be gone already
+                    logger.warning("could not unregister %s: %s", self._current, e)
+                shutil.rmtree(self.handoff / self._current, ignore_errors=True)
