@@ -234,6 +234,10 @@ class EngineConfig:
     ``type="daemon"``: the engines are the checkpoint-engine daemon's (``torchrun -m checkpoint_engine
     --engine-cmd ...`` at ``endpoint``), which starts, updates and heals them
     (``orchestrator.daemon_engines``; weights handed over as files in ``sync.handoff_dir``).
+    ``colocated`` (daemon only; k1.5's hybrid deployment): the engines run only during rollouts; each
+    iteration the job stops them before training (POST /engines/stop: the trainer gets the memory back)
+    and starts them with the new version after it (POST /engines/start: dummy weights, then the push).
+    False (disaggregated): the engines keep serving and each version is one update into all of them.
     """
 
     type: Literal["vllm_async", "vllm_http", "daemon"] = "vllm_async"
@@ -248,6 +252,7 @@ class EngineConfig:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, set by the entry point
     start_timeout_s: float = 900.0
     seed: int = 0
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in ("vllm_async", "vllm_http", "daemon"):
@@ -267,6 +272,13 @@ class EngineConfig:
             )
         if not isinstance(self.self_heal, bool):
             raise ValueError(f"engine.self_heal={self.self_heal!r} must be true or false")
+        if not isinstance(self.colocated, bool):
+            raise ValueError(f"engine.colocated={self.colocated!r} must be true or false")
+        if self.colocated and self.type != "daemon":
+            raise ValueError(
+                f"engine.colocated=true stops and starts the checkpoint-engine daemon's engines around each "
+                f"training step: set engine.type='daemon' and engine.endpoint (got engine.type={self.type!r})"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,18 @@ volume in the colocated pod, a shared volume across nodes)::
     an engine that dies: the pool requeues its requests; the daemon (--auto-heal) restarts it and
         pulls the current version into it from the ranks that hold it; the pool takes it back once
         GET /engines shows it serving that version again.
+
+Colocated (``engine.colocated``, k1.5's hybrid deployment): the engines run only while rolling out::
+
+    rollout ──▶ DaemonWeightSync.before_train(): pool parked (no member serves), POST /engines/stop,
+                GET /engines: every engine stopped          (switch_to_train_s)
+    train   ──▶ push(v+1): files -> POST /checkpoints -> POST /engines/start {name: policy-v<v+1>}
+                (dummy weights, then the daemon's update; never serving dummy weights) -> GET /engines:
+                every engine serving v+1 -> the pool takes the new URLs (switch_to_inference_s)
+                -> DELETE /checkpoints/policy-v<v>
+    a failed phase raises SwitchError naming it and every engine's state; the daemon keeps that state
+    (GET /engines, etcd with --metadata-url: failed = the engine did not start, incomplete = the update
+    into it failed); the next push stops what is left and starts every engine again.
 """
 
 from __future__ import annotations
@@ -44,6 +56,22 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5
 MODEL_DIR = "model"  # under the handoff dir: the engines' --model
+PARKED = "stopped"  # a pool member whose engine the daemon stopped (colocated, while training)
+
+
+class SwitchError(RuntimeError):
+    """A colocated switch that failed; the message names the phase and every engine's state."""
+
+
+def describe_engines(records: list[dict]) -> str:
+    """'rank 0: serving policy-v2; rank 1: failed (engine exited with code 3 ...)' for error messages."""
+    parts = []
+    for r in records:
+        what = r.get("state", "?") + (f" {r['checkpoint']}" if r.get("checkpoint") else "")
+        if r.get("state") in ("failed", "incomplete") and r.get("last_error"):
+            what += f" ({str(r['last_error'])[:300]})"
+        parts.append(f"rank {r.get('rank', '?')}: {what}")
+    return "; ".join(parts)
 
 
 class DaemonClient:
@@ -66,8 +94,11 @@ class DaemonClient:
     def unregister(self, name: str) -> None:
         self._call("DELETE", f"/checkpoints/{name}")
 
-    def start_engines(self, name: str, timeout_s: float) -> None:
-        self._call("POST", "/engines/start", {"name": name}, timeout_s=timeout_s)
+    def start_engines(self, name: str, timeout_s: float) -> dict:
+        return self._call("POST", "/engines/start", {"name": name}, timeout_s=timeout_s)
+
+    def stop_engines(self) -> dict:
+        return self._call("POST", "/engines/stop", {})
 
     def update(self, name: str, ranks: list[int] | None) -> dict:
         body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
@@ -151,6 +182,29 @@ class DaemonEnginePool(EnginePool):
         with self._cond:
             return {m.name: self.records[m.index]["url"] for m in self.members}
 
+    def park(self) -> None:
+        """Colocated: the daemon is about to stop every engine; no member takes requests until ``take``."""
+        with self._cond:
+            engines = [m.engine for m in self.members]
+            for m in self.members:
+                m.state, m.engine = PARKED, None
+            self._cond.notify_all()
+        for engine in engines:
+            if engine is not None and hasattr(engine, "close"):
+                engine.close()
+
+    def take(self, records: list[dict], version: int) -> None:
+        """Colocated: the daemon started every engine again (new processes, new URLs) serving ``version``."""
+        with self._cond:
+            for m in self.members:
+                self.records[m.index] = records[m.index]
+                m.epoch += 1  # a failure seen by the previous process is ignored
+        engines = [self._connect(m) for m in self.members]
+        with self._cond:
+            for m, engine in zip(self.members, engines):
+                m.engine, m.version, m.state = engine, version, SERVING
+            self._cond.notify_all()
+
 
 def start_daemon_pool(
     config: EngineConfig,
@@ -215,26 +269,104 @@ def start_daemon_pool(
     return pool
 
 
+@dataclasses.dataclass(frozen=True)
+class DaemonSyncResult(SyncResult):
+    switch: dict[str, float] = dataclasses.field(default_factory=dict)  # colocated: switch_to_inference_s
+
+
 class DaemonWeightSync:
     """Each version as files in the handoff dir, registered with the daemon and pushed into its engines."""
 
-    def __init__(self, config: SyncConfig, pool: DaemonEnginePool) -> None:
+    def __init__(
+        self, config: SyncConfig, pool: DaemonEnginePool, *, colocated: bool = False, start_timeout_s: float = 900.0
+    ) -> None:
         self.pool = pool
         self.client: DaemonClient = pool.daemon
         self.handoff: pathlib.Path = pool.handoff
         self._current: str | None = pool.current
         self._version = 0
         self._lock = threading.Lock()
+        self.colocated, self.start_timeout_s = colocated, start_timeout_s
+        self._parked = False  # colocated: the engines are stopped (training); the next push starts them
+        self._registered: str | None = None  # the last version registered with the daemon
         pool.set_bring_up(self.bring_up)
+
+    def before_train(self) -> dict[str, float]:
+        """Colocated: stop every engine (inference -> train); {"switch_to_train_s": s}. Disaggregated: {}."""
+        if not self.colocated:
+            return {}
+        with self._lock:
+            start = time.monotonic()
+            self._parked = True  # whatever happens below, the next push starts the engines again
+            self.pool.park()
+            try:
+                self.client.stop_engines()
+                records = self.client.engines()["engines"]
+            except Exception as e:
+                raise SwitchError(f"colocated switch inference->train: POST /engines/stop failed: {e}") from e
+            running = [r for r in records if r.get("state") != "stopped"]
+            if running:
+                raise SwitchError(
+                    f"colocated switch inference->train: engines still running after POST /engines/stop "
+                    f"({describe_engines(running)})"
+                )
+            return {"switch_to_train_s": time.monotonic() - start}
+
+    def _start(self, name: str, version: int) -> tuple[float, float | None]:
+        """Colocated train -> inference: every engine started with dummy weights and brought to ``name`` by
+        the daemon, then taken by the pool. (seconds, the daemon's update seconds if it said)."""
+        start = time.monotonic()
+        records = self.client.engines()["engines"]
+        if any(r.get("state") not in ("stopped", "failed") for r in records):
+            self.client.stop_engines()  # what a failed switch left (an engine started, an incomplete update)
+        try:
+            answer = self.client.start_engines(name, timeout_s=self.start_timeout_s + 60.0)
+        except Exception as e:
+            try:
+                records = self.client.engines()["engines"]
+            except Exception as e2:  # noqa: BLE001 - the daemon itself may be gone: say so instead
+                raise SwitchError(
+                    f"colocated switch train->inference: POST /engines/start {name} failed: {e}; "
+                    f"GET /engines failed too: {e2}"
+                ) from e
+            states = {r.get("state") for r in records}
+            phase = (
+                "engine start (dummy weights)"
+                if "failed" in states or "starting" in states
+                else f"weight update to {name}"
+                if "incomplete" in states
+                else "engine start + update"
+            )
+            raise SwitchError(
+                f"colocated switch train->inference failed in phase '{phase}' (POST /engines/start "
+                f"{{name: {name}}}): {str(e)[:1500]}; engines now: {describe_engines(records)}. The next push "
+                "stops them and starts every engine again"
+            ) from e
+        records = self.client.engines()["engines"]
+        wrong = [r for r in records if r.get("state") != "serving" or r.get("checkpoint") != name]
+        if wrong:
+            raise SwitchError(
+                f"colocated switch train->inference: after POST /engines/start the engines do not all "
+                f"serve {name} ({describe_engines(wrong)})"
+            )
+        self.pool.take(records, version)
+        updates = [
+            r.get("result", {}).get("update") for r in answer.get("ranks", []) if isinstance(r.get("result"), dict)
+        ]
+        update_s = max((u["total_s"] for u in updates if isinstance(u, dict) and "total_s" in u), default=None)
+        return time.monotonic() - start, update_s
 
     def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> SyncResult:
         name = f"policy-v{version}"
         with self._lock:
             start = time.monotonic()
             records = self.client.engines()["engines"]
-            if name != self._current:
+            if name not in (self._current, self._registered):  # a retried push has its files registered
                 files = write_version(self.handoff, name, named_tensors, len(records))
                 self.client.register(name, files)
+                self._registered = name
+            if self._parked:
+                return self._push_by_start(name, version, named_tensors, start)
             # An engine being healed cannot take the update; it is brought to this version by its heal.
             ready = [i for i, r in enumerate(records) if r.get("state") in ("serving", "incomplete")]
             if not ready:
@@ -252,6 +384,24 @@ class DaemonWeightSync:
             total_s = time.monotonic() - start
         nbytes = sum(t.numel() * t.element_size() for t in named_tensors.values())
         return SyncResult(version=version, total_s=total_s, update_s=update_s, total_bytes=nbytes, num_buckets=0)
+
+    def _push_by_start(self, name: str, version: int, named_tensors, start: float) -> SyncResult:
+        """Colocated: the version reaches the engines as they start (lock held)."""
+        switch_s, update_s = self._start(name, version)
+        self._parked = False
+        if self._current is not None and self._current != name:
+            self.client.unregister(self._current)
+            shutil.rmtree(self.handoff / self._current, ignore_errors=True)
+        self._current, self._version = name, version
+        nbytes = sum(t.numel() * t.element_size() for t in named_tensors.values())
+        return DaemonSyncResult(
+            version=version,
+            total_s=time.monotonic() - start,
+            update_s=update_s if update_s is not None else switch_s,
+            total_bytes=nbytes,
+            num_buckets=0,
+            switch={"switch_to_inference_s": switch_s},
+        )
 
     def bring_up(self, member: Member) -> None:
         """Healer: the daemon already pulled the current version into the restarted engine."""

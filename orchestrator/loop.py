@@ -22,6 +22,7 @@
           or the rl.algorithm baseline: grpo | reinforce)
           ▼
       WeightSync.push(version i+1): register -> gather_metas -> update(engine) -> unregister v i
+          (engine.colocated: the daemon's engines stop before train and start with version i+1 here)
           (engine.num_engines >= 2: EnginePool of vLLM servers, PoolWeightSync: one update per engine)
           ▼
       evaluate on schedule (greedy accuracy, sampled pass@1) ──▶ metrics.jsonl, metrics.png
@@ -56,6 +57,9 @@ def check_resumable(saved: dict, current: dict) -> None:
     engine = saved.get("engine")
     if isinstance(engine, dict) and "num_engines" not in engine:  # saved before engine pools: one engine
         saved = {**saved, "engine": {"num_engines": 1, "self_heal": True, **engine}}
+    engine = saved.get("engine")
+    if isinstance(engine, dict) and "colocated" not in engine:  # saved before colocated mode: disaggregated
+        saved = {**saved, "engine": {**engine, "colocated": False}}
     bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
     if bad:
         raise ValueError(
@@ -190,7 +194,9 @@ class RLJob:
         if c.engine.type == "daemon" and self.engine_factory is None:
             from orchestrator.daemon_engines import DaemonWeightSync
 
-            self.sync = DaemonWeightSync(c.sync, self.engine)
+            self.sync = DaemonWeightSync(
+                c.sync, self.engine, colocated=c.engine.colocated, start_timeout_s=c.engine.start_timeout_s
+            )
         elif isinstance(self.engine, EnginePool):  # one registration, one update per engine; heals engines
             self.sync = PoolWeightSync(c.sync, self.engine)
         else:
@@ -383,6 +389,9 @@ class RLJob:
             for g in groups:
                 self.sampler.prioritized.stats.record(g.problem_id, sum(s.correct for s in g.scores), len(g.scores))
         rewards = self._rewards(groups, i)
+        # colocated engines stop here (inference -> train); the push below starts them with version i+1
+        before_train = getattr(self.sync, "before_train", None)
+        switched = before_train() if before_train is not None else {}
         t_train = time.monotonic()
         train_stats = self._train(groups, rewards, i)
         t_sync = time.monotonic()
@@ -420,6 +429,8 @@ class RLJob:
             "weight_sync_update_s": synced.update_s,
             "weight_sync_bytes": synced.total_bytes,
             **train_stats,
+            **switched,
+            **getattr(synced, "switch", {}),  # colocated: switch_to_inference_s (inside weight_sync_s)
         }
         if getattr(synced, "engine_update_s", None) is not None:  # a pool: the update time of each engine
             record["weight_sync_engine_s"] = synced.engine_update_s
@@ -546,6 +557,10 @@ class RLJob:
         }
         if self._engine_pool() is not None:
             summary["engines"] = self._engine_pool().metrics()
+        for key in ("switch_to_train_s", "switch_to_inference_s"):  # colocated mode's switches
+            values = [r[key] for r in records if key in r]
+            if values:
+                summary[f"mean_{key}"] = sum(values) / len(values)
         if records:
             self._plot(records)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

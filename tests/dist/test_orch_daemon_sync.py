@@ -2,21 +2,27 @@
 the handoff dir, registered with a real torchrun daemon (2 ranks, plain engines as --engine-cmd),
 pushed into every managed engine, the old version unregistered and its files removed; a SIGKILLed
 engine is healed by the daemon and the pool takes it back at the current version.
+
+Colocated mode (`engine.colocated`): three inference -> train -> inference switches (every engine
+stopped and its process gone, then started with the new version only), and a failure injected in each
+phase of the start (an engine that exits at once, an update that fails in the engine): the daemon keeps
+a clear state (failed / incomplete), the job's error names the phase, and the next start succeeds.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import time
+import sys
 
 import pytest
 
 from checkpoint_engine.checksum import tensor_checksum
 from orchestrator.config import EngineConfig, SyncConfig
-from orchestrator.daemon_engines import DaemonWeightSync, shard_size_bytes, start_daemon_pool
+from orchestrator.daemon_engines import DaemonWeightSync, SwitchError, shard_size_bytes, start_daemon_pool
 from tests.dist.harness import rpc, stop_group
-from tests.dist.test_ce_engines import call, engines, shutdown, start_daemon, wait_for
+from tests.dist.test_ce_engines import alive, call, engines, shutdown, start_daemon, wait_for
 from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model, random_state_dict
 
 
@@ -98,4 +104,97 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
     finally:
         if daemon.poll() is None:
             stop_group(daemon)
-    time.sleep(0)
+
+
+# The engine command of the colocated test: a plain engine, unless the test left a flag file for this
+# rank: fail-start-r<rank> (the process exits at once: a failed start) or fail-update-r<rank> (the
+# engine raises on the first bucket: a failed update). Each flag is used once.
+ENGINE_SCRIPT = """#!/bin/sh
+flags="$1"; port="$2"; rank="$3"
+if [ -e "$flags/fail-start-r$rank" ]; then rm -f "$flags/fail-start-r$rank"; echo "injected: exit"; exit 3; fi
+extra=""
+if [ -e "$flags/fail-update-r$rank" ]; then rm -f "$flags/fail-update-r$rank"; extra="--fail-on-bucket 0"; fi
+exec "{python}" -m checkpoint_engine.plain_engine --port "$port" $extra
+"""
+
+
+def test_colocated_switches_and_failed_phases(tmp_path):
+    config = TinyModelConfig.tiny()
+    model = make_tiny_model(tmp_path / "sft", config, seed=0)
+    handoff, flags = tmp_path / "handoff", tmp_path / "flags"
+    handoff.mkdir()
+    flags.mkdir()
+    script = tmp_path / "engine.sh"
+    script.write_text(ENGINE_SCRIPT.replace("{python}", sys.executable))
+    engine_cmd = json.dumps(["sh", str(script), str(flags), "{port}", "{rank}"])
+    # no auto-heal: the daemon must keep the state a failed switch left for the test to read
+    daemon, base = start_daemon(tmp_path, "--engine-cmd", engine_cmd, "--no-auto-heal")
+    try:
+        engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60, colocated=True)
+        pool = start_daemon_pool(
+            engine_config, str(model), str(handoff), timeout_s=60, engine_for_url=NoRollouts, probe_path="/health"
+        )
+        sync = DaemonWeightSync(SyncConfig(timeout_s=60), pool, colocated=True, start_timeout_s=60)
+
+        def to_train() -> None:
+            pids = [r["pid"] for r in engines(base)]
+            switched = sync.before_train()
+            assert switched["switch_to_train_s"] > 0
+            assert [r["state"] for r in engines(base)] == ["stopped", "stopped"]
+            assert not any(alive(p) for p in pids), "a stopped engine's process is still running"
+            assert {m.state for m in pool.members} == {"stopped"}  # no rollout goes to a stopped engine
+
+        def check_serves(version: int, weights: dict) -> None:
+            expected = {k: tensor_checksum(v) for k, v in weights.items()}
+            records = engines(base)
+            assert [(r["state"], r["checkpoint"]) for r in records] == [("serving", f"policy-v{version}")] * 2
+            assert all(digests(r["url"]) == expected for r in records)
+            assert [m.engine.url for m in pool.members] == [r["url"] for r in records]  # the pool took the new URLs
+            assert {(m.state, m.version) for m in pool.members} == {("serving", version)}
+
+        try:
+            for version in (1, 2, 3):  # three switches: inference -> train -> inference
+                to_train()
+                weights = random_state_dict(config, seed=version)
+                result = sync.push(weights, version=version)
+                assert result.switch["switch_to_inference_s"] > 0 and result.version == version
+                check_serves(version, weights)
+                assert not (handoff / f"policy-v{version - 1}").exists()
+
+            # a failed engine start: rank 1's process exits at once
+            to_train()
+            weights = random_state_dict(config, seed=4)
+            (flags / "fail-start-r1").touch()
+            with pytest.raises(SwitchError, match=r"train->inference failed in phase 'engine start"):
+                sync.push(weights, version=4)
+            failed = engines(base)[1]
+            assert failed["state"] == "failed" and failed["exit_code"] == 3, failed
+            assert engines(base)[0]["state"] != "serving"  # never serving dummy weights
+            sync.push(weights, version=4)  # the next start: what is left stopped, every engine started
+            check_serves(4, weights)
+
+            # a failed update into the started engines: rank 0's engine raises on the first bucket
+            to_train()
+            weights = random_state_dict(config, seed=5)
+            (flags / "fail-update-r0").touch()
+            with pytest.raises(SwitchError, match=r"failed in phase 'weight update to policy-v5'"):
+                sync.push(weights, version=5)
+            assert engines(base)[0]["state"] == "incomplete"
+            assert "policy-v5" in engines(base)[0]["last_error"]
+            sync.push(weights, version=5)
+            check_serves(5, weights)
+        finally:
+            sync.close()
+            pool.close()
+        shutdown(daemon, base, tmp_path)
+    finally:
+        if daemon.poll() is None:
+            stop_group(daemon)
+
+
+def test_colocated_needs_the_daemon():
+    with pytest.raises(ValueError, match=r"engine.colocated=true .* set engine.type='daemon'"):
+        EngineConfig(colocated=True)
+    with pytest.raises(ValueError, match=r"engine.colocated='yes' must be true or false"):
+        EngineConfig(type="daemon", endpoint="http://127.0.0.1:8400", colocated="yes")
+    assert EngineConfig(type="daemon", endpoint="http://127.0.0.1:8400", colocated=True).colocated
