@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -250,6 +251,28 @@ class AsyncVllmEngine:
             self._thread.join(timeout=30)
 
 
+def as_completed(futures: Sequence[concurrent.futures.Future], timeout_s: float):
+    """``concurrent.futures.as_completed`` that also ends on futures cancelled by ``close()``.
+
+    A future cancelled while still in an executor's queue (``shutdown(cancel_futures=True)``) never
+    notifies ``as_completed``/``wait``, which would then sleep until their timeout (15 minutes of a
+    rollout, after an engine died and the pool closed its client). Such a future raises here.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = set(futures)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise concurrent.futures.TimeoutError()
+        done, pending = concurrent.futures.wait(
+            pending, timeout=min(remaining, 0.5), return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        yield from done
+        cancelled = [f for f in pending if f.cancelled()]
+        if cancelled:
+            raise RuntimeError(f"{len(cancelled)} requests were cancelled: the engine client was closed")
+
+
 class HttpVllmEngine:
     """A running vLLM server (``python -m vllm_ext.launch`` or ``vllm serve`` in dev mode)."""
 
@@ -332,14 +355,17 @@ class HttpVllmEngine:
         if self.batch_size > 1:
             return self._generate_batched(requests, sampling, repeat, on_result, timeout_s)
         futures = [self._pool.submit(self._complete, r, sampling, repeat, timeout_s) for r in requests]
-        if on_result is not None:
-            for future in concurrent.futures.as_completed(futures, timeout=timeout_s):
-                on_result(future.result())
-        done, pending = concurrent.futures.wait(futures, timeout=timeout_s)
-        if pending:
+        try:
+            for future in as_completed(futures, timeout_s):
+                if on_result is not None:
+                    on_result(future.result())
+        except concurrent.futures.TimeoutError:
+            pending = [f for f in futures if not f.done()]
             for future in pending:
                 future.cancel()
-            raise TimeoutError(f"{len(pending)} of {len(requests)} requests did not finish within {timeout_s:.0f} s")
+            raise TimeoutError(
+                f"{len(pending)} of {len(requests)} requests did not finish within {timeout_s:.0f} s"
+            ) from None
         return [f.result() for f in futures]
 
     def _generate_batched(
@@ -357,7 +383,7 @@ class HttpVllmEngine:
         futures = [self._pool.submit(self._complete_batch, b, sampling, repeat, timeout_s) for b in batches]
         results: dict[str, GenResult] = {}
         try:
-            for future in concurrent.futures.as_completed(futures, timeout=timeout_s):
+            for future in as_completed(futures, timeout_s):
                 for result in future.result():
                     results[result.request_id] = result
                     if on_result is not None:
