@@ -146,7 +146,7 @@ def main() -> int:
         return 0
     finally:
         if job is not None and job.poll() is None:
-            job.send_signal(signal.SIGINT)
+            job.send_signal(signal.SIGTERM)  # SIGINT may be ignored (a job started in the background)
             try:
                 job.wait(60)
             except subprocess.TimeoutExpired:
