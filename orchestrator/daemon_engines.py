@@ -94,11 +94,13 @@ class DaemonClient:
     def unregister(self, name: str) -> None:
         self._call("DELETE", f"/checkpoints/{name}")
 
-    def start_engines(self, name: str, timeout_s: float) -> dict:
-        return self._call("POST", "/engines/start", {"name": name}, timeout_s=timeout_s)
+    def start_engines(self, name: str, timeout_s: float, ranks: list[int] | None = None) -> dict:
+        """Start the engines of ``ranks`` (all: None) with dummy weights; the daemon pushes ``name`` first."""
+        body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
+        return self._call("POST", "/engines/start", body, timeout_s=timeout_s)
 
-    def stop_engines(self) -> dict:
-        return self._call("POST", "/engines/stop", {})
+    def stop_engines(self, ranks: list[int] | None = None) -> dict:
+        return self._call("POST", "/engines/stop", {} if ranks is None else {"ranks": ranks})
 
     def update(self, name: str, ranks: list[int] | None) -> dict:
         body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
@@ -404,8 +406,16 @@ class DaemonWeightSync:
         )
 
     def bring_up(self, member: Member) -> None:
-        """Healer: the daemon already pulled the current version into the restarted engine."""
-        self.pool.weights_in(member, self._version, member.epoch)
+        """Healer: the daemon pulled the version that was current when the heal began into the
+        restarted engine; if a newer one was pushed meanwhile (to the other engines only), pull that
+        one into it too, under the push lock, before it takes rollouts again."""
+        with self._lock:
+            healed_to = self.pool.records[member.index].get("checkpoint")
+            if self._current is not None and healed_to != self._current:
+                logger.info("%s was healed to %s; bringing it to %s", member.name, healed_to, self._current)
+                self.client.update(self._current, [member.index])
+                self.pool.records[member.index] = dict(self.pool.records[member.index], checkpoint=self._current)
+            self.pool.weights_in(member, self._version, member.epoch)
 
     def close(self) -> None:
         self.pool.stop_healing()

@@ -1,0 +1,412 @@
+"""The daemon topology on real vLLM engines: colocated switch times, heal time, N=1 vs N=2 rollouts.
+
+    python benchmarks/bench_topology.py [--iterations 2] [--prompts 64] [--max-tokens 64]
+        [--model-size-mib 0] [--raw-repeats 5] [--work-dir DIR] [--keep]
+
+One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
+each rank managing one `python -m vllm_ext.launch --no-initial-push` server bound to its share of
+the CPUs (VLLM_CPU_OMP_THREADS_BIND from a file the engine command reads at each start), on the
+demo's tiny model shape (random weights; `--model-size-mib N` for a bigger one). The versions go
+through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does:
+
+  cold start      start_daemon_pool: both engines start (dummy weights), v0 pushed, pool built
+  (c) N=2         pool.generate over the prompts (one untimed warm-up round)   -> tokens_per_s_n2
+  (a) colocated   --iterations times: rollout (pool.generate) -> before_train (POST /engines/stop)
+                  -> train (AdamW steps of the HF model on the rollout's tokens) -> push(v+1)
+                  (files, POST /checkpoints, POST /engines/start: dummy start + update, pool takes
+                  the new URLs) -> switch_to_train_s, switch_to_inference_s and their share of the
+                  iteration
+  (b) heal        SIGKILL rank 1's engine; the daemon notices, restarts it with dummy weights and
+                  pulls the current version from the ranks' registered memory (update ranks=[1]).
+                  From GET /engines (polled every 50 ms: each state's `since`) and the daemon's
+                  per-update metrics: detect_s, dummy_start_s (reported apart), pull_s (the update's
+                  total_s on the receiving rank), and ratio_heal_vs_raw_read = pull_s / a plain memcpy
+                  of the same checkpoint's bytes from shared memory (the version's files in /dev/shm,
+                  mmapped, copied into a warm buffer, best of --raw-repeats)
+  (c) N=1         every engine stopped; rank 0's engine started alone bound to all CPUs
+                  -> tokens_per_s_n1 over the same prompts
+
+SIGTERM or Ctrl-C stops the daemon, which stops its engines. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+
+from checkpoint_engine.procs import die_with_parent, exit_on_signals  # after the path insert
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+POLL_S = 0.05
+
+# The engine command: the rank's CPU binding is read from <work>/bind-r<rank> at each start, so the
+# N=1 run can give one engine every CPU without a second daemon.
+ENGINE_SCRIPT = """#!/bin/sh
+work="$1"; port="$2"; rank="$3"
+VLLM_CPU_OMP_THREADS_BIND="$(cat "$work/bind-r$rank")" exec "{python}" -m vllm_ext.launch \\
+  --model "{model}" --host 127.0.0.1 --port "$port" --no-initial-push --startup-timeout-s "{timeout}" -- \\
+  --dtype float32 --max-model-len {max_model_len} --max-num-seqs 256 --block-size 32 \\
+  --enable-prefix-caching --seed 0 --disable-log-stats
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iterations", type=int, default=2, help="colocated iterations (each: one stop, one start)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per rollout / throughput round")
+    p.add_argument("--max-tokens", type=int, default=64, help="max new tokens per prompt")
+    p.add_argument("--train-steps", type=int, default=4, help="AdamW steps per colocated iteration")
+    p.add_argument("--model-size-mib", type=int, default=0, help="0: the demo's tiny shape (16 MiB float32)")
+    p.add_argument("--raw-repeats", type=int, default=5, help="memcpy repeats of the raw read (best taken)")
+    p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
+    p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir (logs, metrics)")
+    args = p.parse_args(argv)
+    for name in ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.model_size_mib < 0:
+        p.error(f"--model-size-mib={args.model_size_mib} must be >= 0 (0: the demo's tiny shape)")
+    if args.max_tokens > 200:
+        p.error(f"--max-tokens={args.max_tokens} must be <= 200 (engines run with --max-model-len 256)")
+    return args
+
+
+# -- the daemon ----------------------------------------------------------------------------------------
+def start_daemon(work: pathlib.Path, model: pathlib.Path, start_timeout_s: float) -> tuple[subprocess.Popen, str]:
+    from checkpoint_engine.engines import free_port
+    from checkpoint_engine.httpjson import status_json
+
+    script = work / "engine.sh"
+    script.write_text(
+        ENGINE_SCRIPT.replace("{python}", sys.executable)
+        .replace("{model}", str(model))
+        .replace("{timeout}", str(start_timeout_s))
+        .replace("{max_model_len}", "256")
+    )
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())),
+        *("-m", "checkpoint_engine", "--port", str(port), "--collective-timeout-s", "900"),
+        *("--engine-cmd", json.dumps(["sh", str(script), str(work), "{port}", "{rank}"])),
+        *("--engine-health-path", "/version", "--engine-start-timeout-s", str(start_timeout_s)),
+        *("--engine-log-dir", str(work), "--metrics-jsonl", str(work / "updates.jsonl")),
+    ]
+    daemon = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=open(work / "daemon.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the stop below reaches torchrun's ranks
+        preexec_fn=die_with_parent,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if daemon.poll() is not None:
+            raise RuntimeError(f"the daemon exited with code {daemon.returncode}; see {work / 'daemon.log'}")
+        try:
+            if status_json("GET", base + "/health", timeout_s=2.0)[0] == 200:
+                return daemon, base
+        except OSError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the daemon's API did not answer within 180 s; see {work / 'daemon.log'}")
+        time.sleep(0.2)
+
+
+def stop_daemon(daemon: subprocess.Popen, base: str, graceful: bool) -> None:
+    """``graceful``: POST /shutdown (the daemon stops its engines once its running command ends); then,
+    or at once when interrupted (a command may wait minutes for an engine start), SIGTERM to the
+    daemon's process group (torchrun and its ranks), SIGKILL after 30 s. The engines end with their
+    rank (PR_SET_PDEATHSIG)."""
+    from checkpoint_engine.httpjson import call_json
+
+    if graceful and daemon.poll() is None:
+        try:
+            call_json("POST", base + "/shutdown", {}, timeout_s=10.0)
+            daemon.wait(120)
+        except Exception:  # noqa: BLE001 - not answering: signals below
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if daemon.poll() is not None:
+            break
+        try:
+            os.killpg(daemon.pid, sig)
+            daemon.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+
+
+# -- measurements --------------------------------------------------------------------------------------
+def make_requests(tokenizer, num: int, max_tokens: int, tag: str):
+    from orchestrator.engine import GenRequest
+
+    return [
+        GenRequest(f"{tag}-{i}", tuple(tokenizer(f"{i * 37 % 90 + 10}+{i * 53 % 90 + 10}=")["input_ids"]), max_tokens)
+        for i in range(num)
+    ]
+
+
+def rollout(pool, tokenizer, args, tag: str) -> tuple[float, int, list[list[int]]]:
+    """One pool.generate over the prompts: (seconds, output tokens, prompt + response token ids)."""
+    from orchestrator.engine import SamplingSettings
+
+    requests = make_requests(tokenizer, args.prompts, args.max_tokens, tag)
+    start = time.monotonic()
+    results = pool.generate(requests, SamplingSettings(temperature=1.0, top_p=1.0), timeout_s=600.0)
+    seconds = time.monotonic() - start
+    by_id = {r.request_id: r for r in results}
+    sequences = [list(q.prompt_token_ids) + list(by_id[q.request_id].token_ids) for q in requests]
+    return seconds, sum(len(r.token_ids) for r in results), sequences
+
+
+def throughput(pool, tokenizer, args, tag: str) -> dict:
+    rollout(pool, tokenizer, args, f"{tag}-warmup")  # first requests after a start pay one-off costs
+    seconds, tokens, _ = rollout(pool, tokenizer, args, tag)
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def train_steps(trainer, optimizer, sequences: list[list[int]], steps: int) -> float:
+    """``steps`` AdamW steps of next-token loss on the rollout's sequences (the RL step's compute, not its loss)."""
+    import torch
+
+    start = time.monotonic()
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [trainer.pad_id] * (width - len(s)) for s in sequences])
+    labels = torch.tensor([s + [-100] * (width - len(s)) for s in sequences])
+    for _ in range(steps):
+        optimizer.zero_grad()
+        trainer.model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+    return time.monotonic() - start
+
+
+def raw_read_s(files: list[str], repeats: int) -> tuple[float, int]:
+    """Best time of a plain copy of the files' bytes from shared memory (mmapped) into a warm buffer."""
+    import torch
+
+    maps, views = [], []
+    for path in files:
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view for torch; never written
+        maps.append(m)
+        views.append(torch.frombuffer(m, dtype=torch.uint8))
+    total = sum(v.numel() for v in views)
+    dst = torch.ones(total, dtype=torch.uint8)  # touched once: the copy is what is timed
+    best = float("inf")
+    for _ in range(repeats):
+        start, offset = time.perf_counter(), 0
+        for v in views:
+            dst[offset : offset + v.numel()].copy_(v)
+            offset += v.numel()
+        best = min(best, time.perf_counter() - start)
+    del views
+    for m in maps:
+        m.close()
+    return best, total
+
+
+def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
+    """SIGKILL rank 1's engine; the daemon's heal, phase by phase."""
+    victim = client.engines()["engines"][1]
+    current = client.engines()["current"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    since: dict[str, float] = {}  # state -> when the healed engine entered it (the record's own clock)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = client.engines()["engines"][1]
+        if record["state"] == "failed" or record.get("pid") not in (None, victim["pid"]):
+            since.setdefault(record["state"], record["since"])
+        if record["state"] == "serving" and record["pid"] != victim["pid"] and record["checkpoint"] == current:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 1's engine was not healed within {timeout_s:.0f} s (last record: {record})")
+        time.sleep(POLL_S)
+    pulls = [
+        m
+        for m in map(json.loads, (work / "updates.jsonl").read_text().splitlines())
+        if m.get("rank") == 1 and m.get("checkpoint") == current and m.get("ok")
+    ]
+    pull = pulls[-1]  # the heal's update on the receiving rank
+    failed_at = (record.get("last_failure") or {}).get("at", since.get("failed"))
+    pull_wall = since["serving"] - since["updating"] if "updating" in since else None
+    # process start -> healthy and agreed; when the poll missed `updating` (a pull shorter than a poll),
+    # the start is what is left of starting -> serving after the pull
+    dummy = (since["updating"] - since["starting"]) if "updating" in since else None
+    if dummy is None:
+        dummy = since["serving"] - since["starting"] - pull["total_s"]
+    return {
+        "checkpoint": current,
+        "detect_s": round(failed_at - killed_at, 3),
+        "dummy_start_s": round(dummy, 3),
+        "pull_s": round(pull["total_s"], 4),
+        "pull_wall_s": round(pull_wall, 3) if pull_wall is not None else None,
+        "pull_bytes": pull["total_bytes"],
+        "pull_mode": pull["mode"],
+        "recovery_s": record["recovery_s"],
+        "kill_to_serving_s": round(since["serving"] - killed_at, 3),
+    }
+
+
+def main(argv=None) -> dict:
+    exit_on_signals((signal.SIGTERM,))  # SIGTERM unwinds like Ctrl-C: the finally below stops the daemon
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoTokenizer
+
+    from orchestrator.config import EngineConfig, SyncConfig
+    from orchestrator.daemon_engines import DaemonWeightSync, _http_engine, start_daemon_pool
+    from orchestrator.engine_pool import BATCH_SIZE, SERVING, EnginePool, Member, cpu_binds
+    from orchestrator.trainer import HFTrainer, TrainerConfig
+    from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
+
+    cpus = sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(len(cpus))
+    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="bench-topology-", dir="/dev/shm"))
+    work.mkdir(parents=True, exist_ok=True)
+    handoff = work / "handoff"
+    handoff.mkdir(exist_ok=True)
+    model_config = (
+        TinyModelConfig.for_size_bytes(args.model_size_mib * 2**20, dtype="float32")
+        if args.model_size_mib
+        else TinyModelConfig.tiny()
+    )
+    model = make_tiny_model(work / "sft", model_config, seed=0)
+    for rank, bind in enumerate(cpu_binds(cpus, 2)):
+        (work / f"bind-r{rank}").write_text(bind)
+    load = os.getloadavg()
+    out: dict = {
+        "cpu": _cpu_model(),
+        "cpus": len(cpus),
+        "loadavg_at_start": [round(x, 2) for x in load],
+        "model_bytes": model_config.num_params() * 4,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+    }
+    daemon, base = start_daemon(work, handoff / "model", args.start_timeout_s)
+    pool = sync = None
+    finished = False
+    try:
+        engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=args.start_timeout_s)
+        started = time.monotonic()
+        pool = start_daemon_pool(engine_config, str(model), str(handoff), timeout_s=300.0)
+        out["cold_start_2_engines_s"] = round(time.monotonic() - started, 2)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        out["n2"] = throughput(pool, tokenizer, args, "n2")
+        print(f"N=2: {out['n2']}", flush=True)
+
+        # (a) colocated iterations
+        sync = DaemonWeightSync(
+            SyncConfig(timeout_s=300.0, handoff_dir=str(handoff)),
+            pool,
+            colocated=True,
+            start_timeout_s=args.start_timeout_s,
+        )
+        trainer = HFTrainer(model, TrainerConfig(lr=1e-5, num_threads=len(cpus)))
+        optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-5)
+        iterations = []
+        for i in range(args.iterations):
+            rollout_s, tokens, sequences = rollout(pool, tokenizer, args, f"it{i}")
+            to_train_s = sync.before_train()["switch_to_train_s"]
+            train_s = train_steps(trainer, optimizer, sequences, args.train_steps)
+            t0 = time.monotonic()
+            pushed = sync.push(trainer.named_tensors(), version=i + 1)
+            push_s = time.monotonic() - t0
+            it = {
+                "rollout_s": round(rollout_s, 3),
+                "rollout_tokens_per_s": round(tokens / rollout_s, 1),
+                "switch_to_train_s": round(to_train_s, 3),
+                "train_s": round(train_s, 3),
+                "push_s": round(push_s, 3),  # files + register + switch_to_inference + unregister
+                "switch_to_inference_s": round(pushed.switch["switch_to_inference_s"], 3),
+                "update_in_start_s": pushed.update_s,
+            }
+            it["iteration_s"] = round(rollout_s + to_train_s + train_s + push_s, 3)
+            it["switch_share"] = round((to_train_s + pushed.switch["switch_to_inference_s"]) / it["iteration_s"], 3)
+            iterations.append(it)
+            print(f"colocated iteration {i + 1}: {it}", flush=True)
+        out["colocated"] = {
+            "iterations": iterations,
+            **{
+                f"mean_{k}": round(sum(it[k] for it in iterations) / len(iterations), 3)
+                for k in ("switch_to_train_s", "switch_to_inference_s", "iteration_s", "switch_share")
+            },
+        }
+
+        # (b) heal of a SIGKILLed engine
+        healed = heal(pool.daemon, work, args.start_timeout_s + 120)
+        raw_s, raw_bytes = raw_read_s(
+            sorted(str(f) for f in (handoff / healed["checkpoint"]).glob("*.safetensors")), args.raw_repeats
+        )
+        healed.update(
+            raw_read_s=round(raw_s, 5),
+            raw_read_bytes=raw_bytes,
+            raw_read="memcpy of the version's safetensors files from /dev/shm (mmapped) into a warm buffer",
+            ratio_heal_vs_raw_read=round(healed["pull_s"] / raw_s, 2),
+        )
+        out["heal"] = healed
+        print(f"heal: {healed}", flush=True)
+
+        # (c) N=1: rank 0's engine alone, on every CPU
+        current = pool.daemon.engines()["current"]
+        pool.daemon.stop_engines()
+        pool.park()
+        (work / "bind-r0").write_text(",".join(map(str, cpus)))
+        pool.daemon.start_engines(current, timeout_s=args.start_timeout_s + 60, ranks=[0])
+        url = pool.daemon.engines()["engines"][0]["url"]
+        single = EnginePool(
+            [Member(0, engine=_http_engine(engine_config, url), state=SERVING)],
+            max_inflight_per_engine=256,
+            batch_size=BATCH_SIZE,
+        )
+        try:
+            out["n1"] = throughput(single, tokenizer, args, "n1")
+        finally:
+            single.close()
+        print(f"N=1: {out['n1']}", flush=True)
+        out["n2_vs_n1"] = round(out["n2"]["tokens_per_s"] / out["n1"]["tokens_per_s"], 3)
+        out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        finished = True
+    finally:
+        for component in (sync, pool):
+            if component is not None:
+                try:
+                    component.close()
+                except Exception as e:  # noqa: BLE001 - stop the daemon whatever happened
+                    print(f"closing {type(component).__name__}: {e}", file=sys.stderr)
+        stop_daemon(daemon, base, graceful=finished)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    result = main()
+    print(json.dumps(result))
