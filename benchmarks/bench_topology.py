@@ -1,7 +1,7 @@
 """The daemon topology on real vLLM engines: colocated switch times, heal time, N=1 vs N=2 rollouts.
 
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 64] [--max-tokens 64]
-        [--model-size-mib 0] [--raw-repeats 5] [--work-dir DIR] [--keep]
+        [--model-size-mib 0] [--raw-repeats 20] [--work-dir DIR] [--keep]
 
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
 each rank managing one `python -m vllm_ext.launch --no-initial-push` server bound to its share of
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max new tokens per prompt")
     p.add_argument("--train-steps", type=int, default=4, help="AdamW steps per colocated iteration")
     p.add_argument("--model-size-mib", type=int, default=0, help="0: the demo's tiny shape (16 MiB float32)")
-    p.add_argument("--raw-repeats", type=int, default=5, help="memcpy repeats of the raw read (best taken)")
+    p.add_argument("--raw-repeats", type=int, default=20, help="memcpy repeats of the raw read (best taken)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
     p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, metrics)")

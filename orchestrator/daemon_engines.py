@@ -153,7 +153,8 @@ def write_version(handoff: pathlib.Path, name: str, tensors: Mapping[str, torch.
 def _http_engine(config: EngineConfig, url: str):
     from orchestrator.engine import HttpVllmEngine
 
-    http = dataclasses.replace(config, type="vllm_http", endpoint=url, num_engines=1)
+    # one engine's client: the daemon-only settings (colocated) do not apply to it
+    http = dataclasses.replace(config, type="vllm_http", endpoint=url, num_engines=1, colocated=False)
     return HttpVllmEngine(http, max_workers=min(config.max_num_seqs, 256), batch_size=BATCH_SIZE)
 
 

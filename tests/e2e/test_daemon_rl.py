@@ -10,6 +10,10 @@ Both engines start with dummy weights and serve only after the daemon pushed the
 each iteration's version reaches both (the daemon's broadcast/local update), rollouts went to both,
 and at the end both report the newest checkpoint and hold the same weights. Real processes, exit
 codes checked, nothing left running.
+
+Colocated (`--set engine.colocated=true`): the same, but every iteration the job stops both engines
+before training and starts them with the new version after it; each iteration's metrics carry the
+two switch times (inference -> train, train -> inference) and the summary their means.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 NUM_ITERATIONS = 2
 
 
-def test_rl_job_on_the_daemons_engines(tmp_path):
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
     handoff = tmp_path / "handoff"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -74,6 +79,7 @@ def test_rl_job_on_the_daemons_engines(tmp_path):
                 *("--set", f"eval.every_iterations={NUM_ITERATIONS}", "--set", "eval.num_sampled_problems=0"),
                 *("--set", "data.num_heldout_per_level=16", "--set", "rollout.iteration_token_budget=4096"),
                 *("--set", "rollout.max_new_groups_per_iteration=16"),
+                *("--set", f"engine.colocated={str(colocated).lower()}"),
             ],
             cwd=REPO,
             env=env,
@@ -87,6 +93,13 @@ def test_rl_job_on_the_daemons_engines(tmp_path):
         assert len(lines) == NUM_ITERATIONS, lines
         for m in lines:  # every iteration's rollouts went to both engines
             assert len(m["rollout_engine_requests"]) == 2 and min(m["rollout_engine_requests"].values()) > 0, m
+            switches = {"switch_to_train_s", "switch_to_inference_s"}
+            if colocated:  # both switches timed: the engines stopped for training and started after it
+                assert all(m[k] > 0 for k in switches), m
+            else:
+                assert not switches & set(m), m
+        summary = json.loads((out / "summary.json").read_text())
+        assert ("mean_switch_to_inference_s" in summary) == colocated, summary
         records = engines(base)
         assert [r["state"] for r in records] == ["serving", "serving"], records
         assert {r["checkpoint"] for r in records} == {f"policy-v{NUM_ITERATIONS}"}, records
