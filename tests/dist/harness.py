@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -145,3 +146,36 @@ def run_ranks(world: int, args_for_rank, timeout_s: float = 120.0, kill_rank_aft
             raise AssertionError(f"rank processes hung past {timeout_s} s") from None
         out.append((p.returncode, text))
     return out
+
+
+@contextlib.contextmanager
+def etcd_server(data_dir, timeout_s: float = 30.0):
+    """A one-member etcd on free 127.0.0.1 ports (the apt etcd-server binary); yields its client port."""
+    from checkpoint_engine.metadata import EtcdStore
+
+    port, peer = free_port(), free_port()
+    client_url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+    proc = subprocess.Popen(
+        [
+            *("etcd", "--data-dir", str(data_dir), "--name", "test"),
+            *("--listen-client-urls", client_url, "--advertise-client-urls", client_url),
+            *("--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url),
+            *("--initial-cluster", f"test={peer_url}"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                EtcdStore("127.0.0.1", port, timeout_s=2).close()
+                break
+            except RuntimeError:
+                assert proc.poll() is None, "etcd exited"
+                assert time.monotonic() < deadline, f"etcd did not come up within {timeout_s:.0f} s"
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        assert proc.wait(20) in (0, -15)  # etcd 3.4 exits by the signal itself

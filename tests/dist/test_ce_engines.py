@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.httpjson import status_json
-from tests.dist.harness import REPO, _env, free_port, rpc, stop_group
+from tests.dist.harness import REPO, _env, etcd_server, free_port, rpc, stop_group
 
 ENGINE_CMD = json.dumps(
     [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", "{port}", "--device", "{device}"]
@@ -193,41 +193,8 @@ def test_engines_start_update_heal_stop(tmp_path):
 def etcd_port(tmp_path):
     if shutil.which("etcd") is None:
         pytest.skip("etcd binary not installed")
-    from checkpoint_engine.metadata import EtcdStore
-
-    port, peer = free_port(), free_port()
-    proc = subprocess.Popen(
-        [
-            *("etcd", "--data-dir", str(tmp_path / "etcd"), "--name", "t"),
-            *(
-                "--listen-client-urls",
-                f"http://127.0.0.1:{port}",
-                "--advertise-client-urls",
-                f"http://127.0.0.1:{port}",
-            ),
-            *(
-                "--listen-peer-urls",
-                f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{peer}",
-            ),
-            *("--initial-cluster", f"t=http://127.0.0.1:{peer}"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            EtcdStore("127.0.0.1", port, timeout_s=2).close()
-            break
-        except RuntimeError:
-            assert proc.poll() is None, "etcd exited"
-            assert time.monotonic() < deadline, "etcd did not come up within 30 s"
-            time.sleep(0.1)
-    yield port
-    proc.terminate()
-    assert proc.wait(20) in (0, -15)
+    with etcd_server(tmp_path / "etcd") as port:
+        yield port
 
 
 @pytest.mark.etcd

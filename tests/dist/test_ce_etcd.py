@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import time
 
 import pytest
 import torch
@@ -12,47 +10,15 @@ import torch
 from checkpoint_engine.config import ParameterServerConfig
 from checkpoint_engine.metadata import CheckpointRegistry, EtcdStore
 from checkpoint_engine.ps import ParameterServer
-from tests.dist.harness import free_port
+from tests.dist.harness import etcd_server
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not installed")]
 
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
-    port, peer = free_port(), free_port()
-    proc = subprocess.Popen(
-        [
-            "etcd",
-            "--data-dir",
-            str(tmp_path_factory.mktemp("etcd")),
-            "--name",
-            "test",
-            "--listen-client-urls",
-            f"http://127.0.0.1:{port}",
-            "--advertise-client-urls",
-            f"http://127.0.0.1:{port}",
-            "--listen-peer-urls",
-            f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls",
-            f"http://127.0.0.1:{peer}",
-            "--initial-cluster",
-            f"test=http://127.0.0.1:{peer}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            EtcdStore("127.0.0.1", port, timeout_s=2).close()
-            break
-        except RuntimeError:
-            assert proc.poll() is None, "etcd exited"
-            assert time.monotonic() < deadline, "etcd did not come up within 30 s"
-            time.sleep(0.1)
-    yield port
-    proc.terminate()
-    assert proc.wait(20) in (0, -15)  # etcd 3.4 exits by the signal itself
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as port:
+        yield port
 
 
 def test_etcd_store_basic(etcd):
