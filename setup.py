@@ -15,7 +15,9 @@ setup(
     version=VERSION,
     description="Fast weight sync from trainers into running inference engines, and a Kimi-k1.5-style RL loop on top",
     python_requires=">=3.10",
-    packages=find_packages(include=["checkpoint_engine*", "vllm_ext*", "orchestrator*", "trainer*", "sandbox*"]),
+    packages=find_packages(
+        include=["checkpoint_engine*", "vllm_ext*", "orchestrator*", "trainer*", "sandbox*", "demo*"]
+    ),
     install_requires=[
         "torch>=2.4",
         "pyzmq>=25",

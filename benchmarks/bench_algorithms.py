@@ -8,7 +8,7 @@
         python -m orchestrator --config configs/demo.json --set rl.algorithm=ALG --set rl.num_iterations=N
                                --set rl.seed=S --set sampling.seed=S --set engine.seed=S  (+ --set ...)
             same SFT model (cached), training pool, held-out set, token budget, steps per iteration;
-            only the loss differs (orchestrator.policy.make_objective)
+            only the loss differs (trainer.policy.make_objective)
         ──▶ OUT/ALG-seedS/{metrics.jsonl, summary.json, job.log}
     ──▶ OUT/algorithms.png (held-out greedy accuracy against iteration, one colour per algorithm,
         one line per seed), OUT/results.json

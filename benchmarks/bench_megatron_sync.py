@@ -81,10 +81,10 @@ def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> d
 
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
-    from orchestrator.trainer import TrainerConfig, make_trainer
+    from demo.tiny_model import TinyModelConfig, make_tiny_model
+    from trainer.torch_trainer import TrainerConfig, make_trainer
     from vllm_ext.launch import EXTENSION
     from vllm_ext.req import llm_req_func
-    from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
 
     tmp = None
     if model_dir is None:

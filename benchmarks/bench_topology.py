@@ -271,11 +271,11 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from demo.tiny_model import TinyModelConfig, make_tiny_model
     from orchestrator.config import EngineConfig, SyncConfig
     from orchestrator.daemon_engines import DaemonWeightSync, _http_engine, start_daemon_pool
     from orchestrator.engine_pool import BATCH_SIZE, SERVING, EnginePool, Member, cpu_binds
-    from orchestrator.trainer import HFTrainer, TrainerConfig
-    from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
+    from trainer.torch_trainer import HFTrainer, TrainerConfig
 
     cpus = sorted(os.sched_getaffinity(0))
     torch.set_num_threads(len(cpus))

@@ -130,7 +130,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
 
 def first_answer_s(server, url: str, model: str, t0: float, timeout_s: float) -> tuple[float, list]:
     """Poll completions until one answers 200; seconds since t0 and the token ids."""
-    from vllm_ext.testing import post_completions
+    from testing.vllm_servers import post_completions
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -152,8 +152,8 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
     from checkpoint_engine.config import ParameterServerConfig
     from checkpoint_engine.hf_dir import safetensors_files
     from checkpoint_engine.ps import ParameterServer
+    from testing.vllm_servers import completion_token_ids
     from vllm_ext.req import collective_rpc, reset_prefix_cache_http, vllm_http_req_func
-    from vllm_ext.testing import completion_token_ids
 
     ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
     t0 = time.perf_counter()
@@ -262,8 +262,8 @@ def save_copy_s(model_dir: Path) -> float:
 def timed_disk_start(
     model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None, extension: bool = True
 ):
+    from testing.vllm_servers import ServerProcess, child_env, vllm_serve_command
     from vllm_ext.launch import free_port
-    from vllm_ext.testing import ServerProcess, child_env, vllm_serve_command
 
     port = free_port()
     t0 = time.monotonic()
@@ -300,7 +300,7 @@ def fast_start(model_dir: Path, log: Path, mode: str, timeout_s: float) -> tuple
     Returns (seconds to the first answer, its token ids, seconds of the weights' own phase: the load
     step receiving them ("load"), or engine healthy -> gate open ("push")).
     """
-    from vllm_ext.testing import LaunchedServer
+    from testing.vllm_servers import LaunchedServer
 
     t0 = time.monotonic()
     fast = LaunchedServer(model_dir, log, gate_wait_s=timeout_s, vllm_args=ENGINE_ARGS, extra=["--initial-mode", mode])
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_signals((signal.SIGTERM, signal.SIGINT))
     bench_t0 = time.monotonic()
 
-    from vllm_ext.tiny_model import TinyModelConfig, make_tiny_model
+    from demo.tiny_model import TinyModelConfig, make_tiny_model
 
     out = Path(bench.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,13 +29,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from checkpoint_engine.validate import check_int, check_number
-from orchestrator import task
-from orchestrator.cpu import AUTOCAST_DTYPES
+from demo import task
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig
 from orchestrator.sampling import CurriculumConfig
-from orchestrator.sft import SFTConfig
+from trainer.cpu import AUTOCAST_DTYPES
+from trainer.sft import SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +101,10 @@ class RLConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     num_threads: int | None = None  # None: every CPU of the process's affinity
-    # "auto": bfloat16 only where the CPU runs it natively (orchestrator.cpu), else float32.
+    # "auto": bfloat16 only where the CPU runs it natively (trainer.cpu), else float32.
     autocast_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     seed: int = 0
-    # The policy loss over the same rollouts (orchestrator.policy.make_objective): "k15" eq. (3) with
+    # The policy loss over the same rollouts (trainer.policy.make_objective): "k15" eq. (3) with
     # tau; the baselines "grpo" (normalised group advantage, per-token ratio to the rollout policy
     # clipped at 1 +- clip_eps, k3 KL to the initial policy weighted by kl_coef) and "reinforce"
     # (group-mean baseline, no reference, no clipping).
@@ -318,7 +318,7 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
-    """Which training backend the RL job uses (``orchestrator.trainer.make_trainer``).
+    """Which training backend the RL job uses (``trainer.torch_trainer.make_trainer``).
 
     ``type``: "hf" (transformers, in process) or "megatron" (a megatron-core GPTModel initialized
     from the same SFT model; its weights are converted to HF layout for every weight sync).

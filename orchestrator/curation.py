@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta
-from orchestrator import task
+from demo import task
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from orchestrator import task
+from demo import task
 from orchestrator.config import DataConfig
 
 logger = logging.getLogger(__name__)

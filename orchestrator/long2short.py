@@ -2,8 +2,8 @@
 
 ::
 
-    python -m orchestrator.sft --solution-style long ──▶ LONG (verbose CoT: per-column re-checks, a re-add)
-    python -m orchestrator.sft                       ──▶ SHORT
+    python -m trainer.sft --solution-style long ──▶ LONG (verbose CoT: per-column re-checks, a re-add)
+    python -m trainer.sft                       ──▶ SHORT
         │
         ├─ merge --long LONG --short SHORT --alpha a ──▶ a * LONG + (1 - a) * SHORT, tensor by tensor
         │
@@ -21,7 +21,7 @@ Sampling goes through the rollout engine interface (``orchestrator.engine.Rollou
 ``orchestrator.curation``: the CLI starts the in-process vLLM engine on dummy weights and pushes the
 model's weights through the checkpoint engine (``evaluate`` pushes each model in turn into one
 engine, so the models must share an architecture); tests drive the same functions with scripted
-engines. Training runs on ``orchestrator.trainer.HFTrainer`` (CPU, float32). The last printed line of
+engines. Training runs on ``trainer.torch_trainer.HFTrainer`` (CPU, float32). The last printed line of
 every command is one JSON object.
 
 **long2short RL is a config, not code**: the RL job, started from the long-CoT model, with the length
@@ -54,7 +54,8 @@ from typing import Any
 
 from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta
 from checkpoint_engine.validate import check_int, check_number
-from orchestrator import dpo, task
+from demo import task
+from trainer import dpo
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ class TrainConfig:
 
 
 def _trainer(model_dir: str | pathlib.Path, config: TrainConfig):
-    from orchestrator.trainer import HFTrainer, TrainerConfig
+    from trainer.torch_trainer import HFTrainer, TrainerConfig
 
     return HFTrainer(model_dir, TrainerConfig(lr=config.lr, num_threads=config.num_threads, seed=config.seed))
 

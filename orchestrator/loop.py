@@ -84,7 +84,7 @@ def make_sampler(config: JobConfig, problems: list) -> ProblemSampler:
 
 def load_weights(trainer, model_dir: pathlib.Path) -> None:
     """Copy a checkpoint's weights into the trainer's model (names as HF saved them)."""
-    from vllm_ext.tiny_model import load_state_dict_from_dir
+    from demo.tiny_model import load_state_dict_from_dir
 
     try:
         trainer.load_hf_weights(load_state_dict_from_dir(model_dir))
@@ -128,12 +128,12 @@ class RLJob:
     def _setup(self) -> None:
         from transformers import AutoTokenizer
 
-        from orchestrator import sft
         from orchestrator.engine import SamplingSettings, make_engine
         from orchestrator.engine_pool import EnginePool, PoolWeightSync
         from orchestrator.rollout import Rollout
-        from orchestrator.trainer import HFTrainer, TrainerConfig, make_trainer
         from orchestrator.weight_sync import WeightSync
+        from trainer import sft
+        from trainer.torch_trainer import HFTrainer, TrainerConfig, make_trainer
 
         c = self.config
         if c.init_model_dir is not None:
@@ -345,7 +345,7 @@ class RLJob:
         ]
 
     def _train(self, groups, rewards, iteration: int) -> dict[str, Any]:
-        from orchestrator.policy import TrainConfig, batch_from_groups, train_iteration
+        from trainer.policy import TrainConfig, batch_from_groups, train_iteration
 
         if not groups:
             return {"num_train_groups": 0, "num_skipped_groups": 0, "num_steps": 0}

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from orchestrator.trainer import TrainerConfig, save_hf_dir
+from trainer.torch_trainer import TrainerConfig, save_hf_dir
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class TPMegatronTrainer:
             raise ValueError(f"tp_size={tp_size}: use MegatronTrainer for TP=1")
         config = TrainerConfig() if config is None else config
         if config.num_threads is None:  # the ranks share the process's CPUs
-            from orchestrator.cpu import usable_cpus
+            from trainer.cpu import usable_cpus
 
             config = dataclasses.replace(config, num_threads=max(1, usable_cpus() // tp_size))
         port = _free_port()

@@ -26,12 +26,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from orchestrator.cpu import num_threads_for, resolve_autocast_dtype
-from orchestrator.loss import sequence_logprobs as _masked_sequence_logprobs
-from orchestrator.loss import token_logprobs as _masked_token_logprobs
-from orchestrator.trainer import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
+from trainer.cpu import num_threads_for, resolve_autocast_dtype
+from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
+from trainer.loss import token_logprobs as _masked_token_logprobs
 from trainer.megatron.convert import ModelShape, megatron_to_hf
 from trainer.megatron.model import MegatronModelConfig
+from trainer.torch_trainer import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class MegatronTrainer(OptimizerSteps):
     ) -> None:
         import torch.distributed as dist
 
+        from demo.tiny_model import load_state_dict_from_dir
         from trainer.megatron import model as mg_model
-        from vllm_ext.tiny_model import load_state_dict_from_dir
 
         self.config = TrainerConfig() if config is None else config
         self.megatron = MegatronModelConfig() if megatron is None else megatron

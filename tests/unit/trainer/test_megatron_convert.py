@@ -265,7 +265,7 @@ def test_replicas_are_not_primary():
 
 
 def test_from_hf_config_of_the_tiny_model():
-    from vllm_ext.tiny_model import TinyModelConfig, param_shapes
+    from demo.tiny_model import TinyModelConfig, param_shapes
 
     config = TinyModelConfig(num_layers=2, hidden_size=128, intermediate_size=256)
     shape = ModelShape.from_hf_config(config.hf_config())

@@ -4,7 +4,7 @@ On one tiny Qwen2 model directory (random weights, biases and norms), float32:
 - ``named_tensors()`` before training equals the directory's tensors exactly (HF -> Megatron -> HF);
 - sequence log-probs equal HFTrainer's: max |diff| <= 1e-4 on sums of ~10 token log-probs
   (measured ~1e-6; the two compute attention and RMSNorm in different orders);
-- one k1.5 iteration (``orchestrator.policy.train_iteration``, same batch, same settings, lr 1e-3)
+- one k1.5 iteration (``trainer.policy.train_iteration``, same batch, same settings, lr 1e-3)
   leaves both trainers' HF tensors close: SGD max |diff| <= 1e-6; AdamW max |diff| <= 1e-4 (10% of
   lr: a fresh AdamW's first step is lr * g / (|g| + eps), sign-like, so a weight whose gradient is
   near eps turns a ~1e-7 gradient difference into up to ~3e-5, measured) and mean |diff| <= 1e-6;
@@ -23,11 +23,11 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytest.importorskip("transformers")
 
-from orchestrator import policy
-from orchestrator.loss import k15_policy_loss
-from orchestrator.trainer import HFTrainer, TrainerConfig, make_trainer
+from demo.tiny_model import VOCAB_SIZE, TinyModelConfig, load_state_dict_from_dir, write_model_dir
 from tests.unit.trainer.tiny import tiny_hf
-from vllm_ext.tiny_model import VOCAB_SIZE, TinyModelConfig, load_state_dict_from_dir, write_model_dir
+from trainer import policy
+from trainer.loss import k15_policy_loss
+from trainer.torch_trainer import HFTrainer, TrainerConfig, make_trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 LOGPROB_ATOL = 1e-4

@@ -1,10 +1,10 @@
-"""The tiny Qwen2 the Megatron tests share (no pytest import: tests/dist workers use it too)."""
+"""The tiny Qwen2 the Megatron tests share (no pytest import: tests/integration/dist workers use it too)."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_ext.tiny_model import TinyModelConfig, random_state_dict
+from demo.tiny_model import TinyModelConfig, random_state_dict
 
 
 def tiny_hf(seed: int = 1, num_layers: int = 2) -> tuple[dict, dict[str, torch.Tensor]]:

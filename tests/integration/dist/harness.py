@@ -1,0 +1,181 @@
+"""Helpers for multi-process tests: free ports, engine processes, rank processes, deadlines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def get_json(url: str, timeout_s: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def rpc(url: str, method: str, timeout_s: float = 30.0) -> dict:
+    req = urllib.request.Request(
+        url + "/collective_rpc",
+        data=json.dumps({"method": method, "args": []}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())["results"][0]
+
+
+class Engine:
+    def __init__(self, *flags: str, device: str = "cpu", timeout_s: float = 30.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "checkpoint_engine.plain_engine",
+                "--port",
+                str(self.port),
+                "--device",
+                device,
+                "--timeout-s",
+                str(timeout_s),
+                *flags,
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited early: {self.proc.stdout.read()}")
+            try:
+                get_json(self.url + "/health", 1.0)
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError("engine did not come up within 60 s") from None
+                time.sleep(0.05)
+
+    def state(self) -> dict:
+        return rpc(self.url, "weights_state")
+
+    def digest(self) -> dict:
+        return rpc(self.url, "weights_digest")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """End a process started with ``start_new_session=True`` and everything in its session (torchrun's
+    ranks outlive a killed torchrun otherwise)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout_s)
+
+
+def run_ranks(world: int, args_for_rank, timeout_s: float = 120.0, kill_rank_after=None) -> list[tuple[int, str]]:
+    """Run `python -m tests.integration.dist.scenario` for every rank; return [(exit code, output)] per rank."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.integration.dist.scenario",
+            "--rank",
+            str(r),
+            "--world",
+            str(world),
+            "--master-port",
+            str(port),
+            *args_for_rank(r),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    if kill_rank_after is not None:
+        kill_rank_after(procs)
+    out = []
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank processes hung past {timeout_s} s") from None
+        out.append((p.returncode, text))
+    return out
+
+
+@contextlib.contextmanager
+def etcd_server(data_dir, timeout_s: float = 30.0):
+    """A one-member etcd on free 127.0.0.1 ports (the apt etcd-server binary); yields its client port."""
+    from checkpoint_engine.metadata import EtcdStore
+
+    port, peer = free_port(), free_port()
+    client_url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+    proc = subprocess.Popen(
+        [
+            *("etcd", "--data-dir", str(data_dir), "--name", "test"),
+            *("--listen-client-urls", client_url, "--advertise-client-urls", client_url),
+            *("--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url),
+            *("--initial-cluster", f"test={peer_url}"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                EtcdStore("127.0.0.1", port, timeout_s=2).close()
+                break
+            except RuntimeError:
+                assert proc.poll() is None, "etcd exited"
+                assert time.monotonic() < deadline, f"etcd did not come up within {timeout_s:.0f} s"
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        assert proc.wait(20) in (0, -15)  # etcd 3.4 exits by the signal itself

@@ -1,0 +1,202 @@
+"""Real processes: PS ranks (gloo) + one plain engine process per rank; exit codes checked."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.integration.dist.harness import Engine, get_json, run_ranks
+
+BUCKET = ["--bucket-size", "24576"]  # ~10 buckets per update: the double buffer wraps around
+
+
+def engines_for(world, *flags_for_rank, timeout_s=30.0):
+    return [Engine(*(flags_for_rank[r] if r < len(flags_for_rank) else ()), timeout_s=timeout_s) for r in range(world)]
+
+
+def stop_all(engines):
+    return [e.stop() for e in engines]
+
+
+@pytest.mark.parametrize(
+    "world,source,mode",
+    [(1, "files", "collective"), (2, "both", "collective"), (3, "named", "collective"), (2, "both", "auto")],
+)
+def test_updates_are_bit_exact(tmp_path, world, source, mode):
+    """Two checkpoints updated alternately, then new weights for one: every tensor bit-exact each time."""
+    engines = engines_for(world)
+    try:
+        res = run_ranks(
+            world,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--source",
+                source,
+                "--mode",
+                mode,
+                "--steps",
+                "A1,B2,A1,A3",
+                *BUCKET,
+                *(["--checksums"] if world == 2 else []),
+            ],
+        )
+        for rank, (rc, out) in enumerate(res):
+            assert rc == 0, f"rank {rank} failed:\n{out}"
+            assert out.count("STEP_OK") == 4
+        for e in engines:
+            assert e.state()["version"] == 4
+    finally:
+        assert stop_all(engines) == [0] * world
+
+
+def _assert_all_failed(res, pattern):
+    for rank, (rc, out) in enumerate(res):
+        assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
+        assert pattern in out, f"rank {rank} output lacks {pattern!r}:\n{out}"
+
+
+def test_engine_raising_aborts_all_ranks(tmp_path):
+    engines = engines_for(2, (), ("--fail-on-bucket", "3"))
+    try:
+        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", *BUCKET])
+        _assert_all_failed(res, "rank 1: engine failed on bucket 3: RuntimeError: injected failure")
+        for e in engines:  # both engines keep serving and say their weights are incomplete
+            s = get_json(e.url + "/health")
+            assert s["status"] == "incomplete" and s["version"] == 0 and "0->1 aborted" in s["last_error"]
+    finally:
+        assert stop_all(engines) == [0, 0]
+
+
+def test_engine_killed_mid_update(tmp_path):
+    engines = engines_for(2, ("--die-on-bucket", "2"), ())
+    try:
+        t0 = time.monotonic()
+        res = run_ranks(
+            2,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--steps",
+                "A1",
+                *BUCKET,
+                "--timeout-s",
+                "60",
+            ],
+        )
+        assert time.monotonic() - t0 < 45, "a dead engine must be noticed without waiting for the 60 s deadline"
+        _assert_all_failed(res, "rank 0: engine: engine disconnected")
+        assert engines[0].proc.wait(5) == -9
+        s = engines[1].state()
+        assert s["status"] == "incomplete" and s["version"] == 0
+    finally:
+        stop_all(engines)
+
+
+@pytest.mark.parametrize("mode", ["collective", "local"])
+def test_rank_killed_mid_update(tmp_path, mode):
+    engines = engines_for(2, (), ("--load-delay-s", "0.3"), timeout_s=5.0)
+
+    def kill_rank1_once_receiving(procs):
+        deadline = time.monotonic() + 60
+        while get_json(engines[1].url + "/health")["status"] != "receiving":
+            assert time.monotonic() < deadline, "update never started"
+            time.sleep(0.02)
+        procs[1].kill()
+
+    try:
+        res = run_ranks(
+            2,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--steps",
+                "A1",
+                *BUCKET,
+                "--timeout-s",
+                "20",
+                "--mode",
+                mode,
+            ],
+            kill_rank_after=kill_rank1_once_receiving,
+        )
+        assert res[1][0] == -9
+        assert (
+            res[0][0] == 3 and "UPDATE_ERROR: RuntimeError: rank 0: weight update aborted: rank 1 (pid" in res[0][1]
+        ), res[0][1]
+        assert engines[0].state()["status"] == "incomplete"
+        deadline = time.monotonic() + 30  # engine 1 lost its PS rank: its own deadline (5 s) fires
+        while engines[1].state()["status"] != "incomplete":
+            assert time.monotonic() < deadline, engines[1].state()
+            time.sleep(0.1)
+    finally:
+        assert stop_all(engines) == [0, 0]
+
+
+def test_req_func_raising(tmp_path):
+    engines = engines_for(2)
+    try:
+        res = run_ranks(
+            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--req-func-raise"]
+        )
+        _assert_all_failed(res, "rank 1: req_func raised ConnectionError: injected: engine endpoint unreachable")
+        assert engines[0].state()["status"] == "incomplete" and engines[1].state()["status"] == "initial"
+    finally:
+        assert stop_all(engines) == [0, 0]
+
+
+def test_metas_differing_between_ranks(tmp_path):
+    engines = engines_for(2)
+    try:
+        res = run_ranks(
+            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--tamper-metas"]
+        )
+        _assert_all_failed(res, "metas of 'A' differ between ranks")
+        assert [e.state()["status"] for e in engines] == ["initial", "initial"]  # nothing was sent
+    finally:
+        assert stop_all(engines) == [0, 0]
+
+
+def test_duplicate_name_across_ranks(tmp_path):
+    engines = engines_for(2)
+    try:
+        res = run_ranks(
+            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--dup-name"]
+        )
+        for rc, out in res:
+            assert rc == 4 and "'layers.0.w' is registered on rank 0 and on rank 1" in out, out
+    finally:
+        assert stop_all(engines) == [0, 0]
+
+
+def test_p2p_recovery_of_a_restarted_engine(tmp_path):
+    """Rank 1's engine comes back empty; update(ranks=[1]) refills it from the owners' memory through
+    Mooncake (TCP) while rank 0's engine is not touched."""
+    engines = engines_for(2)
+    try:
+        res = run_ranks(
+            2,
+            lambda r: [
+                "--engine-url",
+                engines[r].url,
+                "--tmp",
+                str(tmp_path),
+                "--steps",
+                "A1",
+                *BUCKET,
+                "--p2p-recover",
+                "1",
+            ],
+        )
+        for rank, (rc, out) in enumerate(res):
+            assert rc == 0 and "P2P_OK" in out, f"rank {rank}:\n{out}"
+        assert engines[0].state()["version"] == 1 and engines[1].state()["version"] == 1
+    finally:
+        assert stop_all(engines) == [0, 0]

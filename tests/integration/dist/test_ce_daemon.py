@@ -1,0 +1,231 @@
+"""The torchrun daemon end to end: HTTP register/update/inspect/unregister/shutdown, two ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import torch
+from safetensors.torch import save_file
+
+from checkpoint_engine.checksum import tensor_checksum
+from tests.integration.dist.harness import REPO, Engine, _env, free_port, get_json, stop_group
+
+
+def call(method: str, url: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_help_is_instant():
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "checkpoint_engine", "--help"], capture_output=True, text=True, env=_env(), timeout=30
+    )
+    assert out.returncode == 0 and "POST /update" in out.stdout
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_daemon_register_update_shutdown(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(64, 33 + i, generator=g).to(torch.bfloat16) for i in range(8)}
+    files = []
+    for part in range(3):
+        path = tmp_path / f"model-{part}.safetensors"
+        save_file({k: v for i, (k, v) in enumerate(tensors.items()) if i % 3 == part}, path)
+        files.append(str(path))
+    engines = [Engine(), Engine()]
+    port = free_port()
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "checkpoint_engine",
+            "--port",
+            str(port),
+            "--collective-timeout-s",
+            "60",
+            "--metrics-jsonl",
+            str(tmp_path / "metrics.jsonl"),
+            "--p2p-host",
+            "127.0.0.1",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert daemon.poll() is None, daemon.stdout.read()
+            try:
+                get_json(base + "/health", 1.0)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "daemon did not come up"
+                time.sleep(0.1)
+        code, res = call("POST", base + "/checkpoints", {"name": "m", "files": files})
+        assert code == 200 and res["ok"], res
+        assert sum(len(r["result"]["registered_files"]) for r in res["ranks"]) == 3
+        code, res = call("POST", base + "/checkpoints", {"name": "m", "files": files})
+        assert code == 500 and "already registered" in res["errors"]["0"]
+        code, res = call("POST", base + "/checkpoints", {"name": "x"})
+        assert code == 400 and "'files' must be a non-empty list" in res["error"]
+        code, res = call(
+            "POST", base + "/update", {"name": "m", "endpoints": [e.url for e in engines], "timeout_s": 30}
+        )
+        assert code == 200 and res["ok"], res
+        assert res["ranks"][0]["result"]["gib_per_s"] > 0
+        expected = {k: tensor_checksum(v) for k, v in tensors.items()}
+        for e in engines:
+            assert e.digest() == expected and e.state()["version"] == 1
+        # rank 1's engine restarts empty and recovers through P2P; rank 0's engine is not touched
+        from tests.integration.dist.harness import rpc
+
+        rpc(engines[1].url, "reset_weights")
+        code, res = call("POST", base + "/update", {"name": "m", "endpoints": [e.url for e in engines], "ranks": [1]})
+        assert code == 200 and res["ok"], res
+        # on one CPU host the receiver reads the owners' chunks in place ("local"); Mooncake ("p2p") across hosts
+        assert res["ranks"][0]["result"] == {"skipped": "not a P2P receiver"}
+        assert res["ranks"][1]["result"]["mode"] in ("local", "p2p")
+        assert engines[1].digest() == expected and engines[1].state()["version"] == 1
+        assert engines[0].state()["version"] == 1
+        code, res = call("GET", base + "/metas/m")
+        assert code == 200 and set(res["ranks"][0]["result"]["p2p_addrs"]) == {"0", "1"}
+        code, res = call("POST", base + "/update", {"name": "nope", "endpoints": [e.url for e in engines]})
+        assert code == 500 and "nope" in res["errors"]["0"]
+        code, res = call("GET", base + "/checkpoints")
+        assert res["ranks"][0]["result"]["checkpoints"]["m"]["gathered"] is True
+        code, res = call("DELETE", base + "/checkpoints/m")
+        assert code == 200 and res["ok"]
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        assert len(lines) == 3 and all(json.loads(x)["ok"] for x in lines)  # one line per rank and update
+        assert call("POST", base + "/shutdown")[0] == 200
+        out, _ = daemon.communicate(timeout=60)
+        assert daemon.returncode == 0, out
+    finally:
+        stop_group(daemon)  # torchrun and its ranks, whatever state the test left them in
+        for e in engines:
+            e.stop()
+
+
+# -- MoonshotAI checkpoint-engine's HTTP API on the same daemon, over a unix socket ---------------
+def uds_call(uds: str, method: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, object]:
+    """One HTTP request over a unix socket; (status, decoded JSON answer, {} when empty)."""
+    from checkpoint_engine.httpjson import status_json
+
+    return status_json(method, "http://localhost" + path, body, timeout_s=timeout_s, uds=uds)
+
+
+def test_daemon_moonshot_routes_over_uds(tmp_path):
+    import os
+    import socket
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"w{i}": torch.randn(32, 17 + i, generator=g) for i in range(6)}
+    files = []
+    for part in range(2):
+        path = tmp_path / f"model-{part}.safetensors"
+        save_file({k: v for i, (k, v) in enumerate(tensors.items()) if i % 2 == part}, path)
+        files.append(str(path))
+    uds = str(tmp_path / "ps.sock")
+    with socket.socket(socket.AF_UNIX) as s:  # a dead server's leftover socket file: taken over
+        s.bind(uds)
+    engines = [Engine(), Engine()]
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "checkpoint_engine",
+            "--uds",
+            uds,
+            "--collective-timeout-s",
+            "60",
+        ],  # as theirs: no P2P flags
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    rpc_urls = [e.url + "/collective_rpc" for e in engines]
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert daemon.poll() is None, daemon.stdout.read()
+            try:
+                assert uds_call(uds, "GET", "/v1/healthz", timeout_s=1.0) == (200, {})
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "daemon did not come up"
+                time.sleep(0.1)
+        v1 = "/v1/checkpoints/m"
+        # bad requests: 422 naming the field (FastAPI's shape), nothing sent to the ranks
+        code, answer = uds_call(uds, "POST", v1 + "/files", {"files": "model.safetensors"})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "files"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"inference_group_ranks": [5]})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "inference_group_ranks"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"timeout": -1})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "timeout"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"update_url": 7})
+        assert code == 422 and answer["detail"][0]["loc"] == ["body", "update_url"], answer
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"ranks": [0], "inference_group_ranks": [1]})
+        assert code == 422 and "inference_group_ranks" in str(answer), answer
+
+        assert uds_call(uds, "POST", v1 + "/files", {"files": files}) == (200, {})
+        # registered but not gathered: the update fails with the error text (a JSON string), 500
+        code, answer = uds_call(uds, "POST", v1 + "/update", {"update_url": rpc_urls[0]})
+        assert code == 500 and "gather_metas" in answer, answer
+        assert uds_call(uds, "POST", v1 + "/gather-metas") == (200, {})
+        # one URL per engine (our extension of update_url): a broadcast update of both engines
+        assert uds_call(uds, "POST", v1 + "/update", {"update_url": rpc_urls, "timeout": 30}) == (200, {})
+        expected = {k: tensor_checksum(v) for k, v in tensors.items()}
+        for e in engines:
+            assert e.digest() == expected and e.state()["version"] == 1
+        # their P2P call: rank 1's engine restarts empty; inference_group_ranks picks its socket path
+        from tests.integration.dist.harness import rpc
+
+        rpc(engines[1].url, "reset_weights")
+        body = {"ranks": [1], "update_url": rpc_urls[1], "inference_group_ranks": [1], "timeout": 30}
+        assert uds_call(uds, "POST", v1 + "/update", body) == (200, {})
+        assert engines[1].digest() == expected and engines[1].state()["version"] == 1
+        assert engines[0].state()["version"] == 1  # not touched
+        code, answer = uds_call(uds, "GET", "/checkpoints")  # our own routes answer on the same socket
+        assert code == 200 and answer["ranks"][0]["result"]["checkpoints"]["m"]["gathered"] is True
+        assert uds_call(uds, "DELETE", v1) == (200, {})
+        code, answer = uds_call(uds, "DELETE", v1)
+        assert code == 500 and "not registered" in answer, answer
+        assert uds_call(uds, "POST", "/shutdown")[0] == 200
+        out, _ = daemon.communicate(timeout=60)
+        assert daemon.returncode == 0, out
+        assert not os.path.exists(uds)  # removed on exit
+    finally:
+        stop_group(daemon)  # torchrun and its ranks, whatever state the test left them in
+        for e in engines:
+            e.stop()

@@ -1,0 +1,277 @@
+"""Engines managed by the torchrun daemon (--engine-cmd): start, update, SIGKILL + self-healing, stop.
+
+Two ranks, the plain engine as the engine command, the in-process metadata store (and etcd in the
+`etcd` variant, where the states are read from etcd itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from checkpoint_engine.checksum import tensor_checksum
+from checkpoint_engine.httpjson import status_json
+from tests.integration.dist.harness import REPO, _env, etcd_server, free_port, rpc, stop_group
+
+ENGINE_CMD = json.dumps(
+    [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", "{port}", "--device", "{device}"]
+)
+
+
+def call(method: str, url: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, dict]:
+    return status_json(method, url, body, timeout_s=timeout_s)
+
+
+def write_checkpoint(folder, seed: int) -> tuple[list[str], dict[str, int]]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"w{i}": torch.randn(32, 19 + i, generator=g) for i in range(6)}
+    folder.mkdir()
+    files = []
+    for part in range(2):
+        path = folder / f"model-{part}.safetensors"
+        save_file({k: v for i, (k, v) in enumerate(tensors.items()) if i % 2 == part}, path)
+        files.append(str(path))
+    return files, {k: tensor_checksum(v) for k, v in tensors.items()}
+
+
+def start_daemon(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    daemon = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
+            *("--master-port", str(free_port()), "-m", "checkpoint_engine", "--port", str(port)),
+            *("--collective-timeout-s", "60", "--engine-cmd", ENGINE_CMD),
+            *("--engine-start-timeout-s", "60", "--engine-log-dir", str(tmp_path)),
+            *flags,
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=open(tmp_path / "daemon.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()
+        try:
+            if call("GET", base + "/health", timeout_s=1.0)[0] == 200:
+                return daemon, base
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "daemon did not come up within 90 s"
+        time.sleep(0.1)
+
+
+def engines(base: str) -> list[dict]:
+    code, res = call("GET", base + "/engines")
+    assert code == 200 and res["ok"], res
+    return res["engines"]
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60.0, interval_s: float = 0.05):
+    """Poll `predicate()` until it returns a truthy value (returned) or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(interval_s)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too (reaped later by its parent)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def shutdown(daemon: subprocess.Popen, base: str, tmp_path) -> None:
+    assert call("POST", base + "/shutdown")[0] == 200
+    assert daemon.wait(60) == 0, (tmp_path / "daemon.log").read_text()
+
+
+def test_engines_start_update_heal_stop(tmp_path):
+    files, expected = write_checkpoint(tmp_path / "v1", seed=0)
+    daemon, base = start_daemon(tmp_path)
+    try:
+        assert [e["state"] for e in engines(base)] == ["stopped", "stopped"]
+        # bad requests: 4xx naming the field; a managed update before any engine runs: 409
+        code, res = call("POST", base + "/engines/start", {"ranks": [5]})
+        assert code == 400 and "'ranks'" in res["error"], res
+        code, res = call("POST", base + "/engines/start", {"rank": [0]})
+        assert code == 400 and "unknown field(s) ['rank']" in res["error"], res
+        code, res = call("POST", base + "/update", {"name": "v1"})
+        assert code == 409 and res["states"] == {"0": "stopped", "1": "stopped"}, res
+
+        t0 = time.monotonic()
+        code, res = call("POST", base + "/engines/start", {})
+        assert code == 200 and res["ok"], res
+        start_s = time.monotonic() - t0
+        states = engines(base)
+        # no checkpoint yet: healthy on dummy weights, never reported as serving
+        assert [(e["state"], e["healthy"]) for e in states] == [("starting", True)] * 2, states
+        code, res = call("POST", base + "/engines/start", {"ranks": [1]})
+        assert code == 409 and "POST /engines/stop first" in res["error"], res
+
+        code, res = call("POST", base + "/checkpoints", {"name": "v1", "files": files})
+        assert code == 200 and res["ok"], res
+        code, res = call("POST", base + "/update", {"name": "v1", "timeout_s": 30})
+        assert code == 200 and res["ok"], res
+        states = engines(base)
+        assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "v1")] * 2, states
+        urls = [e["url"] for e in states]
+        assert all(rpc(u, "weights_digest") == expected for u in urls)
+        # an update the PS refuses before touching the engines leaves them serving v1
+        code, res = call("POST", base + "/update", {"name": "nope"})
+        assert code == 500 and "nope" in res["errors"]["0"], res
+        states = engines(base)
+        assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "v1")] * 2, states
+        assert "'nope'" in states[0]["last_error"]
+
+        # SIGKILL rank 1's engine: noticed (failed, exit code -9), restarted, pulled v1 from the owners
+        pid0, pid1 = states[0]["pid"], states[1]["pid"]
+        killed_at, killed_wall = time.monotonic(), time.time()
+        os.kill(pid1, signal.SIGKILL)
+
+        def healed():
+            now = engines(base)
+            assert now[0]["state"] == "serving" and now[0]["pid"] == pid0, now  # rank 0 keeps serving
+            return now if now[1]["state"] == "serving" and now[1]["pid"] != pid1 else None
+
+        states = wait_for(healed, "rank 1's engine healed", timeout_s=60)
+        heal_s = time.monotonic() - killed_at
+        e1 = states[1]
+        assert e1["restarts"] == 1 and e1["checkpoint"] == "v1", e1
+        failure = e1["last_failure"]
+        assert failure["exit_code"] == -signal.SIGKILL and "exited with code -9" in failure["reason"], failure
+        assert 0 < e1["recovery_s"] < heal_s, e1
+        assert 0 <= failure["at"] - killed_wall < 2.0, failure  # noticed within the watchdog's period (+ load)
+        assert rpc(e1["url"], "weights_digest") == rpc(states[0]["url"], "weights_digest") == expected
+        assert states[0]["restarts"] == 0
+
+        # the next update reaches both engines again
+        files2, expected2 = write_checkpoint(tmp_path / "v2", seed=1)
+        assert call("POST", base + "/checkpoints", {"name": "v2", "files": files2})[0] == 200
+        code, res = call("POST", base + "/update", {"name": "v2"})
+        assert code == 200 and res["ok"], res
+        assert call("DELETE", base + "/checkpoints/v1")[0] == 200
+        states = engines(base)
+        assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "v2")] * 2, states
+        assert all(rpc(e["url"], "weights_digest") == expected2 for e in states)
+
+        code, res = call("POST", base + "/engines/stop", {})
+        assert code == 200 and res["ok"], res
+        assert [e["state"] for e in engines(base)] == ["stopped", "stopped"]
+        assert not alive(pid0) and not alive(e1["pid"])
+        for pid in (pid0, pid1, e1["pid"]):  # each engine ran in its own process group: none of it is left
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pid, 0)
+        shutdown(daemon, base, tmp_path)
+        print(f"start of 2 engines {start_s:.2f} s, heal after SIGKILL {heal_s:.2f} s, recovery_s {e1['recovery_s']}")
+    finally:
+        stop_group(daemon)
+
+
+# -- the same states, read from a real etcd ------------------------------------------------------
+@pytest.fixture
+def etcd_port(tmp_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd binary not installed")
+    with etcd_server(tmp_path / "etcd") as port:
+        yield port
+
+
+@pytest.mark.etcd
+def test_engine_states_in_etcd_without_auto_heal(tmp_path, etcd_port):
+    from checkpoint_engine.metadata import EtcdStore
+
+    files, expected = write_checkpoint(tmp_path / "v1", seed=2)
+    daemon, base = start_daemon(tmp_path, "--metadata-url", f"etcd://127.0.0.1:{etcd_port}/ce", "--no-auto-heal")
+    store = EtcdStore("127.0.0.1", etcd_port, prefix="/ce")
+
+    def etcd_states() -> list[dict]:
+        return [json.loads(store.get(f"engines/{r}/lifecycle") or "{}") for r in range(2)]
+
+    try:
+        assert [s.get("state") for s in etcd_states()] == ["stopped", "stopped"]
+        assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
+        code, res = call("POST", base + "/engines/start", {"name": "v1"})  # start + push before serving
+        assert code == 200 and res["ok"], res
+        states = etcd_states()
+        assert [(s["state"], s["checkpoint"]) for s in states] == [("serving", "v1")] * 2, states
+
+        os.kill(states[0]["pid"], signal.SIGKILL)
+        failed = wait_for(lambda: etcd_states()[0]["state"] == "failed" and etcd_states(), "failed in etcd", 10)
+        assert failed[0]["exit_code"] == -9 and failed[1]["state"] == "serving", failed
+        time.sleep(1.0)  # no auto-heal: it stays failed (a few healer periods)
+        assert etcd_states()[0]["state"] == "failed"
+        code, res = call("POST", base + "/update", {"name": "v1"})
+        assert code == 409 and res["states"] == {"0": "failed"}, res
+
+        # a manual start of rank 0's engine pulls the current checkpoint (v1) from the owners
+        code, res = call("POST", base + "/engines/start", {"ranks": [0]})
+        assert code == 200 and res["ok"], res
+        states = etcd_states()
+        assert [(s["state"], s["checkpoint"]) for s in states] == [("serving", "v1")] * 2, states
+        assert states[0]["restarts"] == 1 and states[0]["recovery_s"] > 0
+        assert rpc(states[0]["url"], "weights_digest") == rpc(states[1]["url"], "weights_digest") == expected
+
+        assert call("POST", base + "/engines/stop", {"ranks": [1]})[0] == 200
+        assert store.get_prefix("ops/") == {}  # engine operations in flight are listed there until they end
+        assert [s["state"] for s in etcd_states()] == ["serving", "stopped"]
+        shutdown(daemon, base, tmp_path)  # stops rank 0's engine too
+        assert [s["state"] for s in etcd_states()] == ["stopped", "stopped"]
+        assert not alive(states[0]["pid"]) and not alive(states[1]["pid"])
+    finally:
+        store.close()
+        stop_group(daemon)
+
+
+def test_engine_operations_queue_and_get_engines_answers_during_an_update(tmp_path):
+    import threading
+
+    files, expected = write_checkpoint(tmp_path / "v1", seed=3)
+    slow = json.loads(ENGINE_CMD) + ["--load-delay-s", "1.5"]  # each bucket takes 1.5 s to load
+    daemon, base = start_daemon(tmp_path, "--engine-cmd", json.dumps(slow))  # the last --engine-cmd wins
+    try:
+        assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
+        assert call("POST", base + "/engines/start", {})[0] == 200
+        answers: dict[str, tuple[float, int]] = {}
+
+        def post(key: str, path: str, body: dict) -> None:
+            code, _ = call("POST", base + path, body)
+            answers[key] = (time.monotonic(), code)
+
+        update = threading.Thread(target=post, args=("update", "/update", {"name": "v1"}))
+        update.start()
+        during = wait_for(lambda: [e["state"] for e in engines(base)] == ["updating"] * 2, "updating", 30)
+        t0 = time.monotonic()
+        assert engines(base) and time.monotonic() - t0 < 1.0  # read from the store, not queued behind the update
+        stop = threading.Thread(target=post, args=("stop", "/engines/stop", {"ranks": [1]}))
+        stop.start()
+        update.join(60)
+        stop.join(60)
+        assert during and answers["update"][1] == 200 and answers["stop"][1] == 200, answers
+        assert answers["update"][0] <= answers["stop"][0]  # the stop waited for the update: never interleaved
+        states = engines(base)
+        assert [e["state"] for e in states] == ["serving", "stopped"], states
+        assert rpc(states[0]["url"], "weights_digest") == expected
+        shutdown(daemon, base, tmp_path)
+    finally:
+        stop_group(daemon)

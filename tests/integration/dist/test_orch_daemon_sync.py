@@ -1,0 +1,200 @@
+"""The RL job's side of the daemon layout (`engine.type: daemon`): versions handed over as files in
+the handoff dir, registered with a real torchrun daemon (2 ranks, plain engines as --engine-cmd),
+pushed into every managed engine, the old version unregistered and its files removed; a SIGKILLed
+engine is healed by the daemon and the pool takes it back at the current version.
+
+Colocated mode (`engine.colocated`): three inference -> train -> inference switches (every engine
+stopped and its process gone, then started with the new version only), and a failure injected in each
+phase of the start (an engine that exits at once, an update that fails in the engine): the daemon keeps
+a clear state (failed / incomplete), the job's error names the phase, and the next start succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from checkpoint_engine.checksum import tensor_checksum
+from demo.tiny_model import TinyModelConfig, make_tiny_model, random_state_dict
+from orchestrator.config import EngineConfig, SyncConfig
+from orchestrator.daemon_engines import DaemonWeightSync, SwitchError, shard_size_bytes, start_daemon_pool
+from tests.integration.dist.harness import rpc, stop_group
+from tests.integration.dist.test_ce_engines import alive, call, engines, shutdown, start_daemon, wait_for
+
+
+@pytest.mark.parametrize(
+    "sizes,ranks,expected",
+    [
+        ({"a": 10, "b": 10}, 2, 10),  # two even halves
+        ({"a": 30, "b": 5, "c": 5}, 2, 30),  # no tensor is cut: the largest sets the floor
+        ({"a": 10, "b": 10, "c": 10}, 1, 30),  # one rank: one file
+        ({"a": 7}, 4, 7),
+    ],
+)
+def test_shard_size_bytes(sizes, ranks, expected):
+    assert shard_size_bytes(sizes, ranks) == expected
+
+
+class NoRollouts:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def close(self) -> None:
+        pass
+
+
+def digests(url: str) -> dict[str, int]:
+    return rpc(url, "weights_digest")
+
+
+def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
+    config = TinyModelConfig.tiny()
+    model = make_tiny_model(tmp_path / "sft", config, seed=0)
+    handoff = tmp_path / "handoff"
+    handoff.mkdir()
+    daemon, base = start_daemon(tmp_path)
+    try:
+        engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60)
+        # plain engines hold weights but do not generate: the rollout side is a stand-in here
+        pool = start_daemon_pool(
+            engine_config, str(model), str(handoff), timeout_s=60, engine_for_url=NoRollouts, probe_path="/health"
+        )
+        sync = DaemonWeightSync(SyncConfig(timeout_s=60), pool)
+        try:
+            records = engines(base)
+            assert [r["state"] for r in records] == ["serving", "serving"]
+            assert {r["checkpoint"] for r in records} == {"policy-v0"}
+            assert not list((handoff / "model").glob("*.safetensors"))  # weights travel as versions only
+            assert (handoff / "model" / "config.json").is_file()
+
+            new = random_state_dict(config, seed=1)
+            result = sync.push(new, version=1)
+            expected = {k: tensor_checksum(v) for k, v in new.items()}
+            for r in engines(base):
+                assert r["checkpoint"] == "policy-v1" and r["state"] == "serving"
+                assert digests(r["url"]) == expected
+            assert result.version == 1 and result.total_bytes == sum(v.numel() * v.element_size() for v in new.values())
+            assert not (handoff / "policy-v0").exists() and (handoff / "policy-v1").is_dir()
+            code, listed = call("GET", base + "/checkpoints")
+            assert code == 200 and "policy-v0" not in str(listed) and "policy-v1" in str(listed)
+
+            # SIGKILL engine 1: the daemon heals it to v1; the pool takes it back (bring_up -> serving)
+            victim = engines(base)[1]
+            os.kill(victim["pid"], signal.SIGKILL)
+            pool.report_failure(pool.members[1], pool.members[1].epoch, "killed by the test")
+            wait_for(lambda: pool.members[1].state == "serving", "pool member 1 back", timeout_s=60)
+            healed = engines(base)[1]
+            assert healed["pid"] != victim["pid"] and healed["checkpoint"] == "policy-v1"
+            assert digests(healed["url"]) == expected
+            assert pool.metrics()["engine_recoveries"] == 1
+
+            newer = random_state_dict(config, seed=2)
+            sync.push(newer, version=2)
+            expected2 = {k: tensor_checksum(v) for k, v in newer.items()}
+            assert all(digests(r["url"]) == expected2 for r in engines(base))
+        finally:
+            sync.close()
+            pool.close()
+        assert not (handoff / "policy-v2").exists()
+        shutdown(daemon, base, tmp_path)
+    finally:
+        if daemon.poll() is None:
+            stop_group(daemon)
+
+
+# The engine command of the colocated test: a plain engine, unless the test left a flag file for this
+# rank: fail-start-r<rank> (the process exits at once: a failed start) or fail-update-r<rank> (the
+# engine raises on the first bucket: a failed update). Each flag is used once.
+ENGINE_SCRIPT = """#!/bin/sh
+flags="$1"; port="$2"; rank="$3"
+if [ -e "$flags/fail-start-r$rank" ]; then rm -f "$flags/fail-start-r$rank"; echo "injected: exit"; exit 3; fi
+extra=""
+if [ -e "$flags/fail-update-r$rank" ]; then rm -f "$flags/fail-update-r$rank"; extra="--fail-on-bucket 0"; fi
+exec "{python}" -m checkpoint_engine.plain_engine --port "$port" $extra
+"""
+
+
+def test_colocated_switches_and_failed_phases(tmp_path):
+    config = TinyModelConfig.tiny()
+    model = make_tiny_model(tmp_path / "sft", config, seed=0)
+    handoff, flags = tmp_path / "handoff", tmp_path / "flags"
+    handoff.mkdir()
+    flags.mkdir()
+    script = tmp_path / "engine.sh"
+    script.write_text(ENGINE_SCRIPT.replace("{python}", sys.executable))
+    engine_cmd = json.dumps(["sh", str(script), str(flags), "{port}", "{rank}"])
+    # no auto-heal: the daemon must keep the state a failed switch left for the test to read
+    daemon, base = start_daemon(tmp_path, "--engine-cmd", engine_cmd, "--no-auto-heal")
+    try:
+        engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60, colocated=True)
+        pool = start_daemon_pool(
+            engine_config, str(model), str(handoff), timeout_s=60, engine_for_url=NoRollouts, probe_path="/health"
+        )
+        sync = DaemonWeightSync(SyncConfig(timeout_s=60), pool, colocated=True, start_timeout_s=60)
+
+        def to_train() -> None:
+            pids = [r["pid"] for r in engines(base)]
+            switched = sync.before_train()
+            assert switched["switch_to_train_s"] > 0
+            assert [r["state"] for r in engines(base)] == ["stopped", "stopped"]
+            assert not any(alive(p) for p in pids), "a stopped engine's process is still running"
+            assert {m.state for m in pool.members} == {"stopped"}  # no rollout goes to a stopped engine
+
+        def check_serves(version: int, weights: dict) -> None:
+            expected = {k: tensor_checksum(v) for k, v in weights.items()}
+            records = engines(base)
+            assert [(r["state"], r["checkpoint"]) for r in records] == [("serving", f"policy-v{version}")] * 2
+            assert all(digests(r["url"]) == expected for r in records)
+            assert [m.engine.url for m in pool.members] == [r["url"] for r in records]  # the pool took the new URLs
+            assert {(m.state, m.version) for m in pool.members} == {("serving", version)}
+
+        try:
+            for version in (1, 2, 3):  # three switches: inference -> train -> inference
+                to_train()
+                weights = random_state_dict(config, seed=version)
+                result = sync.push(weights, version=version)
+                assert result.switch["switch_to_inference_s"] > 0 and result.version == version
+                check_serves(version, weights)
+                assert not (handoff / f"policy-v{version - 1}").exists()
+
+            # a failed engine start: rank 1's process exits at once
+            to_train()
+            weights = random_state_dict(config, seed=4)
+            (flags / "fail-start-r1").touch()
+            with pytest.raises(SwitchError, match=r"train->inference failed in phase 'engine start"):
+                sync.push(weights, version=4)
+            failed = engines(base)[1]
+            assert failed["state"] == "failed" and failed["exit_code"] == 3, failed
+            assert engines(base)[0]["state"] != "serving"  # never serving dummy weights
+            sync.push(weights, version=4)  # the next start: what is left stopped, every engine started
+            check_serves(4, weights)
+
+            # a failed update into the started engines: rank 0's engine raises on the first bucket
+            to_train()
+            weights = random_state_dict(config, seed=5)
+            (flags / "fail-update-r0").touch()
+            with pytest.raises(SwitchError, match=r"failed in phase 'weight update to policy-v5'"):
+                sync.push(weights, version=5)
+            assert engines(base)[0]["state"] == "incomplete"
+            assert "policy-v5" in engines(base)[0]["last_error"]
+            sync.push(weights, version=5)
+            check_serves(5, weights)
+        finally:
+            sync.close()
+            pool.close()
+        shutdown(daemon, base, tmp_path)
+    finally:
+        if daemon.poll() is None:
+            stop_group(daemon)
+
+
+def test_colocated_needs_the_daemon():
+    with pytest.raises(ValueError, match=r"engine.colocated=true .* set engine.type='daemon'"):
+        EngineConfig(colocated=True)
+    with pytest.raises(ValueError, match=r"engine.colocated='yes' must be true or false"):
+        EngineConfig(type="daemon", endpoint="http://127.0.0.1:8400", colocated="yes")
+    assert EngineConfig(type="daemon", endpoint="http://127.0.0.1:8400", colocated=True).colocated

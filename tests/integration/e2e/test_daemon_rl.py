@@ -1,0 +1,117 @@
+"""The deploy/k8s layout on one machine: the RL job (`engine.type=daemon`) on the checkpoint-engine
+daemon's vLLM engines.
+
+    torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd "python -m vllm_ext.launch
+        --model <handoff>/model --port {port} --no-initial-push" --engine-health-path /version
+    python -m orchestrator --set engine.type=daemon --set engine.endpoint=<daemon>
+        --set sync.handoff_dir=<handoff>  (a short run of the demo task)
+
+Both engines start with dummy weights and serve only after the daemon pushed the first version;
+each iteration's version reaches both (the daemon's broadcast/local update), rollouts went to both,
+and at the end both report the newest checkpoint and hold the same weights. Real processes, exit
+codes checked, nothing left running.
+
+Colocated (`--set engine.colocated=true`): the same, but every iteration the job stops both engines
+before training and starts them with the new version after it; each iteration's metrics carry the
+two switch times (inference -> train, train -> inference) and the summary their means.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.metrics import read_jsonl
+from tests.integration.dist.harness import _env, free_port, stop_group
+from tests.integration.dist.test_ce_engines import alive, call, engines, shutdown, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+NUM_ITERATIONS = 2
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
+    handoff = tmp_path / "handoff"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = _env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    engine_cmd = json.dumps(
+        [sys.executable, "-m", "vllm_ext.launch", "--model", str(handoff / "model"), "--port", "{port}"]
+        + ["--no-initial-push"]
+    )
+    daemon = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
+            *("--master-port", str(free_port()), "-m", "checkpoint_engine", "--port", str(port)),
+            *("--collective-timeout-s", "900", "--engine-cmd", engine_cmd, "--engine-health-path", "/version"),
+            *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(tmp_path)),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=open(tmp_path / "daemon.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    out = tmp_path / "run"
+    try:
+
+        def daemon_up() -> bool:
+            assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
+            try:
+                return call("GET", base + "/health", timeout_s=1.0)[0] == 200
+            except OSError:
+                return False
+
+        wait_for(daemon_up, "the daemon's HTTP API", timeout_s=120, interval_s=0.2)
+        job = subprocess.run(
+            [
+                *(sys.executable, "-m", "orchestrator", "--config", str(REPO / "configs" / "demo.json")),
+                *("--output-dir", str(out), "--no-progress"),
+                *("--set", f"sft_cache_dir={REPO / '.cache' / 'sft'}"),
+                *("--set", "engine.type=daemon", "--set", f"engine.endpoint={base}"),
+                *("--set", f"sync.handoff_dir={handoff}", "--set", f"rl.num_iterations={NUM_ITERATIONS}"),
+                *("--set", f"eval.every_iterations={NUM_ITERATIONS}", "--set", "eval.num_sampled_problems=0"),
+                *("--set", "data.num_heldout_per_level=16", "--set", "rollout.iteration_token_budget=4096"),
+                *("--set", "rollout.max_new_groups_per_iteration=16"),
+                *("--set", f"engine.colocated={str(colocated).lower()}"),
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
+        assert job.returncode == 0, job.stderr[-4000:]
+
+        lines = [m for m in read_jsonl(out / "metrics.jsonl") if "rollout_engine_requests" in m]
+        assert len(lines) == NUM_ITERATIONS, lines
+        for m in lines:  # every iteration's rollouts went to both engines
+            assert len(m["rollout_engine_requests"]) == 2 and min(m["rollout_engine_requests"].values()) > 0, m
+            switches = {"switch_to_train_s", "switch_to_inference_s"}
+            if colocated:  # both switches timed: the engines stopped for training and started after it
+                assert all(m[k] > 0 for k in switches), m
+            else:
+                assert not switches & set(m), m
+        summary = json.loads((out / "summary.json").read_text())
+        assert ("mean_switch_to_inference_s" in summary) == colocated, summary
+        records = engines(base)
+        assert [r["state"] for r in records] == ["serving", "serving"], records
+        assert {r["checkpoint"] for r in records} == {f"policy-v{NUM_ITERATIONS}"}, records
+
+        from vllm_ext.req import collective_rpc
+
+        checksums = [[c["checksum"] for c in collective_rpc(r["url"], "weights_checksum")] for r in records]
+        assert checksums[0] == checksums[1] and checksums[0][0], checksums
+        pids = [r["pid"] for r in records]
+        shutdown(daemon, base, tmp_path)
+        assert not any(alive(p) for p in pids), "an engine outlived the daemon"
+        assert not (handoff / f"policy-v{NUM_ITERATIONS}").exists()  # the job unregistered its last version
+    finally:
+        if daemon.poll() is None:
+            stop_group(daemon)

@@ -1,0 +1,115 @@
+"""Fixtures for the sandbox tests: a bubblewrap probe (skip with the reason where it cannot run)
+and the real service started as a subprocess on a free port."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SECRET_ENV_NAME = "SANDBOX_TEST_HOST_SECRET"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def bwrap_ok() -> None:
+    from sandbox.bwrap import probe_bwrap
+
+    reason = probe_bwrap()
+    if reason is not None:
+        pytest.skip(f"bubblewrap cannot run here: {reason}")
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("no /usr/bin/python3 to run inside the sandbox (apt install python3)")
+
+
+class Service:
+    """A running `python -m sandbox` process."""
+
+    def __init__(self, extra_args: list[str], env_secret: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env_secret = env_secret
+        env = dict(os.environ, **{SECRET_ENV_NAME: env_secret})
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sandbox",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "WARNING",
+                *extra_args,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> dict:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sandbox service exited with {self.proc.returncode}: {self.log_text()}")
+            try:
+                resp = httpx.get(self.url + "/health", timeout=2.0)
+                if resp.status_code == 200:
+                    return resp.json()
+            except httpx.HTTPError as exc:
+                last = exc
+            time.sleep(0.1)  # polling a starting server, bounded by the deadline above
+        raise RuntimeError(f"sandbox service not healthy within {timeout_s} s: {last}")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise
+        return self.proc.returncode
+
+
+def start_service(extra_args: list[str]) -> Service:
+    service = Service(extra_args, env_secret="envsecret-" + secrets.token_hex(8))
+    try:
+        service.wait_healthy()
+    except BaseException:
+        service.proc.kill()
+        service.proc.wait(timeout=10)
+        raise
+    return service
+
+
+@pytest.fixture(scope="module")
+def service(bwrap_ok):
+    svc = start_service(["--workers", "2", "--max-queue", "32", "--pool-size", "4", "--max-timeout-s", "10"])
+    yield svc
+    rc = svc.stop()
+    assert rc == 0, f"sandbox service exited with {rc}: {svc.log_text()}"

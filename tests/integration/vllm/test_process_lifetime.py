@@ -1,0 +1,131 @@
+"""Every process the project starts ends with its parent: SIGTERM to a benchmark or to the launcher
+leaves none of their processes (vLLM's front end, engine core and workers included).
+
+Each test starts the real thing, waits until vLLM's own processes exist (no need to wait for
+health), signals the parent and checks that every descendant recorded along the way is gone.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+START_TIMEOUT_S = 300.0
+END_TIMEOUT_S = 90.0
+
+
+def _descendants(proc: psutil.Process) -> set[psutil.Process]:
+    try:
+        return set(proc.children(recursive=True))
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _describe(proc: psutil.Process) -> str:
+    """Command line and name, or "" for a process that is gone or a zombie (short-lived helpers)."""
+    try:
+        return " ".join(proc.cmdline()) + " " + proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
+        return ""
+
+
+def _run_until_vllm_then_signal(cmd: list[str], sig: int, tmp_path: Path) -> set[psutil.Process]:
+    """Start `cmd`, wait until a vLLM engine process runs below it, send `sig`; every process seen."""
+    from testing.vllm_servers import child_env
+
+    log = open(tmp_path / "parent.log", "w")
+    parent = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    seen: set[psutil.Process] = set()
+    try:
+        root = psutil.Process(parent.pid)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            seen |= _descendants(root)
+            names = " ".join(_describe(p) for p in seen)
+            if "EngineCore" in names or "VLLM" in names:
+                break
+            if parent.poll() is not None:
+                raise AssertionError(
+                    f"{cmd[2:4]} exited (rc {parent.returncode}) before vLLM started: "
+                    f"{(tmp_path / 'parent.log').read_text()[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no vLLM process below {cmd[2:4]} within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)  # polling the process tree, bounded by the deadline
+        seen |= _descendants(root)
+        parent.send_signal(sig)
+        rc = parent.wait(timeout=END_TIMEOUT_S)
+        assert rc != 0 or sig == signal.SIGINT, f"parent exited {rc} after signal {sig}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(30)
+        log.close()
+    return seen
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _assert_all_gone(seen: set[psutil.Process]) -> None:
+    deadline = time.monotonic() + END_TIMEOUT_S
+    alive = [p for p in seen if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling the recorded processes, bounded by the deadline
+        alive = [p for p in alive if _running(p)]
+    for p in alive:  # leave nothing behind for the next test, then fail
+        p.kill()
+    assert not alive, f"left running: {[(p.pid, _describe(p)[:80]) for p in alive]}"
+
+
+@pytest.mark.vllm
+def test_sigterm_to_benchmark_ends_its_servers(tmp_path):
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_vllm_update.py"),
+        "--size-gib",
+        "0.5",
+        "--repeats",
+        "1",
+        "--start-repeats",
+        "0",
+        "--skip-zero-copy",
+        "--skip-vllm-impl",
+        "--out-dir",
+        str(tmp_path / "bench"),
+    ]
+    seen = _run_until_vllm_then_signal(cmd, signal.SIGTERM, tmp_path)
+    _assert_all_gone(seen)
+
+
+@pytest.mark.vllm
+def test_sigterm_to_launcher_ends_vllm(tmp_path):
+    from demo.tiny_model import TinyModelConfig, make_tiny_model
+    from testing.vllm_servers import CPU_ENGINE_ARGS
+    from vllm_ext.launch import free_port
+
+    model = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(), seed=1)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_ext.launch",
+        "--model",
+        str(model),
+        "--port",
+        str(free_port()),
+        "--",
+        *CPU_ENGINE_ARGS,
+    ]
+    seen = _run_until_vllm_then_signal(cmd, signal.SIGTERM, tmp_path)
+    _assert_all_gone(seen)

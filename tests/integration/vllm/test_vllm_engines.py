@@ -1,0 +1,348 @@
+"""Real vLLM (CPU) engines receiving checkpoint-engine updates.
+
+Four vLLM starts for the whole module, all at once (module fixtures):
+  ref_a    LLM(A) started normally (+ extension), then updated in process to B via llm_req_func
+  ref_b    LLM(B) started normally                              } child processes running this file
+  fast     `python -m vllm_ext.launch --model A` (vLLM's load step receives A from the launcher's
+           parameter server: load format checkpoint_engine; holds early requests)
+  gated    `python -m vllm_ext.launch --no-initial-push --no-weight-cache --reload-impl vllm` (dummy;
+           refuses requests until a push; receives without a host copy: the PS's memory goes straight
+           to vLLM's own reload_weights, where `fast` and `ref_a` use the direct CPU reload)
+`fast` and `gated` are ranks 0 and 1 of the two-rank pushes (`python -m vllm_ext.push`).
+Tests run in file order: `test_gated_engine_refuses_before_weights` must see `gated` unpushed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+PROMPTS = ["12+34=", "Hello world\n", "a", "The quick brown fox"]
+MAX_TOKENS = 16
+ENGINE_TIMEOUT_S = 15.0  # engine-side deadline per PS message: bounds the rank-death test
+STARTUP_TIMEOUT_S = 600.0
+SMALL_BUCKET_BYTES = 1 << 20  # ~16 buckets for the tiny model: faults land mid-update
+
+pytestmark = pytest.mark.vllm
+
+
+# -- child process: reference engines (vLLM must be created under __main__) -------------------
+def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
+    from vllm import LLM, SamplingParams
+
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.ps import ParameterServer
+    from vllm_ext.launch import EXTENSION, model_safetensors_files
+    from vllm_ext.req import llm_req_func
+
+    llm = LLM(
+        model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=8, seed=0, worker_extension_cls=EXTENSION
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def generate():
+        return [list(r.outputs[0].token_ids) for r in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    out = {"token_ids": generate(), "state": llm.collective_rpc("weights_state")[0]}
+    if update_to:
+        ps = ParameterServer(
+            rank=0,
+            world_size=1,
+            config=ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES)),
+        )
+        ps.register_checkpoint("B", files=model_safetensors_files(update_to))
+        ps.gather_metas("B")
+        ps.update("B", llm_req_func(llm, timeout_s=120.0))
+        out["updated_token_ids"] = generate()
+        out["updated_state"] = llm.collective_rpc("weights_state")[0]
+        out["updated_checksum"] = llm.collective_rpc("weights_checksum")[0]
+    Path(out_json).write_text(json.dumps(out))
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm_engines")
+
+
+@pytest.fixture(scope="module")
+def models(workdir) -> dict[str, Path]:
+    from demo.tiny_model import TinyModelConfig, make_tiny_model
+
+    # A larger init std than the default gives clear logit margins, so greedy ties cannot flip.
+    cfg = TinyModelConfig.tiny(init_std=0.1)
+    return {"A": make_tiny_model(workdir / "A", cfg, seed=11), "B": make_tiny_model(workdir / "B", cfg, seed=12)}
+
+
+class _Refs:
+    def __init__(self, workdir: Path, models: dict[str, Path]):
+        from testing.vllm_servers import child_env
+
+        self.out = {k: workdir / f"ref_{k}.json" for k in ("a", "b")}
+        args = {
+            "a": [str(models["A"]), str(self.out["a"]), str(models["B"])],
+            "b": [str(models["B"]), str(self.out["b"])],
+        }
+        self.procs = {
+            k: subprocess.Popen(
+                [sys.executable, __file__, *a],
+                env=child_env(),
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for k, a in args.items()
+        }
+
+    def result(self) -> dict:
+        res = {}
+        for k, p in self.procs.items():
+            text, _ = p.communicate(timeout=STARTUP_TIMEOUT_S)
+            assert p.returncode == 0, f"reference engine {k} failed:\n{text[-4000:]}"
+            res[k] = json.loads(self.out[k].read_text())
+        return res
+
+
+@pytest.fixture(scope="module")
+def engines(workdir, models):
+    """Start everything at once; return when the servers are up (the early request is in flight)."""
+    from testing.vllm_servers import LaunchedServer, post_completions
+
+    refs = _Refs(workdir, models)
+    fast = LaunchedServer(
+        models["A"], workdir / "fast.log", gate_wait_s=STARTUP_TIMEOUT_S, engine_timeout_s=ENGINE_TIMEOUT_S
+    )
+    gated = LaunchedServer(
+        models["A"],
+        workdir / "gated.log",
+        initial_push=False,
+        engine_timeout_s=ENGINE_TIMEOUT_S,
+        extra=["--no-weight-cache", "--reload-impl", "vllm"],
+    )
+    early: dict = {}
+    try:
+        early["status_before"] = fast.wait_listening()
+
+        def early_request():  # sent right after the gate listens, long before vLLM can be up
+            early["answer"] = post_completions(fast.url, fast.model, PROMPTS, MAX_TOKENS, timeout_s=STARTUP_TIMEOUT_S)
+
+        t = threading.Thread(target=early_request, daemon=True)
+        t.start()
+        gated.wait_listening()
+        gated_engine = gated.wait_engine_healthy(STARTUP_TIMEOUT_S)
+        from testing.vllm_servers import completion_token_ids
+
+        dummy = completion_token_ids(gated_engine, gated.model, PROMPTS, MAX_TOKENS)  # behind the gate: dummy
+        fast.wait_ready(STARTUP_TIMEOUT_S)
+        t.join(STARTUP_TIMEOUT_S)
+        yield {"fast": fast, "gated": gated, "refs": refs.result(), "early": early, "dummy": dummy}
+    finally:
+        for s in (fast, gated):
+            s.stop()
+        for p in refs.procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
+def _push(models, engines, name: str, tag: str, **kw) -> list[tuple[int, str]]:
+    from testing.vllm_servers import start_push_ranks, wait_all
+
+    urls = [engines["fast"].url, engines["gated"].url]
+    procs = start_push_ranks(models[name], urls, engines["fast"].log_path.parent, tag=tag, timeout_s=60.0, **kw)
+    return wait_all(procs, timeout_s=240.0)
+
+
+def _states(engines) -> list[dict]:
+    from vllm_ext.req import collective_rpc
+
+    return [collective_rpc(engines[k].url, "weights_state", timeout_s=90.0)[0] for k in ("fast", "gated")]
+
+
+def _checksums(engines) -> list[str | None]:
+    from vllm_ext.req import collective_rpc
+
+    return [
+        collective_rpc(engines[k].url, "weights_checksum", timeout_s=90.0)[0]["checksum"] for k in ("fast", "gated")
+    ]
+
+
+def _outputs(engines) -> list[list[list[int]]]:
+    from testing.vllm_servers import completion_token_ids
+
+    return [completion_token_ids(engines[k].url, engines[k].model, PROMPTS, MAX_TOKENS) for k in ("fast", "gated")]
+
+
+def _expected_checksum(model_dir: Path) -> str:
+    from demo.tiny_model import load_state_dict_from_dir
+    from vllm_ext.weight_cache import checkpoint_checksum
+
+    return checkpoint_checksum(load_state_dict_from_dir(model_dir))
+
+
+def _ensure(models, engines, name: str) -> None:
+    """Both engines hold checkpoint `name` completely (push it if not)."""
+    states = _states(engines)
+    if all(s["status"] == "ready" and s["checkpoint"] == name for s in states):
+        return
+    results = _push(models, engines, name, tag=f"ensure-{name}-{time.monotonic_ns()}")
+    assert [c for c, _ in results] == [0, 0], results
+
+
+def _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines) -> None:
+    """After an aborted update and a complete retry: `fast` had filled in its previous values (its
+    KV cache was computed from real weights), `gated` keeps no copy and served undefined weights in
+    between, so its KV cache memory (possibly NaN, readable from reused blocks) must have been cleared."""
+    states = _states(engines)
+    assert [s["status"] for s in states] == ["ready", "ready"]
+    assert "kv_cache_cleared_bytes" not in states[0]["last_update"], states[0]["last_update"]
+    assert states[1]["last_update"]["kv_cache_cleared_bytes"] > 0, states[1]["last_update"]
+
+
+# -- tests ------------------------------------------------------------------------------------
+def test_fast_start_answers_only_with_pushed_weights(engines):
+    refs, early = engines["refs"], engines["early"]
+    assert early["status_before"]["ready"] is False  # the request really arrived before the weights
+    status, body = early["answer"]
+    assert status == 200, body
+    got = [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    assert got == refs["a"]["token_ids"]  # token for token: a vLLM started normally from A
+    assert got != engines["dummy"]  # and not what the dummy weights answer
+    status = engines["fast"].status()
+    state = status["weights"][0]
+    assert (state["version"], state["status"], state["weights_complete"]) == (1, "ready", True)
+    phases = status["phase_times_s"]  # the weights came in vLLM's load step, before vLLM was healthy
+    assert phases["starting_engine"] < phases["loading_weights"] < phases["finishing_engine_start"] < phases["ready"]
+    assert "pushing_weights" not in phases
+    assert state["last_update"]["num_zero_copy"] == state["last_update"]["num_tensors"] > 0  # no copy but the load's
+    assert _checksums(engines)[0] is None  # honest: the load kept no copy; the first update fills the cache
+
+
+def test_gated_engine_refuses_before_weights(engines):
+    from testing.vllm_servers import http_json, post_completions
+
+    gated = engines["gated"]
+    status, body = post_completions(gated.url, gated.model, PROMPTS, MAX_TOKENS)
+    assert status == 503, body
+    assert body["error"]["type"] == "ServiceUnavailable" and "not loaded yet" in body["error"]["message"]
+    assert http_json("GET", gated.url + "/health")[0] == 503
+    assert gated.status()["ready"] is False
+    state = _states(engines)[1]
+    assert (state["version"], state["status"], state["weights_complete"]) == (0, "initial", False)
+    assert state["initial_weights"] == "dummy"
+
+
+def test_two_ranks_two_updates_follow_weights(engines, models):
+    refs = engines["refs"]
+    results = _push(models, engines, "B", tag="two-ranks-B")
+    assert [c for c, _ in results] == [0, 0], results
+    assert _outputs(engines) == [refs["b"]["token_ids"]] * 2
+    before = _states(engines)
+    assert all(s["status"] == "ready" and s["checkpoint"] == "B" for s in before)
+    checksum_b = _expected_checksum(models["B"])
+    assert _checksums(engines) == [checksum_b, None]  # gated keeps no copy: no checksum to report
+    assert engines["gated"].status()["ready"] is True  # the gate opened on the external push
+
+    results = _push(models, engines, "A", tag="two-ranks-A")
+    assert [c for c, _ in results] == [0, 0], results
+    assert _outputs(engines) == [refs["a"]["token_ids"]] * 2
+    after = _states(engines)
+    assert [a["version"] - b["version"] for a, b in zip(after, before)] == [1, 1]
+    assert _checksums(engines) == [_expected_checksum(models["A"]), None]
+    zero_copy = after[1]["last_update"]
+    assert zero_copy["num_zero_copy"] == zero_copy["num_tensors"] > 0  # every tensor went uncopied
+    assert after[1]["cache_bytes"] == 0 and after[0]["cache_bytes"] > 0
+    assert refs["a"]["token_ids"] != refs["b"]["token_ids"]
+    assert [s["reload_impl"] for s in after] == ["direct", "vllm"]  # both reload paths are exercised
+    direct = after[0]["direct_reload_last"]
+    assert direct["num_modules_processed"] > 0 and direct["staging_allocated"] is False  # staging reused
+    # fast's weight cache lives in the staging weights: received tensors land where they are packed from
+    assert after[0]["cache_tensors_in_engine_memory"] > 0 and direct["num_in_place"] > 0
+
+
+def test_in_process_llm_update_matches_normal_start(engines, models):
+    ref_a = engines["refs"]["a"]
+    # started normally: no update received, its own weights are complete
+    assert (ref_a["state"]["status"], ref_a["state"]["weights_complete"]) == ("initial", True)
+    assert ref_a["updated_token_ids"] == engines["refs"]["b"]["token_ids"]
+    assert (ref_a["updated_state"]["version"], ref_a["updated_state"]["status"]) == (1, "ready")
+    assert ref_a["updated_state"]["last_update"]["num_buckets"] > 1
+    assert ref_a["updated_checksum"]["checksum"] == _expected_checksum(models["B"])
+    assert ref_a["updated_state"]["reload_impl"] == "direct"
+
+
+def test_engine_failure_aborts_update_then_next_update_restores(engines, models, tmp_path):
+    from vllm_ext.req import collective_rpc
+
+    refs = engines["refs"]
+    _ensure(models, engines, "A")
+    versions = [s["version"] for s in _states(engines)]
+    collective_rpc(engines["gated"].url, "arm_update_fault", args=[{"kind": "raise", "bucket": 3}])
+    results = _push(models, engines, "B", tag="fault-raise", bucket_size_bytes=SMALL_BUCKET_BYTES)
+    assert [c for c, _ in results] == [3, 3], results
+    assert all("injected fault in bucket 3" in text for _, text in results), results
+    for state, version in zip(_states(engines), versions):
+        assert (state["status"], state["weights_complete"], state["version"]) == ("incomplete", False, version)
+        assert "injected fault" in state["last_error"]
+    assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving (mixed weights)
+    results = _push(models, engines, "B", tag="fault-raise-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
+    assert [c for c, _ in results] == [0, 0], results
+    outputs = _outputs(engines)
+    assert outputs == [refs["b"]["token_ids"]] * 2, {
+        "fast": outputs[0],
+        "gated": outputs[1],
+        "want": refs["b"]["token_ids"],
+        "states": _states(engines),
+    }
+    _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines)
+
+
+def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp_path):
+    from testing.vllm_servers import start_push_ranks, wait_all
+    from vllm_ext.req import collective_rpc
+
+    refs = engines["refs"]
+    _ensure(models, engines, "A")
+    marker = tmp_path / "rank1-mid-update"
+    collective_rpc(
+        engines["gated"].url,
+        "arm_update_fault",
+        args=[{"kind": "stall", "bucket": 2, "stall_s": 2.0, "marker_path": str(marker)}],
+    )
+    urls = [engines["fast"].url, engines["gated"].url]
+    procs = start_push_ranks(
+        models["B"], urls, tmp_path, tag="rank-death", timeout_s=30.0, bucket_size_bytes=SMALL_BUCKET_BYTES
+    )
+    deadline = time.monotonic() + 120
+    while not marker.exists():  # the engine of rank 1 is inside bucket 2: kill its PS rank now
+        assert procs[1].alive() and time.monotonic() < deadline, procs[1].log_tail()
+        time.sleep(0.02)
+    os.kill(procs[1].proc.pid, signal.SIGKILL)
+    results = wait_all(procs, timeout_s=180.0)
+    assert results[1][0] == -signal.SIGKILL and results[0][0] != 0, results
+    for state in _states(engines):  # waits for the engine side to give up (ENGINE_TIMEOUT_S)
+        assert (state["status"], state["weights_complete"]) == ("incomplete", False), state
+    assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving
+    results = _push(models, engines, "B", tag="rank-death-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
+    assert [c for c, _ in results] == [0, 0], results
+    outputs = _outputs(engines)
+    assert outputs == [refs["b"]["token_ids"]] * 2, {
+        "fast": outputs[0],
+        "gated": outputs[1],
+        "want": refs["b"]["token_ids"],
+        "states": _states(engines),
+    }
+    _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines)
+
+
+if __name__ == "__main__":
+    _reference(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

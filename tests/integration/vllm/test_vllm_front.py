@@ -1,0 +1,368 @@
+"""The HTTP side without vLLM: the gate proxy, the req_func helpers, the launcher's config and CLI.
+
+A small fake engine (ThreadingHTTPServer on a free port) plays vLLM's dev-mode routes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from checkpoint_engine.httpjson import JsonRequestHandler
+from vllm_ext.gate import Gate, make_app, weights_loaded
+from vllm_ext.launch import LaunchConfig, build_parser, model_safetensors_files, vllm_command
+from vllm_ext.req import EngineRpcError, check_reports, collective_rpc, vllm_http_req_func
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+class FakeEngine:
+    """Answers /collective_rpc, /reset_prefix_cache, /v1/completions; records what it was asked."""
+
+    def __init__(self, *, rpc_status: int = 200, report: dict | None = None, dev_mode: bool = True):
+        self.calls: list[tuple[str, dict]] = []
+        self.report = report if report is not None else {"version": 1, "status": "ready"}
+        engine = self
+
+        class Handler(JsonRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                engine.calls.append((self.path, body))
+                if self.path == "/collective_rpc" and dev_mode:
+                    if rpc_status != 200:
+                        return self.reply(rpc_status, {"error": "Worker failed with error 'injected'"})
+                    return self.reply(200, {"results": [engine.report]})
+                if self.path.startswith("/reset_prefix_cache") and dev_mode:
+                    return self.reply(200, {"success": True})
+                if self.path == "/v1/completions":
+                    return self.reply(200, {"choices": [{"index": 0, "text": "hi", "token_ids": [1, 2]}]})
+                return self.reply(404, {"detail": "Not Found"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engine():
+    e = FakeEngine()
+    yield e
+    e.close()
+
+
+# -- req helpers ------------------------------------------------------------------------------
+def test_http_req_func_updates_then_resets_prefix_cache(engine):
+    req = vllm_http_req_func(engine.url, rank=0, timeout_s=5)
+    req([("cpu-h-0", "ipc://@a"), ("cpu-h-1", "ipc://@b")])
+    (path1, body1), (path2, _) = engine.calls
+    assert path1 == "/collective_rpc" and path2.startswith("/reset_prefix_cache")
+    assert body1["method"] == "update_weights_from_ipc" and body1["args"] == [{"cpu-h-0": "ipc://@a"}]
+    assert body1["timeout"] == 5
+
+
+def test_http_req_func_only_first_rank_of_an_engine_sends(engine):
+    vllm_http_req_func(engine.url, rank=1, ranks_per_engine=2)([("a", "x"), ("b", "y")])
+    assert engine.calls == []
+    vllm_http_req_func(engine.url, rank=2, ranks_per_engine=2)([("a", "x"), ("b", "y"), ("c", "z"), ("d", "w")])
+    assert engine.calls[0][1]["args"] == [{"c": "z", "d": "w"}]
+
+
+def test_http_req_func_engine_error_is_clear_and_cache_still_reset():
+    e = FakeEngine(rpc_status=500)
+    try:
+        with pytest.raises(EngineRpcError, match="update_weights_from_ipc.*HTTP 500.*injected"):
+            vllm_http_req_func(e.url, rank=0, timeout_s=5)([("a", "x")])
+        assert [p for p, _ in e.calls][-1].startswith("/reset_prefix_cache")
+    finally:
+        e.close()
+
+
+def test_missing_dev_mode_is_explained():
+    e = FakeEngine(dev_mode=False)
+    try:
+        with pytest.raises(EngineRpcError, match="VLLM_SERVER_DEV_MODE=1"):
+            collective_rpc(e.url, "weights_state", timeout_s=5)
+    finally:
+        e.close()
+
+
+def test_unreachable_engine_is_clear():
+    from vllm_ext.launch import free_port
+
+    with pytest.raises(EngineRpcError, match="weights_state on http://127.0.0.1:"):
+        collective_rpc(f"http://127.0.0.1:{free_port()}", "weights_state", timeout_s=2)
+
+
+@pytest.mark.parametrize(
+    "results,ok",
+    [
+        ([{"status": "ready", "version": 2}], True),
+        ([{"status": "ready"}, {"status": "ready"}], True),
+        ([{"status": "incomplete", "last_error": "boom"}], False),
+        ([], False),
+        (["not a dict"], False),
+    ],
+)
+def test_check_reports(results, ok):
+    if ok:
+        assert check_reports(results, "e") == results
+    else:
+        with pytest.raises(EngineRpcError):
+            check_reports(results, "e")
+
+
+# -- gate -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "reports,loaded",
+    [
+        ([], False),
+        ([{"version": 0}], False),
+        ([{"version": 1}], True),
+        ([{"version": 1}, {"version": 0}], False),
+        ([{"version": 3}, {"version": 2}], True),
+        ([None], False),
+    ],
+)
+def test_weights_loaded(reports, loaded):
+    assert weights_loaded(reports) is loaded
+
+
+def _client(gate: Gate, url: str, wait_s: float = 0.0):
+    from starlette.testclient import TestClient
+
+    return TestClient(make_app(gate, url, wait_s=wait_s))
+
+
+def test_gate_refuses_generation_until_an_update_lands(engine):
+    gate = Gate()
+    with _client(gate, engine.url) as c:
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert "not loaded yet" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
+        assert not any(p == "/v1/completions" for p, _ in engine.calls)  # never reached the dummy engine
+        # control traffic passes while closed; a successful update answer opens the gate
+        r = c.post("/collective_rpc", json={"method": "update_weights_from_ipc", "args": [{}]})
+        assert r.status_code == 200 and gate.is_open
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [1, 2]
+        assert c.get("/launcher/status").json()["ready"] is True
+
+
+def test_gate_stays_closed_on_unfinished_update():
+    e = FakeEngine(report={"version": 0, "status": "incomplete"})
+    try:
+        gate = Gate()
+        with _client(gate, e.url) as c:
+            c.post("/collective_rpc", json={"method": "update_weights_from_ipc", "args": [{}]})
+            assert not gate.is_open
+            assert c.post("/v1/completions", json={}).status_code == 503
+    finally:
+        e.close()
+
+
+def test_gate_holds_requests_until_open(engine):
+    gate = Gate()
+    with _client(gate, engine.url, wait_s=30) as c:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=c.post("/v1/completions", json={"prompt": "x"})))
+        t.start()
+        deadline = time.monotonic() + 10
+        while gate.snapshot()["num_held"] != 1:  # the request arrived and is being held
+            assert time.monotonic() < deadline and t.is_alive(), result
+            time.sleep(0.01)
+        gate.observe([{"version": 1}])
+        t.join(10)
+        assert result["r"].status_code == 200
+
+
+def test_gate_calls_open_callbacks_once():
+    gate, calls = Gate(), []
+    gate.on_open(lambda: calls.append("early"))
+    gate.observe([{"version": 0, "status": "incomplete"}])
+    assert calls == []
+    gate.observe([{"version": 1}])
+    gate.observe([{"version": 2}])
+    assert calls == ["early"]
+    gate.on_open(lambda: calls.append("late"))  # registered after opening: called at once
+    assert calls == ["early", "late"]
+
+
+def test_gate_hold_times_out_with_503(engine):
+    with _client(Gate(), engine.url, wait_s=0.2) as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json={})
+        assert r.status_code == 503 and time.monotonic() - t0 >= 0.2
+
+
+def test_gate_reports_unreachable_engine_as_502():
+    from vllm_ext.launch import free_port
+
+    gate = Gate()
+    gate.observe([{"version": 1}])
+    with _client(gate, f"http://127.0.0.1:{free_port()}") as c:
+        r = c.post("/v1/completions", json={})
+        assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+
+
+# -- launcher ---------------------------------------------------------------------------------
+def test_launch_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        LaunchConfig(model=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="port"):
+        LaunchConfig(model=str(tmp_path), port=70000)
+    with pytest.raises(ValueError, match="gate_wait_s"):
+        LaunchConfig(model=str(tmp_path), gate_wait_s=-1)
+    with pytest.raises(ValueError, match="--load-format"):
+        LaunchConfig(model=str(tmp_path), vllm_args=("--load-format=auto",))
+
+
+def test_vllm_command_starts_dummy_with_extension(tmp_path):
+    cfg = LaunchConfig(model=str(tmp_path), engine_timeout_s=7, vllm_args=("--dtype", "float32"))
+    cmd = vllm_command(cfg, 1234)
+    assert cmd[cmd.index("--load-format") + 1] == "dummy"
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "vllm_ext.worker.VllmColocateWorkerExtension"
+    assert json.loads(cmd[cmd.index("--additional-config") + 1])["checkpoint_engine"]["timeout_s"] == 7
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[-2:] == ["--dtype", "float32"]
+
+
+def test_vllm_command_loads_from_the_rendezvous(tmp_path):
+    cfg = LaunchConfig(model=str(tmp_path), startup_timeout_s=123)
+    cmd = vllm_command(cfg, 1234, rendezvous="ipc:///tmp/x/load.sock")
+    assert cmd[cmd.index("--load-format") + 1] == "checkpoint_engine"
+    extra = json.loads(cmd[cmd.index("--model-loader-extra-config") + 1])
+    assert extra == {"rendezvous": "ipc:///tmp/x/load.sock", "timeout_s": 123.0}
+    from vllm_ext.loader import LoaderSettings
+
+    assert LoaderSettings.from_dict(extra).timeout_s == 123.0  # what the loader will parse
+
+
+def test_launch_config_rejects_unknown_initial_mode_and_loader_flags(tmp_path):
+    with pytest.raises(ValueError, match="initial_mode"):
+        LaunchConfig(model=str(tmp_path), initial_mode="lazy")
+    with pytest.raises(ValueError, match="--model-loader-extra-config"):
+        LaunchConfig(model=str(tmp_path), vllm_args=("--model-loader-extra-config", "{}"))
+    with pytest.raises(ValueError, match="tensor-parallel-size 2"):
+        LaunchConfig(model=str(tmp_path), vllm_args=("--tensor-parallel-size", "2"))
+    with pytest.raises(ValueError, match="tensor-parallel-size 4"):
+        LaunchConfig(model=str(tmp_path), vllm_args=("-tp=4",))
+    assert LaunchConfig(model=str(tmp_path), initial_mode="push", vllm_args=("-tp", "2")).initial_mode == "push"
+
+
+def test_default_engine_settings_are_not_passed(tmp_path):
+    # vLLM hashes --additional-config into its compile-cache key: defaults must not change it
+    assert "--additional-config" not in vllm_command(LaunchConfig(model=str(tmp_path)), 1234)
+    cmd = vllm_command(LaunchConfig(model=str(tmp_path), reload_mode="end"), 1234)
+    assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"checkpoint_engine": {"reload_mode": "end"}}
+
+
+def test_receiver_defaults_match_what_the_launcher_assumes():
+    from vllm_ext.launch import engine_settings
+    from vllm_ext.receiver import ReceiverConfig
+
+    d = ReceiverConfig()
+    assert (
+        engine_settings(
+            LaunchConfig(
+                model=str(REPO),
+                engine_timeout_s=d.timeout_s,
+                reload_mode=d.reload_mode,
+                weight_cache=d.weight_cache,
+                reload_impl=d.reload_impl,
+            )
+        )
+        == {}
+    )
+
+
+def test_parser_passes_vllm_args_after_double_dash(tmp_path, capsys):
+    from vllm_ext import launch
+
+    args = build_parser().parse_args(["--model", str(tmp_path), "--", "--dtype", "float32"])
+    assert args.vllm_args == ["--", "--dtype", "float32"] or args.vllm_args == ["--dtype", "float32"]
+    with pytest.raises(SystemExit) as e:  # main() strips the `--` and validates what follows
+        launch.main(["--model", str(tmp_path), "--", "--port", "9"])
+    assert e.value.code == 2 and "vllm_args must not set ['--port']" in capsys.readouterr().err
+
+
+def test_parser_defaults_are_the_configs(tmp_path, capsys):
+    """The launcher's flags come from LaunchConfig: no flag set gives the dataclass's defaults; the old
+    flag names still work; a bad value exits 2 naming its flag."""
+    from vllm_ext import launch
+
+    parser, spec = launch._parser()
+    assert spec.build(parser.parse_args(["--model", str(tmp_path)])) == LaunchConfig(model=str(tmp_path))
+    argv = ["--model", str(tmp_path), "--no-initial-push", "--no-weight-cache", "--reload-impl", "vllm"]
+    cfg = spec.build(parser.parse_args([*argv, "--bucket-size-bytes", "4096", "--engine-port", "9000"]))
+    assert (cfg.initial_push, cfg.weight_cache, cfg.reload_impl) == (False, False, "vllm")
+    assert (cfg.bucket_size_bytes, cfg.engine_port) == (4096, 9000)
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--model", str(tmp_path), "--register-nice", "30"])
+    assert e.value.code == 2 and "(flag: --register-nice)" in capsys.readouterr().err
+
+
+def test_model_safetensors_files(tmp_path):
+    with pytest.raises(ValueError, match="no .safetensors"):
+        model_safetensors_files(str(tmp_path))
+    (tmp_path / "b.safetensors").write_bytes(b"")
+    (tmp_path / "a.safetensors").write_bytes(b"")
+    assert [Path(f).name for f in model_safetensors_files(str(tmp_path))] == ["a.safetensors", "b.safetensors"]
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"}})
+    )
+    assert [Path(f).name for f in model_safetensors_files(str(tmp_path))] == ["b.safetensors", "a.safetensors"]
+
+
+@pytest.mark.parametrize("module", ["vllm_ext.launch", "vllm_ext.push", "vllm_ext"])
+def test_cli_help_is_instant(module):
+    code = (
+        f"import runpy, sys; sys.argv = ['x', '--help']\n"
+        f"try:\n    runpy.run_module({module!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        f"heavy = [m for m in ('torch', 'vllm', 'zmq', 'httpx') if m in sys.modules]\n"
+        f"assert not heavy, heavy"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+
+
+def test_launcher_spawns_vllm_before_importing_anything_heavy(tmp_path):
+    # vLLM's start is the long pole: building its command line must not import torch (~0.8 s of CPU
+    # that vLLM's own start would wait for on a small machine)
+    code = (
+        "import sys\nfrom vllm_ext.launch import LaunchConfig, Launcher, vllm_command\n"
+        f"cfg = LaunchConfig(model={str(tmp_path)!r}, reload_mode='end')\n"
+        "Launcher(cfg)\nvllm_command(cfg, 1234, 'ipc:///tmp/x')\n"
+        "heavy = [m for m in ('torch', 'vllm', 'zmq', 'httpx', 'uvicorn') if m in sys.modules]\n"
+        "assert not heavy, heavy"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_push_shards_partition_the_checkpoint(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_ext.push import load_shard
+
+    save_file({f"w{i}": torch.full((2,), float(i)) for i in range(5)}, str(tmp_path / "a.safetensors"))
+    save_file({f"v{i}": torch.full((3,), float(i)) for i in range(4)}, str(tmp_path / "b.safetensors"))
+    files = model_safetensors_files(str(tmp_path))
+    shards = [load_shard(files, r, 3) for r in range(3)]
+    names = [n for s in shards for n in s]
+    assert sorted(names) == sorted([f"w{i}" for i in range(5)] + [f"v{i}" for i in range(4)])
+    assert len(names) == len(set(names)) and all(shards)
+    assert torch.equal(load_shard(files, 0, 1)["v3"], torch.full((3,), 3.0))

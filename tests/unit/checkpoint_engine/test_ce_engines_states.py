@@ -1,0 +1,274 @@
+"""The managed engines' state table, the command template, and one engine process's lifecycle."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+
+import pytest
+
+from checkpoint_engine.engines import (
+    STATES,
+    TRANSITIONS,
+    EngineConfig,
+    ManagedEngine,
+    TransitionError,
+    check_transition,
+    engine_env,
+    parse_engine_cmd,
+    render_cmd,
+)
+
+ALLOWED = [
+    ("stopped", "starting"),
+    ("starting", "updating"),
+    ("starting", "failed"),
+    ("starting", "stopped"),
+    ("updating", "serving"),
+    ("updating", "incomplete"),
+    ("updating", "failed"),
+    ("updating", "stopped"),
+    ("serving", "updating"),
+    ("serving", "failed"),
+    ("serving", "stopped"),
+    ("incomplete", "updating"),
+    ("incomplete", "failed"),
+    ("incomplete", "stopped"),
+    ("failed", "starting"),
+    ("failed", "stopped"),
+]
+
+
+def test_the_table_is_exactly_the_allowed_list():
+    assert set(TRANSITIONS) == set(STATES)
+    assert {(a, b) for a, targets in TRANSITIONS.items() for b in targets} == set(ALLOWED)
+
+
+@pytest.mark.parametrize("old,new", ALLOWED)
+def test_allowed(old, new):
+    check_transition(old, new)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [(a, b) for a in STATES for b in STATES if (a, b) not in ALLOWED],
+)
+def test_illegal_transitions_name_both_states(old, new):
+    with pytest.raises(TransitionError, match=f"illegal engine state transition {old} -> {new}"):
+        check_transition(old, new)
+
+
+def test_dummy_weights_are_never_served():
+    assert "serving" not in TRANSITIONS["starting"]  # only through a complete update
+
+
+@pytest.mark.parametrize("old,new", [("running", "stopped"), ("stopped", "gone")])
+def test_unknown_states(old, new):
+    with pytest.raises(TransitionError, match="unknown engine state"):
+        check_transition(old, new)
+
+
+@pytest.mark.parametrize(
+    "text,argv",
+    [
+        ("python -m eng --port {port}", ("python", "-m", "eng", "--port", "{port}")),
+        (
+            '["python", "-m", "eng", "--port={port}", "--x", "a b"]',
+            ("python", "-m", "eng", "--port={port}", "--x", "a b"),
+        ),
+        ("eng --port {port} --cfg '{\"a\": 1}'", ("eng", "--port", "{port}", "--cfg", '{"a": 1}')),
+    ],
+)
+def test_parse_engine_cmd(text, argv):
+    assert parse_engine_cmd(text) == argv
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("", "non-empty"),
+        ("python -m eng", r"no \{port\} placeholder"),
+        ('["python", 3]', "list of strings"),
+        ('["python", ', "does not parse"),
+    ],
+)
+def test_parse_engine_cmd_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_engine_cmd(text)
+
+
+def test_render_cmd_fills_placeholders_and_leaves_other_braces():
+    argv = render_cmd(("e", "--port={port}", "r{rank}", "{device}", '{"k": 1}'), port=9, rank=1, device="cuda:1")
+    assert argv == ["e", "--port=9", "r1", "cuda:1", '{"k": 1}']
+
+
+def test_engine_env_drops_torchrun_variables():
+    env = engine_env(
+        {"RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    )
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize(
+    "device,daemon_visible,engine_visible",
+    [
+        ("cpu", None, None),
+        ("cpu", "2,3", "2,3"),
+        ("cuda:1", None, "1"),
+        ("cuda:0", "2,3", "2"),
+        ("cuda:1", "2, 3", "3"),
+    ],
+)
+def test_engine_env_gives_a_gpu_engine_its_rank_device(device, daemon_visible, engine_visible):
+    environ = {"PATH": "/bin"} | ({"CUDA_VISIBLE_DEVICES": daemon_visible} if daemon_visible else {})
+    assert engine_env(environ, device=device).get("CUDA_VISIBLE_DEVICES") == engine_visible
+
+
+def test_engine_env_refuses_a_device_outside_the_visible_list():
+    with pytest.raises(ValueError, match="cuda:2 is not among CUDA_VISIBLE_DEVICES=0,1"):
+        engine_env({"CUDA_VISIBLE_DEVICES": "0,1"}, device="cuda:2")
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("health_path", "health", "must start with '/'"),
+        ("start_timeout_s", 0, "start_timeout_s=0 must be a number > 0"),
+        ("max_heal_attempts", -1, "max_heal_attempts=-1 must be an int >= 0"),
+    ],
+)
+def test_engine_config_checks(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(cmd=("e", "{port}"), **{field: value})
+
+
+# -- one real process: a tiny HTTP server standing in for an engine -------------------------------
+SERVER = (
+    "import http.server, sys, signal\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers()\n"
+    "    def log_message(self, *a): pass\n"
+    "{trap}"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+)
+
+
+def make_engine(tmp_path, *, trap: str = "", **cfg) -> tuple[ManagedEngine, list[dict]]:
+    script = tmp_path / "server.py"
+    script.write_text(SERVER.replace("{trap}", trap))
+    published: list[dict] = []
+    config = EngineConfig(cmd=(sys.executable, str(script), "{port}"), log_dir=str(tmp_path), **cfg)
+    return ManagedEngine(0, config, publish=published.append), published
+
+
+def test_lifecycle_of_one_process(tmp_path):
+    engine, published = make_engine(tmp_path, start_timeout_s=30)
+    engine.start()
+    engine.wait_healthy()
+    assert engine.state == "starting" and engine.healthy and engine.poll() is None
+    engine.begin_update("v1")
+    engine.end_update("v1", None)
+    assert engine.record()["state"] == "serving" and engine.record()["checkpoint"] == "v1"
+    engine.begin_update("v2")
+    engine.end_update("v2", "ValueError: unknown checkpoint 'v2'", engine_untouched=True)
+    assert engine.record()["state"] == "serving" and engine.record()["checkpoint"] == "v1"
+    pid = engine.pid
+    engine._proc.send_signal(signal.SIGKILL)
+    engine._proc.wait(10)
+    assert engine.check_alive() == -9 and engine.state == "failed" and engine.record()["exit_code"] == -9
+    engine.start()  # a restart
+    engine.wait_healthy()
+    engine.begin_update("v1")
+    engine.end_update("v1", "broken")
+    rec = engine.record()
+    assert rec["state"] == "incomplete" and rec["restarts"] == 1 and "broken" in rec["last_error"] and pid != rec["pid"]
+    engine.stop()
+    assert engine.state == "stopped" and engine.poll() is not None
+    seq = [p["state"] for p in published]
+    changes = [st for i, st in enumerate(seq) if i == 0 or st != seq[i - 1]]
+    assert changes == [
+        *("stopped", "starting", "updating", "serving", "updating", "serving", "failed"),
+        *("starting", "updating", "incomplete", "stopped"),
+    ]
+    assert json.dumps(published)  # every record is JSON
+
+
+def test_stop_kills_an_engine_that_ignores_sigterm(tmp_path):
+    trap = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    engine, _ = make_engine(tmp_path, trap=trap, stop_grace_s=0.5, start_timeout_s=30)
+    engine.start()
+    engine.wait_healthy()
+    t0 = time.monotonic()
+    engine.stop()
+    assert engine.poll() == -signal.SIGKILL and time.monotonic() - t0 < 5
+
+
+def test_an_engine_that_exits_at_start_is_failed_with_its_log(tmp_path):
+    config = EngineConfig(
+        cmd=(sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)", "{port}"), log_dir=str(tmp_path)
+    )
+    engine = ManagedEngine(0, config)
+    engine.start()
+    with pytest.raises(RuntimeError, match="exited with code 3 before it was healthy.*bad flag"):
+        engine.wait_healthy()
+    assert engine.state == "failed" and engine.record()["exit_code"] == 3
+    with pytest.raises(RuntimeError, match="cannot take an update; start it first"):
+        engine.begin_update("v1")
+
+
+def test_a_missing_binary_is_failed(tmp_path):
+    engine = ManagedEngine(0, EngineConfig(cmd=("/nonexistent/engine", "{port}"), log_dir=str(tmp_path)))
+    with pytest.raises(RuntimeError, match="cannot run '/nonexistent/engine'.*--engine-cmd"):
+        engine.start()
+    assert engine.state == "failed"
+
+
+def test_health_deadline(tmp_path):
+    config = EngineConfig(
+        cmd=(sys.executable, "-c", "import time; time.sleep(60)", "{port}"), log_dir=str(tmp_path), start_timeout_s=0.5
+    )
+    engine = ManagedEngine(0, config)
+    engine.start()
+    with pytest.raises(RuntimeError, match=r"not healthy at http://127.0.0.1:\d+/health within 0.5 s"):
+        engine.wait_healthy()
+    assert engine.state == "failed" and engine.poll() is not None  # stopped, reaped
+
+
+def test_ranks_agree_through_the_store_with_a_deadline(tmp_path):
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from checkpoint_engine.engines import EngineHost, _agree
+    from tests.integration.dist.harness import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    config = EngineConfig(cmd=("e", "{port}"), log_dir=str(tmp_path))
+    hosts = [
+        EngineHost(r, 2, config, device="cpu", publish=None, store=dist.TCPStore("127.0.0.1", port, is_master=False))
+        for r in range(2)
+    ]
+    try:
+        out: dict[int, dict] = {}
+        threads = [
+            threading.Thread(target=lambda r=r: out.__setitem__(r, _agree(hosts[r], [None, "boom"][r], 10.0)))
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert out == {0: {1: "boom"}, 1: {1: "boom"}}
+        # rank 1 never reports: rank 0 names it once the step's deadline passes
+        t0 = time.monotonic()
+        assert _agree(hosts[0], None, 0.5) == {1: "rank 1 did not report within 0.5 s"}
+        assert time.monotonic() - t0 < 5
+    finally:
+        for h in hosts:
+            h.close()
+        del server

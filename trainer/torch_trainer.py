@@ -1,0 +1,313 @@
+"""Policy trainer: a Hugging Face causal LM trained in one CPU process (torch, AdamW).
+
+::
+
+    model dir ──▶ HFTrainer ──sequence_logprobs(prompts, responses, masks)──▶ [batch] log p (grad)
+                     │  ▲                                                        │
+                     │  └──── step(loss) / backward(loss) + step() ◀── loss ─────┘
+                     ├──▶ named_tensors()  {HF name: tensor}  ──▶ checkpoint engine register
+                     └──▶ save(dir)        HF dir (config, tokenizer, safetensors) ──▶ vLLM
+
+``Trainer`` is the protocol the RL loop codes against; ``make_trainer`` picks the backend
+(``"hf"``: this module's HFTrainer; ``"megatron"``: ``trainer.megatron.trainer.MegatronTrainer``, a
+megatron-core GPTModel whose ``named_tensors`` are converted to HF layout for the weight sync).
+Weights are trained in float32; ``named_tensors`` and ``save`` cast them back to the dtypes the
+source directory stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import shutil
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from trainer.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
+from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
+
+logger = logging.getLogger(__name__)
+
+# Files of a model directory that are not weights; save() copies them from the source.
+_NON_WEIGHT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Optimizer and runtime settings of a trainer."""
+
+    lr: float = 1e-3
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # "sgd": plain SGD (the RL loop resets it anyway)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    num_threads: int | None = None  # None: every CPU of the process's affinity (capped at those anyway)
+    seed: int = 0
+    # "bfloat16" runs the forward under CPU autocast (fast only with native bf16: AVX512-BF16/AMX/ARM
+    # BF16); "auto" picks it only where it is (trainer.cpu; the SFT and RL jobs default to it).
+    # Weights, optimizer state and returned log-probs stay float32.
+    autocast_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r} must be 'adamw' or 'sgd'")
+        if self.autocast_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
+        for name in ("lr", "grad_clip", "eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads={self.num_threads!r} must be a positive int")
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What the RL loop needs from a training backend."""
+
+    def sequence_logprobs(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        response_ids_list: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]: ...
+
+    def reset_optimizer(self) -> None: ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]: ...
+
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+    def save(self, out_dir: str | pathlib.Path) -> pathlib.Path: ...
+
+
+TrainerBackend = Literal["hf", "megatron"]
+
+
+def make_trainer(
+    backend: TrainerBackend, model_dir: str | pathlib.Path, config: TrainerConfig | None = None, *, tp_size: int = 1
+) -> Trainer:
+    """The one factory of training backends: ``"hf"`` (transformers) or ``"megatron"`` (megatron-core)."""
+    if backend == "hf":
+        if tp_size != 1:
+            raise ValueError(f"the hf trainer has no tensor parallelism (tp_size={tp_size})")
+        return HFTrainer(model_dir, config)
+    if backend == "megatron":
+        from trainer.megatron.model import MegatronModelConfig
+        from trainer.megatron.trainer import MegatronTrainer
+
+        if tp_size > 1:  # this process is TP rank 0; it starts the other ranks (trainer.megatron.tp)
+            from trainer.megatron.tp import TPMegatronTrainer
+
+            return TPMegatronTrainer(model_dir, config, tp_size=tp_size)
+        return MegatronTrainer(model_dir, config, MegatronModelConfig(tp_size=tp_size))
+    raise ValueError(f"trainer backend {backend!r} must be 'hf' or 'megatron'")
+
+
+def disk_dtypes(model_dir: str | pathlib.Path) -> dict[str, torch.dtype]:
+    """{tensor name: dtype} as the model directory's safetensors store them."""
+    from checkpoint_engine.hf_dir import tensor_dtypes
+
+    return tensor_dtypes(model_dir)
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainerConfig, lr: float) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only: the one optimizer recipe of every backend."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps)
+
+
+def save_hf_dir(
+    source_dir: str | pathlib.Path,
+    out_dir: str | pathlib.Path,
+    named_tensors: dict[str, torch.Tensor],
+    config: TrainerConfig,
+    extra: dict | None = None,
+) -> pathlib.Path:
+    """Write a HF model directory: non-weight files copied from ``source_dir``, ``named_tensors``."""
+    from checkpoint_engine.hf_dir import write_safetensors
+
+    source, out = pathlib.Path(source_dir), pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for file_name in _NON_WEIGHT_FILES:
+        src = source / file_name
+        if src.exists() and src.resolve() != (out / file_name).resolve():
+            shutil.copyfile(src, out / file_name)
+    write_safetensors(out, named_tensors)
+    (out / "trainer_config.json").write_text(json.dumps({**dataclasses.asdict(config), **(extra or {})}, indent=2))
+    return out
+
+
+def pad_sequences(
+    prompt_ids_list: Sequence[Sequence[int]],
+    response_ids_list: Sequence[Sequence[int]],
+    response_masks: Sequence[Sequence[int]] | None,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + response`` ids, attention mask, and the loss mask of targets.
+
+    The loss mask is aligned with ``ids[:, 1:]`` (the next-token targets): 1 where the target is
+    a response token that counts.
+    """
+    if len(prompt_ids_list) != len(response_ids_list):
+        raise ValueError(f"{len(prompt_ids_list)} prompts but {len(response_ids_list)} responses")
+    if response_masks is not None and len(response_masks) != len(response_ids_list):
+        raise ValueError(f"{len(response_masks)} response_masks for {len(response_ids_list)} responses")
+    if not prompt_ids_list:
+        raise ValueError("empty batch")
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids_list, response_ids_list)]
+    batch, seq = len(lengths), max(lengths)
+    ids = torch.full((batch, seq), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, seq), dtype=torch.long)
+    loss_mask = torch.zeros((batch, seq - 1), dtype=torch.float32)
+    for i, (prompt, response) in enumerate(zip(prompt_ids_list, response_ids_list)):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty (it needs at least a bos token)")
+        ids[i, : lengths[i]] = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+        attention[i, : lengths[i]] = 1
+        mask = [1.0] * len(response) if response_masks is None else [float(m) for m in response_masks[i]]
+        if len(mask) != len(response):
+            raise ValueError(f"response_masks[{i}] has {len(mask)} entries for {len(response)} tokens")
+        loss_mask[i, len(prompt) - 1 : lengths[i] - 1] = torch.tensor(mask)
+    return ids, attention, loss_mask
+
+
+class OptimizerSteps:
+    """backward/step shared by every backend; a backend overrides ``_clip_grad_norm`` when its
+    parameters are sharded (megatron at TP > 1). Needs ``model``, ``optimizer``, ``config``, ``_lr``."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of ``loss`` (for micro-batches); ``step()`` applies them."""
+        if loss.dim() != 0:
+            raise ValueError(f"loss must be a scalar, got shape {tuple(loss.shape)}")
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()!r}")
+        loss.backward()
+
+    def step(self, loss: torch.Tensor | None = None) -> dict[str, float]:
+        """Backward ``loss`` (if given), clip gradients, take an optimizer step, zero gradients."""
+        if loss is not None:
+            self.backward(loss)
+        grad_norm = self._clip_grad_norm()
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(f"non-finite gradient norm {grad_norm.item()!r}; step skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": self._lr}
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+
+class HFTrainer(OptimizerSteps):
+    """Trains a ``transformers`` causal LM loaded from a model directory (float32 on CPU)."""
+
+    def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = TrainerConfig() if config is None else config
+        self.source_dir = pathlib.Path(model_dir)
+        self.num_threads = num_threads_for(self.config.num_threads)
+        torch.set_num_threads(self.num_threads)
+        self.dtype_choice = resolve_autocast_dtype(self.config.autocast_dtype)
+        self._autocast_bf16 = self.dtype_choice.chosen == "bfloat16"
+        torch.manual_seed(self.config.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=torch.float32)
+        self.model.train()
+        self._disk_dtypes = disk_dtypes(self.source_dir)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = sorted(set(self._disk_dtypes) - set(params))
+        if missing:
+            raise RuntimeError(f"model dir tensors {missing[:5]} are not parameters of the model")
+        self._params = {name: params[name] for name in self._disk_dtypes}
+        self.pad_id = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0)
+        self._lr = self.config.lr
+        self.optimizer = self._new_optimizer()
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.model, self.config, self._lr)
+
+    def sequence_logprobs(
+        self,
+        prompt_ids_list: Sequence[Sequence[int]],
+        response_ids_list: Sequence[Sequence[int]],
+        response_masks: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """Sum of the response tokens' log-probs per sequence ([batch], float32, with grad).
+
+        Prompts must include any bos token; ``response_masks[i][t] = 0`` drops token t of
+        response i from the sum (e.g. stale segments of a partial rollout).
+        """
+        ids, attention, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks, self.pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._autocast_bf16):
+            logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW (empty moment estimates); gradients are cleared."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer = self._new_optimizer()
+
+    def set_lr(self, lr: float) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr={lr!r} must be > 0")
+        self._lr = float(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+
+    def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        """Detached weights under the source directory's names and dtypes.
+
+        Tensors whose stored dtype is float32 share memory with the live parameters unless
+        ``copy`` is set (they change on the next ``step``); others are fresh casts.
+        """
+        out = {}
+        for name, param in self._params.items():
+            tensor = param.detach().to(self._disk_dtypes[name])
+            out[name] = tensor.clone() if copy and tensor.data_ptr() == param.data_ptr() else tensor
+        return out
+
+    @torch.no_grad()
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a checkpoint's weights (names as HF saved them) into the model."""
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected or [m for m in missing if m not in ("lm_head.weight",)]:
+            raise RuntimeError(
+                f"checkpoint does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+
+    def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
+        """Write a HF model directory (config and tokenizer copied from the source, new weights)."""
+        return save_hf_dir(self.source_dir, out_dir, self.named_tensors(), self.config)
