@@ -179,7 +179,10 @@ def plot(curves: Mapping[str, Sequence[Sequence[tuple[int, float]]]], path: path
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.path.insert(0, str(REPO))  # run as a script from a checkout
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging("INFO")
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[list[tuple[int, float]]]] = {}

@@ -239,10 +239,12 @@ def main(argv=None) -> int:
             print(f"error: ${var} is not set: run under torchrun", file=sys.stderr)
             return 2
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
 
     import checkpoint_engine.distributed as dist
     from checkpoint_engine import ParameterServer
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging("INFO", rank=rank)
 
     dist.use_backend(args.custom_dist)
     ps = ParameterServer(auto_pg=True)
