@@ -1,32 +1,33 @@
-"""Helpers for multi-process tests: free ports, engine processes, rank processes, deadlines."""
+"""Helpers for multi-process tests: free ports, engine processes, rank processes, the daemon, deadlines."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+# the daemon's start, free ports and process-group stops live in testing.daemon (examples use them too)
+from testing.daemon import REPO, Daemon, DaemonStartError, free_port, start_daemon, stop_group
+from testing.daemon import repo_env as _env
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+__all__ = [
+    "REPO",
+    "Daemon",
+    "DaemonStartError",
+    "Engine",
+    "_env",
+    "etcd_server",
+    "free_port",
+    "get_json",
+    "rpc",
+    "run_ranks",
+    "start_daemon",
+    "stop_group",
+]
 
 
 def get_json(url: str, timeout_s: float = 10.0) -> dict:
@@ -94,23 +95,6 @@ class Engine:
                 self.proc.kill()
                 self.proc.wait(5)
         return self.proc.returncode
-
-
-def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """End a process started with ``start_new_session=True`` and everything in its session (torchrun's
-    ranks outlive a killed torchrun otherwise)."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if proc.poll() is None:
-        proc.wait(timeout_s)
 
 
 def run_ranks(world: int, args_for_rank, timeout_s: float = 120.0, kill_rank_after=None) -> list[tuple[int, str]]:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint_engine.checksum import tensor_checksum
-from tests.integration.dist.harness import REPO, Engine, _env, free_port, get_json, stop_group
+from tests.integration.dist.harness import Engine, _env, rpc, start_daemon
 
 
 def call(method: str, url: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, dict]:
@@ -43,46 +43,14 @@ def test_daemon_register_update_shutdown(tmp_path):
         path = tmp_path / f"model-{part}.safetensors"
         save_file({k: v for i, (k, v) in enumerate(tensors.items()) if i % 3 == part}, path)
         files.append(str(path))
-    engines = [Engine(), Engine()]
-    port = free_port()
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "checkpoint_engine",
-            "--port",
-            str(port),
-            "--collective-timeout-s",
-            "60",
-            "--metrics-jsonl",
-            str(tmp_path / "metrics.jsonl"),
-            "--p2p-host",
-            "127.0.0.1",
-        ],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    daemon = start_daemon(
+        *("--collective-timeout-s", "60", "--metrics-jsonl", str(tmp_path / "metrics.jsonl")),
+        *("--p2p-host", "127.0.0.1"),
+        log=tmp_path / "daemon.log",
     )
-    base = f"http://127.0.0.1:{port}"
+    base, engines = daemon.url, []
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert daemon.poll() is None, daemon.stdout.read()
-            try:
-                get_json(base + "/health", 1.0)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "daemon did not come up"
-                time.sleep(0.1)
+        engines += [Engine(), Engine()]
         code, res = call("POST", base + "/checkpoints", {"name": "m", "files": files})
         assert code == 200 and res["ok"], res
         assert sum(len(r["result"]["registered_files"]) for r in res["ranks"]) == 3
@@ -99,8 +67,6 @@ def test_daemon_register_update_shutdown(tmp_path):
         for e in engines:
             assert e.digest() == expected and e.state()["version"] == 1
         # rank 1's engine restarts empty and recovers through P2P; rank 0's engine is not touched
-        from tests.integration.dist.harness import rpc
-
         rpc(engines[1].url, "reset_weights")
         code, res = call("POST", base + "/update", {"name": "m", "endpoints": [e.url for e in engines], "ranks": [1]})
         assert code == 200 and res["ok"], res
@@ -119,11 +85,9 @@ def test_daemon_register_update_shutdown(tmp_path):
         assert code == 200 and res["ok"]
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
         assert len(lines) == 3 and all(json.loads(x)["ok"] for x in lines)  # one line per rank and update
-        assert call("POST", base + "/shutdown")[0] == 200
-        out, _ = daemon.communicate(timeout=60)
-        assert daemon.returncode == 0, out
+        assert daemon.shutdown() == 0, daemon.log_tail()
     finally:
-        stop_group(daemon)  # torchrun and its ranks, whatever state the test left them in
+        daemon.stop()  # torchrun and its ranks, whatever state the test left them in
         for e in engines:
             e.stop()
 
@@ -150,41 +114,15 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
     uds = str(tmp_path / "ps.sock")
     with socket.socket(socket.AF_UNIX) as s:  # a dead server's leftover socket file: taken over
         s.bind(uds)
-    engines = [Engine(), Engine()]
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "checkpoint_engine",
-            "--uds",
-            uds,
-            "--collective-timeout-s",
-            "60",
-        ],  # as theirs: no P2P flags
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    # as theirs: no P2P flags; ready once GET /v1/healthz (their route) answers 200 on the socket
+    daemon = start_daemon(
+        "--collective-timeout-s", "60", uds=uds, ready_path="/v1/healthz", log=tmp_path / "daemon.log"
     )
-    rpc_urls = [e.url + "/collective_rpc" for e in engines]
+    engines = []
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert daemon.poll() is None, daemon.stdout.read()
-            try:
-                assert uds_call(uds, "GET", "/v1/healthz", timeout_s=1.0) == (200, {})
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "daemon did not come up"
-                time.sleep(0.1)
+        engines += [Engine(), Engine()]
+        rpc_urls = [e.url + "/collective_rpc" for e in engines]
+        assert uds_call(uds, "GET", "/v1/healthz") == (200, {})
         v1 = "/v1/checkpoints/m"
         # bad requests: 422 naming the field (FastAPI's shape), nothing sent to the ranks
         code, answer = uds_call(uds, "POST", v1 + "/files", {"files": "model.safetensors"})
@@ -209,8 +147,6 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
         for e in engines:
             assert e.digest() == expected and e.state()["version"] == 1
         # their P2P call: rank 1's engine restarts empty; inference_group_ranks picks its socket path
-        from tests.integration.dist.harness import rpc
-
         rpc(engines[1].url, "reset_weights")
         body = {"ranks": [1], "update_url": rpc_urls[1], "inference_group_ranks": [1], "timeout": 30}
         assert uds_call(uds, "POST", v1 + "/update", body) == (200, {})
@@ -222,10 +158,9 @@ def test_daemon_moonshot_routes_over_uds(tmp_path):
         code, answer = uds_call(uds, "DELETE", v1)
         assert code == 500 and "not registered" in answer, answer
         assert uds_call(uds, "POST", "/shutdown")[0] == 200
-        out, _ = daemon.communicate(timeout=60)
-        assert daemon.returncode == 0, out
+        assert daemon.proc.wait(60) == 0, daemon.log_tail()
         assert not os.path.exists(uds)  # removed on exit
     finally:
-        stop_group(daemon)  # torchrun and its ranks, whatever state the test left them in
+        daemon.stop()  # torchrun and its ranks, whatever state the test left them in
         for e in engines:
             e.stop()
