@@ -2,6 +2,10 @@
 
 Sources are safetensors files (read straight into the chunks, header validated by us) and/or
 in-memory tensors. The layout comes from `plan.layout_tensors`; buckets later slice the chunks.
+
+Zero-copy registration (CPU transport): tensors that are views of a `SharedTensorBuffer` of this
+process (one memfd segment, filled in place, possibly by other processes on this host) are adopted:
+the segment itself becomes the checkpoint's chunk (`adopt_shared_buffer`), nothing is copied.
 """
 
 from __future__ import annotations
@@ -11,14 +15,17 @@ import logging
 import math
 import os
 import struct
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from checkpoint_engine import shm
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.dtypes import dtype_from_name, dtype_from_safetensors, dtype_name, itemsize
-from checkpoint_engine.plan import RankLayout, TensorMeta, layout_tensors
+from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, RankLayout, TensorMeta, layout_tensors
+from checkpoint_engine.protocol import BufferHandle
 from checkpoint_engine.transport import HostChunk
 
 logger = logging.getLogger(__name__)
@@ -127,6 +134,7 @@ class RegisteredCheckpoint:
     layout: RankLayout
     chunks: list[HostChunk]
     _checksums: dict[str, int] | None = field(default=None, repr=False)
+    adopted: bool = False  # the chunk is a SharedTensorBuffer's segment (registered without a copy)
 
     def chunk(self, index: int) -> torch.Tensor:
         return self.chunks[index].tensor
@@ -222,3 +230,133 @@ def _fill_from_files(ckpt: RegisteredCheckpoint, file_tensors: list[FileTensor],
                     if not n:
                         raise ValueError(f"{path}: unexpected end of file reading tensor {ft.name!r}")
                     got += n
+
+
+# SharedTensorBuffers alive in this process, by the address of their mapping (found by data pointer).
+_LIVE_BUFFERS: dict[int, weakref.ref] = {}
+
+
+class SharedTensorBuffer:
+    """Named tensors at aligned offsets in ONE memfd segment created by this process: a checkpoint
+    written in place, then registered by a ParameterServer of this process without a copy.
+
+        buf = SharedTensorBuffer([(name, dtype, shape), ...])    layout: plan.layout_tensors, one chunk
+        this process writes buf.tensors[name]; another process on this host writes
+            SharedTensorBuffer.views(shm.map_writable(buf.ref), buf.layout)   (/proc/<pid>/fd/<fd>)
+        ps.register_checkpoint(name, named_tensors=buf.tensors)   adopted: the segment is the chunk
+        ps.unregister_checkpoint(name)                            released: buf may be written again
+
+    ``register_checkpoint`` adopts when every tensor it is given is the view of ``buf.tensors`` of
+    the same name (dtype, shape, offset), no files come with them, the transport is the CPU one and
+    the buffer is not adopted already; otherwise it copies as usual. While adopted
+    (``adopted_by`` names the checkpoint) engines and P2P readers read these bytes: the owner must
+    not write them (take another buffer). ``close()`` of an adopted buffer waits for the release.
+    """
+
+    def __init__(
+        self, specs: Sequence[tuple[str, str, tuple[int, ...]]], *, align_bytes: int = DEFAULT_ALIGN_BYTES, tag="shared"
+    ) -> None:
+        self.layout = layout_tensors(specs, align_bytes=align_bytes)  # no max_chunk_bytes: one chunk
+        if len(self.layout.chunk_sizes_bytes) != 1:
+            raise ValueError("a SharedTensorBuffer needs at least one tensor")
+        self._segment: shm.Segment | None = shm.Segment(self.layout.chunk_sizes_bytes[0], tag)
+        self.ref = self._segment.ref
+        self.tensors = self.views(self._segment.tensor, self.layout)
+        self.adopted_by: str | None = None
+        self._closing = False
+        self._base = self._segment.tensor.data_ptr()
+        _LIVE_BUFFERS[self._base] = weakref.ref(self)
+
+    @staticmethod
+    def views(raw: torch.Tensor, layout: RankLayout) -> dict[str, torch.Tensor]:
+        """{name: typed view} of a mapping (uint8) of a buffer's segment laid out as ``layout``."""
+        out = {}
+        for m in layout.metas:
+            out[m.name] = raw[m.offset_bytes : m.offset_bytes + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.ref.size_bytes
+
+    def contains(self, ptr: int) -> bool:
+        return self._segment is not None and self._base <= ptr < self._base + self.ref.size_bytes
+
+    def close(self) -> None:
+        """Free the segment now, or when the checkpoint that adopted it is unregistered."""
+        self._closing = True
+        if self.adopted_by is None:
+            self._free()
+
+    def _release(self) -> None:
+        self.adopted_by = None
+        if self._closing:
+            self._free()
+
+    def _free(self) -> None:
+        if self._segment is None:
+            return
+        _LIVE_BUFFERS.pop(self._base, None)
+        self.tensors = {}
+        self._segment.close()
+        self._segment = None
+
+    def __del__(self) -> None:
+        _LIVE_BUFFERS.pop(getattr(self, "_base", None), None)
+
+
+def find_shared_buffer(named_tensors: Mapping[str, torch.Tensor], align_bytes: int) -> SharedTensorBuffer | None:
+    """The buffer ``register_checkpoint`` may adopt for ``named_tensors``, or None (then it copies)."""
+    if not named_tensors:
+        return None
+    first = next(iter(named_tensors.values()))
+    if not isinstance(first, torch.Tensor) or first.device.type != "cpu":
+        return None
+    buffer = None
+    for ref in list(_LIVE_BUFFERS.values()):
+        candidate = ref()
+        if candidate is not None and candidate.contains(first.data_ptr()):
+            buffer = candidate
+            break
+    if buffer is None:
+        return None
+    why = None
+    if buffer.adopted_by is not None:
+        why = f"it is registered already as {buffer.adopted_by!r}"
+    else:
+        for tname, t in named_tensors.items():
+            view = buffer.tensors.get(tname)
+            if not isinstance(t, torch.Tensor) or view is None or t.device.type != "cpu":
+                why = f"{tname!r} is not one of its tensors"
+            elif t.data_ptr() != view.data_ptr() or t.dtype != view.dtype or t.shape != view.shape:
+                why = f"{tname!r} is not its view of that name"
+            elif not t.is_contiguous() or (t.data_ptr() - buffer._base) % align_bytes:
+                why = f"{tname!r} is not contiguous at a multiple of align_bytes={align_bytes}"
+            if why:
+                break
+    if why:
+        logger.info("tensors lie in a shared buffer but are copied: %s", why)
+        return None
+    return buffer
+
+
+def adopt_shared_buffer(
+    name: str, named_tensors: Mapping[str, torch.Tensor], buffer: SharedTensorBuffer
+) -> RegisteredCheckpoint:
+    """Register ``named_tensors`` (checked by ``find_shared_buffer``) in place: the buffer's segment
+    is the checkpoint's one chunk until it is unregistered (no copy, no new memory)."""
+    assert buffer._segment is not None and buffer.adopted_by is None
+    metas = tuple(m for m in buffer.layout.metas if m.name in named_tensors)
+    layout = RankLayout(metas, buffer.layout.chunk_sizes_bytes)
+    ref = buffer.ref
+    handle = BufferHandle(kind="fd", size_bytes=ref.size_bytes, pid=ref.pid, fd=ref.fd)
+    buffer.adopted_by = name
+    chunk = HostChunk(buffer._segment.tensor, handle, buffer._release)
+    ckpt = RegisteredCheckpoint(name, layout, [chunk], adopted=True)
+    logger.info(
+        "registered checkpoint %r without a copy: %d tensors, %.3f GiB adopted from a shared buffer",
+        name,
+        len(metas),
+        ckpt.nbytes / 2**30,
+    )
+    return ckpt

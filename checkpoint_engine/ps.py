@@ -24,7 +24,13 @@ import zmq
 from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig
-from checkpoint_engine.host_memory import HostMemoryPool, RegisteredCheckpoint, register_tensors
+from checkpoint_engine.host_memory import (
+    HostMemoryPool,
+    RegisteredCheckpoint,
+    adopt_shared_buffer,
+    find_shared_buffer,
+    register_tensors,
+)
 from checkpoint_engine.jobs import GlobalMetas, make_job, memory_budget_bytes
 from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
@@ -160,6 +166,11 @@ class ParameterServer:
         `use_inplace_pin_memory`: accepted and ignored. Files are always copied into the PS's own
         chunks (memfd on CPU, pinned on CUDA) and never removed (MoonshotAI pins /dev/shm files in
         place on CUDA and deletes them).
+
+        Zero copy (ours): with the CPU transport, `named_tensors` that are the views of a
+        `host_memory.SharedTensorBuffer` made in this process (and no `files`, no shared pool) are
+        adopted: that buffer's memfd segment becomes the checkpoint's chunk, nothing is copied, and
+        the buffer is released for writing again by `unregister_checkpoint` (see its docstring).
         """
         if unknown:
             raise TypeError(
@@ -184,17 +195,23 @@ class ParameterServer:
                     "unregister it before registering another one with use_shared_memory_pool=True"
                 )
             pool = self._shared_pool
-        try:
-            ckpt = register_tensors(
-                checkpoint_name,
-                files=files,
-                named_tensors=named_tensors,
-                alloc_host=pool.alloc,
-                align_bytes=self.config.align_bytes,
-                max_chunk_bytes=self.config.max_chunk_bytes,
-            )
-        finally:
-            pool.trim()  # what this registration did not reuse
+        shared = None
+        if named_tensors and not files and not use_shared_memory_pool and self._transport.engines_map_host_chunks:
+            shared = find_shared_buffer(named_tensors, self.config.align_bytes)
+        if shared is not None:
+            ckpt = adopt_shared_buffer(checkpoint_name, named_tensors, shared)
+        else:
+            try:
+                ckpt = register_tensors(
+                    checkpoint_name,
+                    files=files,
+                    named_tensors=named_tensors,
+                    alloc_host=pool.alloc,
+                    align_bytes=self.config.align_bytes,
+                    max_chunk_bytes=self.config.max_chunk_bytes,
+                )
+            finally:
+                pool.trim()  # what this registration did not reuse
         if use_shared_memory_pool:
             self._shared_pool_user = checkpoint_name
         if self._p2p is not None:

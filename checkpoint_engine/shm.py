@@ -68,9 +68,9 @@ class Segment:
             pass
 
 
-def _open_segment(ref: SegmentRef) -> int:
+def _open_segment(ref: SegmentRef, writable: bool = False) -> int:
     try:
-        return os.open(ref.path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(ref.path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except FileNotFoundError:
         raise RuntimeError(f"shared segment {ref.path} is gone (its parameter server process exited?)") from None
     except PermissionError:
@@ -83,6 +83,22 @@ def _open_segment(ref: SegmentRef) -> int:
 def map_readonly(ref: SegmentRef) -> torch.Tensor:
     """Engine side: map a PS segment read-only, pages populated up front."""
     return _map_fd(_open_segment(ref), ref)[0]
+
+
+def map_writable(ref: SegmentRef) -> torch.Tensor:
+    """Writer side: map another process's segment read-write (``MAP_SHARED``: the owner and every
+    other mapping see the writes). Used by the trainer ranks that fill a ``SharedTensorBuffer``
+    created in the parameter server's process. Pages are not populated up front: a writer touches
+    only its own slices."""
+    fd = _open_segment(ref, writable=True)
+    try:
+        size = os.fstat(fd).st_size
+        if size < ref.size_bytes:
+            raise RuntimeError(f"shared segment {ref.path} has {size} bytes, expected {ref.size_bytes}")
+        mm = mmap.mmap(fd, ref.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def _map_fd(fd: int, ref: SegmentRef) -> tuple[torch.Tensor, tuple[int, int]]:
