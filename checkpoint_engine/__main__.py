@@ -29,6 +29,8 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from checkpoint_engine.sources import REQUESTED_MODES
+
     p = argparse.ArgumentParser(
         prog="python -m checkpoint_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -37,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--uds", default=None, help="serve on this unix socket instead of TCP")
     p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bucket-size-mib", type=int, default=None)
-    p.add_argument("--mode", choices=["auto", "collective", "local"], default="auto")
+    p.add_argument("--mode", choices=REQUESTED_MODES, default="auto")
     p.add_argument("--collective-timeout-s", type=float, default=300.0)
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON line per update (per rank)")
     p.add_argument("--progress", action="store_true", help="progress bar on rank 0 during updates")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from checkpoint_engine.p2p import P2PConfig
+from checkpoint_engine.sources import REQUESTED_MODES, RequestedMode
 
 MiB = 2**20
 
@@ -23,13 +24,14 @@ class UpdateConfig:
     metrics_path: str | None = None
     # "collective": broadcast every bucket across ranks (gloo/NCCL); "local": all ranks share one host
     # and engines read each owner's registered chunks directly (CPU); "auto": local when possible.
-    mode: Literal["auto", "collective", "local"] = "auto"
+    mode: RequestedMode = "auto"
     agree_every_buckets: int = 8  # cross-rank status exchange period (failures abort within this many)
     keep_buffers: bool = True  # keep the double buffer between updates
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "collective", "local"):
-            raise ValueError(f"mode must be 'auto', 'collective' or 'local', got {self.mode!r}")
+        if self.mode not in REQUESTED_MODES:
+            *first, last = REQUESTED_MODES
+            raise ValueError(f"mode must be {', '.join(map(repr, first))} or {last!r}, got {self.mode!r}")
         if not isinstance(self.agree_every_buckets, int) or self.agree_every_buckets < 1:
             raise ValueError(f"agree_every_buckets must be an int >= 1, got {self.agree_every_buckets!r}")
         for name in ("bucket_size_bytes", "memory_budget_bytes"):

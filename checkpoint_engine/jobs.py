@@ -15,7 +15,6 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import psutil
 import torch
@@ -30,7 +29,7 @@ from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.pipeline import UpdateJob
 from checkpoint_engine.plan import TensorMeta
 from checkpoint_engine.protocol import BufferHandle
-from checkpoint_engine.sources import BucketSource, CollectiveSource, LocalSource, Mode, P2PSource
+from checkpoint_engine.sources import BucketSource, CollectiveSource, LocalSource, Mode, P2PSource, RequestedMode
 from checkpoint_engine.transport import Transport
 from checkpoint_engine.types import ReqFunc
 
@@ -168,7 +167,7 @@ def engine_can_map_owners(g: GlobalMetas, transport: Transport) -> bool:
 
 def choose_mode(
     g: GlobalMetas,
-    requested: Literal["auto", "collective", "local"],
+    requested: RequestedMode,
     *,
     pull: bool,
     cannot_map: list[int],

@@ -31,8 +31,13 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch (metrics.
     from checkpoint_engine.pipeline import UpdateJob, UpdateRun
     from checkpoint_engine.plan import Bucket
 
-Mode = Literal["collective", "local", "p2p"]
+# The mode names live here once. An update's config may ask for `SelectableMode` (or "auto": let
+# `jobs.choose_mode` pick); "p2p" is never asked for: a pull takes it when local reads are impossible.
+SelectableMode = Literal["collective", "local"]
+Mode = Literal[SelectableMode, "p2p"]  # what an update runs as (Literal flattens: the three names)
 MODES: tuple[Mode, ...] = get_args(Mode)
+RequestedMode = Literal["auto", SelectableMode]  # `UpdateConfig.mode`, daemon `--mode`
+REQUESTED_MODES: tuple[RequestedMode, ...] = get_args(RequestedMode)
 
 
 @dataclass(frozen=True)
