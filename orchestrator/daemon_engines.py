@@ -151,11 +151,10 @@ def write_version(handoff: pathlib.Path, name: str, tensors: Mapping[str, torch.
 
 
 def _http_engine(config: EngineConfig, url: str):
-    from orchestrator.engine import HttpVllmEngine
+    """One daemon engine's client (kept under this name for benchmarks/bench_topology.py)."""
+    from orchestrator.engine_http import http_client
 
-    # one engine's client: the daemon-only settings (colocated) do not apply to it
-    http = dataclasses.replace(config, type="vllm_http", endpoint=url, num_engines=1, colocated=False)
-    return HttpVllmEngine(http, max_workers=min(config.max_num_seqs, 256), batch_size=BATCH_SIZE)
+    return http_client(config, url, BATCH_SIZE)
 
 
 class DaemonEnginePool(EnginePool):

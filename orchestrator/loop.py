@@ -129,7 +129,8 @@ class RLJob:
         from transformers import AutoTokenizer
 
         from orchestrator.engine import SamplingSettings, make_engine
-        from orchestrator.engine_pool import EnginePool, PoolWeightSync
+        from orchestrator.engine_pool import EnginePool
+        from orchestrator.pool_sync import PoolWeightSync
         from orchestrator.rollout import Rollout
         from orchestrator.weight_sync import WeightSync
         from trainer import sft

@@ -8,7 +8,8 @@ import pytest
 
 from checkpoint_engine.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig
-from orchestrator.engine import GenRequest, HttpVllmEngine, SamplingSettings
+from orchestrator.engine import GenRequest, SamplingSettings
+from orchestrator.engine_http import HttpVllmEngine
 from orchestrator.repeat import RepeatConfig
 
 

@@ -1,0 +1,186 @@
+"""vLLM's AsyncLLM in this process as a ``RolloutEngine``: every request streams, repeats stop at once.
+
+::
+
+    generate(requests) ──▶ one coroutine per request on a private event loop thread
+        token deltas ──▶ _StreamStopper (a RepeatDetector seeded with the earlier segments)
+            fires ──▶ the request aborted in the engine, finish "repeat"
+        on_result(result) as each request finishes
+    weight_req_func ──▶ collective_rpc(update_weights_from_ipc) on the workers, then a prefix-cache reset
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from checkpoint_engine.types import ReqFunc
+from orchestrator.config import EngineConfig
+from orchestrator.engine import (
+    VLLM_FINISH,
+    GenCall,
+    GenRequest,
+    GenResult,
+    ResultCallback,
+    RolloutEngine,
+    SamplingSettings,
+)
+from orchestrator.repeat import RepeatConfig
+
+logger = logging.getLogger(__name__)
+
+
+class _StreamStopper:
+    """Per-request streaming repeat check; returns how many new tokens to keep once it fires."""
+
+    def __init__(self, repeat: RepeatConfig | None, earlier: Sequence[int]) -> None:
+        self._detector = repeat.detector() if repeat is not None and repeat.enabled else None
+        self._num_earlier = len(earlier)
+        if self._detector is not None:
+            self._detector.extend(earlier)
+            if self._detector.triggered:  # an earlier segment repeated under another rule: start clean
+                self._detector.reset()
+                self._num_earlier = 0
+
+    def push(self, new_ids: Sequence[int], num_kept: int) -> int | None:
+        """Feed a delta; None to go on, else the number of new tokens (of the request) to keep."""
+        if self._detector is None or not self._detector.extend(new_ids):
+            return None
+        return self._detector.triggered_at - self._num_earlier
+
+
+class AsyncVllmEngine(RolloutEngine):
+    """vLLM's AsyncLLM in this process, driven from an event loop on a private thread."""
+
+    def __init__(self, model_dir: str, config: EngineConfig) -> None:
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        self._serial = itertools.count()
+        self._llm = None
+        try:
+            self._llm = self._call(self._create(model_dir), config.start_timeout_s, "engine start")
+        except BaseException:
+            self.close()
+            raise
+
+    async def _create(self, model_dir: str):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from vllm_ext.launch import EXTENSION
+
+        c = self.config
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            block_size=c.block_size,
+            enable_prefix_caching=c.enable_prefix_caching,
+            seed=c.seed,
+            worker_extension_cls=EXTENSION,
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def _call(self, coro, timeout_s: float, what: str) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from None
+        except BaseException:  # e.g. SystemExit from SIGTERM: stop the work on the loop too
+            future.cancel()
+            raise
+
+    def _generate(self, call: GenCall) -> list[GenResult]:
+        batch = next(self._serial)
+
+        async def run_all():
+            return await asyncio.gather(
+                *(self._one(r, call.sampling, call.repeat, call.on_result, batch) for r in call.requests)
+            )
+
+        return list(self._call(run_all(), call.timeout_s, f"generation of {len(call.requests)} requests"))
+
+    async def _one(
+        self,
+        request: GenRequest,
+        sampling: SamplingSettings,
+        repeat: RepeatConfig | None,
+        on_result: ResultCallback | None,
+        batch: int,
+    ) -> GenResult:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=request.max_tokens,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        stopper = _StreamStopper(repeat, request.earlier_response_ids)
+        tokens: list[int] = []
+        finish: str | None = None
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+            params,
+            request_id=f"b{batch}-{request.request_id}",
+        )
+        async for out in stream:  # a cancelled task aborts its request inside vLLM's generate()
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            keep = stopper.push(new, len(tokens))
+            if keep is not None:
+                tokens = (tokens + new)[:keep]
+                finish = "repeat"
+                break
+            tokens += new
+            if out.finished:
+                finish = VLLM_FINISH.get(completion.finish_reason, "abort")
+        if finish == "repeat":
+            await stream.aclose()  # stopped early: abort the request in the engine now
+        result = GenResult(request.request_id, tuple(tokens), finish or "abort")
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    def weight_req_func(self, timeout_s: float) -> ReqFunc:
+        from vllm_ext.req import rpc_req_func
+
+        def collective_rpc(method: str, *, timeout: float, args: tuple) -> list:
+            return self._call(
+                self._llm.collective_rpc(method, timeout=timeout, args=args), timeout + 30.0, "weight update"
+            )
+
+        def reset_prefix_cache() -> None:  # KV blocks computed with the old weights must not be reused
+            self._call(self._llm.reset_prefix_cache(), 60.0, "prefix cache reset")
+
+        return rpc_req_func(collective_rpc, reset_prefix_cache, "in-process vLLM", timeout_s=timeout_s)
+
+    def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+
+            async def shutdown() -> None:  # on the loop thread: it cancels the loop's output task
+                llm.shutdown()
+
+            try:
+                self._call(shutdown(), 60.0, "shutdown")
+            except Exception as e:  # noqa: BLE001 - closing must go on
+                logger.warning("vLLM shutdown: %s", e)
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
