@@ -8,6 +8,7 @@
                                         │
                                         ▼
                           from_dict(JobConfig, merged) ──▶ every __post_init__ validates
+                          (orchestrator.dictconfig: the generic part)
 
 Unknown keys are errors that name the full dotted path (keys starting with "_" are comments).
 Sections reuse the components' own config classes where they exist (``SFTConfig``,
@@ -23,13 +24,12 @@ import json
 import logging
 import math
 import pathlib
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from checkpoint_engine.validate import check_int, check_number
 from demo import task
+from orchestrator.dictconfig import apply_overrides, from_dict, merge, to_dict
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig
@@ -391,92 +391,6 @@ class _FixedRng:
         return high
 
 
-# -- dict <-> dataclass ----------------------------------------------------------------------------
-
-
-def to_dict(obj: Any) -> Any:
-    """A JSON-ready form of a config tree (tuples become lists)."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(x) for x in obj]
-    if isinstance(obj, Mapping):
-        return {str(k): to_dict(v) for k, v in obj.items()}
-    return obj
-
-
-def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
-    """Build dataclass ``cls`` from a (JSON) mapping, converting nested sections and tuples."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{path or 'config'} must be an object, got {type(data).__name__}")
-    data = {k: v for k, v in data.items() if not str(k).startswith("_")}  # "_comment" keys
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ValueError(
-            f"unknown config key(s) {[where + k for k in unknown]}; known in {path or 'the top level'}: {sorted(names)}"
-        )
-    kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def _convert(hint: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _convert(options[0], value, path) if len(options) == 1 else value
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, path)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{path}={value!r} must be a list")
-        return tuple(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def merge(base: Mapping[str, Any], update: Mapping[str, Any], path: str = "") -> dict[str, Any]:
-    """Deep merge of two config dicts; sections merge, leaves are replaced."""
-    out = dict(base)
-    for key, value in update.items():
-        where = f"{path}.{key}" if path else key
-        if isinstance(out.get(key), Mapping) and isinstance(value, Mapping) and key not in ("code",):
-            out[key] = merge(out[key], value, where)
-        else:
-            out[key] = value
-    return out
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"rl.lr=3e-4"`` -> (["rl", "lr"], 0.0003); the value is JSON when it parses, else a string."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"override {text!r} must look like section.key=value")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return [part for part in key.strip().split(".")], value
-
-
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    out = json.loads(json.dumps(data))  # deep copy of a JSON tree
-    for text in overrides:
-        keys, value = parse_override(text)
-        node = out
-        for i, key in enumerate(keys[:-1]):
-            if not isinstance(node.get(key), dict):
-                raise ValueError(f"override {text!r}: {'.'.join(keys[: i + 1])} is not a config section")
-            node = node[key]
-        node[keys[-1]] = value
-    return out
-
-
 def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Defaults, then the JSON file (if any), then ``--set`` overrides; validated."""
     data = to_dict(JobConfig())
@@ -488,16 +402,3 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
         data = merge(data, file_data)
     data = apply_overrides(data, overrides)
     return from_dict(JobConfig, data)
-
-
-def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], path: str = "") -> list[str]:
-    """Dotted paths whose values differ between two config dicts."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        where = f"{path}.{key}" if path else key
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += config_differences(a, b, where)
-        elif a != b:
-            out.append(where)
-    return out

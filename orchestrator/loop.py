@@ -41,7 +41,8 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator import checkpointing, data
-from orchestrator.config import RESUMABLE_CHANGES, JobConfig, config_differences, to_dict
+from orchestrator.config import RESUMABLE_CHANGES, JobConfig
+from orchestrator.dictconfig import config_differences, to_dict
 from orchestrator.metrics import MetricsLog, plot_metrics, summary_line
 from orchestrator.replay import ReplayBuffer
 from orchestrator.sampling import CurriculumSampler, PrioritizedSampler, ProblemSampler, ProblemStats

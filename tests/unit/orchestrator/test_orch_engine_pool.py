@@ -246,7 +246,8 @@ def test_a_pool_has_no_single_req_func(pools):
 
 
 def test_a_run_saved_before_engine_pools_still_resumes():
-    from orchestrator.config import load_config, to_dict
+    from orchestrator.config import load_config
+    from orchestrator.dictconfig import to_dict
     from orchestrator.loop import check_resumable
 
     current = to_dict(load_config(None))

@@ -8,15 +8,8 @@ import time
 
 import pytest
 
-from orchestrator.config import (
-    JobConfig,
-    apply_overrides,
-    config_differences,
-    from_dict,
-    load_config,
-    parse_override,
-    to_dict,
-)
+from orchestrator.config import JobConfig, load_config
+from orchestrator.dictconfig import apply_overrides, config_differences, from_dict, parse_override, to_dict
 from orchestrator.loop import check_resumable
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -145,3 +138,12 @@ def test_lr_schedule(schedule, iteration, expected):
         None, [f"rl.lr_schedule={schedule}", "rl.lr=1e-4", "rl.min_lr_ratio=0.2", "rl.num_iterations=10"]
     ).rl
     assert rl.lr_at(iteration) == pytest.approx(expected)
+
+
+def test_a_reused_sections_error_names_its_key_path():
+    with pytest.raises(ValueError, match=r"^sft: lr=-1\.0 must be > 0"):
+        load_config(None, ["sft.lr=-1.0"])
+    with pytest.raises(ValueError, match=r"^rl\.lr="):  # the section's own message already names it
+        load_config(None, ["rl.lr=-1.0"])
+    with pytest.raises(ValueError, match=r"^sampling\.curriculum: CurriculumConfig\.warmup_iterations"):
+        load_config(None, ["sampling.curriculum.warmup_iterations=-1"])
