@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -20,7 +19,8 @@ from safetensors.torch import save_file
 
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.httpjson import status_json
-from tests.integration.dist.harness import REPO, _env, etcd_server, free_port, rpc, stop_group
+from tests.integration.dist import harness
+from tests.integration.dist.harness import Daemon, etcd_server, rpc
 
 ENGINE_CMD = json.dumps(
     [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", "{port}", "--device", "{device}"]
@@ -43,33 +43,14 @@ def write_checkpoint(folder, seed: int) -> tuple[list[str], dict[str, int]]:
     return files, {k: tensor_checksum(v) for k, v in tensors.items()}
 
 
-def start_daemon(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    daemon = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
-            *("--master-port", str(free_port()), "-m", "checkpoint_engine", "--port", str(port)),
-            *("--collective-timeout-s", "60", "--engine-cmd", ENGINE_CMD),
-            *("--engine-start-timeout-s", "60", "--engine-log-dir", str(tmp_path)),
-            *flags,
-        ],
-        cwd=REPO,
-        env=_env(),
-        stdout=open(tmp_path / "daemon.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+def start_daemon(tmp_path, *flags: str) -> Daemon:
+    """Two ranks managing plain engines (ENGINE_CMD; a later --engine-cmd in `flags` wins), logs in tmp_path."""
+    return harness.start_daemon(
+        *("--collective-timeout-s", "60", "--engine-start-timeout-s", "60", "--engine-log-dir", str(tmp_path)),
+        *flags,
+        engine_cmd=json.loads(ENGINE_CMD),
+        log=tmp_path / "daemon.log",
     )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()
-        try:
-            if call("GET", base + "/health", timeout_s=1.0)[0] == 200:
-                return daemon, base
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "daemon did not come up within 90 s"
-        time.sleep(0.1)
 
 
 def engines(base: str) -> list[dict]:
@@ -101,14 +82,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def shutdown(daemon: subprocess.Popen, base: str, tmp_path) -> None:
-    assert call("POST", base + "/shutdown")[0] == 200
-    assert daemon.wait(60) == 0, (tmp_path / "daemon.log").read_text()
+def shutdown(daemon: Daemon) -> None:
+    assert daemon.shutdown() == 0, daemon.log_tail()
 
 
 def test_engines_start_update_heal_stop(tmp_path):
     files, expected = write_checkpoint(tmp_path / "v1", seed=0)
-    daemon, base = start_daemon(tmp_path)
+    daemon = start_daemon(tmp_path)
+    base = daemon.url
     try:
         assert [e["state"] for e in engines(base)] == ["stopped", "stopped"]
         # bad requests: 4xx naming the field; a managed update before any engine runs: 409
@@ -182,10 +163,10 @@ def test_engines_start_update_heal_stop(tmp_path):
         for pid in (pid0, pid1, e1["pid"]):  # each engine ran in its own process group: none of it is left
             with pytest.raises(ProcessLookupError):
                 os.killpg(pid, 0)
-        shutdown(daemon, base, tmp_path)
+        shutdown(daemon)
         print(f"start of 2 engines {start_s:.2f} s, heal after SIGKILL {heal_s:.2f} s, recovery_s {e1['recovery_s']}")
     finally:
-        stop_group(daemon)
+        daemon.stop()
 
 
 # -- the same states, read from a real etcd ------------------------------------------------------
@@ -202,7 +183,8 @@ def test_engine_states_in_etcd_without_auto_heal(tmp_path, etcd_port):
     from checkpoint_engine.metadata import EtcdStore
 
     files, expected = write_checkpoint(tmp_path / "v1", seed=2)
-    daemon, base = start_daemon(tmp_path, "--metadata-url", f"etcd://127.0.0.1:{etcd_port}/ce", "--no-auto-heal")
+    daemon = start_daemon(tmp_path, "--metadata-url", f"etcd://127.0.0.1:{etcd_port}/ce", "--no-auto-heal")
+    base = daemon.url
     store = EtcdStore("127.0.0.1", etcd_port, prefix="/ce")
 
     def etcd_states() -> list[dict]:
@@ -235,12 +217,12 @@ def test_engine_states_in_etcd_without_auto_heal(tmp_path, etcd_port):
         assert call("POST", base + "/engines/stop", {"ranks": [1]})[0] == 200
         assert store.get_prefix("ops/") == {}  # engine operations in flight are listed there until they end
         assert [s["state"] for s in etcd_states()] == ["serving", "stopped"]
-        shutdown(daemon, base, tmp_path)  # stops rank 0's engine too
+        shutdown(daemon)  # stops rank 0's engine too
         assert [s["state"] for s in etcd_states()] == ["stopped", "stopped"]
         assert not alive(states[0]["pid"]) and not alive(states[1]["pid"])
     finally:
         store.close()
-        stop_group(daemon)
+        daemon.stop()
 
 
 def test_engine_operations_queue_and_get_engines_answers_during_an_update(tmp_path):
@@ -248,7 +230,8 @@ def test_engine_operations_queue_and_get_engines_answers_during_an_update(tmp_pa
 
     files, expected = write_checkpoint(tmp_path / "v1", seed=3)
     slow = json.loads(ENGINE_CMD) + ["--load-delay-s", "1.5"]  # each bucket takes 1.5 s to load
-    daemon, base = start_daemon(tmp_path, "--engine-cmd", json.dumps(slow))  # the last --engine-cmd wins
+    daemon = start_daemon(tmp_path, "--engine-cmd", json.dumps(slow))  # the last --engine-cmd wins
+    base = daemon.url
     try:
         assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
         assert call("POST", base + "/engines/start", {})[0] == 200
@@ -272,6 +255,6 @@ def test_engine_operations_queue_and_get_engines_answers_during_an_update(tmp_pa
         states = engines(base)
         assert [e["state"] for e in states] == ["serving", "stopped"], states
         assert rpc(states[0]["url"], "weights_digest") == expected
-        shutdown(daemon, base, tmp_path)
+        shutdown(daemon)
     finally:
-        stop_group(daemon)
+        daemon.stop()

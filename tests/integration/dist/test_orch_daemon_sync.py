@@ -22,7 +22,7 @@ from checkpoint_engine.checksum import tensor_checksum
 from demo.tiny_model import TinyModelConfig, make_tiny_model, random_state_dict
 from orchestrator.config import EngineConfig, SyncConfig
 from orchestrator.daemon_engines import DaemonWeightSync, SwitchError, shard_size_bytes, start_daemon_pool
-from tests.integration.dist.harness import rpc, stop_group
+from tests.integration.dist.harness import rpc
 from tests.integration.dist.test_ce_engines import alive, call, engines, shutdown, start_daemon, wait_for
 
 
@@ -56,7 +56,8 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
     model = make_tiny_model(tmp_path / "sft", config, seed=0)
     handoff = tmp_path / "handoff"
     handoff.mkdir()
-    daemon, base = start_daemon(tmp_path)
+    daemon = start_daemon(tmp_path)
+    base = daemon.url
     try:
         engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60)
         # plain engines hold weights but do not generate: the rollout side is a stand-in here
@@ -100,10 +101,9 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
             sync.close()
             pool.close()
         assert not (handoff / "policy-v2").exists()
-        shutdown(daemon, base, tmp_path)
+        shutdown(daemon)
     finally:
-        if daemon.poll() is None:
-            stop_group(daemon)
+        daemon.stop()
 
 
 # The engine command of the colocated test: a plain engine, unless the test left a flag file for this
@@ -128,7 +128,8 @@ def test_colocated_switches_and_failed_phases(tmp_path):
     script.write_text(ENGINE_SCRIPT.replace("{python}", sys.executable))
     engine_cmd = json.dumps(["sh", str(script), str(flags), "{port}", "{rank}"])
     # no auto-heal: the daemon must keep the state a failed switch left for the test to read
-    daemon, base = start_daemon(tmp_path, "--engine-cmd", engine_cmd, "--no-auto-heal")
+    daemon = start_daemon(tmp_path, "--engine-cmd", engine_cmd, "--no-auto-heal")
+    base = daemon.url
     try:
         engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60, colocated=True)
         pool = start_daemon_pool(
@@ -186,10 +187,9 @@ def test_colocated_switches_and_failed_phases(tmp_path):
         finally:
             sync.close()
             pool.close()
-        shutdown(daemon, base, tmp_path)
+        shutdown(daemon)
     finally:
-        if daemon.poll() is None:
-            stop_group(daemon)
+        daemon.stop()
 
 
 def test_colocated_needs_the_daemon():

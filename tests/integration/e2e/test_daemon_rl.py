@@ -19,56 +19,37 @@ two switch times (inference -> train, train -> inference) and the summary their 
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from orchestrator.metrics import read_jsonl
-from tests.integration.dist.harness import _env, free_port, stop_group
-from tests.integration.dist.test_ce_engines import alive, call, engines, shutdown, wait_for
+from tests.integration.dist.harness import REPO, _env, start_daemon
+from tests.integration.dist.test_ce_engines import alive, engines, shutdown
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
 NUM_ITERATIONS = 2
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
 def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
     handoff = tmp_path / "handoff"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     env = _env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    engine_cmd = json.dumps(
-        [sys.executable, "-m", "vllm_ext.launch", "--model", str(handoff / "model"), "--port", "{port}"]
-        + ["--no-initial-push"]
-    )
-    daemon = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
-            *("--master-port", str(free_port()), "-m", "checkpoint_engine", "--port", str(port)),
-            *("--collective-timeout-s", "900", "--engine-cmd", engine_cmd, "--engine-health-path", "/version"),
-            *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(tmp_path)),
-        ],
-        cwd=REPO,
+    engine_cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", str(handoff / "model"), "--port", "{port}"]
+    daemon = start_daemon(
+        *("--collective-timeout-s", "900", "--engine-health-path", "/version"),
+        *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(tmp_path)),
+        engine_cmd=[*engine_cmd, "--no-initial-push"],
         env=env,
-        stdout=open(tmp_path / "daemon.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        log=tmp_path / "daemon.log",
+        ready_timeout_s=120,
+        interval_s=0.2,
     )
+    base = daemon.url
     out = tmp_path / "run"
     try:
-
-        def daemon_up() -> bool:
-            assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
-            try:
-                return call("GET", base + "/health", timeout_s=1.0)[0] == 200
-            except OSError:
-                return False
-
-        wait_for(daemon_up, "the daemon's HTTP API", timeout_s=120, interval_s=0.2)
         job = subprocess.run(
             [
                 *(sys.executable, "-m", "orchestrator", "--config", str(REPO / "configs" / "demo.json")),
@@ -109,9 +90,8 @@ def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
         checksums = [[c["checksum"] for c in collective_rpc(r["url"], "weights_checksum")] for r in records]
         assert checksums[0] == checksums[1] and checksums[0][0], checksums
         pids = [r["pid"] for r in records]
-        shutdown(daemon, base, tmp_path)
+        shutdown(daemon)
         assert not any(alive(p) for p in pids), "an engine outlived the daemon"
         assert not (handoff / f"policy-v{NUM_ITERATIONS}").exists()  # the job unregistered its last version
     finally:
-        if daemon.poll() is None:
-            stop_group(daemon)
+        daemon.stop()

@@ -3,16 +3,15 @@ start with dummy weights + push, SIGKILL one, self-healing while the other keeps
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.integration.dist.harness import REPO, free_port, stop_group
+from tests.integration.dist.harness import start_daemon
+from tests.integration.dist.test_ce_engines import engines
 
 pytestmark = pytest.mark.vllm
 
@@ -22,7 +21,6 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 def test_daemon_heals_a_killed_vllm_engine(tmp_path):
-    from checkpoint_engine.httpjson import status_json
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import CPU_ENGINE_ARGS, child_env, completion_token_ids
     from vllm_ext.launch import model_safetensors_files
@@ -32,55 +30,26 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         *(sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--no-initial-push"),
         *("--port", "{port}", "--engine-timeout-s", "120", "--", *CPU_ENGINE_ARGS),
     ]
-    port = free_port()
-    daemon = subprocess.Popen(
-        [
-            *(
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-port",
-                str(free_port()),
-            ),
-            *("-m", "checkpoint_engine", "--port", str(port), "--collective-timeout-s", "300"),
-            *("--engine-cmd", json.dumps(engine_cmd), "--engine-log-dir", str(tmp_path)),
-            # the gate's /health opens only after the first update; /version is vLLM's own, proxied
-            *("--engine-health-path", "/version", "--engine-start-timeout-s", str(STARTUP_TIMEOUT_S)),
-        ],
-        cwd=REPO,
+    daemon = start_daemon(
+        *("--collective-timeout-s", "300", "--engine-log-dir", str(tmp_path)),
+        # the gate's /health opens only after the first update; /version is vLLM's own, proxied
+        *("--engine-health-path", "/version", "--engine-start-timeout-s", str(STARTUP_TIMEOUT_S)),
+        engine_cmd=engine_cmd,
         env=child_env(),
-        stdout=open(tmp_path / "daemon.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        log=tmp_path / "daemon.log",
+        ready_timeout_s=120,
+        interval_s=0.2,
     )
-    base = f"http://127.0.0.1:{port}"
 
     def call(method: str, path: str, body: dict | None = None, timeout_s: float = STARTUP_TIMEOUT_S):
-        return status_json(method, base + path, body, timeout_s=timeout_s)
-
-    def engines() -> list[dict]:
-        code, res = call("GET", "/engines", timeout_s=30)
-        assert code == 200, res
-        return res["engines"]
+        return daemon.call(method, path, body, timeout_s=timeout_s)
 
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-4000:]
-            try:
-                if call("GET", "/health", timeout_s=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "daemon did not come up"
-            time.sleep(0.2)
         code, res = call("POST", "/checkpoints", {"name": "A", "files": model_safetensors_files(str(model))})
         assert code == 200 and res["ok"], res
         code, res = call("POST", "/engines/start", {"name": "A"})  # dummy start + push, then serving
         assert code == 200 and res["ok"], res
-        states = engines()
+        states = engines(daemon.url)
         assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "A")] * 2, states
         tokens = [completion_token_ids(e["url"], str(model), PROMPTS, MAX_TOKENS) for e in states]
         assert tokens[0] == tokens[1]
@@ -90,7 +59,7 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         answered_during_heal = 0
         deadline = killed_at + STARTUP_TIMEOUT_S
         while True:
-            now = engines()
+            now = engines(daemon.url)
             assert now[0]["state"] == "serving" and now[0]["pid"] == states[0]["pid"], now
             if now[1]["state"] == "serving" and now[1]["restarts"] == 1:
                 break
@@ -106,12 +75,11 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
 
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res
-        assert [e["state"] for e in engines()] == ["stopped", "stopped"]
+        assert [e["state"] for e in engines(daemon.url)] == ["stopped", "stopped"]
         for pid in (states[0]["pid"], states[1]["pid"], now[1]["pid"]):  # launchers and their vLLM processes
             with pytest.raises(ProcessLookupError):
                 os.killpg(pid, 0)  # each engine ran in its own process group: none of it is left
-        assert call("POST", "/shutdown", timeout_s=30)[0] == 200
-        assert daemon.wait(120) == 0, (tmp_path / "daemon.log").read_text()[-4000:]
+        assert daemon.shutdown(120) == 0, daemon.log_tail()
         print(f"heal of a vLLM engine: {heal_s:.1f} s (recovery_s {now[1]['recovery_s']})")
     finally:
-        stop_group(daemon)
+        daemon.stop()
