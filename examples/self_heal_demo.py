@@ -19,19 +19,12 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_engines(base: str) -> dict:
@@ -59,48 +52,43 @@ def main() -> int:
     args = p.parse_args()
     if not 1 <= args.kill_after_iteration < args.iterations:
         p.error("--kill-after-iteration must be >= 1 and below --iterations")
+    sys.path.insert(0, str(REPO))  # run as a script from a checkout: testing/ is not installed
     from checkpoint_engine.procs import exit_on_signals
+    from testing.daemon import DaemonStartError, repo_env, start_daemon
 
     exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally block stops everything started
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="self-heal-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     handoff, run = work / "handoff", work / "run"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    engine_cmd = json.dumps(
-        [sys.executable, "-m", "vllm_ext.launch", "--model", str(handoff / "model"), "--port", "{port}"]
-        + ["--no-initial-push"]
+    env = repo_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    engine_cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", str(handoff / "model"), "--port", "{port}"]
+    print(
+        "daemon:   torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd 'python -m vllm_ext.launch ...' "
+        f"(log: {work / 'daemon.log'})\nwork dir: {work}",
+        flush=True,
     )
-    daemon_argv = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())),
-        *("-m", "checkpoint_engine", "--port", str(port), "--collective-timeout-s", "900"),
-        *("--engine-cmd", engine_cmd, "--engine-health-path", "/version", "--engine-start-timeout-s", "1200"),
-        *("--engine-log-dir", str(work)),
-    ]
+    deadline = time.monotonic() + args.timeout_s
+    try:
+        daemon = start_daemon(
+            *("--collective-timeout-s", "900", "--engine-health-path", "/version"),
+            *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(work)),
+            engine_cmd=[*engine_cmd, "--no-initial-push"],
+            env=env,
+            log=work / "daemon.log",
+            ready_timeout_s=args.timeout_s,
+            interval_s=0.5,
+        )
+    except DaemonStartError as e:
+        raise SystemExit(str(e)) from None
+    base = daemon.url
     job_argv = [
         *(sys.executable, "-m", "orchestrator", "--config", str(REPO / "configs" / "demo.json")),
         *("--output-dir", str(run), "--no-progress", "--set", "engine.type=daemon"),
         *("--set", f"engine.endpoint={base}", "--set", f"sync.handoff_dir={handoff}"),
         *("--set", f"rl.num_iterations={args.iterations}"),
     ]
-    print(f"work dir: {work}\ndaemon:   {' '.join(daemon_argv[:8])} ... (log: {work / 'daemon.log'})", flush=True)
-    deadline = time.monotonic() + args.timeout_s
-    daemon = subprocess.Popen(
-        daemon_argv, cwd=REPO, env=env, stdout=open(work / "daemon.log", "w"), stderr=subprocess.STDOUT
-    )
     job = None
     try:
-        while True:
-            if daemon.poll() is not None:
-                raise SystemExit(f"the daemon exited with {daemon.returncode}: see {work / 'daemon.log'}")
-            try:
-                get_engines(base)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the daemon did not come up") from None
-                time.sleep(0.5)
         print(f"RL job:   python -m orchestrator ... engine.type=daemon (log: {work / 'job.log'})", flush=True)
         job = subprocess.Popen(
             job_argv, cwd=REPO, env=env, stdout=open(work / "job.log", "w"), stderr=subprocess.STDOUT
@@ -151,12 +139,7 @@ def main() -> int:
                 job.wait(60)
             except subprocess.TimeoutExpired:
                 job.kill()
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+        daemon.stop(60)  # torchrun, its ranks and their engines
 
 
 if __name__ == "__main__":
