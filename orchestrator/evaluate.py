@@ -2,10 +2,11 @@
 
 ::
 
-    held-out problems ──encode──▶ engine.generate(temperature 0) ──decode──▶ is_correct ──▶ accuracy
-                                                                                            (+ per level)
-    subset x k ──────────────────▶ engine.generate(temperature T) ──────────▶ mean correct ──▶ pass@1
-                                                                           any correct  ──▶ pass@k
+    Evaluator(engine, encode, decode, is_correct, max_tokens)
+      .greedy(held-out) ──encode──▶ engine.generate(temperature 0) ──decode──▶ is_correct ──▶ accuracy
+                                                                                (+ per level)
+      .sampled(subset, k) ────────▶ engine.generate(temperature T) ──────────▶ mean correct ──▶ pass@1
+                                                                               any correct  ──▶ pass@k
 
 pass@1 over k samples is the unbiased estimate (mean correctness of the k samples per problem,
 averaged over problems). ``compare_with_reference`` checks vLLM's greedy accuracy of the SFT
@@ -43,34 +44,52 @@ class SampledEval:
     num_problems: int
 
 
-def _requests(prompts: Sequence[Sequence[int]], max_tokens: int, copies: int = 1) -> list[GenRequest]:
-    return [GenRequest(f"eval-{i}-{c}", tuple(p), max_tokens) for i, p in enumerate(prompts) for c in range(copies)]
+@dataclasses.dataclass(frozen=True)
+class Evaluator:
+    """An engine and how to ask it (encode a problem, decode and judge an answer, the token cap)."""
 
+    engine: RolloutEngine
+    encode: Callable[[Any], list[int]]
+    decode: Callable[[Sequence[int]], str]
+    is_correct: IsCorrect
+    max_tokens: int
+    timeout_s: float = 900.0
 
-def greedy_eval(
-    engine: RolloutEngine,
-    problems: Sequence[Any],
-    encode: Callable[[Any], list[int]],
-    decode: Callable[[Sequence[int]], str],
-    is_correct: IsCorrect,
-    max_tokens: int,
-    level_of: Callable[[Any], int] = lambda p: p.level,
-    timeout_s: float = 900.0,
-) -> GreedyEval:
-    """Accuracy of greedy (temperature 0) answers, overall and per difficulty level."""
-    if not problems:
-        raise ValueError("no problems to evaluate")
-    results = engine.generate(
-        _requests([encode(p) for p in problems], max_tokens), SamplingSettings(temperature=0.0), timeout_s=timeout_s
-    )
-    correct = tuple(bool(is_correct(p, decode(r.token_ids))) for p, r in zip(problems, results))
-    return GreedyEval(
-        accuracy=sum(correct) / len(problems),
-        accuracy_by_level=accuracy_by_level(problems, correct, level_of),
-        mean_response_tokens=sum(len(r.token_ids) for r in results) / len(results),
-        num_problems=len(problems),
-        correct=correct,
-    )
+    def _judge(self, problems: Sequence[Any], sampling: SamplingSettings, copies: int) -> tuple[list, list[bool]]:
+        """``copies`` answers per problem (in order: problem by problem) and whether each is correct."""
+        requests = [
+            GenRequest(f"eval-{i}-{c}", tuple(self.encode(p)), self.max_tokens)
+            for i, p in enumerate(problems)
+            for c in range(copies)
+        ]
+        results = self.engine.generate(requests, sampling, timeout_s=self.timeout_s)
+        owners = [p for p in problems for _ in range(copies)]
+        return results, [bool(self.is_correct(p, self.decode(r.token_ids))) for p, r in zip(owners, results)]
+
+    def greedy(self, problems: Sequence[Any], level_of: Callable[[Any], int] = lambda p: p.level) -> GreedyEval:
+        """Accuracy of greedy (temperature 0) answers, overall and per difficulty level."""
+        if not problems:
+            raise ValueError("no problems to evaluate")
+        results, correct = self._judge(problems, SamplingSettings(temperature=0.0), 1)
+        return GreedyEval(
+            accuracy=sum(correct) / len(problems),
+            accuracy_by_level=accuracy_by_level(problems, correct, level_of),
+            mean_response_tokens=sum(len(r.token_ids) for r in results) / len(results),
+            num_problems=len(problems),
+            correct=tuple(correct),
+        )
+
+    def sampled(self, problems: Sequence[Any], k: int, sampling: SamplingSettings) -> SampledEval:
+        """pass@1 (mean over k samples) and pass@k (any of k correct), averaged over problems."""
+        if not problems or k < 1:
+            raise ValueError(f"need problems and k >= 1 (got {len(problems)} problems, k={k})")
+        _, correct = self._judge(problems, sampling, k)
+        groups = [correct[i * k : (i + 1) * k] for i in range(len(problems))]
+        pass1 = sum(sum(g) / k for g in groups)
+        passk = sum(any(g) for g in groups)
+        return SampledEval(
+            pass_at_1=pass1 / len(problems), pass_at_k=passk / len(problems), k=k, num_problems=len(problems)
+        )
 
 
 def accuracy_by_level(
@@ -83,33 +102,6 @@ def accuracy_by_level(
         if max_per_level is None or len(bucket) < max_per_level:
             bucket.append(int(ok))
     return {lvl: sum(v) / len(v) for lvl, v in sorted(by_level.items())}
-
-
-def sampled_eval(
-    engine: RolloutEngine,
-    problems: Sequence[Any],
-    encode: Callable[[Any], list[int]],
-    decode: Callable[[Sequence[int]], str],
-    is_correct: IsCorrect,
-    max_tokens: int,
-    k: int,
-    sampling: SamplingSettings,
-    timeout_s: float = 900.0,
-) -> SampledEval:
-    """pass@1 (mean over k samples) and pass@k (any of k correct), averaged over problems."""
-    if not problems or k < 1:
-        raise ValueError(f"need problems and k >= 1 (got {len(problems)} problems, k={k})")
-    results = engine.generate(
-        _requests([encode(p) for p in problems], max_tokens, copies=k), sampling, timeout_s=timeout_s
-    )
-    pass1, passk = 0.0, 0
-    for i, problem in enumerate(problems):
-        correct = [is_correct(problem, decode(r.token_ids)) for r in results[i * k : (i + 1) * k]]
-        pass1 += sum(correct) / k
-        passk += any(correct)
-    return SampledEval(
-        pass_at_1=pass1 / len(problems), pass_at_k=passk / len(problems), k=k, num_problems=len(problems)
-    )
 
 
 def compare_with_reference(

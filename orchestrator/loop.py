@@ -248,19 +248,19 @@ class RLJob:
     # -- evaluation -------------------------------------------------------------------------------
     def _evaluate(self, sampled: bool) -> dict[str, Any]:
         from orchestrator.engine import SamplingSettings
-        from orchestrator.evaluate import greedy_eval, sampled_eval
+        from orchestrator.evaluate import Evaluator
 
         c = self.config
         start = time.monotonic()
-        greedy = greedy_eval(
+        evaluator = Evaluator(
             self.engine,
-            self.heldout,
             self.encode,
             self.decode,
             self.is_correct,
             c.rollout.max_response_tokens,
             timeout_s=c.rollout.request_timeout_s,
         )
+        greedy = evaluator.greedy(self.heldout)
         self._last_greedy = greedy
         out: dict[str, Any] = {
             "heldout_accuracy": greedy.accuracy,
@@ -272,17 +272,8 @@ class RLJob:
         if sampled and c.eval.num_sampled_problems:
             subset = self.heldout[:: max(1, len(self.heldout) // c.eval.num_sampled_problems)]
             subset = subset[: c.eval.num_sampled_problems]
-            result = sampled_eval(
-                self.engine,
-                subset,
-                self.encode,
-                self.decode,
-                self.is_correct,
-                c.rollout.max_response_tokens,
-                c.eval.num_samples_per_problem,
-                SamplingSettings(temperature=c.rl.temperature, top_p=c.rl.top_p),
-                timeout_s=c.rollout.request_timeout_s,
-            )
+            sampling = SamplingSettings(temperature=c.rl.temperature, top_p=c.rl.top_p)
+            result = evaluator.sampled(subset, c.eval.num_samples_per_problem, sampling)
             out.update(heldout_pass_at_1=result.pass_at_1, heldout_pass_at_k=result.pass_at_k)
         out["eval_s"] = time.monotonic() - start
         return out

@@ -15,7 +15,7 @@ import torch
 
 from demo import task
 from demo import tiny_model as tm
-from orchestrator import long2short
+from orchestrator import long2short, long2short_merge, long2short_train
 from orchestrator.engine import GenResult
 from trainer import dpo, sft
 
@@ -126,7 +126,7 @@ def test_sft_solution_style_wiring(tokenizer):
 def test_merge_state_dicts_table(long, short, alpha, expected, dtype):
     a = {"w": torch.tensor(long, dtype=dtype), "b": torch.tensor([[1.0]], dtype=dtype)}
     b = {"w": torch.tensor(short, dtype=dtype), "b": torch.tensor([[3.0]], dtype=dtype)}
-    merged = long2short.merge_state_dicts(a, b, alpha)
+    merged = long2short_merge.merge_state_dicts(a, b, alpha)
     assert set(merged) == {"w", "b"} and merged["w"].dtype == dtype and merged["b"].shape == (1, 1)
     assert torch.equal(merged["w"], torch.tensor(expected, dtype=dtype))
     assert merged["b"].item() == pytest.approx(alpha * 1.0 + (1 - alpha) * 3.0)
@@ -144,7 +144,7 @@ def test_merge_state_dicts_table(long, short, alpha, expected, dtype):
 )
 def test_merge_state_dicts_rejects(long, short, alpha, match):
     with pytest.raises(ValueError, match=match):
-        long2short.merge_state_dicts(long, short, alpha)
+        long2short_merge.merge_state_dicts(long, short, alpha)
 
 
 def test_merge_command_on_model_dirs(tmp_path, model_dir):
@@ -224,9 +224,9 @@ def test_shortest_rejection_on_a_scripted_engine(tokenizer, tmp_path):
         assert record["response_ids"][-1] == tokenizer.eos_token_id
         assert record["num_correct"] == 6 and record["mean_correct_tokens"] > record["num_tokens"]
     # sft-on that data: the records' ids are the SFT targets as sampled; one epoch saves a model dir
-    examples = long2short.sft_examples(tokenizer, records)
+    examples = long2short_train.sft_examples(tokenizer, records)
     assert examples[0][1] == records[0]["response_ids"] and examples[0][0][0] == tokenizer.bos_token_id
-    no_ids = long2short.sft_examples(tokenizer, [{**records[0], "response_ids": None}])
+    no_ids = long2short_train.sft_examples(tokenizer, [{**records[0], "response_ids": None}])
     assert no_ids == examples[:1]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -259,9 +259,9 @@ def test_dpo_end_to_end_on_a_scripted_engine(tmp_path, tokenizer):
     # the saved model holds the trained weights: its margin against the untouched base matches
     from trainer.torch_trainer import HFTrainer, TrainerConfig
 
-    pairs, _ = long2short.dpo_token_pairs(tokenizer, problems, groups)
+    pairs, _ = long2short_train.dpo_token_pairs(tokenizer, problems, groups)
     saved, ref = (HFTrainer(d, TrainerConfig(num_threads=1)) for d in (tmp_path / "dpo", base))
-    assert long2short.pair_margin(saved, ref, pairs) == pytest.approx(result["margin_after"], rel=1e-3, abs=1e-3)
+    assert long2short_train.pair_margin(saved, ref, pairs) == pytest.approx(result["margin_after"], rel=1e-3, abs=1e-3)
 
 
 # -- token efficiency -------------------------------------------------------------------------------
