@@ -32,7 +32,7 @@ from demo import task
 from orchestrator.dictconfig import apply_overrides, from_dict, merge, to_dict
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
-from orchestrator.replay import PartialRolloutConfig
+from orchestrator.replay import PartialRolloutConfig, check_rollout_fields
 from orchestrator.sampling import CurriculumConfig
 from trainer.cpu import AUTOCAST_DTYPES
 from trainer.sft import SFTConfig
@@ -162,12 +162,8 @@ class RolloutConfig:
     num_scoring_workers: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens", "num_scoring_workers"):
-            check_int(f"rollout.{name}", getattr(self, name))
-        if self.max_new_groups_per_iteration is not None:
-            check_int("rollout.max_new_groups_per_iteration", self.max_new_groups_per_iteration)
-        if not isinstance(self.exclude_stale_segments, bool):
-            raise ValueError(f"rollout.exclude_stale_segments={self.exclude_stale_segments!r} must be a bool")
+        check_rollout_fields("rollout", self)
+        check_int("rollout.num_scoring_workers", self.num_scoring_workers)
         check_number("rollout.request_timeout_s", self.request_timeout_s)
 
 

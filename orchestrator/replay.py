@@ -49,6 +49,16 @@ FINISH_REASONS = ("stop", "length", "repeat", "abort")
 _STATE_VERSION = 1
 
 
+def check_rollout_fields(owner: str, config: Any) -> None:
+    """The field checks PartialRolloutConfig and the job's rollout section share (``owner``: the prefix)."""
+    for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens"):
+        check_int(f"{owner}.{name}", getattr(config, name))
+    if config.max_new_groups_per_iteration is not None:
+        check_int(f"{owner}.max_new_groups_per_iteration", config.max_new_groups_per_iteration)
+    if not isinstance(config.exclude_stale_segments, bool):
+        raise ValueError(f"{owner}.exclude_stale_segments={config.exclude_stale_segments!r} must be a bool")
+
+
 @dataclass(frozen=True)
 class PartialRolloutConfig:
     """iteration_token_budget: output tokens one iteration may generate, over all requests.
@@ -66,14 +76,8 @@ class PartialRolloutConfig:
     max_new_groups_per_iteration: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("iteration_token_budget", "segment_max_tokens", "max_response_tokens", "num_responses_per_prompt"):
-            check_int(f"PartialRolloutConfig.{name}", getattr(self, name))
-        if self.max_new_groups_per_iteration is not None:
-            check_int("PartialRolloutConfig.max_new_groups_per_iteration", self.max_new_groups_per_iteration)
-        if not isinstance(self.exclude_stale_segments, bool):
-            raise ValueError(
-                f"PartialRolloutConfig.exclude_stale_segments must be a bool, got {self.exclude_stale_segments!r}"
-            )
+        check_rollout_fields("PartialRolloutConfig", self)
+        check_int("PartialRolloutConfig.num_responses_per_prompt", self.num_responses_per_prompt)
         if self.iteration_token_budget < self.new_group_cost_tokens:
             raise ValueError(
                 f"PartialRolloutConfig.iteration_token_budget={self.iteration_token_budget} is below the cost of "
