@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import threading
 import time
+
+from _common import BenchEngine, EngineRequest, decoder_specs, serve, start_engine, timed_updates
 
 
 def parse_args(argv=None):
@@ -47,26 +48,7 @@ def parse_args(argv=None):
 
 
 def tensor_specs(a) -> list[tuple[str, tuple[int, ...]]]:
-    h, i, kv = a.hidden, a.intermediate, max(a.hidden // 6, 64)
-    specs = [("model.embed_tokens.weight", (a.vocab, h))]
-    for L in range(a.layers):
-        p = f"model.layers.{L}."
-        specs += [
-            (p + "self_attn.q_proj.weight", (h, h)),
-            (p + "self_attn.q_proj.bias", (h,)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.k_proj.bias", (kv,)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.bias", (kv,)),
-            (p + "self_attn.o_proj.weight", (h, h)),
-            (p + "mlp.gate_proj.weight", (i, h)),
-            (p + "mlp.up_proj.weight", (i, h)),
-            (p + "mlp.down_proj.weight", (h, i)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    specs += [("model.norm.weight", (h,)), ("lm_head.weight", (a.vocab, h))]
-    return specs
+    return decoder_specs(a.layers, a.hidden, a.intermediate, max(a.hidden // 6, 64), a.vocab, qkv_bias=True)
 
 
 def write_shard(path: str, specs, seed: int) -> None:
@@ -95,13 +77,8 @@ def engine_main(conn) -> None:
     import torch
     import zmq
 
-    from checkpoint_engine.shm import MappingCache
-    from checkpoint_engine.state import EngineWeightState
-    from checkpoint_engine.worker import update_weights_from_ipc
-
     torch.set_num_threads(1)
-    ctx, state, weights = zmq.Context(), EngineWeightState(), {}
-    mappings = MappingCache()  # as the vLLM receiver and the plain engine: segments stay mapped across updates
+    weights = {}
 
     def put(name, t):
         dst = weights.get(name)
@@ -110,22 +87,13 @@ def engine_main(conn) -> None:
         else:
             dst.copy_(t)
 
-    while True:
-        cmd = json.loads(conn.recv_bytes())
-        if cmd["op"] == "exit":
-            return
+    engine = BenchEngine(put)
+
+    def handle(cmd: dict) -> dict:
         if cmd["op"] == "ours":
-            update_weights_from_ipc(
-                ctx,
-                cmd["address"],
-                None,
-                run=lambda named: [put(n, t) for n, t in named],
-                state=state,
-                timeout_s=300,
-                mapping_cache=mappings,
-            )
+            engine.update(cmd["address"])
         elif cmd["op"] == "naive":
-            sock = ctx.socket(zmq.PAIR)
+            sock = engine.ctx.socket(zmq.PAIR)
             sock.connect(cmd["address"])
             while True:
                 frames = sock.recv_multipart(copy=False)
@@ -136,7 +104,9 @@ def engine_main(conn) -> None:
                 put(meta["name"], buf)
             sock.send(b"ok")
             sock.close()
-        conn.send_bytes(json.dumps({"ok": True, "version": state.version}).encode())
+        return {"ok": True, "version": engine.state.version}
+
+    serve(conn, handle)
 
 
 # ---- measurements -----------------------------------------------------------------------------
@@ -197,7 +167,10 @@ def measure_naive(ps, name, rank, world, conn, seq) -> float:
     return dt
 
 
-def measure_bound(total_bytes: int, rank: int) -> float:
+def measure_copy(total_bytes: int, broadcast: bool) -> float:
+    """Every rank copies all the bytes once, at the same time, after one gloo broadcast of them from
+    rank 0 when `broadcast` (the bound of a broadcast update). Without it: what each engine must do
+    at least in local mode (it reads every tensor straight from the owners' memory into its weights)."""
     import torch
     import torch.distributed as dist
 
@@ -207,24 +180,8 @@ def measure_bound(total_bytes: int, rank: int) -> float:
     b.fill_(0)
     dist.barrier()
     t0 = time.perf_counter()
-    dist.broadcast(a, src=0)
-    b.copy_(a)
-    dist.barrier()
-    return time.perf_counter() - t0
-
-
-def measure_memcpy(total_bytes: int) -> float:
-    """Every rank copies all the bytes once, at the same time: what each engine must do at least in
-    local mode (it reads every tensor straight from the owners' memory into its own weights)."""
-    import torch
-    import torch.distributed as dist
-
-    a = torch.empty(total_bytes, dtype=torch.uint8)
-    b = torch.empty(total_bytes, dtype=torch.uint8)
-    a.fill_(1)
-    b.fill_(0)
-    dist.barrier()
-    t0 = time.perf_counter()
+    if broadcast:
+        dist.broadcast(a, src=0)
     b.copy_(a)
     dist.barrier()
     return time.perf_counter() - t0
@@ -249,10 +206,7 @@ def main() -> int:
     path = f"{args.tmp}/shard-{rank}.safetensors"
     write_shard(path, mine, seed=rank)
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    engine = ctx.Process(target=engine_main, args=(child,), daemon=True)
-    engine.start()
+    parent, engine = start_engine(engine_main)
 
     bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
     from checkpoint_engine.p2p import P2PConfig
@@ -272,11 +226,7 @@ def main() -> int:
     total = sum(m.nbytes for ms in ps._global["bench"].rank_metas.values() for m in ms)
     num_tensors = sum(len(ms) for ms in ps._global["bench"].rank_metas.values())
 
-    def req(paths):
-        parent.send_bytes(json.dumps({"op": "ours", "address": paths[rank][1]}).encode())
-        reply = json.loads(parent.recv_bytes())
-        assert reply["ok"]
-
+    req = EngineRequest(parent, rank)
     from dataclasses import replace
 
     timings: dict[str, list[float]] = {}
@@ -284,17 +234,12 @@ def main() -> int:
     with RssSampler() as rss:
         for mode in modes:
             ps.config = replace(ps.config, update=replace(ps.config.update, mode="auto" if mode == "p2p" else mode))
-            timings[mode] = []
-            for _ in range(args.repeats + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                last[mode] = ps.update("bench", req, ranks=list(range(world)) if mode == "p2p" else None)
-                dist.barrier()
-                timings[mode].append(time.perf_counter() - t0)
+            ranks = list(range(world)) if mode == "p2p" else None
+            timings[mode], last[mode] = timed_updates(ps, "bench", req, args.repeats + 1, ranks=ranks)
     m = last[modes[0]]
     buffers = 2 * m.bucket_size_bytes if ("collective" in timings or "p2p" in timings) else 0
-    bound = [measure_bound(total, rank) for _ in range(args.repeats + 1)]
-    memcpy = [measure_memcpy(total) for _ in range(args.repeats + 1)]
+    bound = [measure_copy(total, broadcast=True) for _ in range(args.repeats + 1)]
+    memcpy = [measure_copy(total, broadcast=False) for _ in range(args.repeats + 1)]
     naive = (
         [] if args.skip_naive else [measure_naive(ps, "bench", rank, world, parent, i) for i in range(args.repeats + 1)]
     )

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import time
+
+from _common import BenchEngine, EngineRequest, ask, decoder_specs, serve, start_engine, timed_updates
 
 GIB = 2**30
 PHASES = ("setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s", "total_s")
@@ -44,22 +45,7 @@ def parse_args(argv=None):
 
 
 def tensor_specs(layers: int) -> list[tuple[str, tuple[int, ...]]]:
-    h, i, kv, vocab = 4096, 14336, 1024, 128256
-    specs = [("model.embed_tokens.weight", (vocab, h))]
-    for layer in range(layers):
-        p = f"model.layers.{layer}."
-        specs += [
-            (p + "self_attn.q_proj.weight", (h, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, h)),
-            (p + "mlp.gate_proj.weight", (i, h)),
-            (p + "mlp.up_proj.weight", (i, h)),
-            (p + "mlp.down_proj.weight", (h, i)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    return specs + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return decoder_specs(layers, hidden=4096, intermediate=14336, kv=1024, vocab=128256)
 
 
 def int_sum(t) -> int:
@@ -71,16 +57,10 @@ def int_sum(t) -> int:
 def engine_main(conn, device_index: int) -> None:
     """Engine process: weights on the GPU, filled by ``update_weights_from_ipc`` or tensor by tensor."""
     import torch
-    import zmq
-
-    from checkpoint_engine.shm import MappingCache
-    from checkpoint_engine.state import EngineWeightState
-    from checkpoint_engine.worker import update_weights_from_ipc
 
     device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
-    ctx, state, weights = zmq.Context(), EngineWeightState(), {}
-    mappings = MappingCache()  # as the plain and vLLM engines: the IPC buffers stay open across updates
+    weights = {}
 
     def put(name, t):
         dst = weights.get(name)
@@ -89,34 +69,26 @@ def engine_main(conn, device_index: int) -> None:
         else:
             dst.copy_(t, non_blocking=True)
 
-    while True:
-        cmd = json.loads(conn.recv_bytes())
-        if cmd["op"] == "exit":
-            return
+    engine = BenchEngine(put, device_index)  # the IPC buffers stay open across updates
+
+    def handle(cmd: dict) -> dict:
         if cmd["op"] == "ours":
-            update_weights_from_ipc(
-                ctx,
-                cmd["address"],
-                device_index,
-                run=lambda named: [put(n, t) for n, t in named],
-                state=state,
-                timeout_s=300,
-                mapping_cache=mappings,
-            )
+            engine.update(cmd["address"])
             torch.cuda.synchronize(device)
-            reply = {"ok": True, "version": state.version, "cache_hits": mappings.hits}
-        elif cmd["op"] == "checksum":  # exact integer sums of a few tensors' bits: did the bytes arrive?
-            reply = {"ok": True, "sums": {n: int_sum(weights[n]) for n in cmd["names"]}}
-        else:  # "naive": the engine reads a pageable host copy of its shard tensor by tensor
-            specs = [tuple(s) for s in cmd["specs"]]
-            host = {n: torch.ones(shape, dtype=torch.bfloat16) for n, shape in specs}
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for n, t in host.items():
-                put(n, t)
-            torch.cuda.synchronize(device)
-            reply = {"ok": True, "seconds": time.perf_counter() - t0}
-        conn.send_bytes(json.dumps(reply).encode())
+            return {"ok": True, "version": engine.state.version, "cache_hits": engine.mappings.hits}
+        if cmd["op"] == "checksum":  # exact integer sums of a few tensors' bits: did the bytes arrive?
+            return {"ok": True, "sums": {n: int_sum(weights[n]) for n in cmd["names"]}}
+        # "naive": the engine reads a pageable host copy of its shard tensor by tensor
+        specs = [tuple(s) for s in cmd["specs"]]
+        host = {n: torch.ones(shape, dtype=torch.bfloat16) for n, shape in specs}
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for n, t in host.items():
+            put(n, t)
+        torch.cuda.synchronize(device)
+        return {"ok": True, "seconds": time.perf_counter() - t0}
+
+    serve(conn, handle)
 
 
 def timed_copy(dst, src) -> float:
@@ -135,7 +107,6 @@ def main() -> int:
 
     exit_on_signals()
     import torch
-    import torch.distributed as dist
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_update_cuda needs a CUDA GPU (the CPU path is benchmarks/bench_update.py)")
@@ -151,10 +122,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(rank)
     mine = {n: torch.empty(shape, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen) for n, shape in specs}
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    engine = ctx.Process(target=engine_main, args=(child, local_rank), daemon=True)
-    engine.start()
+    parent, engine = start_engine(engine_main, local_rank)
     try:
         ps = ParameterServer(config=ParameterServerConfig(transport="cuda", update=UpdateConfig(mode="collective")))
         ps.init_process_group()
@@ -166,33 +134,20 @@ def main() -> int:
         total = sum(m.nbytes for ms in g.rank_metas.values() for m in ms)
         num_tensors = sum(len(ms) for ms in g.rank_metas.values())
 
-        def req(paths):
-            parent.send_bytes(json.dumps({"op": "ours", "address": paths[rank][1]}).encode())
-            reply = json.loads(parent.recv_bytes())
-            assert reply["ok"], reply
-            engine_cache_hits[0] = reply["cache_hits"]
-
-        engine_cache_hits = [0]
+        req = EngineRequest(parent, rank)
         updates: dict[int, list[float]] = {}
         gpu_peak_mib: dict[int, float] = {}
         phases: dict[int, dict] = {}
         for size in bucket_sizes:
             ps.config = replace(ps.config, update=replace(ps.config.update, bucket_size_bytes=size))
             torch.cuda.reset_peak_memory_stats()
-            updates[size] = []
-            for _ in range(args.repeats + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                ps.update("bench", req)
-                dist.barrier()
-                updates[size].append(time.perf_counter() - t0)
+            updates[size], _ = timed_updates(ps, "bench", req, args.repeats + 1)
             gpu_peak_mib[size] = torch.cuda.max_memory_allocated() / 2**20
             m = ps.last_metrics.to_dict()  # the last repeat's stage times (this rank)
             phases[size] = {k: m[k] for k in PHASES}
 
         names = [n for n, _ in specs[:3]]
-        parent.send_bytes(json.dumps({"op": "checksum", "names": names}).encode())
-        sums = json.loads(parent.recv_bytes())["sums"]
+        sums = ask(parent, {"op": "checksum", "names": names})["sums"]
         bytes_ok = all(sums[n] == int_sum(mine[n]) for n in names)
 
         ps.close()
@@ -206,8 +161,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         naive_s = None
         if not args.skip_naive:
-            parent.send_bytes(json.dumps({"op": "naive", "specs": specs}).encode())
-            naive_s = json.loads(parent.recv_bytes())["seconds"]
+            naive_s = ask(parent, {"op": "naive", "specs": specs})["seconds"]
         parent.send_bytes(json.dumps({"op": "exit"}).encode())
         engine.join(60)
     finally:
@@ -226,7 +180,7 @@ def main() -> int:
             "num_tensors": num_tensors,
             "register_s": round(register_s, 3),
             "bytes_ok": bytes_ok,
-            "engine_ipc_cache_hits": engine_cache_hits[0],
+            "engine_ipc_cache_hits": req.last["cache_hits"],
             "bucket_size_mib": first // 2**20,
             "update_s": round(med[first], 4),
             "update_gib_per_s": round(total / GIB / med[first], 2),
