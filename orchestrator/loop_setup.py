@@ -1,0 +1,145 @@
+"""The RL job's parts, built once per run: the resume check, sampler, trainers, engine and weight sync.
+
+::
+
+    config.json in the output dir ──check_resumable──▶ only RESUMABLE_CHANGES may differ
+    make_trainers: the policy trainer (trainer.type) + GRPO's frozen initial policy (transformers)
+    make_rollout_engine: engine_factory | the daemon's engines | make_engine (one engine or a pool)
+    make_weight_sync: DaemonWeightSync | PoolWeightSync (a pool) | WeightSync (one engine's req_func)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator import checkpointing, data
+from orchestrator.config import RESUMABLE_CHANGES, JobConfig
+from orchestrator.dictconfig import config_differences
+from orchestrator.replay import ReplayBuffer
+from orchestrator.sampling import CurriculumSampler, PrioritizedSampler, ProblemSampler, ProblemStats
+
+logger = logging.getLogger(__name__)
+
+
+def check_resumable(saved: dict, current: dict) -> None:
+    """A resumed run may change only RESUMABLE_CHANGES; anything else needs a new output dir."""
+    if "trainer" not in saved:  # a run saved before the trainer section existed trained with the hf backend
+        saved = {**saved, "trainer": {"type": "hf", "tp_size": 1}}
+    engine = saved.get("engine")
+    if isinstance(engine, dict) and "num_engines" not in engine:  # saved before engine pools: one engine
+        saved = {**saved, "engine": {"num_engines": 1, "self_heal": True, **engine}}
+    engine = saved.get("engine")
+    if isinstance(engine, dict) and "colocated" not in engine:  # saved before colocated mode: disaggregated
+        saved = {**saved, "engine": {**engine, "colocated": False}}
+    bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
+    if bad:
+        raise ValueError(
+            f"the output dir holds a run with a different config ({', '.join(bad)}); use another "
+            f"--output-dir or the saved config (only {', '.join(RESUMABLE_CHANGES)} may change)"
+        )
+
+
+def make_sampler(config: JobConfig, problems: list) -> ProblemSampler:
+    s = config.sampling
+    prioritized = None
+    if s.prioritized:
+        stats = ProblemStats(s.prior_success_rate, s.prior_weight, s.stats_decay)
+        prioritized = PrioritizedSampler(stats, s.priority_epsilon)
+    return ProblemSampler(
+        [p.id for p in problems],
+        curriculum=CurriculumSampler(data.difficulties(problems), s.curriculum),
+        prioritized=prioritized,
+        seed=s.seed,
+    )
+
+
+def load_weights(trainer, model_dir: pathlib.Path) -> None:
+    """Copy a checkpoint's weights into the trainer's model (names as HF saved them)."""
+    from demo.tiny_model import load_state_dict_from_dir
+
+    try:
+        trainer.load_hf_weights(load_state_dict_from_dir(model_dir))
+    except RuntimeError as e:
+        raise RuntimeError(f"checkpoint {model_dir}: {e}") from None
+
+
+def make_trainers(c: JobConfig, sft_model_dir: pathlib.Path) -> tuple[Any, Any]:
+    """The policy's trainer, and GRPO's KL reference (None for the other algorithms or kl_coef 0)."""
+    from trainer.torch_trainer import HFTrainer, TrainerConfig, make_trainer
+
+    trainer = make_trainer(
+        c.trainer.type,
+        sft_model_dir,
+        TrainerConfig(
+            lr=c.rl.lr,
+            optimizer=c.rl.optimizer,
+            eps=c.rl.adam_eps,
+            weight_decay=c.rl.weight_decay,
+            grad_clip=c.rl.grad_clip,
+            num_threads=c.rl.num_threads,
+            seed=c.rl.seed,
+            autocast_dtype=c.rl.autocast_dtype,
+        ),
+        tp_size=c.trainer.tp_size,
+    )
+    # GRPO's KL reference: the policy RL started from, frozen (a resumed run starts it from the same dir).
+    # Always a transformers model: it is never trained, and its log-probs equal Megatron's (1e-5).
+    initial_policy = HFTrainer(sft_model_dir, trainer.config) if c.rl.algorithm == "grpo" and c.rl.kl_coef > 0 else None
+    return trainer, initial_policy
+
+
+def make_rollout_engine(
+    c: JobConfig, sft_model_dir: pathlib.Path, out: pathlib.Path, engine_factory: Callable[[Any, str], Any] | None
+) -> Any:
+    if engine_factory is not None:
+        return engine_factory(c.engine, str(sft_model_dir))
+    if c.engine.type == "daemon":  # the checkpoint-engine daemon's engines; versions as files
+        from orchestrator.daemon_engines import start_daemon_pool
+
+        return start_daemon_pool(c.engine, str(sft_model_dir), c.sync.handoff_dir, c.sync.timeout_s)
+    from orchestrator.engine import make_engine
+
+    # engine.num_engines >= 2: a pool of vLLM servers, their logs beside the run's
+    return make_engine(c.engine, str(sft_model_dir), log_dir=str(out / "engines"))
+
+
+def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, str], Any] | None) -> Any:
+    from orchestrator.engine_pool import EnginePool
+
+    if c.engine.type == "daemon" and engine_factory is None:
+        from orchestrator.daemon_engines import DaemonWeightSync
+
+        return DaemonWeightSync(c.sync, engine, colocated=c.engine.colocated, start_timeout_s=c.engine.start_timeout_s)
+    if isinstance(engine, EnginePool):  # one registration, one update per engine; heals engines
+        from orchestrator.pool_sync import PoolWeightSync
+
+        return PoolWeightSync(c.sync, engine)
+    from orchestrator.weight_sync import WeightSync
+
+    return WeightSync(c.sync, engine.weight_req_func(c.sync.timeout_s))
+
+
+def record_resume(out: pathlib.Path, saved: checkpointing.SavedState, buffer: ReplayBuffer) -> None:
+    """A line in resume.jsonl (and the log): which checkpoint the run resumed from, with what trajectories."""
+    ids = [t.trajectory_id for t in buffer.unfinished()]
+    logger.info(
+        "resuming after iteration %d from %s: %d stored trajectories (%d unfinished)",
+        saved.iteration,
+        saved.path,
+        len(buffer),
+        len(ids),
+    )
+    record = {
+        "iteration": saved.iteration,
+        "checkpoint": saved.path.name,
+        "num_trajectories": len(buffer),
+        "unfinished_trajectory_ids": ids,
+        "time": time.time(),
+    }
+    with open(out / "resume.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
