@@ -12,6 +12,21 @@ A synthetic Qwen2-shaped checkpoint (GQA, qkv bias, untied embeddings) is sharde
   memcpy_s is the faster of a 1-thread and a --threads memcpy
 ratio_convert_vs_memcpy = memcpy_s / convert_s (1.0 = as fast as memcpy; target >= 0.5).
 
+Then, side by side in one run, the weight handoff from --handoff-tp trainer ranks (default 2; 0
+skips) to the ParameterServer, with real processes: this one is TP rank 0 and holds the PS (CPU
+transport, world 1, reuse_host_memory as the RL loop's WeightSync); it starts the other ranks over
+gloo. Each rank holds its Megatron shard in --shard-dtype (the trainer's float32 parameters), the
+HF checkpoint is --dtype. Best of --repeats, each a full sync's handoff:
+  handoff_s        shared-memory handoff (what MegatronTrainer.named_tensors + register do now):
+                   rank 0 sends the free buffer's (pid, fd, size); every rank writes its own slices
+                   (convert.write_rank_slices, cast included) into ONE SharedTensorBuffer in HF
+                   layout; barrier; register_checkpoint adopts the buffer (no copy)
+  handoff_write_s / handoff_register_s   its two parts; handoff_first_s: the first one (fresh pages)
+  gather_total_s   the old path: rank 1.. send their shards to rank 0 over gloo (gather_s), rank 0
+                   megatron_to_hf into persistent buffers and casts to --dtype (gather_convert_s),
+                   register_checkpoint copies into the PS's chunks (gather_register_s)
+  ratio_handoff_vs_memcpy = memcpy_s / handoff_s; speedup_handoff_vs_gather = gather_total_s / handoff_s
+
     python benchmarks/bench_megatron_sync.py --vllm [--model-dir DIR] [--steps 3]
 
 adds the trainer-step-end to vLLM-serving split, measured the way the RL loop syncs
@@ -53,6 +68,10 @@ def parse_args(argv=None):
         default=1,
         help="threads of the conversion's copies (convert.copy_threads_context; 0: the process's)",
     )
+    p.add_argument("--handoff-tp", type=int, default=2, help="trainer TP ranks of the handoff comparison (0: skip it)")
+    p.add_argument("--shard-dtype", choices=("bfloat16", "float32", "float16"), default="float32")
+    p.add_argument("--handoff-worker", type=int, default=None, help=argparse.SUPPRESS)  # a follower rank
+    p.add_argument("--handoff-port", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--vllm",
         action="store_true",
@@ -74,31 +93,25 @@ def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> d
     """Median seconds per stage from the end of a Megatron training step to vLLM serving the new weights."""
     import os
     import statistics
+    import sys
     import tempfile
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    sys.path.insert(0, str(pathlib_path(__file__).resolve().parents[1]))  # testing/: run from a checkout
+    from vllm import SamplingParams
 
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
     from demo.tiny_model import TinyModelConfig, make_tiny_model
+    from testing.vllm_servers import cpu_llm
     from trainer.torch_trainer import TrainerConfig, make_trainer
-    from vllm_ext.launch import EXTENSION
     from vllm_ext.req import llm_req_func
 
     tmp = None
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory()
         model_dir = str(make_tiny_model(pathlib_path(tmp.name) / "model", TinyModelConfig.tiny(), seed=0))
-    llm = LLM(
-        model=model_dir,
-        load_format="dummy",
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=8,
-        seed=0,
-        worker_extension_cls=EXTENSION,
-    )
+    llm = cpu_llm(model_dir)  # dummy weights
     trainer = make_trainer("megatron", model_dir, TrainerConfig(lr=1e-4, autocast_dtype="float32"), tp_size=trainer_tp)
     ps = ParameterServer(
         rank=0,
@@ -143,6 +156,190 @@ def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> d
     return out
 
 
+def _model_shape(args):
+    from trainer.megatron.convert import ModelShape
+
+    return ModelShape(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        ffn_hidden_size=args.ffn,
+        vocab_size=args.vocab,
+    )
+
+
+def _handoff_rank(args, rank: int, port: int) -> dict | None:
+    """One trainer rank of the handoff comparison (rank 0: this process, with the PS; returns the times)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from checkpoint_engine import shm
+    from checkpoint_engine.config import ParameterServerConfig
+    from checkpoint_engine.dtypes import dtype_name
+    from checkpoint_engine.host_memory import SharedTensorBuffer
+    from checkpoint_engine.plan import layout_tensors
+    from trainer.megatron.convert import (
+        Parallelism,
+        hf_param_shapes,
+        hf_to_megatron,
+        megatron_to_hf,
+        write_rank_slices,
+    )
+
+    tp = args.handoff_tp
+    torch.set_num_threads(1)  # the trainer's ranks share the CPUs (TrainerConfig: usable_cpus // tp)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    shape, parallel = _model_shape(args), Parallelism(tp_size=tp)
+    hf_dtype, shard_dtype = getattr(torch, args.dtype), getattr(torch, args.shard_dtype)
+    shapes = hf_param_shapes(shape)
+    g = torch.Generator().manual_seed(0)  # every rank builds the same model, keeps its own shard
+    hf = {n: torch.randn(d, generator=g, dtype=torch.float32).to(shard_dtype) for n, d in shapes.items()}
+    shards = hf_to_megatron(hf, shape, parallel, ranks=[(0, r) for r in range(tp)] if rank == 0 else [(0, rank)])
+    shard = shards[(0, rank)]
+    others = [{n: torch.empty_like(t) for n, t in shards[(0, r)].items()} for r in range(1, tp) if rank == 0]
+    del hf, shards
+    specs = [(n, dtype_name(hf_dtype), d) for n, d in shapes.items()]
+    layout = layout_tensors(specs)
+    ps = None
+    if rank == 0:
+        from checkpoint_engine.ps import ParameterServer
+
+        ps = ParameterServer(
+            rank=0, world_size=1, config=ParameterServerConfig(transport="cpu", reuse_host_memory=True)
+        )
+        buffers: list[SharedTensorBuffer] = []
+        merged: dict[str, torch.Tensor] = {}
+    mapped: dict[tuple, dict] = {}
+    times: dict[str, list[float]] = {k: [] for k in ("write", "register", "gather", "convert", "gregister")}
+    previous: dict[str, str | None] = {"new": None, "old": None}
+    for i in range(args.repeats + 1):
+        # new: the shared-memory handoff
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            buf = next((b for b in buffers if b.adopted_by is None), None)
+            if buf is None:
+                buf = SharedTensorBuffer(specs, tag="bench-hf")
+                buffers.append(buf)
+            box = torch.tensor([buf.ref.pid, buf.ref.fd, buf.ref.size_bytes], dtype=torch.int64)
+            views = buf.tensors
+        else:
+            box = torch.zeros(3, dtype=torch.int64)
+        dist.broadcast(box, src=0)
+        if rank:
+            key = tuple(int(v) for v in box)
+            if key not in mapped:
+                mapped[key] = SharedTensorBuffer.views(shm.map_writable(shm.SegmentRef(*key)), layout)
+            views = mapped[key]
+        write_rank_slices(shard, views, shape, parallel, (0, rank))
+        dist.barrier()
+        t1 = time.perf_counter()
+        if rank == 0:
+            name = f"new-{i}"
+            ps.register_checkpoint(name, named_tensors=dict(views))
+            assert ps._checkpoints[name].adopted
+            if previous["new"]:
+                ps.unregister_checkpoint(previous["new"])
+            previous["new"] = name
+        t2 = time.perf_counter()
+        # old: gather the shards to rank 0, convert, cast, register (copy)
+        dist.barrier()
+        t3 = time.perf_counter()
+        if rank:
+            for n in sorted(shard):
+                dist.send(shard[n], dst=0)
+        else:
+            for src, received in enumerate(others, start=1):
+                for n in sorted(received):
+                    dist.recv(received[n], src=src)
+        t4 = time.perf_counter()
+        if rank == 0:
+            shards = {(0, 0): shard, **{(0, r): others[r - 1] for r in range(1, tp)}}
+            out = megatron_to_hf(shards, shape, parallel, out=merged)
+            merged.update(out)
+            named = {n: t.to(hf_dtype) for n, t in out.items()}
+            t5 = time.perf_counter()
+            name = f"old-{i}"
+            ps.register_checkpoint(name, named_tensors=named)
+            assert not ps._checkpoints[name].adopted
+            if previous["old"]:
+                ps.unregister_checkpoint(previous["old"])
+            previous["old"] = name
+            t6 = time.perf_counter()
+            if i == 0:
+                new, old = ps._checkpoints[previous["new"]], ps._checkpoints[name]
+                if not all(torch.equal(new.view(m), old.view(m)) for m in old.layout.metas):
+                    raise RuntimeError("the shared-memory handoff differs from gather + convert")
+                first = (t1 - t0, t2 - t1)
+            else:
+                for key, value in zip(times, (t1 - t0, t2 - t1, t4 - t3, t5 - t4, t6 - t5)):
+                    times[key].append(value)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank:
+        return None
+    ps.close()
+    for b in buffers:
+        b.close()
+    best = {k: min(v) for k, v in times.items()}
+    median_handoff = statistics.median(w + r for w, r in zip(times["write"], times["register"]))
+    handoff = min(w + r for w, r in zip(times["write"], times["register"]))
+    gathered = min(a + b + c for a, b, c in zip(times["gather"], times["convert"], times["gregister"]))
+    return {
+        "handoff_tp": tp,
+        "shard_dtype": args.shard_dtype,
+        "handoff_s": round(handoff, 4),
+        "handoff_median_s": round(median_handoff, 4),
+        "handoff_write_s": round(best["write"], 4),
+        "handoff_register_s": round(best["register"], 5),
+        "handoff_first_s": round(sum(first), 4),
+        "gather_total_s": round(gathered, 4),
+        "gather_s": round(best["gather"], 4),
+        "gather_convert_s": round(best["convert"], 4),
+        "gather_register_s": round(best["gregister"], 4),
+        "speedup_handoff_vs_gather": round(gathered / handoff, 2),
+    }
+
+
+def handoff_side_by_side(args) -> dict:
+    """Start the follower ranks, run rank 0 here; their exit codes are checked."""
+    import os
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    followers = [
+        subprocess.Popen(
+            [sys.executable, __file__, *argv, "--handoff-worker", str(r), "--handoff-port", str(port)], env=env
+        )
+        for r in range(1, args.handoff_tp)
+    ]
+    try:
+        result = _handoff_rank(args, 0, port)
+    finally:
+        for proc in followers:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    bad = [p.returncode for p in followers if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"handoff follower ranks failed: exit codes {bad}")
+    return result
+
+
 def pathlib_path(path: str):
     import pathlib
 
@@ -160,22 +357,18 @@ def _best_of(repeats: int, fn) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.argv = argv
+    if args.handoff_worker is not None:
+        _handoff_rank(args, args.handoff_worker, args.handoff_port)
+        return {}
     import torch
 
-    from trainer.megatron.convert import ModelShape, Parallelism, hf_param_shapes, hf_to_megatron, megatron_to_hf
+    from trainer.megatron.convert import Parallelism, hf_param_shapes, hf_to_megatron, megatron_to_hf
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    shape = ModelShape(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        num_query_groups=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        ffn_hidden_size=args.ffn,
-        vocab_size=args.vocab,
-    )
+    shape = _model_shape(args)
     parallel = Parallelism(tp_size=args.tp, pp_size=args.pp)
     shapes = hf_param_shapes(shape)
     total = sum(torch.Size(s).numel() for s in shapes.values())
@@ -234,6 +427,17 @@ def main(argv=None) -> dict:
         "ratio_convert_vs_memcpy": round(memcpy_s / convert_s, 3),
         "ratio_convert_alloc_vs_memcpy": round(memcpy_s / convert_alloc_s, 3),
     }
+    shards = hf = flat_src = flat_dst = out = None  # free the single-process part's memory
+    if args.handoff_tp > 1:
+        result.update(handoff_side_by_side(args))
+        result["ratio_handoff_vs_memcpy"] = round(memcpy_s / result["handoff_s"], 3)
+        result["ratio_gather_vs_memcpy"] = round(memcpy_s / result["gather_total_s"], 3)
+        print(
+            f"TP={args.handoff_tp} handoff to the PS ({args.shard_dtype} shards -> {args.dtype} HF): shared memory "
+            f"{result['handoff_s']} s (write {result['handoff_write_s']}, register {result['handoff_register_s']}) "
+            f"vs gather {result['gather_s']} + convert {result['gather_convert_s']} + register "
+            f"{result['gather_register_s']} = {result['gather_total_s']} s; memcpy {memcpy_s:.4f} s"
+        )
     if args.vllm:
         result.update(step_to_serving(args.model_dir, args.steps, args.trainer_tp))
         print(

@@ -31,6 +31,15 @@ def child_env(**extra: str) -> dict:
     return env
 
 
+def cpu_llm(model_dir: str | Path, **overrides):
+    """vLLM's in-process `LLM` on CPU as the engines here run (CPU_ENGINE_ARGS' settings) with the
+    repo's worker extension, on dummy weights (a push fills them) unless `load_format` says otherwise."""
+    from vllm import LLM
+
+    kwargs = dict(load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0)
+    return LLM(model=str(model_dir), **(kwargs | {"worker_extension_cls": EXTENSION} | overrides))
+
+
 def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, dict]:
     """(status, decoded answer) whatever the status (see `checkpoint_engine.httpjson.status_json`)."""
     return status_json(method, url, body, timeout_s=timeout_s)

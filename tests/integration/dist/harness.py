@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -24,10 +25,21 @@ __all__ = [
     "free_port",
     "get_json",
     "rpc",
+    "run_python",
     "run_ranks",
     "start_daemon",
     "stop_group",
 ]
+
+
+def run_python(*argv: str, timeout_s: float, env: dict | None = None, **env_extra: str):
+    """`python ARGV...` from the checkout (PYTHONPATH: the checkout, then this environment's, plus
+    `env_extra`; or exactly `env`), output captured; asserts exit code 0, showing stderr's tail."""
+    if env is None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env_extra)
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc
 
 
 def get_json(url: str, timeout_s: float = 10.0) -> dict:

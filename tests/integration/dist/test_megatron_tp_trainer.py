@@ -13,9 +13,7 @@ The child runs this file as a script so the pytest process holds no process grou
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -71,6 +69,7 @@ def _child(model_dir: str, out_json: str) -> None:
 
 def test_tp2_trainer_matches_hf(tmp_path):
     from demo.tiny_model import TinyModelConfig, write_model_dir
+    from tests.integration.dist.harness import run_python
     from tests.unit.trainer.tiny import tiny_hf
 
     _, state = tiny_hf(seed=3)
@@ -84,16 +83,7 @@ def test_tp2_trainer_matches_hf(tmp_path):
     )
     model_dir = write_model_dir(tmp_path / "model", config, state)
     out = tmp_path / "out.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, __file__, str(model_dir), str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_python(__file__, str(model_dir), str(out), timeout_s=300)
     r = json.loads(out.read_text())
     print(json.dumps(r))
     assert r["round_trip_exact"] and r["save_load_exact"] and r["followers_exited"]

@@ -19,13 +19,12 @@ two switch times (inference -> train, train -> inference) and the summary their 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from orchestrator.metrics import read_jsonl
-from tests.integration.dist.harness import REPO, _env, start_daemon
+from tests.integration.dist.harness import REPO, _env, run_python, start_daemon
 from tests.integration.dist.test_ce_engines import alive, engines, shutdown
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -50,25 +49,19 @@ def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
     base = daemon.url
     out = tmp_path / "run"
     try:
-        job = subprocess.run(
-            [
-                *(sys.executable, "-m", "orchestrator", "--config", str(REPO / "configs" / "demo.json")),
-                *("--output-dir", str(out), "--no-progress"),
-                *("--set", f"sft_cache_dir={REPO / '.cache' / 'sft'}"),
-                *("--set", "engine.type=daemon", "--set", f"engine.endpoint={base}"),
-                *("--set", f"sync.handoff_dir={handoff}", "--set", f"rl.num_iterations={NUM_ITERATIONS}"),
-                *("--set", f"eval.every_iterations={NUM_ITERATIONS}", "--set", "eval.num_sampled_problems=0"),
-                *("--set", "data.num_heldout_per_level=16", "--set", "rollout.iteration_token_budget=4096"),
-                *("--set", "rollout.max_new_groups_per_iteration=16"),
-                *("--set", f"engine.colocated={str(colocated).lower()}"),
-            ],
-            cwd=REPO,
+        run_python(
+            *("-m", "orchestrator", "--config", str(REPO / "configs" / "demo.json")),
+            *("--output-dir", str(out), "--no-progress"),
+            *("--set", f"sft_cache_dir={REPO / '.cache' / 'sft'}"),
+            *("--set", "engine.type=daemon", "--set", f"engine.endpoint={base}"),
+            *("--set", f"sync.handoff_dir={handoff}", "--set", f"rl.num_iterations={NUM_ITERATIONS}"),
+            *("--set", f"eval.every_iterations={NUM_ITERATIONS}", "--set", "eval.num_sampled_problems=0"),
+            *("--set", "data.num_heldout_per_level=16", "--set", "rollout.iteration_token_budget=4096"),
+            *("--set", "rollout.max_new_groups_per_iteration=16"),
+            *("--set", f"engine.colocated={str(colocated).lower()}"),
             env=env,
-            capture_output=True,
-            text=True,
-            timeout=1500,
+            timeout_s=1500,
         )
-        assert job.returncode == 0, job.stderr[-4000:]
 
         lines = [m for m in read_jsonl(out / "metrics.jsonl") if "rollout_engine_requests" in m]
         assert len(lines) == NUM_ITERATIONS, lines

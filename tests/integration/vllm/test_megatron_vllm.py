@@ -15,9 +15,7 @@ after the sync (vLLM served dummy weights before it).
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,23 +41,15 @@ def _greedy(logits_fn, prompt: list[int], n: int) -> list[int]:
 def _child(model_dir: str, out_json: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from orchestrator.config import SyncConfig
     from orchestrator.weight_sync import WeightSync
+    from testing.vllm_servers import cpu_llm
     from trainer.torch_trainer import TrainerConfig, make_trainer
-    from vllm_ext.launch import EXTENSION
     from vllm_ext.req import llm_req_func
 
-    llm = LLM(
-        model=model_dir,
-        load_format="dummy",
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=8,
-        seed=0,
-        worker_extension_cls=EXTENSION,
-    )
+    llm = cpu_llm(model_dir)  # dummy weights
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate() -> list[list[int]]:
@@ -101,21 +91,13 @@ def test_vllm_greedy_after_megatron_sync_equals_megatron_and_hf(tmp_path):
     pytest.importorskip("megatron.core")
     pytest.importorskip("vllm")
     from demo.tiny_model import TinyModelConfig, make_tiny_model
+    from tests.integration.dist.harness import run_python
 
     # A larger init std than the default gives clear logit margins, so greedy ties cannot flip.
     model_dir = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(init_std=0.1), seed=21)
     out = tmp_path / "out.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", GLOG_minloglevel="2")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__, str(model_dir), str(out)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "GLOG_minloglevel": "2"}
+    run_python(__file__, str(model_dir), str(out), timeout_s=600, **env)
     got = json.loads(out.read_text())
     print(f"sync {got['sync_bytes'] / 2**20:.1f} MiB in {got['sync_total_s']:.3f} s")
     assert got["after"] == got["megatron"] == got["hf"], got

@@ -5,9 +5,7 @@ The test runs this file as a script in a child process (vLLM must be created und
 """
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -15,7 +13,6 @@ import pytest
 
 PROMPTS = ["12+34=", "Hello world\n", "a"]
 MAX_TOKENS = 24
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _run_vllm(model_dir: str, out_json: str) -> None:
@@ -77,24 +74,12 @@ def _hf_greedy(model_dir):
 @pytest.mark.vllm
 def test_vllm_matches_transformers_greedy(tmp_path):
     from demo.tiny_model import TinyModelConfig, make_tiny_model
+    from tests.integration.dist.harness import run_python
 
     # A larger init std than the default gives clear logit margins, so greedy ties cannot flip.
     model_dir = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(init_std=0.1), seed=7)
     out_json = tmp_path / "vllm.json"
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.run(
-        [sys.executable, __file__, str(model_dir), str(out_json)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_python(__file__, str(model_dir), str(out_json), timeout_s=600, VLLM_CPU_KVCACHE_SPACE="1")
     got = json.loads(out_json.read_text())
     expected = _hf_greedy(model_dir)
     for vllm_out, hf_out in zip(got["outputs"], expected, strict=True):

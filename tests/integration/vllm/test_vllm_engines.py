@@ -37,16 +37,15 @@ pytestmark = pytest.mark.vllm
 
 # -- child process: reference engines (vLLM must be created under __main__) -------------------
 def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
-    from vllm_ext.launch import EXTENSION, model_safetensors_files
+    from testing.vllm_servers import cpu_llm
+    from vllm_ext.launch import model_safetensors_files
     from vllm_ext.req import llm_req_func
 
-    llm = LLM(
-        model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=8, seed=0, worker_extension_cls=EXTENSION
-    )
+    llm = cpu_llm(model_dir, load_format="auto")  # started normally (+ extension)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate():
@@ -208,6 +207,17 @@ def _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engine
     assert states[1]["last_update"]["kv_cache_cleared_bytes"] > 0, states[1]["last_update"]
 
 
+def _retry_push_restores_b(models, engines, tag: str) -> None:
+    """After a failed push: the same push again succeeds on both ranks, both engines answer as ref_b, and
+    only the engines that had served undefined weights cleared their KV cache."""
+    results = _push(models, engines, "B", tag=tag, bucket_size_bytes=SMALL_BUCKET_BYTES)
+    assert [c for c, _ in results] == [0, 0], results
+    outputs = _outputs(engines)
+    want = engines["refs"]["b"]["token_ids"]
+    assert outputs == [want] * 2, {"fast": outputs[0], "gated": outputs[1], "want": want, "states": _states(engines)}
+    _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines)
+
+
 # -- tests ------------------------------------------------------------------------------------
 def test_fast_start_answers_only_with_pushed_weights(engines):
     refs, early = engines["refs"], engines["early"]
@@ -283,7 +293,6 @@ def test_in_process_llm_update_matches_normal_start(engines, models):
 def test_engine_failure_aborts_update_then_next_update_restores(engines, models, tmp_path):
     from vllm_ext.req import collective_rpc
 
-    refs = engines["refs"]
     _ensure(models, engines, "A")
     versions = [s["version"] for s in _states(engines)]
     collective_rpc(engines["gated"].url, "arm_update_fault", args=[{"kind": "raise", "bucket": 3}])
@@ -294,23 +303,13 @@ def test_engine_failure_aborts_update_then_next_update_restores(engines, models,
         assert (state["status"], state["weights_complete"], state["version"]) == ("incomplete", False, version)
         assert "injected fault" in state["last_error"]
     assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving (mixed weights)
-    results = _push(models, engines, "B", tag="fault-raise-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
-    assert [c for c, _ in results] == [0, 0], results
-    outputs = _outputs(engines)
-    assert outputs == [refs["b"]["token_ids"]] * 2, {
-        "fast": outputs[0],
-        "gated": outputs[1],
-        "want": refs["b"]["token_ids"],
-        "states": _states(engines),
-    }
-    _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines)
+    _retry_push_restores_b(models, engines, tag="fault-raise-retry")
 
 
 def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp_path):
     from testing.vllm_servers import start_push_ranks, wait_all
     from vllm_ext.req import collective_rpc
 
-    refs = engines["refs"]
     _ensure(models, engines, "A")
     marker = tmp_path / "rank1-mid-update"
     collective_rpc(
@@ -332,16 +331,7 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
     for state in _states(engines):  # waits for the engine side to give up (ENGINE_TIMEOUT_S)
         assert (state["status"], state["weights_complete"]) == ("incomplete", False), state
     assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving
-    results = _push(models, engines, "B", tag="rank-death-retry", bucket_size_bytes=SMALL_BUCKET_BYTES)
-    assert [c for c, _ in results] == [0, 0], results
-    outputs = _outputs(engines)
-    assert outputs == [refs["b"]["token_ids"]] * 2, {
-        "fast": outputs[0],
-        "gated": outputs[1],
-        "want": refs["b"]["token_ids"],
-        "states": _states(engines),
-    }
-    _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engines)
+    _retry_push_restores_b(models, engines, tag="rank-death-retry")
 
 
 if __name__ == "__main__":

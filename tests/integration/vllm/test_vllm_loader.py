@@ -15,9 +15,7 @@ import pytest
 import torch
 import zmq
 
-from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.pipeline import UpdateFailed
-from checkpoint_engine.ps import ParameterServer
 from vllm_ext.loader import (
     LoaderRendezvousError,
     LoaderSettings,
@@ -37,17 +35,6 @@ def make_ckpt(seed: int) -> dict[str, torch.Tensor]:
     out = {f"layers.{i}.w": torch.randn(64, 40 + i, generator=g) for i in range(10)}
     out["norm"] = torch.randn(33, generator=g).to(torch.bfloat16)
     return out
-
-
-@pytest.fixture
-def ps():
-    cfg = ParameterServerConfig(
-        transport="cpu",
-        update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20),
-    )
-    server = ParameterServer(rank=0, world_size=1, config=cfg)
-    yield server
-    server.close()
 
 
 class Engine:

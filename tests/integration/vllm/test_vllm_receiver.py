@@ -43,17 +43,6 @@ class DictModel:
         self.recovered += 1
 
 
-@pytest.fixture
-def ps():
-    cfg = ParameterServerConfig(
-        transport="cpu",
-        update=UpdateConfig(bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20),
-    )
-    server = ParameterServer(rank=0, world_size=1, config=cfg)
-    yield server
-    server.close()
-
-
 def push(ps, receiver: WeightReceiver, name: str, ckpt: dict) -> None:
     if name not in ps.checkpoints():
         ps.register_checkpoint(name, named_tensors=ckpt)
