@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import pathlib
 import shutil
 import threading
@@ -46,108 +45,17 @@ from collections.abc import Callable, Mapping
 import torch
 
 from checkpoint_engine import hf_dir
-from checkpoint_engine.httpjson import call_json
 from orchestrator.config import EngineConfig, SyncConfig
+from orchestrator.daemon_client import DaemonClient, SwitchError, describe_engines, write_version
+from orchestrator.daemon_client import shard_size_bytes as shard_size_bytes  # its importers use it from here
 from orchestrator.engine import RolloutEngine
 from orchestrator.engine_pool import BATCH_SIZE, SERVING, EnginePool, Member
 from orchestrator.weight_sync import SyncResult
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.5
 MODEL_DIR = "model"  # under the handoff dir: the engines' --model
 PARKED = "stopped"  # a pool member whose engine the daemon stopped (colocated, while training)
-
-
-class SwitchError(RuntimeError):
-    """A colocated switch that failed; the message names the phase and every engine's state."""
-
-
-def describe_engines(records: list[dict]) -> str:
-    """'rank 0: serving policy-v2; rank 1: failed (engine exited with code 3 ...)' for error messages."""
-    parts = []
-    for r in records:
-        what = r.get("state", "?") + (f" {r['checkpoint']}" if r.get("checkpoint") else "")
-        if r.get("state") in ("failed", "incomplete") and r.get("last_error"):
-            what += f" ({str(r['last_error'])[:300]})"
-        parts.append(f"rank {r.get('rank', '?')}: {what}")
-    return "; ".join(parts)
-
-
-class DaemonClient:
-    """The daemon's HTTP API (its rank 0); every call has a deadline and raises naming the route."""
-
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def _call(self, method: str, route: str, body=None, timeout_s: float | None = None):
-        return call_json(method, self.endpoint + route, body, timeout_s=timeout_s or self.timeout_s)
-
-    def engines(self) -> dict:
-        """``{"current": name | None, "engines": [per-rank record]}``."""
-        return self._call("GET", "/engines")
-
-    def register(self, name: str, files: list[str]) -> None:
-        self._call("POST", "/checkpoints", {"name": name, "files": files})
-
-    def unregister(self, name: str) -> None:
-        self._call("DELETE", f"/checkpoints/{name}")
-
-    def start_engines(self, name: str, timeout_s: float, ranks: list[int] | None = None) -> dict:
-        """Start the engines of ``ranks`` (all: None) with dummy weights; the daemon pushes ``name`` first."""
-        body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
-        return self._call("POST", "/engines/start", body, timeout_s=timeout_s)
-
-    def stop_engines(self, ranks: list[int] | None = None) -> dict:
-        return self._call("POST", "/engines/stop", {} if ranks is None else {"ranks": ranks})
-
-    def update(self, name: str, ranks: list[int] | None) -> dict:
-        body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
-        return self._call("POST", "/update", body)
-
-    def wait_serving(
-        self,
-        rank: int,
-        name: str,
-        timeout_s: float,
-        *,
-        replaced_pid: int | None = None,
-        still_answers: Callable[[str], bool] | None = None,
-        stop: threading.Event | None = None,
-    ) -> dict:
-        """Wait until rank ``rank``'s engine serves checkpoint ``name``; its record.
-
-        ``replaced_pid``: the engine process that failed. Until the daemon notices (its watchdog
-        polls), its record still says serving with that pid: such a record counts only if
-        ``still_answers(url)`` (the failure was not the engine's death)."""
-        deadline = time.monotonic() + timeout_s
-        last: dict = {}
-        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
-            try:
-                last = self.engines()["engines"][rank]
-            except Exception as e:  # noqa: BLE001 - the daemon may be busy with the heal's update: ask again
-                last = {"error": str(e)}
-            if last.get("state") == "serving" and last.get("checkpoint") == name and last.get("url"):
-                if replaced_pid is None or last.get("pid") != replaced_pid:
-                    return last
-                if still_answers is not None and still_answers(last["url"]):
-                    return last
-            time.sleep(POLL_INTERVAL_S)
-        raise TimeoutError(f"rank {rank}'s engine did not serve {name} within {timeout_s:.0f} s (last: {last})")
-
-
-def shard_size_bytes(sizes_bytes: Mapping[str, int], num_ranks: int) -> int:
-    """Largest shard so that the files split over ``num_ranks`` ranks about evenly (the daemon gives
-    file i to rank i % world) and no tensor is cut."""
-    total = sum(sizes_bytes.values())
-    return max(max(sizes_bytes.values(), default=1), math.ceil(total / max(num_ranks, 1)))
-
-
-def write_version(handoff: pathlib.Path, name: str, tensors: Mapping[str, torch.Tensor], num_ranks: int) -> list[str]:
-    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
-    files = hf_dir.write_safetensors(handoff / name, tensors, max_shard_size_bytes=shard_size_bytes(sizes, num_ranks))
-    return [str(f) for f in files]
 
 
 def _http_engine(config: EngineConfig, url: str):
