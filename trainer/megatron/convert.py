@@ -6,6 +6,7 @@ table of ``trainer.megatron.layout``, so they cannot disagree:
     HF state dict ──hf_to_megatron──▶ {(pp, tp): Megatron state dict}      (trainer init from SFT)
     {(pp, tp): Megatron state dict} ──megatron_to_hf(out=host views)──▶ HF  (weight sync)
     one rank's Megatron state dict ──rank_slices──▶ [(Piece, view)]        (sharding-aware plans)
+    one rank's Megatron state dict ──write_rank_slices──▶ its slices of a shared HF buffer (weight sync)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from trainer.megatron.layout import (  # noqa: F401  (re-exported: the public co
     hf_sources,
     sources_of_slice,
     stage_layers,
+    writer_pieces,
 )
 
 
@@ -132,11 +134,34 @@ def rank_slices(
     """What one Megatron rank contributes to the HF checkpoint, without any copy or communication:
     (piece, view of this rank's tensor) for every primary piece it owns. The piece says which HF
     tensor and which slice along ``piece.dim`` the view fills (input for a sharding-aware plan)."""
-    out = []
-    for p in conversion_pieces(shape, parallel, norm_style):
-        if p.primary and (p.pp_rank, p.tp_rank) == rank:
-            out.append((p, _megatron_tensor({rank: shard}, p).narrow(p.dim, p.mg_start, p.length)))
-    return out
+    pieces = writer_pieces(shape, parallel, norm_style).get(rank)
+    if pieces is None:
+        raise ValueError(f"rank {rank} is outside {parallel}")
+    return [(p, _megatron_tensor({rank: shard}, p).narrow(p.dim, p.mg_start, p.length)) for p in pieces]
+
+
+def write_rank_slices(
+    shard: Mapping[str, torch.Tensor],
+    out: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    parallel: Parallelism,
+    rank: Rank,
+    norm_style: NormStyle = "local",
+    copy_threads: int | None = 1,
+) -> int:
+    """Write this rank's slices (``layout.writer_pieces``) into HF-layout tensors ``out`` (e.g. views
+    of one shared-memory buffer every rank of the model writes its own part of): one copy per piece,
+    casting to ``out``'s dtype on the way, nothing sent anywhere. Returns the bytes written.
+    After every rank has written (and a barrier), ``out`` holds the whole HF checkpoint."""
+    written = 0
+    with copy_threads_context(copy_threads):
+        for piece, src in rank_slices(shard, shape, parallel, rank, norm_style):
+            dst = out.get(piece.hf_name)
+            if dst is None:
+                raise ValueError(f"out lacks {piece.hf_name} (rank {rank} writes part of it)")
+            dst.narrow(piece.dim, piece.hf_start, piece.length).copy_(src)
+            written += src.numel() * dst.element_size()
+    return written
 
 
 @contextlib.contextmanager

@@ -385,6 +385,18 @@ def hf_sources(shape: ModelShape, parallel: Parallelism, norm_style: NormStyle =
     return out
 
 
+def writer_pieces(shape: ModelShape, parallel: Parallelism, norm_style: NormStyle = "local") -> dict[Rank, list[Piece]]:
+    """Which HF slices each Megatron rank writes into one shared HF-layout buffer (every rank listed,
+    in Megatron order): its primary pieces. Each HF element is written by exactly one rank: a split
+    tensor's slice by the rank that holds it, a replicated one (norms) by TP rank 0 of its stage
+    only, the last stage's copy of a tied embedding by nobody (stage 0 writes the embedding)."""
+    out: dict[Rank, list[Piece]] = {rank: [] for rank in parallel.ranks()}
+    for piece in conversion_pieces(shape, parallel, norm_style):
+        if piece.primary:
+            out[(piece.pp_rank, piece.tp_rank)].append(piece)
+    return out
+
+
 def sources_of_slice(sources: Mapping[str, list[Piece]], hf_name: str, dim: int, start: int, stop: int) -> list[Piece]:
     """Which Megatron (rank, tensor, slice) pieces fill HF slice [start, stop) of ``hf_name`` along
     ``dim``: what a destination that needs only a shard (an inference TP rank) must fetch.

@@ -11,13 +11,19 @@
         backward: rank 0 broadcasts d loss / d log p; every rank backpropagates it through its
             own graph (megatron's TP all-reduces pair up across ranks)
         step: grad norm summed over the TP group (replicated params once), same clip, AdamW per shard
-        named_tensors: followers send their Megatron shards to rank 0 (gloo), rank 0 merges them
-            with convert.megatron_to_hf into HF layout ──▶ WeightSync (ParameterServer in rank 0)
+        named_tensors: every rank writes its own HF slices (convert.write_rank_slices) into ONE
+            shared HF-layout buffer (a memfd rank 0 made; the followers map /proc/<rank 0>/fd/<fd>),
+            barrier ──▶ rank 0 hands out views of it ──▶ WeightSync: ParameterServer.register_checkpoint
+            adopts the buffer as its chunk (no copy) ──▶ engines read it in place (local mode)
 
-The ParameterServer stays in the job's process (rank 0): the engine side and the checkpoint
-engine are unchanged, and on one host the merge is one memcpy-speed pass (see
-benchmarks/bench_megatron_sync.py). The loss and the k1.5 step are the loop's own code, unchanged:
-only rank 0 sees them.
+Where the ParameterServer lives: in the job's process, TP rank 0, one PS rank per inference engine
+(WeightSync: world size 1). It is the process that makes the shared buffer, so the buffer's fd is
+the PS's own chunk handle: engines open /proc/<PS pid>/fd/<fd> as for any registered chunk, and the
+buffer outlives no process that still needs it. The trainer's TP ranks are writers, not PS ranks:
+a PS rank must own whole HF tensors (one owner per tensor), while a TP rank holds slices of most
+of them. No shard goes over gloo: the only messages of a sync are the buffer's (pid, fd, size) and
+a barrier. Needs the TP ranks on the PS's host (TP stays inside a node). The loss and the k1.5 step
+are the loop's own code, unchanged: only rank 0 sees them.
 """
 
 from __future__ import annotations
@@ -196,8 +202,8 @@ class TPMegatronTrainer:
         self._call("set_lr", float(lr))
 
     def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]:
-        _broadcast(("gather_shards", (), False))
-        return self.inner.named_tensors(copy=copy)  # gathers the followers' shards, then converts
+        """Views of the shared HF buffer every rank wrote its slices into (see the module docstring)."""
+        return self._call("named_tensors", bool(copy))
 
     def load_hf_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self._call("load_hf_weights", {n: t.detach().cpu() for n, t in state_dict.items()})
@@ -228,6 +234,7 @@ class TPMegatronTrainer:
         from trainer.megatron import model as mg_model
         from trainer.megatron.cpu_compat import remove_cpu_redirects
 
+        self.inner.close()  # the shared HF buffers (a registered one: when it is unregistered)
         mg_model.close_parallel()
         remove_cpu_redirects()
 
@@ -286,9 +293,6 @@ def follower_main(argv=None) -> int:
             method, call_args, grad_enabled = _broadcast()
             if method == "close":
                 return 0
-            if method == "gather_shards":
-                trainer.gather_shards()
-                continue
             with torch.set_grad_enabled(grad_enabled):
                 out = _run(trainer, method, call_args, pending)
             if method in ("sequence_logprobs", "token_logprobs") and out.requires_grad:

@@ -7,8 +7,9 @@
     sequence_logprobs / token_logprobs ── GPTModel forward (causal mask, right padding) ──▶ [batch]
     backward / step ── torch AdamW (or SGD) over the GPTModel's parameters, clip, zero grad
     reset_optimizer / set_lr ── as HFTrainer (k1.5 resets the optimizer every iteration)
-    named_tensors() ── convert.megatron_to_hf(out=persistent HF buffers) ──▶ {HF name: tensor}
-                       (the conversion is the one copy; the ParameterServer registers these)
+    named_tensors() ── every TP rank: convert.write_rank_slices(its shard) ──▶ ONE shared HF-layout
+                       buffer (memfd made by TP rank 0, mapped by the others), barrier ──▶ TP rank 0:
+                       {HF name: view}; the ParameterServer adopts them (no copy, no gather)
     save(dir) / load_hf_weights(state) ── HF layout on disk, like HFTrainer (resume works unchanged)
 
 Runs in the caller's process at TP=1 (a gloo world of one on CPU, made by ``model.init_parallel``
@@ -29,7 +30,7 @@ import torch
 from trainer.cpu import num_threads_for, resolve_autocast_dtype
 from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
 from trainer.loss import token_logprobs as _masked_token_logprobs
-from trainer.megatron.convert import ModelShape, megatron_to_hf
+from trainer.megatron.convert import ModelShape, hf_param_shapes, hf_sources, write_rank_slices
 from trainer.megatron.model import MegatronModelConfig
 from trainer.torch_trainer import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
 
@@ -85,7 +86,8 @@ class MegatronTrainer(OptimizerSteps):
         self.pad_id = int(pad if pad is not None else 0)
         self._lr = self.config.lr
         self.optimizer = make_optimizer(self.model, self.config, self._lr)
-        self._out: dict[str, torch.Tensor] | None = None  # persistent float32 HF buffers of named_tensors
+        self._buffers: list = []  # TP rank 0: SharedTensorBuffers in HF layout (named_tensors), kept
+        self._mapped: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # other TP ranks: their views
 
     # -- forward ----------------------------------------------------------------------------------
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -162,53 +164,90 @@ class MegatronTrainer(OptimizerSteps):
 
         return megatron_state(self.model)
 
-    def gather_shards(self) -> dict:
-        """{(pp, tp): Megatron state} of every TP rank, on TP rank 0 (others send theirs and get {}).
-        Collective at TP > 1: every rank of the group calls it."""
-        from trainer.megatron import model as mg_model
+    def _hf_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """The HF checkpoint this trainer hands out: names in HF order, the source dir's dtypes."""
+        from checkpoint_engine.dtypes import dtype_name
 
-        mine = self.megatron_state()
-        if self.megatron.tp_size == 1:
-            return {(0, 0): mine}
+        param_dtype = next(self.model.parameters()).dtype
+        names = hf_sources(self.shape, self.megatron.parallelism, self.norm_style)
+        return [
+            (name, dtype_name(self._disk_dtypes.get(name, param_dtype)), dims)
+            for name, dims in hf_param_shapes(self.shape).items()
+            if name in names
+        ]
+
+    def _shared_hf_views(self, leader: bool, group) -> dict[str, torch.Tensor]:
+        """The HF-layout views of the shared buffer this sync writes: TP rank 0 (the parameter
+        server's process) picks a buffer no registered checkpoint holds, or makes one, and sends its
+        (pid, fd, size) to the other TP ranks, which map it through /proc/<pid>/fd/<fd> (same host)."""
         import torch.distributed as dist
-        from megatron.core import parallel_state
 
-        group = parallel_state.get_tensor_model_parallel_group()
-        ranks = dist.get_process_group_ranks(group)
-        if mg_model.this_rank()[1] != 0:
-            for name in sorted(mine):
-                dist.send(mine[name].detach().contiguous().cpu(), dst=ranks[0])
-            return {}
-        shards = {(0, 0): mine}
-        for tp_rank, src in enumerate(ranks[1:], start=1):
-            received = {}
-            for name in sorted(mine):  # TP ranks hold the same names and shapes
-                received[name] = torch.empty(mine[name].shape, dtype=mine[name].dtype)
-                dist.recv(received[name], src=src)
-            shards[(0, tp_rank)] = received
-        return shards
+        from checkpoint_engine.host_memory import SharedTensorBuffer
+
+        ref = None
+        if leader:
+            buffer = next((b for b in self._buffers if b.adopted_by is None), None)
+            if buffer is None:  # all busy (registered, being served): one more
+                buffer = SharedTensorBuffer(self._hf_specs(), tag="megatron-hf")
+                self._buffers.append(buffer)
+            ref = buffer.ref
+            views = buffer.tensors
+        if group is None:
+            return views
+        box = torch.tensor([ref.pid, ref.fd, ref.size_bytes] if leader else [0, 0, 0], dtype=torch.int64)
+        dist.broadcast(box, src=dist.get_process_group_ranks(group)[0], group=group)
+        if leader:
+            return views
+        key = tuple(int(v) for v in box)
+        if key not in self._mapped:  # buffers live as long as the trainer: one mapping each
+            from checkpoint_engine import shm
+            from checkpoint_engine.plan import layout_tensors
+
+            layout = layout_tensors(self._hf_specs())
+            if layout.chunk_sizes_bytes[0] != key[2]:
+                raise RuntimeError(
+                    f"shared HF buffer has {key[2]} bytes, this rank's layout {layout.chunk_sizes_bytes}"
+                )
+            raw = shm.map_writable(shm.SegmentRef(*key))
+            self._mapped[key] = SharedTensorBuffer.views(raw, layout)
+        return self._mapped[key]
 
     def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]:
-        """The weights in HF layout under the source directory's names and dtypes.
+        """The weights in HF layout under the source directory's names and dtypes, in shared memory.
 
-        One conversion copy (``convert.megatron_to_hf``) into buffers kept between calls: the
-        tensors returned are overwritten by the next call unless ``copy`` is set."""
-        if self._out is None:
-            self._out = {}
+        Every TP rank writes its own slices (``convert.write_rank_slices``: one copy, cast to the
+        disk dtype on the way) into ONE shared HF-layout buffer made by TP rank 0; a barrier; TP rank
+        0 returns views of it, which ``ParameterServer.register_checkpoint`` adopts without a copy
+        (``checkpoint_engine.host_memory.SharedTensorBuffer``). No shard travels over gloo.
+        Collective at TP > 1 (the other TP ranks return {}). The views are overwritten by the next
+        call unless ``copy`` is set or a checkpoint registered them (then the next call writes
+        another buffer)."""
+        from trainer.megatron import model as mg_model
+
+        group = None
+        leader = True
+        if self.megatron.tp_size > 1:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_tensor_model_parallel_group()
+            leader = mg_model.this_rank()[1] == 0
+        views = self._shared_hf_views(leader, group)
         with torch.no_grad():
-            hf = megatron_to_hf(
-                self.gather_shards(), self.shape, self.megatron.parallelism, norm_style=self.norm_style, out=self._out
+            write_rank_slices(
+                self.megatron_state(),
+                views,
+                self.shape,
+                self.megatron.parallelism,
+                mg_model.this_rank(),
+                self.norm_style,
             )
-        for name, tensor in hf.items():
-            self._out.setdefault(name, tensor)
-        out = {}
-        for name, tensor in hf.items():
-            t = tensor.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            t = t.to(self._disk_dtypes.get(name, t.dtype))
-            out[name] = t.clone() if copy and t.data_ptr() == tensor.data_ptr() else t
-        return out
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=group)
+        if not leader:
+            return {}
+        return {name: t.clone() for name, t in views.items()} if copy else dict(views)
 
     @torch.no_grad()
     def load_hf_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -230,7 +269,12 @@ class MegatronTrainer(OptimizerSteps):
         )
 
     def close(self) -> None:
-        """Tear down the process group if this trainer made it (tests build several trainers)."""
+        """Free the shared HF buffers (one a registered checkpoint holds: when it is unregistered) and
+        tear down the process group if this trainer made it (tests build several trainers)."""
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
+        self._mapped = {}
         if self._owns_parallel:
             from trainer.megatron import model as mg_model
             from trainer.megatron.cpu_compat import remove_cpu_redirects

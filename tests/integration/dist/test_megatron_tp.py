@@ -33,7 +33,7 @@ def _torchrun(tp: int, pp: int, out_dir, timeout_s: float = 240.0) -> subprocess
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        str(REPO / "tests" / "dist" / "megatron_tp_worker.py"),
+        str(REPO / "tests" / "integration" / "dist" / "megatron_tp_worker.py"),
         "--tp",
         str(tp),
         "--pp",
