@@ -1,0 +1,101 @@
+"""What each rank's managed engine runs: the `--engine-cmd` template (`{port}`, `{rank}`, `{device}`
+filled in), its environment (torchrun's variables removed, one GPU visible) and `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PLACEHOLDERS = ("{port}", "{rank}", "{device}")
+
+
+def parse_engine_cmd(text: str) -> tuple[str, ...]:
+    """`--engine-cmd`: a JSON list of strings, or a shell-style string (split with shlex)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"--engine-cmd must be a non-empty command template, got {text!r}")
+    if text.lstrip().startswith("["):
+        try:
+            argv = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--engine-cmd looks like a JSON list but does not parse: {e}") from None
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"--engine-cmd as JSON must be a list of strings, got {argv!r}")
+    else:
+        argv = shlex.split(text)
+    cmd = tuple(argv)
+    EngineConfig(cmd=cmd)  # validates the template
+    return cmd
+
+
+def render_cmd(cmd: Sequence[str], *, port: int, rank: int, device: str) -> list[str]:
+    """The argv of one engine: each placeholder replaced (other braces, e.g. JSON args, stay as they are)."""
+    values = {"{port}": str(port), "{rank}": str(rank), "{device}": device}
+    out = []
+    for arg in cmd:
+        for key, value in values.items():
+            arg = arg.replace(key, value)
+        out.append(arg)
+    return out
+
+
+# torchrun's variables describe the daemon's process group, which the engine is no member of (an
+# engine that starts its own torch.distributed group, as vLLM does, must not pick them up)
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+TORCHRUN_VARS += ("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def engine_env(environ: dict[str, str] | None = None, device: str = "cpu") -> dict[str, str]:
+    """The daemon's environment without torchrun's process-group variables; a GPU engine sees only
+    its rank's device (`cuda:N` -> CUDA_VISIBLE_DEVICES naming that GPU, within the daemon's own list)."""
+    env = dict(os.environ if environ is None else environ)
+    for key in list(env):
+        if key in TORCHRUN_VARS or key.startswith(("TORCHELASTIC_", "TORCH_NCCL_ASYNC")):
+            del env[key]
+    if device.startswith("cuda:"):
+        index = int(device.split(":", 1)[1])
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if visible and index >= len(visible):
+            raise ValueError(f"device {device} is not among CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
+        env["CUDA_VISIBLE_DEVICES"] = visible[index].strip() if visible else str(index)
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}
+    health_path: str = "/health"  # GET answers 200 once the engine can take updates
+    host: str = "127.0.0.1"  # where the engine listens (the template's own flags decide; used for the URL)
+    start_timeout_s: float = 300.0  # process start until healthy
+    stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL
+    poll_interval_s: float = 0.2  # watchdog and healer period
+    update_timeout_s: float = 300.0  # an update of managed engines (heals included), unless the request says
+    auto_heal: bool = True
+    max_heal_attempts: int = 3  # consecutive failed heals of one engine before the healer gives up
+    log_dir: str | None = None  # engine logs (engine-r<rank>.log); None: a fresh temporary folder
+
+    def __post_init__(self) -> None:
+        from checkpoint_engine.validate import check_int, check_number
+
+        if not isinstance(self.cmd, tuple) or not self.cmd or not all(isinstance(a, str) and a for a in self.cmd):
+            raise ValueError(f"EngineConfig.cmd={self.cmd!r} must be a non-empty tuple of non-empty strings")
+        if not any("{port}" in a for a in self.cmd):
+            raise ValueError(
+                f"EngineConfig.cmd={list(self.cmd)!r} has no {{port}} placeholder: the daemon picks a free port "
+                "per engine and must pass it, e.g. '... --port {port}'"
+            )
+        if not self.health_path.startswith("/"):
+            raise ValueError(f"EngineConfig.health_path={self.health_path!r} must start with '/'")
+        for name in ("start_timeout_s", "stop_grace_s", "poll_interval_s", "update_timeout_s"):
+            check_number(f"EngineConfig.{name}", getattr(self, name))
+        check_int("EngineConfig.max_heal_attempts", self.max_heal_attempts, low=0)

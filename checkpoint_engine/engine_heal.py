@@ -1,0 +1,83 @@
+"""Self-healing: a `Watchdog` thread on every rank notices its engine's death within one poll; a
+`Healer` thread on rank 0 relays a restart of every failed engine and its update to the current
+checkpoint (see engines.py for the whole path).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from checkpoint_engine.daemon_commands import Driver
+    from checkpoint_engine.engine_process import ManagedEngine
+
+logger = logging.getLogger(__name__)
+
+
+class Watchdog:
+    """A thread that probes the engine every `interval_s` (a death is noticed within that period)."""
+
+    def __init__(self, engine: ManagedEngine, interval_s: float):
+        self.engine, self.interval_s = engine, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-watchdog-r{engine.rank}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.engine.check_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s * 5 + 1)
+
+
+class Healer:
+    """Rank 0: restarts failed engines and brings them to the current checkpoint (see engines.py)."""
+
+    def __init__(self, driver: Driver, interval_s: float, max_attempts: int):
+        self.driver, self.interval_s, self.max_attempts = driver, interval_s, max_attempts
+        self._stop = threading.Event()
+        self._attempts: dict[int, int] = {}  # per rank: heals since it last served
+        self._thread = threading.Thread(target=self._loop, name="engine-healer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.heal_once()
+            except Exception:  # the healer must outlive one bad round (a store hiccup): logged, next round
+                logger.exception("engine healer round failed")
+
+    def heal_once(self) -> None:
+        failed = []
+        for rec in self.driver.board.records():
+            r, state = rec["rank"], rec["state"]
+            if state == "serving":
+                self._attempts.pop(r, None)
+            elif state == "failed":
+                n = self._attempts.get(r, 0)
+                if n < self.max_attempts:
+                    failed.append(r)
+                elif n == self.max_attempts:
+                    self._attempts[r] = n + 1  # say it once
+                    logger.error("rank %d: engine still failed after %d heals; giving up: %s", r, n, rec["last_error"])
+        if not failed or self._stop.is_set():
+            return
+        for r in failed:
+            self._attempts[r] = self._attempts.get(r, 0) + 1
+        logger.warning("healing the engines of ranks %s (checkpoint %r)", failed, self.driver.current)
+        result = self.driver.run({"op": "engine_start", "ranks": failed, "name": self.driver.current, "heal": True})
+        if result["ok"]:
+            logger.info("healed the engines of ranks %s", failed)
+        else:
+            logger.error("heal of ranks %s failed: %s", failed, result.get("errors"))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self, timeout_s: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)

@@ -1,0 +1,291 @@
+"""One engine process and its lifecycle state (`ManagedEngine`): start with a free port and a log
+file, wait until healthy, watch for its exit, stop (SIGTERM, then SIGKILL of its process group).
+Every state change goes through the table of `engine_states` and is published as a record.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from checkpoint_engine.engine_config import EngineConfig, engine_env, free_port, render_cmd
+from checkpoint_engine.engine_states import STARTABLE, UPDATABLE, check_transition
+from checkpoint_engine.procs import die_with_parent
+
+logger = logging.getLogger(__name__)
+
+
+class ManagedEngine:
+    """One engine process and its state; every state change goes to `publish(record)`.
+
+    Thread-safe: the command thread (start/update/stop) and the watchdog (`check_alive`) share a lock.
+    """
+
+    def __init__(
+        self, rank: int, config: EngineConfig, *, device: str = "cpu", publish: Callable[[dict], None] | None = None
+    ):
+        self.rank, self.config, self.device = rank, config, device
+        self._publish = publish or (lambda record: None)
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"ckpt-engine-r{rank}-")
+        self.log_path = os.path.join(self.log_dir, f"engine-r{rank}.log")
+        self.state: str = "stopped"
+        self.checkpoint: str | None = None  # the weights it serves in full (None unless serving/updating)
+        self.pid: int | None = None
+        self.url: str | None = None
+        self.restarts = 0
+        self.exit_code: int | None = None
+        self.last_error: str | None = None
+        self.since = time.time()
+        self.failed_at: float | None = None  # monotonic time of the last failure (for recovery_s)
+        self.recovery_s: float | None = None  # failure -> serving again, of the last heal
+        self.last_failure: dict | None = None  # kept across restarts: {"reason", "exit_code", "at"}
+        self._served_before: str | None = None  # the checkpoint served when the running update began
+        self.healthy = False
+        self._emit()
+
+    # -- state ------------------------------------------------------------------------------
+    def record(self) -> dict:
+        with self._lock:
+            return {
+                "rank": self.rank,
+                "state": self.state,
+                "checkpoint": self.checkpoint,
+                "pid": self.pid,
+                "url": self.url,
+                "healthy": self.healthy,
+                "restarts": self.restarts,
+                "exit_code": self.exit_code,
+                "last_error": self.last_error,
+                "recovery_s": self.recovery_s,
+                "last_failure": self.last_failure,
+                "since": self.since,
+                "log_path": self.log_path,
+            }
+
+    def _emit(self) -> None:
+        self._publish(self.record())
+
+    def _set(self, new: str, **fields) -> None:
+        check_transition(self.state, new)
+        logger.info("rank %d: engine %s -> %s", self.rank, self.state, new)
+        self.state, self.since = new, time.time()
+        for k, v in fields.items():
+            setattr(self, k, v)
+        self._emit()
+
+    def _fail(self, reason: str, exit_code: int | None) -> None:
+        """-> failed, unless already failed or stopped (the watchdog and a waiter may both notice)."""
+        if self.state in ("failed", "stopped"):
+            return
+        self.failed_at = time.monotonic()
+        self.last_failure = {"reason": reason, "exit_code": exit_code, "at": time.time()}
+        self._set("failed", exit_code=exit_code, last_error=reason, healthy=False, checkpoint=None)
+        logger.error("rank %d: engine failed: %s", self.rank, reason)
+
+    # -- process ----------------------------------------------------------------------------
+    def poll(self) -> int | None:
+        """The exit code once the process has ended (None while it runs or before any start)."""
+        with self._lock:
+            return None if self._proc is None else self._proc.poll()
+
+    def start(self) -> None:
+        """Start the process (free port, log file); state -> starting. Call `wait_healthy` next."""
+        with self._lock:
+            if self.state not in STARTABLE:
+                raise RuntimeError(
+                    f"rank {self.rank}: the engine is {self.state}; "
+                    "stop it first (POST /engines/stop) to start it again"
+                )
+            restart = self.state == "failed"
+            self._terminate()  # what a failed run left in its process group
+            port = free_port(self.config.host)
+            argv = render_cmd(self.config.cmd, port=port, rank=self.rank, device=self.device)
+            self._close_log()
+            self._log = open(self.log_path, "a")  # open for the process's lifetime
+            self._log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {shlex.join(argv)}\n")
+            self._log.flush()
+            self._set(
+                "starting",
+                url=f"http://{self.config.host}:{port}",
+                pid=None,
+                exit_code=None,
+                last_error=None,
+                healthy=False,
+                checkpoint=None,
+                restarts=self.restarts + int(restart),
+            )
+            try:
+                self._proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    env=engine_env(device=self.device),
+                    stdout=self._log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent,  # the engine ends with this thread (the daemon's)
+                    start_new_session=True,  # its own process group: a stop reaches its children too
+                )
+            except OSError as e:
+                self._proc = None
+                self._fail(f"cannot run {argv[0]!r}: {e} (check --engine-cmd)", None)
+                raise RuntimeError(f"rank {self.rank}: {self.last_error}") from None
+            self.pid = self._proc.pid
+            self._emit()
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Poll GET url + health_path until it answers 200; RuntimeError (state failed) when the process
+        exits first or the deadline passes (the process is then stopped)."""
+        from checkpoint_engine.httpjson import status_json
+
+        timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        url = f"{self.url}{self.config.health_path}"
+        while True:
+            with self._lock:
+                if self.state != "starting":  # the watchdog noticed a death first
+                    raise RuntimeError(f"rank {self.rank}: engine {self.state} while starting: {self.last_error}")
+                code = self._proc.poll() if self._proc is not None else None
+                if code is not None:
+                    self._fail(f"engine exited with code {code} before it was healthy; {self._log_tail()}", code)
+                    raise RuntimeError(f"rank {self.rank}: {self.last_error}")
+            try:
+                status, _ = status_json("GET", url, timeout_s=2.0)
+                if status == 200:
+                    with self._lock:
+                        self.healthy = True
+                        self._emit()
+                    return
+            except OSError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                with self._lock:
+                    self._terminate()
+                    self._fail(
+                        f"engine not healthy at {url} within {timeout_s:g} s (raise start_timeout_s if it "
+                        f"is slow to start); {self._log_tail()}",
+                        self.poll(),
+                    )
+                raise RuntimeError(f"rank {self.rank}: {self.last_error}")
+            time.sleep(0.05)
+
+    def check_alive(self) -> int | None:
+        """The watchdog's probe: a live engine whose process ended -> failed. Returns the exit code then."""
+        with self._lock:
+            if self._proc is None or self.state in ("stopped", "failed"):
+                return None
+            code = self._proc.poll()
+            if code is None:
+                return None
+            self._fail(f"engine process {self._proc.pid} exited with code {code} ({self._log_tail()})", code)
+            return code
+
+    def abandon(self, reason: str) -> None:
+        """Stop the process and report the engine failed (a start the other ranks gave up on)."""
+        with self._lock:
+            self._terminate()
+            self._fail(reason, self.poll())
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after `stop_grace_s`, always reaped; state -> stopped."""
+        with self._lock:
+            self._terminate()
+            self._close_log()
+            if self.state != "stopped":
+                self._set("stopped", pid=None, healthy=False, checkpoint=None)
+
+    def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        grace_s = self.config.stop_grace_s
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("rank %d: engine %d ignored SIGTERM for %.1f s: SIGKILL", self.rank, proc.pid, grace_s)
+                _killpg(proc.pid, signal.SIGKILL)
+                proc.wait(grace_s)
+        # children the engine left in its process group (e.g. a launcher's servers): TERM, then KILL
+        if _killpg(proc.pid, signal.SIGTERM):
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and _killpg(proc.pid, 0):
+                time.sleep(0.05)
+            _killpg(proc.pid, signal.SIGKILL)
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _log_tail(self, num_bytes: int = 1500) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - num_bytes))
+                tail = f.read().decode(errors="replace").strip()
+        except OSError:
+            return f"log {self.log_path} unreadable"
+        return f"log {self.log_path}, last lines: {tail[-num_bytes:]}"
+
+    # -- updates ----------------------------------------------------------------------------
+    def update_refusal(self) -> str | None:
+        """Why the engine cannot take an update now (None: it can)."""
+        with self._lock:
+            if self.state in UPDATABLE and self.healthy:
+                return None
+            return f"rank {self.rank}: the engine is {self.state} and cannot take an update" + (
+                "; start it first (POST /engines/start)" if self.state in STARTABLE else ""
+            )
+
+    def begin_update(self, checkpoint: str) -> None:
+        with self._lock:
+            refusal = self.update_refusal()
+            if refusal is not None:
+                raise RuntimeError(refusal)
+            self._served_before = self.checkpoint if self.state == "serving" else None
+            self._set("updating")
+
+    def end_update(self, checkpoint: str, error: str | None, *, engine_untouched: bool = False) -> None:
+        """updating -> serving (error None) or incomplete; failed when the process is gone.
+
+        `engine_untouched`: the update failed before any weight reached the engine (a bad request):
+        an engine that served a checkpoint goes back to serving it, one with dummy weights is incomplete."""
+        with self._lock:
+            if self.state != "updating":  # the watchdog marked it failed meanwhile
+                return
+            code = self._proc.poll() if self._proc is not None else None
+            if code is not None:
+                self._fail(f"engine exited with code {code} during the update of {checkpoint!r}: {error}", code)
+            elif error is not None and engine_untouched and self._served_before is not None:
+                self._set("serving", checkpoint=self._served_before, last_error=f"update to {checkpoint!r}: {error}")
+            elif error is None:
+                recovery = None if self.failed_at is None else round(time.monotonic() - self.failed_at, 3)
+                self.failed_at = None
+                self._set(
+                    "serving",
+                    checkpoint=checkpoint,
+                    last_error=None,
+                    recovery_s=recovery if recovery is not None else self.recovery_s,
+                )
+            else:
+                self._set("incomplete", checkpoint=None, last_error=f"update to {checkpoint!r} failed: {error}")
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    """Signal a process group; False when it has no member left."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the group id was reused by someone else's process
+        return False
