@@ -24,7 +24,7 @@ import torch
 from checkpoint_engine import shm
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.dtypes import dtype_from_name, dtype_from_safetensors, dtype_name, itemsize
-from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, RankLayout, TensorMeta, layout_tensors
+from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, RankLayout, TensorMeta, TensorSpec, layout_tensors
 from checkpoint_engine.protocol import BufferHandle
 from checkpoint_engine.transport import HostChunk
 
@@ -34,10 +34,7 @@ MAX_HEADER_BYTES = 100 * 2**20
 
 
 @dataclass(frozen=True)
-class FileTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+class FileTensor(TensorSpec):
     path: str
     start_bytes: int  # absolute offset in the file
     nbytes: int
@@ -301,8 +298,12 @@ class SharedTensorBuffer:
         self._segment.close()
         self._segment = None
 
-    def __del__(self) -> None:
-        _LIVE_BUFFERS.pop(getattr(self, "_base", None), None)
+    def __del__(self) -> None:  # never adopted (a checkpoint's chunk keeps its buffer alive): free the fd
+        entry = _LIVE_BUFFERS.get(getattr(self, "_base", None))
+        if entry is not None and entry() is None:  # our entry (a later buffer at this address has a live one)
+            _LIVE_BUFFERS.pop(self._base, None)
+        if getattr(self, "_segment", None) is not None:
+            self._segment.close()
 
 
 def find_shared_buffer(named_tensors: Mapping[str, torch.Tensor], align_bytes: int) -> SharedTensorBuffer | None:

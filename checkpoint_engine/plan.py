@@ -28,12 +28,18 @@ def align_up(n: int, align: int) -> int:
 
 
 @dataclass(frozen=True)
-class TensorMeta:
-    """Where one registered tensor lives: `chunk` of its owner's host memory, at `offset_bytes`."""
+class TensorSpec:
+    """What a tensor is, wherever it lives (`TensorMeta`: in host chunks; `host_memory.FileTensor`: in a file)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorMeta(TensorSpec):
+    """Where one registered tensor lives: `chunk` of its owner's host memory, at `offset_bytes`."""
+
     offset_bytes: int
     chunk: int = 0
 
