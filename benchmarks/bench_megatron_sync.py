@@ -32,9 +32,9 @@ HF checkpoint is --dtype. Best of --repeats, each a full sync's handoff:
 adds the trainer-step-end to vLLM-serving split, measured the way the RL loop syncs
 (orchestrator.weight_sync: an in-process ParameterServer, CPU transport) from a MegatronTrainer (TP=1,
 this process) into a real vLLM LLM (CPU, started on dummy weights) after each of --steps training steps:
-  step_convert_s   trainer.named_tensors(): megatron_to_hf into the trainer's persistent HF buffers
-                   (--trainer-tp 2: the other rank's shards gathered to rank 0 over gloo first)
-  step_register_s  ParameterServer.register_checkpoint + gather_metas (copy into host/shared memory)
+  step_convert_s   trainer.named_tensors(): every TP rank (--trainer-tp) writes its HF slices into
+                   the trainer's shared HF buffer (write_rank_slices), barrier
+  step_register_s  ParameterServer.register_checkpoint (adopts that buffer: no copy) + gather_metas
   step_update_s    ParameterServer.update: buckets to the engine and its in-place reload
   step_serve_s     the first greedy request (1 token) served after the update
   step_total_s     the sum (median over steps for every field)
@@ -84,7 +84,7 @@ def parse_args(argv=None):
         type=int,
         default=1,
         help="--vllm: the trainer's TP size (> 1: this process is rank 0 and starts the others; "
-        "convert then includes gathering their shards over gloo)",
+        "convert then includes their writes into the shared buffer)",
     )
     return p.parse_args(argv)
 
@@ -272,7 +272,8 @@ def _handoff_rank(args, rank: int, port: int) -> dict | None:
             t6 = time.perf_counter()
             if i == 0:
                 new, old = ps._checkpoints[previous["new"]], ps._checkpoints[name]
-                if not all(torch.equal(new.view(m), old.view(m)) for m in old.layout.metas):
+                by_name = {m.name: m for m in new.layout.metas}
+                if not all(torch.equal(new.view(by_name[m.name]), old.view(m)) for m in old.layout.metas):
                     raise RuntimeError("the shared-memory handoff differs from gather + convert")
                 first = (t1 - t0, t2 - t1)
             else:
