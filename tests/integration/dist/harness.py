@@ -27,6 +27,7 @@ __all__ = [
     "rpc",
     "run_python",
     "run_ranks",
+    "run_scenario",
     "start_daemon",
     "stop_group",
 ]
@@ -142,6 +143,16 @@ def run_ranks(world: int, args_for_rank, timeout_s: float = 120.0, kill_rank_aft
             raise AssertionError(f"rank processes hung past {timeout_s} s") from None
         out.append((p.returncode, text))
     return out
+
+
+def run_scenario(engines, tmp_path, *args: str, steps: str = "A1", **kwargs) -> list[tuple[int, str]]:
+    """`run_ranks` with one rank per engine: `--engine-url` its engine's, `--tmp tmp_path`, `--steps
+    STEPS`, then `args` (the scenario's other flags); `kwargs` go to `run_ranks`."""
+    return run_ranks(
+        len(engines),
+        lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", steps, *args],
+        **kwargs,
+    )
 
 
 @contextlib.contextmanager

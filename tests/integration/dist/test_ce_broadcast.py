@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.integration.dist.harness import Engine, get_json, run_ranks
+from tests.integration.dist.harness import Engine, get_json, run_scenario
 
 BUCKET = ["--bucket-size", "24576"]  # ~10 buckets per update: the double buffer wraps around
 
@@ -27,22 +27,9 @@ def test_updates_are_bit_exact(tmp_path, world, source, mode):
     """Two checkpoints updated alternately, then new weights for one: every tensor bit-exact each time."""
     engines = engines_for(world)
     try:
-        res = run_ranks(
-            world,
-            lambda r: [
-                "--engine-url",
-                engines[r].url,
-                "--tmp",
-                str(tmp_path),
-                "--source",
-                source,
-                "--mode",
-                mode,
-                "--steps",
-                "A1,B2,A1,A3",
-                *BUCKET,
-                *(["--checksums"] if world == 2 else []),
-            ],
+        checksums = ["--checksums"] if world == 2 else []
+        res = run_scenario(
+            engines, tmp_path, "--source", source, "--mode", mode, *BUCKET, *checksums, steps="A1,B2,A1,A3"
         )
         for rank, (rc, out) in enumerate(res):
             assert rc == 0, f"rank {rank} failed:\n{out}"
@@ -62,7 +49,7 @@ def _assert_all_failed(res, pattern):
 def test_engine_raising_aborts_all_ranks(tmp_path):
     engines = engines_for(2, (), ("--fail-on-bucket", "3"))
     try:
-        res = run_ranks(2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", *BUCKET])
+        res = run_scenario(engines, tmp_path, *BUCKET)
         _assert_all_failed(res, "rank 1: engine failed on bucket 3: RuntimeError: injected failure")
         for e in engines:  # both engines keep serving and say their weights are incomplete
             s = get_json(e.url + "/health")
@@ -75,20 +62,7 @@ def test_engine_killed_mid_update(tmp_path):
     engines = engines_for(2, ("--die-on-bucket", "2"), ())
     try:
         t0 = time.monotonic()
-        res = run_ranks(
-            2,
-            lambda r: [
-                "--engine-url",
-                engines[r].url,
-                "--tmp",
-                str(tmp_path),
-                "--steps",
-                "A1",
-                *BUCKET,
-                "--timeout-s",
-                "60",
-            ],
-        )
+        res = run_scenario(engines, tmp_path, *BUCKET, "--timeout-s", "60")
         assert time.monotonic() - t0 < 45, "a dead engine must be noticed without waiting for the 60 s deadline"
         _assert_all_failed(res, "rank 0: engine: engine disconnected")
         assert engines[0].proc.wait(5) == -9
@@ -110,22 +84,8 @@ def test_rank_killed_mid_update(tmp_path, mode):
         procs[1].kill()
 
     try:
-        res = run_ranks(
-            2,
-            lambda r: [
-                "--engine-url",
-                engines[r].url,
-                "--tmp",
-                str(tmp_path),
-                "--steps",
-                "A1",
-                *BUCKET,
-                "--timeout-s",
-                "20",
-                "--mode",
-                mode,
-            ],
-            kill_rank_after=kill_rank1_once_receiving,
+        res = run_scenario(
+            engines, tmp_path, *BUCKET, "--timeout-s", "20", "--mode", mode, kill_rank_after=kill_rank1_once_receiving
         )
         assert res[1][0] == -9
         assert (
@@ -143,9 +103,7 @@ def test_rank_killed_mid_update(tmp_path, mode):
 def test_req_func_raising(tmp_path):
     engines = engines_for(2)
     try:
-        res = run_ranks(
-            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--req-func-raise"]
-        )
+        res = run_scenario(engines, tmp_path, "--req-func-raise")
         _assert_all_failed(res, "rank 1: req_func raised ConnectionError: injected: engine endpoint unreachable")
         assert engines[0].state()["status"] == "incomplete" and engines[1].state()["status"] == "initial"
     finally:
@@ -155,9 +113,7 @@ def test_req_func_raising(tmp_path):
 def test_metas_differing_between_ranks(tmp_path):
     engines = engines_for(2)
     try:
-        res = run_ranks(
-            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--tamper-metas"]
-        )
+        res = run_scenario(engines, tmp_path, "--tamper-metas")
         _assert_all_failed(res, "metas of 'A' differ between ranks")
         assert [e.state()["status"] for e in engines] == ["initial", "initial"]  # nothing was sent
     finally:
@@ -167,9 +123,7 @@ def test_metas_differing_between_ranks(tmp_path):
 def test_duplicate_name_across_ranks(tmp_path):
     engines = engines_for(2)
     try:
-        res = run_ranks(
-            2, lambda r: ["--engine-url", engines[r].url, "--tmp", str(tmp_path), "--steps", "A1", "--dup-name"]
-        )
+        res = run_scenario(engines, tmp_path, "--dup-name")
         for rc, out in res:
             assert rc == 4 and "'layers.0.w' is registered on rank 0 and on rank 1" in out, out
     finally:
@@ -181,20 +135,7 @@ def test_p2p_recovery_of_a_restarted_engine(tmp_path):
     Mooncake (TCP) while rank 0's engine is not touched."""
     engines = engines_for(2)
     try:
-        res = run_ranks(
-            2,
-            lambda r: [
-                "--engine-url",
-                engines[r].url,
-                "--tmp",
-                str(tmp_path),
-                "--steps",
-                "A1",
-                *BUCKET,
-                "--p2p-recover",
-                "1",
-            ],
-        )
+        res = run_scenario(engines, tmp_path, *BUCKET, "--p2p-recover", "1")
         for rank, (rc, out) in enumerate(res):
             assert rc == 0 and "P2P_OK" in out, f"rank {rank}:\n{out}"
         assert engines[0].state()["version"] == 1 and engines[1].state()["version"] == 1

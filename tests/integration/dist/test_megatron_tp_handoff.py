@@ -27,20 +27,12 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 def test_tp2_ranks_write_one_shared_hf_buffer_the_ps_adopts(tmp_path):
     import torch
 
-    from demo.tiny_model import TinyModelConfig, write_model_dir
-    from tests.unit.trainer.tiny import tiny_hf
+    from demo.tiny_model import write_model_dir
+    from tests.unit.trainer.tiny import tiny_config, tiny_hf
 
-    hf_config, state = tiny_hf(seed=5)
+    _, state = tiny_hf(seed=5)
     state = {n: t if n.endswith("norm.weight") else t.to(torch.bfloat16) for n, t in state.items()}
-    config = TinyModelConfig(
-        num_layers=hf_config["num_hidden_layers"],
-        hidden_size=hf_config["hidden_size"],
-        num_attention_heads=hf_config["num_attention_heads"],
-        num_key_value_heads=hf_config["num_key_value_heads"],
-        intermediate_size=hf_config["intermediate_size"],
-        max_position_embeddings=hf_config["max_position_embeddings"],
-    )
-    model_dir = write_model_dir(tmp_path / "model", config, state)
+    model_dir = write_model_dir(tmp_path / "model", tiny_config(), state)
     cmd = [
         sys.executable,
         "-m",

@@ -68,20 +68,12 @@ def _child(model_dir: str, out_json: str) -> None:
 
 
 def test_tp2_trainer_matches_hf(tmp_path):
-    from demo.tiny_model import TinyModelConfig, write_model_dir
+    from demo.tiny_model import write_model_dir
     from tests.integration.dist.harness import run_python
-    from tests.unit.trainer.tiny import tiny_hf
+    from tests.unit.trainer.tiny import tiny_config, tiny_hf
 
     _, state = tiny_hf(seed=3)
-    config = TinyModelConfig(
-        num_layers=2,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        max_position_embeddings=64,
-    )
-    model_dir = write_model_dir(tmp_path / "model", config, state)
+    model_dir = write_model_dir(tmp_path / "model", tiny_config(), state)
     out = tmp_path / "out.json"
     run_python(__file__, str(model_dir), str(out), timeout_s=300)
     r = json.loads(out.read_text())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.dist.harness import Engine, run_ranks
+from tests.integration.dist.harness import Engine, run_scenario
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -36,22 +36,11 @@ def test_cuda_update_bit_exact(tmp_path, world):
         pytest.skip(f"needs {world} GPUs")
     engines = [Engine(device=f"cuda:{r}") for r in range(world)]
     try:
-        res = run_ranks(
-            world,
-            lambda r: [
-                "--engine-url",
-                engines[r].url,
-                "--tmp",
-                str(tmp_path),
-                "--transport",
-                "cuda",
-                "--mode",
-                "auto",
-                "--steps",
-                "A1,B2,A3",
-                "--bucket-size",
-                "24576",
-            ],
+        res = run_scenario(
+            engines,
+            tmp_path,
+            *("--transport", "cuda", "--mode", "auto", "--bucket-size", "24576"),
+            steps="A1,B2,A3",
             timeout_s=300,
         )
         for rank, (rc, out) in enumerate(res):
@@ -64,22 +53,7 @@ def test_cuda_update_bit_exact(tmp_path, world):
 def test_cuda_engine_failure_reports_incomplete(tmp_path):
     engines = [Engine("--fail-on-bucket", "2", device="cuda:0")]
     try:
-        res = run_ranks(
-            1,
-            lambda r: [
-                "--engine-url",
-                engines[0].url,
-                "--tmp",
-                str(tmp_path),
-                "--transport",
-                "cuda",
-                "--steps",
-                "A1",
-                "--bucket-size",
-                "24576",
-            ],
-            timeout_s=300,
-        )
+        res = run_scenario(engines, tmp_path, "--transport", "cuda", "--bucket-size", "24576", timeout_s=300)
         assert res[0][0] == 3 and "engine failed on bucket 2" in res[0][1], res[0][1]
         assert engines[0].state()["status"] == "incomplete"
     finally:

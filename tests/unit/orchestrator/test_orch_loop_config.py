@@ -97,28 +97,19 @@ def test_resume_allows_only_listed_changes():
 
 
 def test_help_is_instant_and_print_config_works():
+    def orchestrator(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+
     start = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    out = orchestrator("--help")
     assert out.returncode == 0 and "--output-dir" in out.stdout
     assert time.monotonic() - start < 5.0
-    out = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "--output-dir", "unused", "--print-config", "--set", "rl.lr=0.005"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = orchestrator("--output-dir", "unused", "--print-config", "--set", "rl.lr=0.005")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rl"]["lr"] == 0.005
-    out = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "--output-dir", "unused", "--print-config", "--set", "rl.lr=-1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = orchestrator("--output-dir", "unused", "--print-config", "--set", "rl.lr=-1")
     assert out.returncode == 2 and "rl.lr" in out.stderr
 
 

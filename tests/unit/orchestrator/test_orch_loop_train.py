@@ -7,13 +7,10 @@ import pytest
 import torch
 
 from demo import tiny_model as tm
+from tests.unit.trainer.tiny import SMALL
 from trainer import policy
 from trainer.policy import TrainBatch, TrainConfig, reference_logprobs, train_iteration
 from trainer.torch_trainer import HFTrainer, TrainerConfig
-
-SMALL = tm.TinyModelConfig(
-    num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128, init_std=0.1
-)
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,12 @@ def _row_labels(tensor: torch.Tensor) -> list[int]:
     return [int(v) for v in (tensor if tensor.dim() == 1 else tensor[:, 0]).tolist()]
 
 
+def _tp_row_labels(shape: ModelShape, tp: int, key: str) -> list[list[int]]:
+    """The row labels of layer 0's Megatron tensor `key` on each TP rank, converted from `_labelled_hf`."""
+    shards = hf_to_megatron(_labelled_hf(shape), shape, Parallelism(tp_size=tp))
+    return [_row_labels(shards[(0, r)][f"decoder.layers.0.{key}"]) for r in range(tp)]
+
+
 # ── the grouped-query interleave and the gate/up layout, on hand-made tensors ────────────────────
 
 # head_dim=1, 4 q heads, 2 groups: q0 q1 | k0 | v0 || q2 q3 | k1 | v1
@@ -67,25 +73,14 @@ QKV_TABLE = [
 @pytest.mark.parametrize("kind", ["weight", "bias"])
 def test_qkv_interleave_table(tp, expected, kind):
     shape = _shape(num_layers=1, hidden_size=4, head_dim=1, ffn_hidden_size=8, vocab_size=8)
-    shards = hf_to_megatron(_labelled_hf(shape), shape, Parallelism(tp_size=tp))
-    got = [_row_labels(shards[(0, r)][f"decoder.layers.0.self_attention.linear_qkv.{kind}"]) for r in range(tp)]
-    assert got == expected
+    assert _tp_row_labels(shape, tp, f"self_attention.linear_qkv.{kind}") == expected
 
 
 def test_qkv_interleave_head_dim_two_eight_heads():
     # head_dim=2, 8 q heads in 2 groups of 4: each group is 4*2 q rows, 2 k rows, 2 v rows
-    shape = _shape(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=8,
-        num_query_groups=2,
-        head_dim=2,
-        ffn_hidden_size=8,
-        vocab_size=8,
-    )
-    shards = hf_to_megatron(_labelled_hf(shape), shape, Parallelism(tp_size=2))
-    rank0 = _row_labels(shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"])
-    rank1 = _row_labels(shards[(0, 1)]["decoder.layers.0.self_attention.linear_qkv.weight"])
+    dims = dict(hidden_size=16, num_attention_heads=8, num_query_groups=2, head_dim=2, ffn_hidden_size=8)
+    shape = _shape(num_layers=1, vocab_size=8, **dims)
+    rank0, rank1 = _tp_row_labels(shape, 2, "self_attention.linear_qkv.weight")
     assert rank0 == list(range(8)) + [100, 101, 200, 201]
     assert rank1 == list(range(8, 16)) + [102, 103, 202, 203]
 
@@ -99,18 +94,8 @@ FC1_TABLE = [
 
 @pytest.mark.parametrize("tp,expected", FC1_TABLE)
 def test_fc1_is_gate_shard_then_up_shard(tp, expected):
-    shape = _shape(
-        num_layers=1,
-        hidden_size=4,
-        head_dim=1,
-        num_attention_heads=4,
-        num_query_groups=4,
-        ffn_hidden_size=4,
-        vocab_size=8,
-    )
-    shards = hf_to_megatron(_labelled_hf(shape), shape, Parallelism(tp_size=tp))
-    got = [_row_labels(shards[(0, r)]["decoder.layers.0.mlp.linear_fc1.weight"]) for r in range(tp)]
-    assert got == expected
+    shape = _shape(num_layers=1, hidden_size=4, head_dim=1, num_query_groups=4, ffn_hidden_size=4, vocab_size=8)
+    assert _tp_row_labels(shape, tp, "mlp.linear_fc1.weight") == expected
 
 
 def test_row_column_vocab_splits_and_replicated_norms():

@@ -23,8 +23,8 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytest.importorskip("transformers")
 
-from demo.tiny_model import VOCAB_SIZE, TinyModelConfig, load_state_dict_from_dir, write_model_dir
-from tests.unit.trainer.tiny import tiny_hf
+from demo.tiny_model import VOCAB_SIZE, load_state_dict_from_dir, write_model_dir
+from tests.unit.trainer.tiny import tiny_config, tiny_hf
 from trainer import policy
 from trainer.loss import k15_policy_loss
 from trainer.torch_trainer import HFTrainer, TrainerConfig, make_trainer
@@ -40,15 +40,7 @@ def model_dir(tmp_path_factory):
     if torch.distributed.is_initialized():
         pytest.skip("a default process group is already initialized in this pytest process")
     _, state = tiny_hf(seed=3)
-    config = TinyModelConfig(
-        num_layers=2,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        max_position_embeddings=64,
-    )
-    return write_model_dir(tmp_path_factory.mktemp("mg_trainer") / "model", config, state)
+    return write_model_dir(tmp_path_factory.mktemp("mg_trainer") / "model", tiny_config(), state)
 
 
 @pytest.fixture

@@ -8,12 +8,9 @@ import torch
 
 from demo import task
 from demo import tiny_model as tm
+from tests.unit.trainer.tiny import SMALL
 from trainer import sft
 from trainer.torch_trainer import HFTrainer, Trainer, TrainerConfig, pad_sequences
-
-SMALL = tm.TinyModelConfig(
-    num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128, init_std=0.1
-)
 
 
 @pytest.fixture(scope="module")

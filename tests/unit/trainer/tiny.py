@@ -1,4 +1,4 @@
-"""The tiny Qwen2 the Megatron tests share (no pytest import: tests/integration/dist workers use it too)."""
+"""The tiny Qwen2 models the trainer tests share (no pytest import: tests/integration/dist workers use it too)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,15 @@ import torch
 
 from demo.tiny_model import TinyModelConfig, random_state_dict
 
+# The HF trainer tests' model: 2 layers, hidden 64, one head, SwiGLU 128; init std 0.1 (clear logit margins).
+SMALL = TinyModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128, init_std=0.1
+)
 
-def tiny_hf(seed: int = 1, num_layers: int = 2) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(HF config dict, HF state dict): hidden 128, GQA 4 heads / 2 KV heads, SwiGLU 256, float32,
-    with random biases and norm weights (the tiny model's own init has zeros and ones there)."""
-    config = TinyModelConfig(
+
+def tiny_config(num_layers: int = 2) -> TinyModelConfig:
+    """The Megatron tests' model: hidden 128, GQA 4 heads / 2 KV heads, SwiGLU 256, float32."""
+    return TinyModelConfig(
         num_layers=num_layers,
         hidden_size=128,
         num_attention_heads=4,
@@ -18,6 +22,12 @@ def tiny_hf(seed: int = 1, num_layers: int = 2) -> tuple[dict, dict[str, torch.T
         intermediate_size=256,
         max_position_embeddings=64,
     )
+
+
+def tiny_hf(seed: int = 1, num_layers: int = 2) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(HF config dict, HF state dict) of `tiny_config(num_layers)` with random biases and norm weights
+    (the tiny model's own init has zeros and ones there)."""
+    config = tiny_config(num_layers)
     state = random_state_dict(config, seed=seed)
     gen = torch.Generator().manual_seed(seed + 100)
     for name, tensor in state.items():
