@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from demo import tiny_model as tm
+from tests.unit.trainer.tiny import one_layer_bf16
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +94,7 @@ def test_param_shapes_match_transformers(tie):
 
 
 def test_random_state_dict_is_deterministic():
-    config = tm.TinyModelConfig(
-        num_layers=1,
-        hidden_size=64,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        dtype="bfloat16",
-    )
+    config = one_layer_bf16()  # hidden 64
     a, b, c = (tm.random_state_dict(config, seed) for seed in (1, 1, 2))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])

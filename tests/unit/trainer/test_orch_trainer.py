@@ -8,7 +8,7 @@ import torch
 
 from demo import task
 from demo import tiny_model as tm
-from tests.unit.trainer.tiny import SMALL
+from tests.unit.trainer.tiny import SMALL, one_layer_bf16
 from trainer import sft
 from trainer.torch_trainer import HFTrainer, Trainer, TrainerConfig, pad_sequences
 
@@ -142,15 +142,7 @@ def test_named_tensors_round_trip_into_fresh_model(trainer, model_dir, tmp_path)
 
 
 def test_named_tensors_keep_bf16_dtypes(tmp_path):
-    config = tm.TinyModelConfig(
-        num_layers=1,
-        hidden_size=64,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        dtype="bfloat16",
-        tie_word_embeddings=True,
-    )
+    config = one_layer_bf16(tie_word_embeddings=True)
     directory = tm.make_tiny_model(tmp_path, config)
     trainer = HFTrainer(directory, TrainerConfig(num_threads=1))
     named = trainer.named_tensors()

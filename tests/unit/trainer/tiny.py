@@ -12,6 +12,12 @@ SMALL = TinyModelConfig(
 )
 
 
+def one_layer_bf16(**overrides) -> TinyModelConfig:
+    """The smallest model the dtype tests use: 1 layer, hidden 64, one head, SwiGLU 64, bfloat16 weights."""
+    fields = dict(num_layers=1, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=64)
+    return TinyModelConfig(**(fields | {"dtype": "bfloat16"} | overrides))
+
+
 def tiny_config(num_layers: int = 2) -> TinyModelConfig:
     """The Megatron tests' model: hidden 128, GQA 4 heads / 2 KV heads, SwiGLU 256, float32."""
     return TinyModelConfig(
