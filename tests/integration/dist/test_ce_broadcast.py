@@ -100,22 +100,25 @@ def test_rank_killed_mid_update(tmp_path, mode):
         assert stop_all(engines) == [0, 0]
 
 
-def test_req_func_raising(tmp_path):
+@pytest.mark.parametrize(
+    "flag,pattern,statuses",
+    [
+        # rank 1's request function raises: rank 0's engine is left incomplete, rank 1's is untouched
+        (
+            "--req-func-raise",
+            "rank 1: req_func raised ConnectionError: injected: engine endpoint unreachable",
+            ["incomplete", "initial"],
+        ),
+        ("--tamper-metas", "metas of 'A' differ between ranks", ["initial", "initial"]),  # nothing was sent
+    ],
+    ids=["req_func_raising", "metas_differing_between_ranks"],
+)
+def test_update_refused_on_every_rank(tmp_path, flag, pattern, statuses):
     engines = engines_for(2)
     try:
-        res = run_scenario(engines, tmp_path, "--req-func-raise")
-        _assert_all_failed(res, "rank 1: req_func raised ConnectionError: injected: engine endpoint unreachable")
-        assert engines[0].state()["status"] == "incomplete" and engines[1].state()["status"] == "initial"
-    finally:
-        assert stop_all(engines) == [0, 0]
-
-
-def test_metas_differing_between_ranks(tmp_path):
-    engines = engines_for(2)
-    try:
-        res = run_scenario(engines, tmp_path, "--tamper-metas")
-        _assert_all_failed(res, "metas of 'A' differ between ranks")
-        assert [e.state()["status"] for e in engines] == ["initial", "initial"]  # nothing was sent
+        res = run_scenario(engines, tmp_path, flag)
+        _assert_all_failed(res, pattern)
+        assert [e.state()["status"] for e in engines] == statuses
     finally:
         assert stop_all(engines) == [0, 0]
 
