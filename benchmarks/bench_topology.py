@@ -1,7 +1,8 @@
 """The daemon topology on real vLLM engines: colocated switch times, heal time, N=1 vs N=2 rollouts.
 
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 64] [--max-tokens 64]
-        [--model-size-mib 0] [--raw-repeats 20] [--work-dir DIR] [--keep]
+        [--model-size-mib 0] [--heal-mode p2p|local] [--pin-healed-engine] [--raw-repeats 20]
+        [--a-rounds 3] [--work-dir DIR] [--keep]
 
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
 each rank managing one `python -m vllm_ext.launch --no-initial-push` server bound to its share of
@@ -16,13 +17,29 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does:
                   (files, POST /checkpoints, POST /engines/start: dummy start + update, pool takes
                   the new URLs) -> switch_to_train_s, switch_to_inference_s and their share of the
                   iteration
-  (b) heal        SIGKILL rank 1's engine; the daemon notices, restarts it with dummy weights and
-                  pulls the current version from the ranks' registered memory (update ranks=[1]).
+  (b) heal        engine A (rank 0) alone: --a-rounds rounds of the prompts -> a_before tokens/s.
+                  Then SIGKILL rank 1's engine (B) while A keeps generating back to back; the daemon
+                  notices, restarts B with dummy weights (with --pin-healed-engine the whole restarted
+                  process tree under `taskset` on B's core) and pulls the current version from the
+                  ranks' registered memory (update ranks=[1]): with --heal-mode p2p (default: the daemon
+                  runs with --p2p-host 127.0.0.1 --mode collective, so a pull goes through Mooncake's
+                  transfer engine over TCP; the colocated starts then broadcast over gloo) or local (the
+                  restarted engine maps the owners' memfd chunks, nothing moves).
                   From GET /engines (polled every 50 ms: each state's `since`) and the daemon's
-                  per-update metrics: detect_s, dummy_start_s (reported apart), pull_s (the update's
-                  total_s on the receiving rank), and ratio_heal_vs_raw_read = pull_s / a plain memcpy
-                  of the same checkpoint's bytes from shared memory (the version's files in /dev/shm,
-                  mmapped, copied into a warm buffer, best of --raw-repeats)
+                  per-update metrics: detect_s, dummy_start_s (reported apart), heal_pull_s (the
+                  update's total_s on the receiving rank) with its phases, the engine's own report of
+                  the reload (transfer_s, reload_tail_s), and side by side in the same run:
+                    raw_read_s   the same bytes (the buckets of the owners other than rank 1, rank 1
+                                 reads its own in place), the same bucket plan and owners, read by a
+                                 Mooncake transfer engine in this process (checkpoint_engine.p2p) bucket by
+                                 bucket into a registered double buffer, as the P2P mode does; no engine.
+                                 Best of --raw-repeats (raw_read_first_s: the first, with the handshake);
+                                 raw_read_batch_s: every bucket in one batch read into one buffer
+                    ratio_heal_vs_raw_read = heal_pull_s / raw_read_s
+                    memcpy_s     the version's safetensors files from /dev/shm (mmapped) copied into a
+                                 warm buffer, best of --raw-repeats; ratio_heal_vs_memcpy
+                  throughput_during_heal_ratio = A's tokens/s over its rounds that ran wholly between
+                  the kill and B serving again / a_before (a_after: after the heal)
   (c) N=1         every engine stopped; rank 0's engine started alone bound to all CPUs
                   -> tokens_per_s_n1 over the same prompts
 
@@ -53,8 +70,9 @@ POLL_S = 0.05
 # The engine command: the rank's CPU binding is read from <work>/bind-r<rank> at each start, so the
 # N=1 run can give one engine every CPU without a second daemon.
 ENGINE_SCRIPT = """#!/bin/sh
-work="$1"; port="$2"; rank="$3"
-VLLM_CPU_OMP_THREADS_BIND="$(cat "$work/bind-r$rank")" exec "{python}" -m vllm_ext.launch \\
+work="$1"; port="$2"; rank="$3"; pin=""
+[ -s "$work/taskset-r$rank" ] && pin="taskset -c $(cat "$work/taskset-r$rank")"
+VLLM_CPU_OMP_THREADS_BIND="$(cat "$work/bind-r$rank")" exec $pin "{python}" -m vllm_ext.launch \\
   --model "{model}" --host 127.0.0.1 --port "$port" --no-initial-push --startup-timeout-s "{timeout}" -- \\
   --dtype float32 --max-model-len {max_model_len} --max-num-seqs 256 --block-size 32 \\
   --enable-prefix-caching --seed 0 --disable-log-stats
@@ -68,12 +86,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max new tokens per prompt")
     p.add_argument("--train-steps", type=int, default=4, help="AdamW steps per colocated iteration")
     p.add_argument("--model-size-mib", type=int, default=0, help="0: the demo's tiny shape (16 MiB float32)")
-    p.add_argument("--raw-repeats", type=int, default=20, help="memcpy repeats of the raw read (best taken)")
+    p.add_argument("--heal-mode", choices=["p2p", "local"], default="p2p", help="how the healed engine pulls")
+    p.add_argument(
+        "--pin-healed-engine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the restarted engine's whole process tree on its own core (taskset) during the heal",
+    )
+    p.add_argument("--raw-repeats", type=int, default=20, help="repeats of the raw reads (best taken)")
+    p.add_argument("--a-rounds", type=int, default=3, help="engine A's rounds before the heal (after a warm-up)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
     p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, metrics)")
     args = p.parse_args(argv)
-    for name in ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats"):
+    for name in ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats", "a_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.model_size_mib < 0:
@@ -84,7 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- the daemon ----------------------------------------------------------------------------------------
-def start_daemon(work: pathlib.Path, model: pathlib.Path, start_timeout_s: float) -> tuple[subprocess.Popen, str]:
+def start_daemon(
+    work: pathlib.Path, model: pathlib.Path, start_timeout_s: float, heal_mode: str = "local"
+) -> tuple[subprocess.Popen, str]:
     from checkpoint_engine.engines import free_port
     from checkpoint_engine.httpjson import status_json
 
@@ -105,6 +133,8 @@ def start_daemon(work: pathlib.Path, model: pathlib.Path, start_timeout_s: float
         *("--engine-health-path", "/version", "--engine-start-timeout-s", str(start_timeout_s)),
         *("--engine-log-dir", str(work), "--metrics-jsonl", str(work / "updates.jsonl")),
     ]
+    if heal_mode == "p2p":  # a pull (ranks=[...]) with mode collective and Mooncake goes P2P, even on one host
+        cmd += ["--p2p-host", "127.0.0.1", "--mode", "collective"]
     daemon = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -197,7 +227,7 @@ def train_steps(trainer, optimizer, sequences: list[list[int]], steps: int) -> f
     return time.monotonic() - start
 
 
-def raw_read_s(files: list[str], repeats: int) -> tuple[float, int]:
+def memcpy_s(files: list[str], repeats: int) -> tuple[float, int]:
     """Best time of a plain copy of the files' bytes from shared memory (mmapped) into a warm buffer."""
     import torch
 
@@ -220,6 +250,112 @@ def raw_read_s(files: list[str], repeats: int) -> tuple[float, int]:
     for m in maps:
         m.close()
     return best, total
+
+
+def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeats: int) -> dict:
+    """The bytes a P2P pull into `receiver` moves, read with a Mooncake transfer engine of our own.
+
+    Same metas (owners' Mooncake addresses and chunk pointers), same bucket plan as the pull
+    (`plan_buckets` at the pull's bucket size); the receiver's own buckets are left out, as the P2P
+    mode reads them in place. Per bucket into half `index % 2` of a registered double buffer (what
+    `P2PSource.fill` does, without an engine), and all buckets in one batch read into one buffer."""
+    import torch
+
+    from checkpoint_engine.jobs import GlobalMetas
+    from checkpoint_engine.p2p import P2PConfig, P2PStore
+    from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, align_up, plan_buckets
+
+    g = GlobalMetas.from_dict(metas)
+    buckets = [b for b in plan_buckets(g.rank_metas, bucket_size_bytes) if b.owner_rank != receiver]
+    if not buckets:
+        return {"raw_read_bytes": 0}
+    stride = align_up(bucket_size_bytes, DEFAULT_ALIGN_BYTES)
+    total = sum(b.size_bytes for b in buckets)
+    store = P2PStore(P2PConfig())
+    double = torch.ones(2 * stride, dtype=torch.uint8)  # touched: the reads are what is timed
+    whole = torch.ones(total, dtype=torch.uint8)
+    store.register(double.data_ptr(), double.numel())
+    store.register(whole.data_ptr(), whole.numel())
+
+    def remote(b) -> int:
+        return g.chunk_ptrs[b.owner_rank][b.chunk] + b.start_bytes
+
+    per_bucket, batch = [], []
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for b in buckets:
+                local = double.data_ptr() + (b.index % 2) * stride
+                store.read(g.p2p_addrs[b.owner_rank], local, remote(b), b.size_bytes)
+            per_bucket.append(time.perf_counter() - t0)
+        for _ in range(repeats):
+            t0, offset = time.perf_counter(), 0
+            for owner in sorted({b.owner_rank for b in buckets}):
+                mine = [b for b in buckets if b.owner_rank == owner]
+                locals_ = []
+                for b in mine:
+                    locals_.append(whole.data_ptr() + offset)
+                    offset += b.size_bytes
+                store.read_batch(g.p2p_addrs[owner], locals_, [remote(b) for b in mine], [b.size_bytes for b in mine])
+            batch.append(time.perf_counter() - t0)
+    finally:
+        store.close()
+    return {
+        "raw_read_s": round(min(per_bucket), 5),
+        "raw_read_first_s": round(per_bucket[0], 5),
+        "raw_read_batch_s": round(min(batch), 5),
+        "raw_read_bytes": total,
+        "raw_read_buckets": len(buckets),
+        "raw_read": "Mooncake transfer engine (TCP, this process) reading the pull's buckets of the other "
+        "owners from their registered chunks into a registered double buffer, bucket by bucket",
+    }
+
+
+class Generator:
+    """Rounds of the prompts on one engine, back to back on a thread, each round's (start, end, tokens)."""
+
+    def __init__(self, pool, tokenizer, args, tag: str):
+        import threading
+
+        self.rounds: list[tuple[float, float, int]] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._args = (pool, tokenizer, args, tag)
+        self._t = threading.Thread(target=self._run, name="engine-a", daemon=True)
+
+    def _run(self) -> None:
+        pool, tokenizer, args, tag = self._args
+        i = 0
+        try:
+            while not self._stop.is_set():
+                start = time.time()
+                _, tokens, _ = rollout(pool, tokenizer, args, f"{tag}-{i}")
+                self.rounds.append((start, time.time(), tokens))
+                i += 1
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
+            self.error = e
+
+    def start(self) -> Generator:
+        self._t.start()
+        return self
+
+    def stop(self, timeout_s: float = 600.0) -> list[tuple[float, float, int]]:
+        self._stop.set()
+        self._t.join(timeout_s)
+        if self.error is not None:
+            raise RuntimeError(f"engine A's generation failed during the heal: {self.error}") from self.error
+        return self.rounds
+
+
+def rate(rounds: list[tuple[float, float, int]]) -> dict:
+    seconds = sum(end - start for start, end, _ in rounds)
+    tokens = sum(t for _, _, t in rounds)
+    return {
+        "rounds": len(rounds),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+    }
 
 
 def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
@@ -254,14 +390,43 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
         dummy = since["serving"] - since["starting"] - pull["total_s"]
     return {
         "checkpoint": current,
+        "url": record["url"],
+        "killed_at": killed_at,
+        "serving_at": since["serving"],
         "detect_s": round(failed_at - killed_at, 3),
         "dummy_start_s": round(dummy, 3),
-        "pull_s": round(pull["total_s"], 4),
-        "pull_wall_s": round(pull_wall, 3) if pull_wall is not None else None,
-        "pull_bytes": pull["total_bytes"],
-        "pull_mode": pull["mode"],
+        "heal_pull_s": round(pull["total_s"], 4),
+        "heal_pull_wall_s": round(pull_wall, 3) if pull_wall is not None else None,
+        "heal_pull_bytes": pull["total_bytes"],
+        "heal_pull_mode": pull["mode"],
+        "heal_pull_buckets": pull["num_buckets"],
+        "bucket_size_bytes": pull["bucket_size_bytes"],
+        # the pull's phases on the receiving rank (UpdateMetrics): engine connect, P2P reads (p2p mode;
+        # broadcast_s in the metrics), waiting for the engine's acks, status exchanges, Done -> post_hook
+        "heal_pull_phases": {
+            "setup_s": round(pull["setup_s"], 4),
+            "read_s": round(pull["broadcast_s"], 4),
+            "engine_wait_s": round(pull["engine_wait_s"], 4),
+            "agree_s": round(pull["agree_s"], 4),
+            "finish_s": round(pull["finish_s"], 4),
+        },
         "recovery_s": record["recovery_s"],
         "kill_to_serving_s": round(since["serving"] - killed_at, 3),
+    }
+
+
+def engine_reload_report(url: str) -> dict | None:
+    """The healed engine's own account of its last update (vLLM worker: transfer_s, reload_tail_s)."""
+    from vllm_ext.req import collective_rpc
+
+    try:
+        report = collective_rpc(url, "weights_state", timeout_s=30.0)[0]
+    except Exception as e:  # noqa: BLE001 - informative only
+        return {"error": f"{type(e).__name__}: {e}"}
+    last = report.get("last_update") or {}
+    return {
+        **{k: last.get(k) for k in ("transfer_s", "reload_tail_s", "total_s", "num_buckets", "nbytes", "mode")},
+        "reload_impl": report.get("reload_impl"),
     }
 
 
@@ -299,8 +464,10 @@ def main(argv=None) -> dict:
         "model_bytes": model_config.num_params() * 4,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
+        "heal_mode": args.heal_mode,
+        "healed_engine_pinned": args.pin_healed_engine,
     }
-    daemon, base = start_daemon(work, handoff / "model", args.start_timeout_s)
+    daemon, base = start_daemon(work, handoff / "model", args.start_timeout_s, args.heal_mode)
     pool = sync = None
     finished = False
     try:
@@ -350,19 +517,62 @@ def main(argv=None) -> dict:
             },
         }
 
-        # (b) heal of a SIGKILLed engine
-        healed = heal(pool.daemon, work, args.start_timeout_s + 120)
-        raw_s, raw_bytes = raw_read_s(
+        # (b) heal of a SIGKILLed engine (B, rank 1) while engine A (rank 0) keeps generating
+        records = pool.daemon.engines()["engines"]
+        a_pool = EnginePool(
+            [Member(0, engine=_http_engine(engine_config, records[0]["url"]), state=SERVING)],
+            max_inflight_per_engine=256,
+            batch_size=BATCH_SIZE,
+        )
+        try:
+            rollout(a_pool, tokenizer, args, "a-warmup")
+            before = Generator(a_pool, tokenizer, args, "a-before").start()
+            while len(before.rounds) < args.a_rounds:
+                time.sleep(POLL_S)
+            a_before = rate(before.stop())
+            if args.pin_healed_engine:  # read by the engine command at the restart
+                (work / "taskset-r1").write_text((work / "bind-r1").read_text())
+            during = Generator(a_pool, tokenizer, args, "a-during").start()
+            try:
+                healed = heal(pool.daemon, work, args.start_timeout_s + 120)
+            finally:
+                rounds = during.stop()
+                (work / "taskset-r1").unlink(missing_ok=True)
+            inside = [r for r in rounds if r[0] >= healed["killed_at"] and r[1] <= healed["serving_at"]]
+            a_during = rate(inside)
+            after = Generator(a_pool, tokenizer, args, "a-after").start()
+            while len(after.rounds) < args.a_rounds:
+                time.sleep(POLL_S)
+            a_after = rate(after.stop())
+        finally:
+            a_pool.close()
+        healed["engine_reload"] = engine_reload_report(healed.pop("url"))
+        del healed["killed_at"], healed["serving_at"]
+        metas = pool.daemon._call("GET", f"/metas/{healed['checkpoint']}")["ranks"][0]["result"]
+        if metas.get("p2p_addrs"):
+            healed.update(mooncake_raw_read(metas, healed["bucket_size_bytes"], 1, args.raw_repeats))
+            healed["ratio_heal_vs_raw_read"] = round(healed["heal_pull_s"] / healed["raw_read_s"], 2)
+            healed["ratio_pull_read_vs_raw_read"] = round(
+                healed["heal_pull_phases"]["read_s"] / healed["raw_read_s"], 2
+            )
+        else:
+            healed["raw_read"] = "not measured: the daemon has no Mooncake (--heal-mode local)"
+        mc_s, mc_bytes = memcpy_s(
             sorted(str(f) for f in (handoff / healed["checkpoint"]).glob("*.safetensors")), args.raw_repeats
         )
         healed.update(
-            raw_read_s=round(raw_s, 5),
-            raw_read_bytes=raw_bytes,
-            raw_read="memcpy of the version's safetensors files from /dev/shm (mmapped) into a warm buffer",
-            ratio_heal_vs_raw_read=round(healed["pull_s"] / raw_s, 2),
+            memcpy_s=round(mc_s, 5),
+            memcpy_bytes=mc_bytes,
+            memcpy="the version's safetensors files from /dev/shm (mmapped) copied into a warm buffer",
+            ratio_heal_vs_memcpy=round(healed["heal_pull_s"] / mc_s, 2),
         )
         out["heal"] = healed
+        out["a_before"], out["a_during_heal"], out["a_after"] = a_before, a_during, a_after
+        out["throughput_during_heal_ratio"] = (
+            round(a_during["tokens_per_s"] / a_before["tokens_per_s"], 3) if a_during["tokens_per_s"] else None
+        )
         print(f"heal: {healed}", flush=True)
+        print(f"engine A: before {a_before}, during the heal {a_during}, after {a_after}", flush=True)
 
         # (c) N=1: rank 0's engine alone, on every CPU
         current = pool.daemon.engines()["current"]
@@ -382,6 +592,8 @@ def main(argv=None) -> dict:
             single.close()
         print(f"N=1: {out['n1']}", flush=True)
         out["n2_vs_n1"] = round(out["n2"]["tokens_per_s"] / out["n1"]["tokens_per_s"], 3)
+        for k in ("heal_pull_s", "raw_read_s", "ratio_heal_vs_raw_read", "memcpy_s", "ratio_heal_vs_memcpy"):
+            out[k] = out["heal"].get(k)  # the issue's figures at the top level too
         out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
         finished = True
     finally:

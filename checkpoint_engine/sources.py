@@ -17,6 +17,8 @@ A source is built for one update (`jobs.make_job`), opened once by the pipeline,
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, get_args
@@ -163,6 +165,7 @@ class P2PSource:
     _shared: torch.Tensor | None = field(default=None, init=False, repr=False)
     _staging: torch.Tensor | None = field(default=None, init=False, repr=False)
     _buffers: EngineBuffers | None = field(default=None, init=False, repr=False)
+    _connecting: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
 
     def open(self, job: UpdateJob) -> EngineBuffers:
         self._shared, self._buffers = _double_buffer(job, self.ckpt)
@@ -170,7 +173,22 @@ class P2PSource:
         tr = job.transport
         self._staging = self._shared if tr.engines_map_host_chunks else tr.p2p_staging(2 * job.half_stride)
         self.store.register(self._staging.data_ptr(), self._staging.numel())
+        # Connect to every owner we will read from while the pipeline connects the engine (Hello ->
+        # Ready): a peer's first read pays the transfer engine's handshake.
+        self._connecting = [
+            threading.Thread(target=self._connect, args=(self.owner_addrs[r], ptrs[0]), daemon=True, name="p2p-connect")
+            for r, ptrs in sorted(self.chunk_ptrs.items())
+            if ptrs and r in self.owner_addrs and not self._buffers.reads_in_place(r)
+        ]
+        for t in self._connecting:
+            t.start()
         return self._buffers
+
+    def _connect(self, addr: str, ptr: int) -> None:
+        try:
+            self.store.connect(addr, ptr)
+        except Exception as e:  # noqa: BLE001 - the bucket reads report a peer that cannot be read
+            logging.getLogger(__name__).debug("P2P connect to %s: %s", addr, e)
 
     def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
         """Read one bucket into half `half` (our own shard: nothing, the engine reads it in place)."""
@@ -178,6 +196,8 @@ class P2PSource:
             return
         job, m = run.job, run.metrics
         t0 = time.perf_counter()
+        while self._connecting:  # the connections opened in `open` (each bounded by the read deadline)
+            self._connecting.pop().join(self.store.cfg.read_timeout_s)
         remote = self.chunk_ptrs[bucket.owner_rank][bucket.chunk] + bucket.start_bytes
         local = self._staging[half : half + bucket.size_bytes]
         self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
