@@ -196,7 +196,7 @@ class RLJob:
         t_train = time.monotonic()
         train_stats = train_on_groups(self.trainer, self.initial_policy, groups, rewards, i, c)
         t_sync = time.monotonic()
-        named = self.trainer.named_tensors()  # the Megatron trainer converts (and gathers TP shards) here
+        named = self.trainer.named_tensors()  # Megatron: TP ranks write HF slices to shared memory
         t_push = time.monotonic()
         synced = self.sync.push(named, version=i + 1)
         evaluated = (i + 1) % c.eval.every_iterations == 0 or i + 1 == c.rl.num_iterations
