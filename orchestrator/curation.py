@@ -308,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging(args.log_level)
     logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -207,7 +207,9 @@ class _Engine:
 
 
 def _setup(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from checkpoint_engine.logs import setup_logging
+
+    setup_logging(args.log_level)
     logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

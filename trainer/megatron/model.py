@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from checkpoint_engine.dtypes import dtype_from_name
 from trainer.megatron.convert import ModelShape, NormStyle, Parallelism, Rank, hf_to_megatron
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def build_gpt_model(
 
     if not torch.cuda.is_available():
         apply_cpu_redirects()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.params_dtype]
+    dtype = dtype_from_name(config.params_dtype)
     tconfig = transformer_config(
         hf_config,
         tp_size=config.tp_size,
