@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -20,7 +19,7 @@ from safetensors.torch import save_file
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.httpjson import status_json
 from tests.integration.dist import harness
-from tests.integration.dist.harness import Daemon, etcd_server, rpc
+from tests.integration.dist.harness import Daemon, rpc
 
 ENGINE_CMD = json.dumps(
     [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", "{port}", "--device", "{device}"]
@@ -170,14 +169,6 @@ def test_engines_start_update_heal_stop(tmp_path):
 
 
 # -- the same states, read from a real etcd ------------------------------------------------------
-@pytest.fixture
-def etcd_port(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd binary not installed")
-    with etcd_server(tmp_path / "etcd") as port:
-        yield port
-
-
 @pytest.mark.etcd
 def test_engine_states_in_etcd_without_auto_heal(tmp_path, etcd_port):
     from checkpoint_engine.metadata import EtcdStore

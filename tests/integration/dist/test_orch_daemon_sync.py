@@ -5,8 +5,10 @@ engine is healed by the daemon and the pool takes it back at the current version
 
 Colocated mode (`engine.colocated`): three inference -> train -> inference switches (every engine
 stopped and its process gone, then started with the new version only), and a failure injected in each
-phase of the start (an engine that exits at once, an update that fails in the engine): the daemon keeps
-a clear state (failed / incomplete), the job's error names the phase, and the next start succeeds.
+phase (an engine that ignores SIGTERM at the stop, an engine that exits at once at the start, an
+update that fails in the engine): the daemon keeps a clear state in etcd (stopped / failed /
+incomplete, with the exit code or the error), the job's error names the phase, and the next switch
+succeeds.
 """
 
 from __future__ import annotations
@@ -107,18 +109,27 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
 
 
 # The engine command of the colocated test: a plain engine, unless the test left a flag file for this
-# rank: fail-start-r<rank> (the process exits at once: a failed start) or fail-update-r<rank> (the
-# engine raises on the first bucket: a failed update). Each flag is used once.
+# rank: fail-start-r<rank> (the process exits at once: a failed start), fail-update-r<rank> (the
+# engine raises on the first bucket: a failed update) or hang-stop-r<rank> (the engine's process
+# ignores SIGTERM: the stop must SIGKILL its group). Each flag is used once.
 ENGINE_SCRIPT = """#!/bin/sh
 flags="$1"; port="$2"; rank="$3"
 if [ -e "$flags/fail-start-r$rank" ]; then rm -f "$flags/fail-start-r$rank"; echo "injected: exit"; exit 3; fi
+if [ -e "$flags/hang-stop-r$rank" ]; then
+  rm -f "$flags/hang-stop-r$rank"; trap '' TERM
+  "{python}" -m checkpoint_engine.plain_engine --port "$port"
+  sleep 3600
+fi
 extra=""
 if [ -e "$flags/fail-update-r$rank" ]; then rm -f "$flags/fail-update-r$rank"; extra="--fail-on-bucket 0"; fi
 exec "{python}" -m checkpoint_engine.plain_engine --port "$port" $extra
 """
 
 
-def test_colocated_switches_and_failed_phases(tmp_path):
+@pytest.mark.etcd
+def test_colocated_switches_and_failed_phases(tmp_path, etcd_port):
+    from checkpoint_engine.metadata import EtcdStore
+
     config = TinyModelConfig.tiny()
     model = make_tiny_model(tmp_path / "sft", config, seed=0)
     handoff, flags = tmp_path / "handoff", tmp_path / "flags"
@@ -128,8 +139,16 @@ def test_colocated_switches_and_failed_phases(tmp_path):
     script.write_text(ENGINE_SCRIPT.replace("{python}", sys.executable))
     engine_cmd = json.dumps(["sh", str(script), str(flags), "{port}", "{rank}"])
     # no auto-heal: the daemon must keep the state a failed switch left for the test to read
-    daemon = start_daemon(tmp_path, "--engine-cmd", engine_cmd, "--no-auto-heal")
+    daemon = start_daemon(
+        tmp_path, "--engine-cmd", engine_cmd, "--no-auto-heal", "--metadata-url", f"etcd://127.0.0.1:{etcd_port}/ce"
+    )
     base = daemon.url
+    store = EtcdStore("127.0.0.1", etcd_port, prefix="/ce")
+
+    def etcd_states() -> list[dict]:
+        """Each engine's lifecycle record as etcd holds it (what an operator or another master reads)."""
+        return [json.loads(store.get(f"engines/{r}/lifecycle") or "{}") for r in range(2)]
+
     try:
         engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60, colocated=True)
         pool = start_daemon_pool(
@@ -162,15 +181,26 @@ def test_colocated_switches_and_failed_phases(tmp_path):
                 check_serves(version, weights)
                 assert not (handoff / f"policy-v{version - 1}").exists()
 
-            # a failed engine start: rank 1's process exits at once
+            # a stop that does not go as planned: rank 0's engine ignores SIGTERM -> SIGKILL of its group
             to_train()
+            (flags / "hang-stop-r0").touch()
+            sync.push(random_state_dict(config, seed=9), version=9)
+            hung_pid = engines(base)[0]["pid"]
+            to_train()  # asserts every engine stopped and its process gone
+            assert not alive(hung_pid)
+            assert [s["state"] for s in etcd_states()] == ["stopped", "stopped"], etcd_states()
+
+            # a failed engine start: rank 1's process exits at once
             weights = random_state_dict(config, seed=4)
             (flags / "fail-start-r1").touch()
             with pytest.raises(SwitchError, match=r"train->inference failed in phase 'engine start"):
                 sync.push(weights, version=4)
             failed = engines(base)[1]
             assert failed["state"] == "failed" and failed["exit_code"] == 3, failed
+            in_etcd = etcd_states()
+            assert in_etcd[1]["state"] == "failed" and in_etcd[1]["exit_code"] == 3, in_etcd
             assert engines(base)[0]["state"] != "serving"  # never serving dummy weights
+            assert in_etcd[0]["state"] != "serving", in_etcd
             sync.push(weights, version=4)  # the next start: what is left stopped, every engine started
             check_serves(4, weights)
 
@@ -182,13 +212,17 @@ def test_colocated_switches_and_failed_phases(tmp_path):
                 sync.push(weights, version=5)
             assert engines(base)[0]["state"] == "incomplete"
             assert "policy-v5" in engines(base)[0]["last_error"]
+            in_etcd = etcd_states()
+            assert in_etcd[0]["state"] == "incomplete" and "policy-v5" in in_etcd[0]["last_error"], in_etcd
             sync.push(weights, version=5)
             check_serves(5, weights)
+            assert [(s["state"], s["checkpoint"]) for s in etcd_states()] == [("serving", "policy-v5")] * 2
         finally:
             sync.close()
             pool.close()
         shutdown(daemon)
     finally:
+        store.close()
         daemon.stop()
 
 
