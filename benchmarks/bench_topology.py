@@ -33,8 +33,10 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does:
                                  reads its own in place), the same bucket plan and owners, read by a
                                  Mooncake transfer engine in this process (checkpoint_engine.p2p) bucket by
                                  bucket into a registered double buffer, as the P2P mode does; no engine.
-                                 Best of --raw-repeats (raw_read_first_s: the first, with the handshake);
-                                 raw_read_batch_s: every bucket in one batch read into one buffer
+                                 Measured while engine A generates, as during the heal: median of
+                                 --raw-repeats (_best_s, _first_s: the first, with the handshake;
+                                 raw_read_batch_s: every bucket in one batch read into one buffer);
+                                 raw_read_idle_*: the same with nothing else running here
                     ratio_heal_vs_raw_read = heal_pull_s / raw_read_s
                     memcpy_s     the version's safetensors files from /dev/shm (mmapped) copied into a
                                  warm buffer, best of --raw-repeats; ratio_heal_vs_memcpy
@@ -55,6 +57,7 @@ import os
 import pathlib
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -252,7 +255,7 @@ def memcpy_s(files: list[str], repeats: int) -> tuple[float, int]:
     return best, total
 
 
-def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeats: int) -> dict:
+def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeats: int, key: str = "raw_read") -> dict:
     """The bytes a P2P pull into `receiver` moves, read with a Mooncake transfer engine of our own.
 
     Same metas (owners' Mooncake addresses and chunk pointers), same bucket plan as the pull
@@ -268,7 +271,7 @@ def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeat
     g = GlobalMetas.from_dict(metas)
     buckets = [b for b in plan_buckets(g.rank_metas, bucket_size_bytes) if b.owner_rank != receiver]
     if not buckets:
-        return {"raw_read_bytes": 0}
+        return {f"{key}_bytes": 0}
     stride = align_up(bucket_size_bytes, DEFAULT_ALIGN_BYTES)
     total = sum(b.size_bytes for b in buckets)
     store = P2PStore(P2PConfig())
@@ -301,13 +304,12 @@ def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeat
     finally:
         store.close()
     return {
-        "raw_read_s": round(min(per_bucket), 5),
-        "raw_read_first_s": round(per_bucket[0], 5),
-        "raw_read_batch_s": round(min(batch), 5),
-        "raw_read_bytes": total,
-        "raw_read_buckets": len(buckets),
-        "raw_read": "Mooncake transfer engine (TCP, this process) reading the pull's buckets of the other "
-        "owners from their registered chunks into a registered double buffer, bucket by bucket",
+        f"{key}_s": round(statistics.median(per_bucket), 5),
+        f"{key}_best_s": round(min(per_bucket), 5),
+        f"{key}_first_s": round(per_bucket[0], 5),
+        f"{key}_batch_s": round(statistics.median(batch), 5),
+        f"{key}_bytes": total,
+        f"{key}_buckets": len(buckets),
     }
 
 
@@ -544,13 +546,29 @@ def main(argv=None) -> dict:
             while len(after.rounds) < args.a_rounds:
                 time.sleep(POLL_S)
             a_after = rate(after.stop())
+            # The raw Mooncake read of the pull's bytes: once with nothing else running here, once while
+            # engine A generates as it did during the heal (the conditions the pull ran under)
+            metas = pool.daemon._call("GET", f"/metas/{healed['checkpoint']}")["ranks"][0]["result"]
+            if metas.get("p2p_addrs"):
+                raw = (metas, healed["bucket_size_bytes"], 1, args.raw_repeats)
+                healed.update(mooncake_raw_read(*raw, key="raw_read_idle"))
+                busy = Generator(a_pool, tokenizer, args, "a-raw").start()
+                try:
+                    while not busy.rounds:  # A is generating at full speed
+                        time.sleep(POLL_S)
+                    healed.update(mooncake_raw_read(*raw, key="raw_read"))
+                finally:
+                    busy.stop()
         finally:
             a_pool.close()
         healed["engine_reload"] = engine_reload_report(healed.pop("url"))
         del healed["killed_at"], healed["serving_at"]
-        metas = pool.daemon._call("GET", f"/metas/{healed['checkpoint']}")["ranks"][0]["result"]
-        if metas.get("p2p_addrs"):
-            healed.update(mooncake_raw_read(metas, healed["bucket_size_bytes"], 1, args.raw_repeats))
+        if "raw_read_s" in healed:
+            healed["raw_read"] = (
+                "Mooncake transfer engine (TCP, this process) reading the pull's buckets of the other owners "
+                "from their registered chunks into a registered double buffer, bucket by bucket, while engine "
+                f"A generates; median of {args.raw_repeats} (raw_read_idle_*: nothing else running here)"
+            )
             healed["ratio_heal_vs_raw_read"] = round(healed["heal_pull_s"] / healed["raw_read_s"], 2)
             healed["ratio_pull_read_vs_raw_read"] = round(
                 healed["heal_pull_phases"]["read_s"] / healed["raw_read_s"], 2
