@@ -48,6 +48,20 @@ class _Outcome:
     oom_killed: bool = False
 
 
+def _observation(mode: str, report, out: _Outcome, limits: Limits, stderr_tail: bytes = b"") -> Observation:
+    """What `classify` needs of one sandboxed run."""
+    return Observation(
+        mode=mode,
+        report=report,
+        timed_out=out.timed_out,
+        output_exceeded=out.output_exceeded,
+        oom_killed=out.oom_killed,
+        memory_bytes=limits.memory_bytes,
+        cpu_limit_s=limits.cpu_s,
+        stderr_tail=stderr_tail,
+    )
+
+
 class Sandbox:
     """Executes RunRequests in bubblewrap sandboxes, with a warm pool of pre-started ones."""
 
@@ -128,17 +142,7 @@ class Sandbox:
         )
         out = self._execute(request, b"", cfg.compile_timeout_s, cfg.max_binary_bytes, limits)
         report = parse_exit(out.status_lines)
-        status, exit_code = classify(
-            Observation(
-                mode="compile",
-                report=report,
-                timed_out=out.timed_out,
-                output_exceeded=out.output_exceeded,
-                oom_killed=out.oom_killed,
-                memory_bytes=limits.memory_bytes,
-                cpu_limit_s=limits.cpu_s,
-            )
-        )
+        status, exit_code = classify(_observation("compile", report, out, limits))
         stderr = out.stderr.decode("utf-8", "replace")
         if status == "ok":
             return out.stdout, RunResult("ok", 0, "", stderr, out.run_wall_s)
@@ -192,18 +196,7 @@ class Sandbox:
             limits,
         )
         report = parse_exit(out.status_lines)
-        status, exit_code = classify(
-            Observation(
-                mode=mode,
-                report=report,
-                timed_out=out.timed_out,
-                output_exceeded=out.output_exceeded,
-                oom_killed=out.oom_killed,
-                memory_bytes=limits.memory_bytes,
-                cpu_limit_s=limits.cpu_s,
-                stderr_tail=out.stderr[-4096:],
-            )
-        )
+        status, exit_code = classify(_observation(mode, report, out, limits, stderr_tail=out.stderr[-4096:]))
         stderr = out.stderr.decode("utf-8", "replace")
         if report is None and status == "runtime_error":
             stderr += "\nsandbox: the program's supervisor was killed before it reported\n"

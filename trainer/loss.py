@@ -164,18 +164,7 @@ def sequence_logprobs(
         partial-rollout segments); None counts every position.
     Returns [batch] in the logits' dtype (float32 at least).
     """
-    if logits.dim() != 3 or target_ids.shape != logits.shape[:2]:
-        raise ValueError(
-            f"logits [batch, seq, vocab] and target_ids [batch, seq] do not match: "
-            f"{tuple(logits.shape)} vs {tuple(target_ids.shape)}"
-        )
-    logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    token_logp = torch.log_softmax(logits, dim=-1).gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
-    if loss_mask is not None:
-        if loss_mask.shape != target_ids.shape:
-            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != target_ids shape {tuple(target_ids.shape)}")
-        token_logp = token_logp * loss_mask.to(token_logp.dtype)
-    return token_logp.sum(dim=-1)
+    return token_logprobs(logits, target_ids, loss_mask).sum(dim=-1)
 
 
 def token_logprobs(
