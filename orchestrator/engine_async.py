@@ -74,7 +74,7 @@ class AsyncVllmEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vllm_ext.launch import EXTENSION
+        from vllm_ext.launch_config import EXTENSION
 
         c = self.config
         args = AsyncEngineArgs(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from checkpoint_engine.httpjson import status_json
 from checkpoint_engine.procs import die_with_parent
-from vllm_ext.launch import EXTENSION, free_port
+from vllm_ext.launch_config import EXTENSION, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0")

@@ -112,7 +112,7 @@ def _same_outputs(a: list[dict], b: list[dict]) -> bool:
 @pytest.mark.vllm
 def test_extension_loads_the_compile_cache_plain_vllm_saved(tmp_path):
     from demo.tiny_model import TinyModelConfig, make_tiny_model, safetensors_files
-    from vllm_ext.launch import EXTENSION
+    from vllm_ext.launch_config import EXTENSION
 
     cfg = TinyModelConfig.tiny(init_std=0.1)  # clear logit margins: greedy ties cannot flip
     a, b = make_tiny_model(tmp_path / "A", cfg, seed=5), make_tiny_model(tmp_path / "B", cfg, seed=6)

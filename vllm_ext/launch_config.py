@@ -1,0 +1,217 @@
+"""The launcher's settings and the pieces it assembles before anything runs: `LaunchConfig` (its
+command line is generated from the fields), the `vllm serve` command behind the gate, the extension's
+non-default settings, and small process helpers. Imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from checkpoint_engine.cli_config import meta
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "vllm_ext.worker.VllmColocateWorkerExtension"
+RESERVED_VLLM_FLAGS = (
+    "--load-format",
+    "--worker-extension-cls",
+    "--host",
+    "--port",
+    "--additional-config",
+    "--model-loader-extra-config",
+)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The launcher's settings; its command line is generated from these fields (checkpoint_engine.cli_config)."""
+
+    model: str = field(metadata=meta("HF model directory (safetensors)"))
+    host: str = field(default="127.0.0.1", metadata=meta("public address of the gate"))
+    port: int = field(default=8000, metadata=meta("public port (OpenAI API, gated)"))
+    engine_port: int | None = field(default=None, metadata=meta("vLLM's internal port (None: a free one)"))
+    checkpoint_name: str | None = field(default=None, metadata=meta("None: the model directory's name"))
+    initial_push: bool = field(
+        default=True,
+        metadata=meta(
+            "load the checkpoint into the engine at start; --no-initial-push: open the gate when an "
+            "external parameter server pushes weights"
+        ),
+    )
+    initial_mode: Literal["load", "push"] = field(
+        default="load",
+        metadata=meta(
+            "load: vLLM's load step receives the weights from the parameter server (load format "
+            "checkpoint_engine); push: vLLM starts with dummy weights, pushed once it is healthy"
+        ),
+    )
+    gate_wait_s: float = field(
+        default=0.0,
+        metadata=meta("hold requests that arrive before the weights this long (0: refuse at once with 503)"),
+    )
+    startup_timeout_s: float = 900.0
+    push_timeout_s: float = 600.0
+    engine_timeout_s: float = field(default=600.0, metadata=meta("engine-side deadline per PS message"))
+    reload_mode: Literal["streaming", "end"] = "streaming"
+    weight_cache: bool = field(
+        default=True,
+        metadata=meta(
+            "--no-weight-cache: the engine keeps no host copy of the weights (saves the model's size in "
+            "memory and a copy per update; no weights checksum, no fill-in of previous values after an abort)"
+        ),
+    )
+    reload_impl: Literal["auto", "direct", "vllm"] = field(
+        default="auto",
+        metadata=meta(
+            "engine-side reload: direct (CPU backend, unquantized, one TP rank: vLLM's loaders and "
+            "packing without its layerwise bookkeeping), vllm (vLLM's reload_weights), auto (direct "
+            "where it applies; see vllm_ext.direct_reload)"
+        ),
+    )
+    transport: Literal["auto", "cpu", "cuda"] = "auto"
+    bucket_size_bytes: int | None = None
+    register_nice: int = field(
+        default=19,
+        metadata=meta(
+            "CPU niceness of the checkpoint registration running beside vLLM's start (0..19; "
+            "19: SCHED_IDLE, only CPU time vLLM leaves idle)"
+        ),
+    )
+    vllm_args: tuple[str, ...] = field(default_factory=tuple)  # after `--` on the command line
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model must be a model directory, got {self.model!r}")
+        for name in ("port", "engine_port"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 65536:
+                raise ValueError(f"{name} must be in 1..65535, got {v!r}")
+        for name in ("startup_timeout_s", "push_timeout_s", "engine_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.gate_wait_s >= 0:
+            raise ValueError(f"gate_wait_s must be >= 0, got {self.gate_wait_s!r}")
+        if self.reload_mode not in ("streaming", "end"):
+            raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
+        if self.initial_mode not in ("load", "push"):
+            raise ValueError(f"initial_mode must be 'load' or 'push', got {self.initial_mode!r}")
+        if self.reload_impl not in ("auto", "direct", "vllm"):
+            raise ValueError(f"reload_impl must be 'auto', 'direct' or 'vllm', got {self.reload_impl!r}")
+        if self.transport not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {self.transport!r}")
+        if not 0 <= self.register_nice <= 19:
+            raise ValueError(f"register_nice must be in 0..19, got {self.register_nice!r}")
+        if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
+            raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
+        tp = tensor_parallel_size(self.vllm_args)
+        if self.initial_push and self.initial_mode == "load" and tp != 1:
+            raise ValueError(
+                f"initial_mode 'load' feeds one tensor-parallel rank from one parameter-server rank, "
+                f"got --tensor-parallel-size {tp}; use initial_mode 'push' or an external PS"
+            )
+        clash = [a for a in self.vllm_args if a.split("=")[0] in RESERVED_VLLM_FLAGS]
+        if clash:
+            raise ValueError(f"vllm_args must not set {clash}: the launcher sets {list(RESERVED_VLLM_FLAGS)}")
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint_name or Path(self.model).resolve().name
+
+
+def tensor_parallel_size(vllm_args: tuple[str, ...]) -> int:
+    """The `--tensor-parallel-size` / `-tp` among `vllm serve` arguments (1 when absent)."""
+    for i, a in enumerate(vllm_args):
+        name, eq, value = a.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            raw = value if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{name} needs an integer, got {raw!r}") from None
+    return 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_safetensors_files(model_dir: str) -> list[str]:
+    """The model directory's safetensors files as strings (`checkpoint_engine.hf_dir.safetensors_files`)."""
+    from checkpoint_engine.hf_dir import safetensors_files
+
+    return [str(p) for p in safetensors_files(model_dir)]
+
+
+def engine_settings(cfg: LaunchConfig) -> dict:
+    """The extension's settings that differ from its defaults (vLLM's additional config).
+
+    Only non-defaults are passed: vLLM hashes `additional_config` into its compile-cache key, so
+    passing defaults would make the fast start miss a cache filled by a plain `vllm serve`.
+    """
+    from vllm_ext.settings import ReceiverConfig  # no torch: vLLM is spawned before anything heavy loads
+
+    defaults = ReceiverConfig()
+    wanted = {
+        "timeout_s": float(cfg.engine_timeout_s),
+        "reload_mode": cfg.reload_mode,
+        "weight_cache": cfg.weight_cache,
+        "reload_impl": cfg.reload_impl,
+    }
+    return {k: v for k, v in wanted.items() if v != getattr(defaults, k)}
+
+
+def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = None) -> list[str]:
+    """`vllm serve` behind the gate: loading from the PS at `rendezvous`, else with dummy weights."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_ext.serve",
+        "serve",
+        cfg.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(engine_port),
+        "--worker-extension-cls",
+        EXTENSION,
+    ]
+    if rendezvous is None:
+        cmd += ["--load-format", "dummy"]
+    else:
+        from vllm_ext.loader import LOAD_FORMAT
+
+        cmd += [
+            "--load-format",
+            LOAD_FORMAT,
+            "--model-loader-extra-config",
+            json.dumps({"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)}),
+        ]
+    settings = engine_settings(cfg)
+    if settings:
+        cmd += ["--additional-config", json.dumps({"checkpoint_engine": settings})]
+    return [*cmd, *cfg.vllm_args]
+
+
+def lower_thread_priority(nice: int) -> str:
+    """Make the calling thread yield the CPU to vLLM's start: SCHED_IDLE (runs only on otherwise idle
+    CPU time) when `nice` is 19, else the nice value. Returns what was applied."""
+    tid = threading.get_native_id()
+    try:
+        if nice >= 19 and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
+            return "SCHED_IDLE"
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        return f"nice {nice}"
+    except (OSError, AttributeError) as e:
+        logger.debug("could not lower the registration thread's priority: %s", e)
+        return "unchanged"
