@@ -7,6 +7,7 @@ from typing import Literal
 
 from checkpoint_engine.p2p import P2PConfig
 from checkpoint_engine.sources import REQUESTED_MODES, RequestedMode
+from checkpoint_engine.validate import check_literals
 
 MiB = 2**20
 
@@ -61,8 +62,7 @@ class ParameterServerConfig:
     update: UpdateConfig = UpdateConfig()
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {self.transport!r}")
+        check_literals(self)
         if self.align_bytes < 16 or self.align_bytes & (self.align_bytes - 1):
             raise ValueError(f"align_bytes must be a power of two >= 16, got {self.align_bytes}")
         if self.max_chunk_bytes is not None and self.max_chunk_bytes <= 0:

@@ -27,14 +27,13 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from checkpoint_engine.validate import check_int, check_number
+from checkpoint_engine.validate import check_int, check_literals, check_number
 from demo import task
 from orchestrator.dictconfig import apply_overrides, from_dict, merge, to_dict
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, check_rollout_fields
 from orchestrator.sampling import CurriculumConfig
-from trainer.cpu import AUTOCAST_DTYPES
 from trainer.sft import SFTConfig
 
 logger = logging.getLogger(__name__)
@@ -113,8 +112,7 @@ class RLConfig:
     kl_coef: float = 0.04
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ("k15", "grpo", "reinforce"):
-            raise ValueError(f"rl.algorithm={self.algorithm!r} must be 'k15', 'grpo' or 'reinforce'")
+        check_literals(self, "rl.")
         check_number("rl.clip_eps", self.clip_eps)
         if not self.clip_eps < 1:
             raise ValueError(f"rl.clip_eps={self.clip_eps!r} must be in (0, 1)")
@@ -129,14 +127,8 @@ class RLConfig:
         check_number("rl.weight_decay", self.weight_decay, allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rl.top_p={self.top_p!r} must be in (0, 1]")
-        if self.autocast_dtype not in AUTOCAST_DTYPES:
-            raise ValueError(f"rl.autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"rl.optimizer={self.optimizer!r} must be 'adamw' or 'sgd'")
         if not self.adam_eps > 0:
             raise ValueError(f"rl.adam_eps={self.adam_eps!r} must be > 0")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"rl.lr_schedule={self.lr_schedule!r} must be 'constant' or 'cosine'")
         if not 0 < self.min_lr_ratio <= 1:
             raise ValueError(f"rl.min_lr_ratio={self.min_lr_ratio!r} must be in (0, 1]")
 
@@ -207,8 +199,7 @@ class RewardConfig:
     reward_model_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.type not in ("math_verify", "code_sandbox"):
-            raise ValueError(f"reward.type={self.type!r} must be 'math_verify' or 'code_sandbox'")
+        check_literals(self, "reward.")
         if not math.isfinite(self.correct_threshold):
             raise ValueError(f"reward.correct_threshold={self.correct_threshold!r} must be finite")
         if self.type == "code_sandbox" and not self.sandbox_url:
@@ -251,12 +242,9 @@ class EngineConfig:
     colocated: bool = False
 
     def __post_init__(self) -> None:
-        if self.type not in ("vllm_async", "vllm_http", "daemon"):
-            raise ValueError(f"engine.type={self.type!r} must be 'vllm_async', 'vllm_http' or 'daemon'")
+        check_literals(self, "engine.")
         if self.type in ("vllm_http", "daemon") and not self.endpoint:
             raise ValueError(f"engine.endpoint must be set when engine.type={self.type!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"engine.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_gib"):
             check_int(f"engine.{name}", getattr(self, name))
         check_number("engine.start_timeout_s", self.start_timeout_s)
@@ -325,8 +313,7 @@ class TrainerSection:
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.type not in ("hf", "megatron"):
-            raise ValueError(f"trainer.type={self.type!r} must be 'hf' or 'megatron'")
+        check_literals(self, "trainer.")
         check_int("trainer.tp_size", self.tp_size)
         if self.tp_size != 1 and self.type != "megatron":
             raise ValueError(f"trainer.tp_size={self.tp_size}: only the megatron trainer is tensor parallel")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from checkpoint_engine.validate import check_int, check_number
+from checkpoint_engine.validate import check_int, check_literals, check_number
 
 from .models import RunRequest
 
@@ -82,10 +82,7 @@ class SandboxConfig:
                 f"max_binary_bytes ({self.max_binary_bytes}) must be smaller than the "
                 f"sandbox tmpfs (tmpfs_size_mb={self.tmpfs_size_mb})"
             )
-        if self.switch_uid not in ("auto", "on", "off"):
-            raise ValueError(f"switch_uid must be 'auto', 'on' or 'off', got {self.switch_uid!r}")
-        if self.use_cgroup not in ("auto", "off"):
-            raise ValueError(f"use_cgroup must be 'auto' or 'off', got {self.use_cgroup!r}")
+        check_literals(self)
         if not isinstance(self.uid_base, int) or self.uid_base < 1000:
             raise ValueError(f"uid_base must be an integer >= 1000, got {self.uid_base!r}")
         if self.max_processes < 4:

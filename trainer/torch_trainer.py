@@ -27,7 +27,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from trainer.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
+from checkpoint_engine.validate import check_literals
+from trainer.cpu import num_threads_for, resolve_autocast_dtype
 from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,7 @@ class TrainerConfig:
     autocast_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer={self.optimizer!r} must be 'adamw' or 'sgd'")
-        if self.autocast_dtype not in AUTOCAST_DTYPES:
-            raise ValueError(f"autocast_dtype={self.autocast_dtype!r} must be one of {AUTOCAST_DTYPES}")
+        check_literals(self)
         for name in ("lr", "grad_clip", "eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")

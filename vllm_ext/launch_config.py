@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from checkpoint_engine.cli_config import meta
+from checkpoint_engine.validate import check_literals
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +100,7 @@ class LaunchConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not self.gate_wait_s >= 0:
             raise ValueError(f"gate_wait_s must be >= 0, got {self.gate_wait_s!r}")
-        if self.reload_mode not in ("streaming", "end"):
-            raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
-        if self.initial_mode not in ("load", "push"):
-            raise ValueError(f"initial_mode must be 'load' or 'push', got {self.initial_mode!r}")
-        if self.reload_impl not in ("auto", "direct", "vllm"):
-            raise ValueError(f"reload_impl must be 'auto', 'direct' or 'vllm', got {self.reload_impl!r}")
-        if self.transport not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"transport must be 'auto', 'cpu' or 'cuda', got {self.transport!r}")
+        check_literals(self)
         if not 0 <= self.register_nice <= 19:
             raise ValueError(f"register_nice must be in 0..19, got {self.register_nice!r}")
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:

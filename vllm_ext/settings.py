@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from checkpoint_engine.validate import check_literals
+
 ReloadMode = Literal["streaming", "end"]
 ReloadImpl = Literal["auto", "direct", "vllm"]
 
@@ -37,10 +39,7 @@ class ReceiverConfig:
             raise ValueError(f"weight_cache must be true or false, got {self.weight_cache!r}")
         if not isinstance(self.keep_mappings, bool):
             raise ValueError(f"keep_mappings must be true or false, got {self.keep_mappings!r}")
-        if self.reload_impl not in ("auto", "direct", "vllm"):
-            raise ValueError(f"reload_impl must be 'auto', 'direct' or 'vllm', got {self.reload_impl!r}")
-        if self.reload_mode not in ("streaming", "end"):
-            raise ValueError(f"reload_mode must be 'streaming' or 'end', got {self.reload_mode!r}")
+        check_literals(self)
 
     @classmethod
     def from_dict(cls, d: Mapping | None) -> ReceiverConfig:
