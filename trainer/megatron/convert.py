@@ -5,6 +5,7 @@ table of ``trainer.megatron.layout``, so they cannot disagree:
 
     HF state dict ──hf_to_megatron──▶ {(pp, tp): Megatron state dict}      (trainer init from SFT)
     {(pp, tp): Megatron state dict} ──megatron_to_hf(out=host views)──▶ HF  (weight sync)
+    (MoE with ep_size > 1: the rank keys are (pp, tp, ep); see layout.Parallelism.rank_of)
     one rank's Megatron state dict ──rank_slices──▶ [(Piece, view)]        (sharding-aware plans)
     one rank's Megatron state dict ──write_rank_slices──▶ its slices of a shared HF buffer (weight sync)
 """
@@ -23,8 +24,10 @@ from trainer.megatron.layout import (  # noqa: F401  (re-exported: the public co
     Piece,
     Rank,
     conversion_pieces,
+    global_expert_index,
     hf_param_shapes,
     hf_sources,
+    local_expert_index,
     sources_of_slice,
     stage_layers,
     writer_pieces,
@@ -59,7 +62,7 @@ def hf_to_megatron(
     sizes: dict[tuple[Rank, str], int] = {}
     ref: dict[tuple[Rank, str], Piece] = {}
     for p in pieces:
-        key = ((p.pp_rank, p.tp_rank), p.mg_name)
+        key = (parallel.rank_of(p), p.mg_name)
         sizes[key] = max(sizes.get(key, 0), p.mg_start + p.length)
         ref.setdefault(key, p)
     out: dict[Rank, dict[str, torch.Tensor]] = {rank: {} for rank in sorted(wanted)}
@@ -72,7 +75,7 @@ def hf_to_megatron(
         out[rank][mg_name] = torch.empty(dims, dtype=template.dtype, device=template.device)
     with copy_threads_context(copy_threads):
         for p in pieces:
-            rank = (p.pp_rank, p.tp_rank)
+            rank = parallel.rank_of(p)
             if rank in wanted:
                 src = state_dict[p.hf_name].narrow(p.dim, p.hf_start, p.length)
                 out[rank][p.mg_name].narrow(p.dim, p.mg_start, p.length).copy_(src)
@@ -97,7 +100,7 @@ def megatron_to_hf(
     result: dict[str, torch.Tensor] = {}
     with copy_threads_context(copy_threads):
         for hf_name, pieces in sources.items():
-            result[hf_name] = _merge_into(shards, hf_name, pieces, out)
+            result[hf_name] = _merge_into(shards, hf_name, pieces, out, parallel)
     return result
 
 
@@ -106,8 +109,9 @@ def _merge_into(
     hf_name: str,
     pieces: list[Piece],
     out: Mapping[str, torch.Tensor] | None,
+    parallel: Parallelism,
 ) -> torch.Tensor:
-    first = _megatron_tensor(shards, pieces[0])
+    first = _megatron_tensor(shards, pieces[0], parallel)
     dims = list(first.shape)
     dims[pieces[0].dim] = sum(p.length for p in pieces)
     tensor = None if out is None else out.get(hf_name)
@@ -119,7 +123,7 @@ def _merge_into(
         )
     for p in pieces:
         tensor.narrow(p.dim, p.hf_start, p.length).copy_(
-            _megatron_tensor(shards, p).narrow(p.dim, p.mg_start, p.length)
+            _megatron_tensor(shards, p, parallel).narrow(p.dim, p.mg_start, p.length)
         )
     return tensor
 
@@ -137,7 +141,7 @@ def rank_slices(
     pieces = writer_pieces(shape, parallel, norm_style).get(rank)
     if pieces is None:
         raise ValueError(f"rank {rank} is outside {parallel}")
-    return [(p, _megatron_tensor({rank: shard}, p).narrow(p.dim, p.mg_start, p.length)) for p in pieces]
+    return [(p, _megatron_tensor({rank: shard}, p, parallel).narrow(p.dim, p.mg_start, p.length)) for p in pieces]
 
 
 def write_rank_slices(
@@ -188,13 +192,14 @@ def copy_threads_context(num_threads: int | None):
         torch.set_num_threads(before)
 
 
-def _megatron_tensor(shards: Mapping[Rank, Mapping[str, torch.Tensor]], piece: Piece) -> torch.Tensor:
-    rank = (piece.pp_rank, piece.tp_rank)
+def _megatron_tensor(
+    shards: Mapping[Rank, Mapping[str, torch.Tensor]], piece: Piece, parallel: Parallelism
+) -> torch.Tensor:
+    rank = parallel.rank_of(piece)
+    where = f"pp={rank[0]}, tp={rank[1]}" + (f", ep={rank[2]}" if len(rank) > 2 else "")
     if rank not in shards:
-        raise ValueError(f"no Megatron shard for rank (pp={rank[0]}, tp={rank[1]}), needed for {piece.hf_name}")
+        raise ValueError(f"no Megatron shard for rank ({where}), needed for {piece.hf_name}")
     tensor = shards[rank].get(piece.mg_name)
     if tensor is None:
-        raise ValueError(
-            f"Megatron shard (pp={rank[0]}, tp={rank[1]}) lacks {piece.mg_name} (needed for {piece.hf_name})"
-        )
+        raise ValueError(f"Megatron shard ({where}) lacks {piece.mg_name} (needed for {piece.hf_name})")
     return tensor

@@ -17,9 +17,25 @@ Layouts (Megatron's, for a dense GPT with SwiGLU, RMSNorm, RoPE):
     norm_style "te"                  TransformerEngine spec: the norms live in linear_qkv /
                                      linear_fc1 as layer_norm_weight
 
-MoE / expert parallelism is not implemented: ``ModelShape(num_experts=...)`` raises
-NotImplementedError; the extension point is ``_layer_tensor_specs`` (one more spec per expert
-with the expert's global index, and an EP axis beside TP in ``Piece``).
+MoE (Qwen2-MoE / Qwen3-MoE-style MLP without shared experts; megatron-core's local spec,
+``get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)``, SequentialMLP experts):
+
+    HF model.layers.<i>.mlp.gate.weight [E, h]        ──▶ decoder.layers.<i>.mlp.router.weight
+                                                          (replicated over TP and EP)
+    HF model.layers.<i>.mlp.experts.<e>.{gate,up}_proj ──▶ ...mlp.experts.local_experts.<j>.linear_fc1
+    HF model.layers.<i>.mlp.experts.<e>.down_proj      ──▶ ...mlp.experts.local_experts.<j>.linear_fc2
+        global expert e lives on EP rank e // (E / ep) as local expert j = e % (E / ep)
+        (``global_expert_index`` / ``local_expert_index``); expert-TP = TP: fc1 is split like
+        the dense fc1 ([gate shard r ; up shard r]) and fc2 along dim 1
+    non-expert tensors                  replicated over EP ranks (EP is carved out of DP)
+
+``ModelShape(num_experts=E, moe_ffn_hidden_size=I)`` (``from_hf_config`` reads ``qwen2_moe`` /
+``qwen3_moe`` configs; a shared expert, ``mlp_only_layers`` or ``decoder_sparse_step != 1`` raise
+NotImplementedError, as does ``num_experts`` without ``moe_ffn_hidden_size``). Ranks: with
+``Parallelism(ep_size=1)`` a rank is (pp, tp) as for dense models; with ``ep_size > 1`` it is
+(pp, tp, ep) (``Parallelism.rank_of``). ``Piece.ep_rank`` is 0 for every dense piece, so the
+dense table is unchanged. MoE is converted for norm_style "local" only (TransformerEngine's
+grouped experts use other names). The qwen3_moe attention's q_norm/k_norm are not in this table.
 """
 
 from __future__ import annotations
@@ -28,7 +44,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Literal
 
-Rank = tuple[int, int]  # (pp_rank, tp_rank)
+Rank = tuple[int, ...]  # (pp_rank, tp_rank), or (pp_rank, tp_rank, ep_rank) when ep_size > 1
 NormStyle = Literal["local", "te"]
 
 
@@ -46,6 +62,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = True
     num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # each expert's intermediate size (HF moe_intermediate_size)
 
     def __post_init__(self) -> None:
         for name in (
@@ -66,16 +83,33 @@ class ModelShape:
                 f"num_query_groups={self.num_query_groups}"
             )
         if self.num_experts is not None:
-            raise NotImplementedError(
-                "MoE (num_experts) is not converted yet: add per-expert specs with global expert "
-                "indices in trainer.megatron.convert._layer_tensor_specs and an EP rank in Piece"
-            )
+            if self.moe_ffn_hidden_size is None:
+                raise NotImplementedError("MoE (num_experts) needs moe_ffn_hidden_size, the experts' intermediate size")
+            for name in ("num_experts", "moe_ffn_hidden_size"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{name}={value!r} must be a positive int")
+        elif self.moe_ffn_hidden_size is not None:
+            raise ValueError("moe_ffn_hidden_size is set but num_experts is not")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @classmethod
     def from_hf_config(cls, config: Mapping) -> ModelShape:
         """From a Qwen2 ``config.json`` dict (or a transformers config's ``to_dict()``)."""
+        moe = {}
         if config.get("num_experts") or config.get("num_local_experts"):
-            raise NotImplementedError("MoE HF configs are not converted yet (see ModelShape)")
+            if config.get("num_local_experts") or config.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+                raise NotImplementedError("MoE HF configs other than qwen2_moe / qwen3_moe are not converted")
+            if config.get("shared_expert_intermediate_size"):
+                raise NotImplementedError("MoE with a shared expert is not converted (see ModelShape)")
+            if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+                raise NotImplementedError(
+                    "MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not converted"
+                )
+            moe = {"num_experts": config["num_experts"], "moe_ffn_hidden_size": config["moe_intermediate_size"]}
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         return cls(
@@ -87,7 +121,8 @@ class ModelShape:
             ffn_hidden_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", config.get("model_type", "qwen2") == "qwen2")),
+            qkv_bias=bool(config.get("attention_bias", config.get("model_type", "qwen2") in ("qwen2", "qwen2_moe"))),
+            **moe,
         )
 
     @property
@@ -102,9 +137,10 @@ class Parallelism:
     tp_size: int = 1
     pp_size: int = 1
     layers_per_stage: tuple[int, ...] | None = None
+    ep_size: int = 1  # expert parallelism (MoE); expert-TP is tp_size
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size"):
+        for name in ("tp_size", "pp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
@@ -116,7 +152,37 @@ class Parallelism:
                 )
 
     def ranks(self) -> list[Rank]:
-        return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+        if self.ep_size == 1:
+            return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+        return [(pp, tp, ep) for pp in range(self.pp_size) for tp in range(self.tp_size) for ep in range(self.ep_size)]
+
+    def rank_of(self, piece: Piece) -> Rank:
+        """The rank key of ``piece``: (pp, tp) when ep_size is 1, else (pp, tp, ep)."""
+        if self.ep_size == 1:
+            return (piece.pp_rank, piece.tp_rank)
+        return (piece.pp_rank, piece.tp_rank, piece.ep_rank)
+
+
+def global_expert_index(ep_rank: int, local_index: int, num_experts: int, ep_size: int) -> int:
+    """Megatron's local expert ``local_index`` on EP rank ``ep_rank`` is HF expert ``ep_rank * (E / ep) + j``."""
+    per_rank = _experts_per_rank(num_experts, ep_size)
+    if not 0 <= ep_rank < ep_size or not 0 <= local_index < per_rank:
+        raise ValueError(f"(ep_rank={ep_rank}, local={local_index}) is outside ep_size={ep_size} x {per_rank} experts")
+    return ep_rank * per_rank + local_index
+
+
+def local_expert_index(global_index: int, num_experts: int, ep_size: int) -> tuple[int, int]:
+    """The inverse of ``global_expert_index``: HF expert ``global_index`` -> (ep_rank, local index)."""
+    per_rank = _experts_per_rank(num_experts, ep_size)
+    if not 0 <= global_index < num_experts:
+        raise ValueError(f"expert {global_index} is outside num_experts={num_experts}")
+    return divmod(global_index, per_rank)
+
+
+def _experts_per_rank(num_experts: int, ep_size: int) -> int:
+    if ep_size < 1 or num_experts % ep_size != 0:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+    return num_experts // ep_size
 
 
 def hf_param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
@@ -135,16 +201,32 @@ def hf_param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.v_proj.weight"] = (kv, h)
         if shape.qkv_bias:
             out[p + "self_attn.v_proj.bias"] = (kv,)
-        out.update(
-            {
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (ffn, h),
-                p + "mlp.up_proj.weight": (ffn, h),
-                p + "mlp.down_proj.weight": (h, ffn),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
+        if shape.num_experts is None:
+            out.update(
+                {
+                    p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (ffn, h),
+                    p + "mlp.up_proj.weight": (ffn, h),
+                    p + "mlp.down_proj.weight": (h, ffn),
+                    p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,),
+                }
+            )
+            continue
+        out[p + "self_attn.o_proj.weight"] = (h, q)
+        out[p + "mlp.gate.weight"] = (shape.num_experts, h)
+        moe_ffn = shape.moe_ffn_hidden_size
+        for e in range(shape.num_experts):
+            x = f"{p}mlp.experts.{e}."
+            out.update(
+                {
+                    x + "gate_proj.weight": (moe_ffn, h),
+                    x + "up_proj.weight": (moe_ffn, h),
+                    x + "down_proj.weight": (h, moe_ffn),
+                }
+            )
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
     out["model.norm.weight"] = (h,)
     if not shape.tie_word_embeddings:
         out["lm_head.weight"] = (shape.vocab_size, h)
@@ -182,6 +264,7 @@ class Piece:
     mg_start: int
     length: int
     primary: bool = True
+    ep_rank: int = 0  # expert-parallel rank (0 for every piece of a dense model)
 
     def hf_byte_range(self, hf_shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
         """Byte range of this piece inside the (contiguous) HF tensor, when it is one range."""
@@ -217,6 +300,7 @@ class _TensorSpec:
     segments: tuple[_Segment, ...]
     split: bool  # True: even split over TP ranks along dim; False: replicated
     primary: bool = True
+    ep_rank: int | None = None  # None: on every EP rank (primary on EP rank 0); else that EP rank only
 
 
 def _whole(hf_name: str, size: int) -> tuple[_Segment, ...]:
@@ -233,10 +317,12 @@ def _qkv_segments(shape: ModelShape, hf_prefix: str, kind: str) -> tuple[_Segmen
     return tuple(segments)
 
 
-def _fc1_segments(shape: ModelShape, hf_prefix: str, tp_size: int) -> tuple[_Segment, ...]:
-    ffn = shape.ffn_hidden_size
+def _fc1_segments(
+    shape: ModelShape, hf_prefix: str, tp_size: int, ffn: int | None = None, what: str = "ffn_hidden_size"
+) -> tuple[_Segment, ...]:
+    ffn = shape.ffn_hidden_size if ffn is None else ffn
     if ffn % tp_size != 0:
-        raise ValueError(f"ffn_hidden_size={ffn} is not divisible by tp_size={tp_size}")
+        raise ValueError(f"{what}={ffn} is not divisible by tp_size={tp_size}")
     shard = ffn // tp_size
     segments = []
     for tp in range(tp_size):
@@ -271,17 +357,26 @@ def _layer_tensor_specs(
             split=True,
         ),
         _TensorSpec(mg + mlp_norm, pp_rank, 0, _whole(hf + "post_attention_layernorm.weight", h), split=False),
-        _TensorSpec(
-            mg + "mlp.linear_fc1.weight", pp_rank, 0, _fc1_segments(shape, hf + "mlp.", parallel.tp_size), split=True
-        ),
-        _TensorSpec(
-            mg + "mlp.linear_fc2.weight",
-            pp_rank,
-            1,
-            _whole(hf + "mlp.down_proj.weight", shape.ffn_hidden_size),
-            split=True,
-        ),
     ]
+    if shape.num_experts is not None:
+        specs += _moe_tensor_specs(shape, parallel, hf, mg, pp_rank)
+    else:
+        specs += [
+            _TensorSpec(
+                mg + "mlp.linear_fc1.weight",
+                pp_rank,
+                0,
+                _fc1_segments(shape, hf + "mlp.", parallel.tp_size),
+                split=True,
+            ),
+            _TensorSpec(
+                mg + "mlp.linear_fc2.weight",
+                pp_rank,
+                1,
+                _whole(hf + "mlp.down_proj.weight", shape.ffn_hidden_size),
+                split=True,
+            ),
+        ]
     if shape.qkv_bias:
         specs.insert(
             2,
@@ -294,6 +389,25 @@ def _layer_tensor_specs(
             ),
         )
     assert sum(s.length for s in specs[1].segments) == qkv_rows
+    return specs
+
+
+def _moe_tensor_specs(shape: ModelShape, parallel: Parallelism, hf: str, mg: str, pp_rank: int) -> list[_TensorSpec]:
+    """The router and every expert of one MoE layer (replacing the dense fc1/fc2)."""
+    num_experts, moe_ffn, ep_size = shape.num_experts, shape.moe_ffn_hidden_size, parallel.ep_size
+    assert num_experts is not None and moe_ffn is not None
+    per_rank = _experts_per_rank(num_experts, ep_size)
+    specs = [
+        _TensorSpec(mg + "mlp.router.weight", pp_rank, 0, _whole(hf + "mlp.gate.weight", num_experts), split=False)
+    ]
+    for ep in range(ep_size):
+        for local in range(per_rank):
+            x = f"{hf}mlp.experts.{global_expert_index(ep, local, num_experts, ep_size)}."
+            m = f"{mg}mlp.experts.local_experts.{local}."
+            fc1 = _fc1_segments(shape, x, parallel.tp_size, moe_ffn, "moe_ffn_hidden_size")
+            specs.append(_TensorSpec(m + "linear_fc1.weight", pp_rank, 0, fc1, split=True, ep_rank=ep))
+            fc2 = _whole(x + "down_proj.weight", moe_ffn)
+            specs.append(_TensorSpec(m + "linear_fc2.weight", pp_rank, 1, fc2, split=True, ep_rank=ep))
     return specs
 
 
@@ -320,7 +434,18 @@ def _tensor_specs(shape: ModelShape, parallel: Parallelism, norm_style: NormStyl
     return specs
 
 
-def _pieces_of(spec: _TensorSpec, tp_size: int) -> Iterator[Piece]:
+def _pieces_of(spec: _TensorSpec, tp_size: int, ep_size: int = 1) -> Iterator[Piece]:
+    if spec.ep_rank is not None:
+        for piece in _tp_pieces_of(spec, tp_size):
+            yield dataclasses.replace(piece, ep_rank=spec.ep_rank)
+        return
+    yield from _tp_pieces_of(spec, tp_size)  # EP rank 0 (the only one of a dense model): primaries
+    for ep in range(1, ep_size):
+        for piece in _tp_pieces_of(spec, tp_size):
+            yield dataclasses.replace(piece, ep_rank=ep, primary=False)
+
+
+def _tp_pieces_of(spec: _TensorSpec, tp_size: int) -> Iterator[Piece]:
     total = sum(s.length for s in spec.segments)
     if not spec.split:
         for tp in range(tp_size):
@@ -368,9 +493,13 @@ def conversion_pieces(shape: ModelShape, parallel: Parallelism, norm_style: Norm
     for each HF tensor, which slices come from which Megatron rank and tensor (primaries)."""
     if norm_style not in ("local", "te"):
         raise ValueError(f"norm_style={norm_style!r} must be 'local' or 'te'")
+    if shape.num_experts is not None and norm_style != "local":
+        raise NotImplementedError("MoE is converted for the local spec only (norm_style='local')")
+    if shape.num_experts is None and parallel.ep_size != 1:
+        raise ValueError(f"ep_size={parallel.ep_size} needs an MoE shape (num_experts)")
     pieces: list[Piece] = []
     for spec in _tensor_specs(shape, parallel, norm_style):
-        pieces.extend(_pieces_of(spec, parallel.tp_size))
+        pieces.extend(_pieces_of(spec, parallel.tp_size, parallel.ep_size))
     return pieces
 
 
@@ -389,11 +518,12 @@ def writer_pieces(shape: ModelShape, parallel: Parallelism, norm_style: NormStyl
     """Which HF slices each Megatron rank writes into one shared HF-layout buffer (every rank listed,
     in Megatron order): its primary pieces. Each HF element is written by exactly one rank: a split
     tensor's slice by the rank that holds it, a replicated one (norms) by TP rank 0 of its stage
-    only, the last stage's copy of a tied embedding by nobody (stage 0 writes the embedding)."""
+    only, the last stage's copy of a tied embedding by nobody (stage 0 writes the embedding).
+    With EP: an expert by the EP rank that holds it, a non-expert tensor by EP rank 0 only."""
     out: dict[Rank, list[Piece]] = {rank: [] for rank in parallel.ranks()}
     for piece in conversion_pieces(shape, parallel, norm_style):
         if piece.primary:
-            out[(piece.pp_rank, piece.tp_rank)].append(piece)
+            out[parallel.rank_of(piece)].append(piece)
     return out
 
 
