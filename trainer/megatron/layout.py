@@ -36,6 +36,10 @@ NotImplementedError, as does ``num_experts`` without ``moe_ffn_hidden_size``). R
 (pp, tp, ep) (``Parallelism.rank_of``). ``Piece.ep_rank`` is 0 for every dense piece, so the
 dense table is unchanged. MoE is converted for norm_style "local" only (TransformerEngine's
 grouped experts use other names). The qwen3_moe attention's q_norm/k_norm are not in this table.
+The names were read off a megatron-core 0.16.1 MoE GPTModel built on CPU (TP=1, EP=1), which
+also gives transformers' Qwen2-MoE logits (tests/unit/trainer/test_megatron_moe_model.py: allgather
+dispatcher, since alltoall creates a CUDA stream; ``moe_utils.te_general_gemm`` set to None, since
+megatron reads it undefined without TransformerEngine). EP/TP > 1 are checked by the pure tables only.
 """
 
 from __future__ import annotations
