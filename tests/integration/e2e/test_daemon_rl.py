@@ -40,7 +40,7 @@ def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
     daemon = start_daemon(
         *("--collective-timeout-s", "900", "--engine-health-path", "/version"),
         *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(tmp_path)),
-        engine_cmd=[*engine_cmd, "--no-initial-push"],
+        engine_cmd=[*engine_cmd, "--no-initial-push", "--", "--dtype", "float32"],  # as engine.dtype
         env=env,
         log=tmp_path / "daemon.log",
         ready_timeout_s=120,
