@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.trainer.tiny import layout_shape, random_hf
 from trainer.megatron.convert import (
     ModelShape,
     Parallelism,
@@ -17,28 +18,9 @@ from trainer.megatron.convert import (
 )
 
 
-def _shape(**overrides) -> ModelShape:
-    fields = dict(
-        num_layers=2,
-        hidden_size=16,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=4,
-        ffn_hidden_size=24,
-        vocab_size=32,
-    )
-    fields.update(overrides)
-    return ModelShape(**fields)
-
-
-def _random_hf(shape: ModelShape, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(dims, generator=gen).to(dtype) for name, dims in hf_param_shapes(shape).items()}
-
-
 def _labelled_hf(shape: ModelShape) -> dict[str, torch.Tensor]:
     """Row r of q/k/v (and gate/up) is filled with a label: q 0.., k 100.., v 200.., gate 300.., up 400.."""
-    sd = _random_hf(shape)
+    sd = random_hf(shape)
     base = {"q_proj": 0, "k_proj": 100, "v_proj": 200, "gate_proj": 300, "up_proj": 400}
     for name, tensor in sd.items():
         for key, offset in base.items():
@@ -72,14 +54,14 @@ QKV_TABLE = [
 @pytest.mark.parametrize("tp,expected", QKV_TABLE)
 @pytest.mark.parametrize("kind", ["weight", "bias"])
 def test_qkv_interleave_table(tp, expected, kind):
-    shape = _shape(num_layers=1, hidden_size=4, head_dim=1, ffn_hidden_size=8, vocab_size=8)
+    shape = layout_shape(num_layers=1, hidden_size=4, head_dim=1, ffn_hidden_size=8, vocab_size=8)
     assert _tp_row_labels(shape, tp, f"self_attention.linear_qkv.{kind}") == expected
 
 
 def test_qkv_interleave_head_dim_two_eight_heads():
     # head_dim=2, 8 q heads in 2 groups of 4: each group is 4*2 q rows, 2 k rows, 2 v rows
     dims = dict(hidden_size=16, num_attention_heads=8, num_query_groups=2, head_dim=2, ffn_hidden_size=8)
-    shape = _shape(num_layers=1, vocab_size=8, **dims)
+    shape = layout_shape(num_layers=1, vocab_size=8, **dims)
     rank0, rank1 = _tp_row_labels(shape, 2, "self_attention.linear_qkv.weight")
     assert rank0 == list(range(8)) + [100, 101, 200, 201]
     assert rank1 == list(range(8, 16)) + [102, 103, 202, 203]
@@ -94,13 +76,13 @@ FC1_TABLE = [
 
 @pytest.mark.parametrize("tp,expected", FC1_TABLE)
 def test_fc1_is_gate_shard_then_up_shard(tp, expected):
-    shape = _shape(num_layers=1, hidden_size=4, head_dim=1, num_query_groups=4, ffn_hidden_size=4, vocab_size=8)
+    shape = layout_shape(num_layers=1, hidden_size=4, head_dim=1, num_query_groups=4, ffn_hidden_size=4, vocab_size=8)
     assert _tp_row_labels(shape, tp, "mlp.linear_fc1.weight") == expected
 
 
 def test_row_column_vocab_splits_and_replicated_norms():
-    shape = _shape()
-    hf = _random_hf(shape)
+    shape = layout_shape()
+    hf = random_hf(shape)
     shards = hf_to_megatron(hf, shape, Parallelism(tp_size=2))
     for r in range(2):
         mg = shards[(0, r)]
@@ -127,25 +109,25 @@ def test_row_column_vocab_splits_and_replicated_norms():
 # ── round trips ─────────────────────────────────────────────────────────────────────────────────
 
 ROUND_TRIPS = [
-    (_shape(), 1, 1),
-    (_shape(), 2, 1),
-    (_shape(), 4, 1),
-    (_shape(), 1, 2),
-    (_shape(), 2, 2),
-    (_shape(), 4, 2),
-    (_shape(num_attention_heads=8, num_query_groups=4, head_dim=2), 4, 2),
-    (_shape(num_query_groups=4), 2, 1),  # MHA
-    (_shape(num_query_groups=1), 2, 1),  # MQA, tp > groups
-    (_shape(qkv_bias=False), 2, 2),
-    (_shape(tie_word_embeddings=True), 2, 1),
-    (_shape(tie_word_embeddings=True), 2, 2),
+    (layout_shape(), 1, 1),
+    (layout_shape(), 2, 1),
+    (layout_shape(), 4, 1),
+    (layout_shape(), 1, 2),
+    (layout_shape(), 2, 2),
+    (layout_shape(), 4, 2),
+    (layout_shape(num_attention_heads=8, num_query_groups=4, head_dim=2), 4, 2),
+    (layout_shape(num_query_groups=4), 2, 1),  # MHA
+    (layout_shape(num_query_groups=1), 2, 1),  # MQA, tp > groups
+    (layout_shape(qkv_bias=False), 2, 2),
+    (layout_shape(tie_word_embeddings=True), 2, 1),
+    (layout_shape(tie_word_embeddings=True), 2, 2),
 ]
 
 
 @pytest.mark.parametrize("shape,tp,pp", ROUND_TRIPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_bit_exact(shape, tp, pp, dtype):
-    hf = _random_hf(shape, dtype)
+    hf = random_hf(shape, dtype)
     parallel = Parallelism(tp_size=tp, pp_size=pp)
     shards = hf_to_megatron(hf, shape, parallel)
     assert sorted(shards) == parallel.ranks()
@@ -165,9 +147,9 @@ def test_round_trip_bit_exact(shape, tp, pp, dtype):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_megatron_shards_to_hf_to_megatron(tp):
-    shape, parallel = _shape(), Parallelism(tp_size=tp, pp_size=2)
+    shape, parallel = layout_shape(), Parallelism(tp_size=tp, pp_size=2)
     gen = torch.Generator().manual_seed(3)
-    template = hf_to_megatron(_random_hf(shape), shape, parallel)
+    template = hf_to_megatron(random_hf(shape), shape, parallel)
     shards = {rank: {n: torch.randn(t.shape, generator=gen) for n, t in sd.items()} for rank, sd in template.items()}
     for rank, sd in shards.items():  # replicated norms are equal on every TP rank, as in a real run
         for name in sd:
@@ -181,8 +163,8 @@ def test_megatron_shards_to_hf_to_megatron(tp):
 
 
 def test_pp_layer_offsets_in_names():
-    shape, parallel = _shape(num_layers=4), Parallelism(tp_size=1, pp_size=2)
-    hf = _random_hf(shape)
+    shape, parallel = layout_shape(num_layers=4), Parallelism(tp_size=1, pp_size=2)
+    hf = random_hf(shape)
     shards = hf_to_megatron(hf, shape, parallel)
     first, last = shards[(0, 0)], shards[(1, 0)]
     assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
@@ -207,22 +189,22 @@ def test_stage_layers(num_layers, parallel, expected):
 
 
 def test_uneven_stages_round_trip():
-    shape, parallel = _shape(num_layers=3), Parallelism(tp_size=2, pp_size=2, layers_per_stage=(1, 2))
-    hf = _random_hf(shape)
+    shape, parallel = layout_shape(num_layers=3), Parallelism(tp_size=2, pp_size=2, layers_per_stage=(1, 2))
+    hf = random_hf(shape)
     back = megatron_to_hf(hf_to_megatron(hf, shape, parallel), shape, parallel)
     assert all(torch.equal(back[n], hf[n]) for n in hf)
 
 
 def test_te_norm_names():
-    shape = _shape(num_layers=1)
-    mg = hf_to_megatron(_random_hf(shape), shape, Parallelism(), norm_style="te")[(0, 0)]
+    shape = layout_shape(num_layers=1)
+    mg = hf_to_megatron(random_hf(shape), shape, Parallelism(), norm_style="te")[(0, 0)]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in mg
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in mg
     assert "decoder.layers.0.input_layernorm.weight" not in mg
 
 
 def test_sources_cover_every_hf_tensor_once_with_byte_ranges():
-    shape, parallel = _shape(num_layers=4), Parallelism(tp_size=2, pp_size=2)
+    shape, parallel = layout_shape(num_layers=4), Parallelism(tp_size=2, pp_size=2)
     shapes = hf_param_shapes(shape)
     for name, pieces in hf_sources(shape, parallel).items():
         covered = 0
@@ -242,7 +224,7 @@ def test_sources_cover_every_hf_tensor_once_with_byte_ranges():
 
 
 def test_replicas_are_not_primary():
-    pieces = conversion_pieces(_shape(tie_word_embeddings=True), Parallelism(tp_size=2, pp_size=2))
+    pieces = conversion_pieces(layout_shape(tie_word_embeddings=True), Parallelism(tp_size=2, pp_size=2))
     norms = [p for p in pieces if p.hf_name == "model.norm.weight"]
     assert [(p.tp_rank, p.primary) for p in norms] == [(0, True), (1, False)]
     tied = [p for p in pieces if p.mg_name == "output_layer.weight"]
@@ -260,15 +242,15 @@ def test_from_hf_config_of_the_tiny_model():
 
 ERRORS = [
     (lambda: ModelShape(2, 16, 4, 3, 4, 24, 32), ValueError, "not divisible by num_query_groups"),
-    (lambda: _shape(num_experts=8), NotImplementedError, "MoE"),
+    (lambda: layout_shape(num_experts=8), NotImplementedError, "MoE"),
     (lambda: ModelShape.from_hf_config({"num_experts": 4}), NotImplementedError, "MoE"),
     (lambda: Parallelism(tp_size=0), ValueError, "tp_size"),
     (lambda: Parallelism(pp_size=2, layers_per_stage=(1,)), ValueError, "layers_per_stage"),
     (lambda: stage_layers(3, Parallelism(pp_size=2), 0), ValueError, "not divisible by pp_size"),
     (lambda: stage_layers(4, Parallelism(pp_size=2), 2), ValueError, "outside"),
-    (lambda: conversion_pieces(_shape(ffn_hidden_size=6), Parallelism(tp_size=4)), ValueError, "ffn_hidden_size"),
-    (lambda: conversion_pieces(_shape(vocab_size=30), Parallelism(tp_size=4)), ValueError, "not divisible by tp"),
-    (lambda: conversion_pieces(_shape(), Parallelism(), norm_style="apex"), ValueError, "norm_style"),
+    (lambda: conversion_pieces(layout_shape(ffn_hidden_size=6), Parallelism(tp_size=4)), ValueError, "ffn_hidden_size"),
+    (lambda: conversion_pieces(layout_shape(vocab_size=30), Parallelism(tp_size=4)), ValueError, "not divisible by tp"),
+    (lambda: conversion_pieces(layout_shape(), Parallelism(), norm_style="apex"), ValueError, "norm_style"),
 ]
 
 
@@ -279,12 +261,12 @@ def test_errors(make, error, message):
 
 
 def test_missing_tensors_are_named():
-    shape = _shape()
-    hf = _random_hf(shape)
+    shape = layout_shape()
+    hf = random_hf(shape)
     del hf["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="up_proj"):
         hf_to_megatron(hf, shape, Parallelism())
-    shards = hf_to_megatron(_random_hf(shape), shape, Parallelism(tp_size=2))
+    shards = hf_to_megatron(random_hf(shape), shape, Parallelism(tp_size=2))
     del shards[(0, 1)]["decoder.layers.0.mlp.linear_fc1.weight"]
     with pytest.raises(ValueError, match=r"tp=1\) lacks decoder.layers.0.mlp.linear_fc1.weight"):
         megatron_to_hf(shards, shape, Parallelism(tp_size=2))
@@ -293,8 +275,8 @@ def test_missing_tensors_are_named():
 
 
 def test_one_rank_only():
-    shape, parallel = _shape(), Parallelism(tp_size=2, pp_size=2)
-    hf = _random_hf(shape)
+    shape, parallel = layout_shape(), Parallelism(tp_size=2, pp_size=2)
+    hf = random_hf(shape)
     mine = hf_to_megatron(hf, shape, parallel, ranks=[(1, 1)])
     assert list(mine) == [(1, 1)]
     full = hf_to_megatron(hf, shape, parallel)
@@ -302,8 +284,8 @@ def test_one_rank_only():
 
 
 def test_megatron_to_hf_into_preallocated_tensors():
-    shape, parallel = _shape(), Parallelism(tp_size=2)
-    hf = _random_hf(shape)
+    shape, parallel = layout_shape(), Parallelism(tp_size=2)
+    hf = random_hf(shape)
     shards = hf_to_megatron(hf, shape, parallel)
     flat = torch.zeros(sum(t.numel() for t in hf.values()))
     out, offset = {}, 0
@@ -321,8 +303,8 @@ def test_megatron_to_hf_into_preallocated_tensors():
 def test_rank_slices_assemble_the_hf_checkpoint(tp, pp):
     from trainer.megatron.convert import rank_slices
 
-    shape, parallel = _shape(), Parallelism(tp_size=tp, pp_size=pp)
-    hf = _random_hf(shape)
+    shape, parallel = layout_shape(), Parallelism(tp_size=tp, pp_size=pp)
+    hf = random_hf(shape)
     shards = hf_to_megatron(hf, shape, parallel)
     rebuilt = {name: torch.full(dims, float("nan")) for name, dims in hf_param_shapes(shape).items()}
     for rank, shard in shards.items():
@@ -370,7 +352,7 @@ def test_qkv_bias_from_hf_config(extra, qkv_bias):
 def test_sources_of_an_inference_tp_shard():
     from trainer.megatron.convert import sources_of_slice
 
-    shape = _shape(num_layers=1)  # 4 q heads of 4 rows, 2 groups
+    shape = layout_shape(num_layers=1)  # 4 q heads of 4 rows, 2 groups
     sources = hf_sources(shape, Parallelism(tp_size=2))
     # an inference rank holding q heads 1..2 (rows 4..12) reads from both trainer TP ranks
     got = [
@@ -390,7 +372,7 @@ def test_sources_of_an_inference_tp_shard():
     with pytest.raises(ValueError, match="outside"):
         sources_of_slice(sources, "model.layers.0.self_attn.k_proj.weight", 0, 4, 9)
     # the pieces really hold those rows
-    hf = _random_hf(shape)
+    hf = random_hf(shape)
     shards = hf_to_megatron(hf, shape, Parallelism(tp_size=2))
     for p in sources_of_slice(sources, "model.layers.0.self_attn.q_proj.weight", 0, 4, 12):
         assert torch.equal(

@@ -28,18 +28,6 @@ def hf_logits(hf_config: dict, state: dict[str, torch.Tensor], ids: torch.Tensor
         return model(ids).logits
 
 
-@pytest.fixture(scope="module")
-def parallel():
-    if torch.distributed.is_initialized():
-        pytest.skip("a default process group is already initialized in this pytest process")
-    mg_model.init_parallel(1)
-    try:
-        yield
-    finally:
-        mg_model.close_parallel()
-        cpu_compat.remove_cpu_redirects()
-
-
 def test_tp1_logits_equal_hf_and_state_converts_back(parallel):
     hf_config, state = tiny_hf()
     config = mg_model.MegatronModelConfig(tp_size=1)

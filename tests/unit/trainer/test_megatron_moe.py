@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.trainer.tiny import layout_shape, random_hf
 from trainer.megatron.convert import (
     ModelShape,
     Parallelism,
@@ -24,24 +25,7 @@ from trainer.megatron.convert import (
 
 
 def _moe_shape(**overrides) -> ModelShape:
-    fields = dict(
-        num_layers=2,
-        hidden_size=16,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=4,
-        ffn_hidden_size=24,
-        vocab_size=32,
-        num_experts=4,
-        moe_ffn_hidden_size=8,
-    )
-    fields.update(overrides)
-    return ModelShape(**fields)
-
-
-def _random_hf(shape: ModelShape, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(dims, generator=gen).to(dtype) for name, dims in hf_param_shapes(shape).items()}
+    return layout_shape(**({"num_experts": 4, "moe_ffn_hidden_size": 8} | overrides))
 
 
 GRID = [(tp, ep, pp) for tp in (1, 2) for ep in (1, 2) for pp in (1, 2)]
@@ -107,7 +91,7 @@ def test_hf_names_and_megatron_names_tp1_ep1():
         "model.layers.0.mlp.experts.1.up_proj.weight",
         "model.layers.0.mlp.experts.1.down_proj.weight",
     ]
-    shard = hf_to_megatron(_random_hf(shape), shape, Parallelism())[(0, 0)]
+    shard = hf_to_megatron(random_hf(shape), shape, Parallelism())[(0, 0)]
     assert {n: tuple(t.shape) for n, t in shard.items() if ".mlp." in n} == {
         "decoder.layers.0.mlp.router.weight": (2, 16),
         "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": (16, 16),
@@ -122,7 +106,7 @@ def test_hf_names_and_megatron_names_tp1_ep1():
 def test_tp2_ep2_shards_labelled():
     """Rank (pp, tp, ep): EP rank 1 holds experts 2, 3 as local 0, 1; fc1 is [gate shard tp ; up shard tp]."""
     shape = _moe_shape(num_layers=1)
-    sd = _random_hf(shape)
+    sd = random_hf(shape)
     for e in range(4):
         for kind, base in (("gate_proj", 0), ("up_proj", 100)):
             rows = torch.arange(8, dtype=torch.float32) + base + 1000 * e
@@ -164,7 +148,7 @@ def test_every_hf_element_is_written_by_exactly_one_rank(tp, ep, pp):
 def test_round_trip_bit_exact(tp, ep, pp, dtype):
     shape = _moe_shape(tie_word_embeddings=(tp + ep + pp) % 2 == 1)
     parallel = Parallelism(tp_size=tp, pp_size=pp, ep_size=ep)
-    sd = _random_hf(shape, dtype, seed=tp * 10 + ep * 3 + pp)
+    sd = random_hf(shape, dtype, seed=tp * 10 + ep * 3 + pp)
     shards = hf_to_megatron(sd, shape, parallel)
     assert set(shards) == set(parallel.ranks())
     back = megatron_to_hf(shards, shape, parallel)
@@ -178,7 +162,7 @@ def test_round_trip_bit_exact(tp, ep, pp, dtype):
 def test_each_rank_writing_its_slices_rebuilds_the_hf_checkpoint(tp, ep, pp):
     shape = _moe_shape()
     parallel = Parallelism(tp_size=tp, pp_size=pp, ep_size=ep)
-    sd = _random_hf(shape, seed=5)
+    sd = random_hf(shape, seed=5)
     shards = hf_to_megatron(sd, shape, parallel)
     out = {n: torch.full_like(t, float("nan")) for n, t in sd.items()}
     for rank in reversed(parallel.ranks()):
@@ -205,7 +189,7 @@ def test_sources_of_an_expert_slice():
 def test_missing_ep_shard_is_named():
     shape = _moe_shape(num_layers=1)
     parallel = Parallelism(ep_size=2)
-    shards = hf_to_megatron(_random_hf(shape), shape, parallel)
+    shards = hf_to_megatron(random_hf(shape), shape, parallel)
     del shards[(0, 0, 1)]
     with pytest.raises(ValueError, match=r"no Megatron shard for rank \(pp=0, tp=0, ep=1\)"):
         megatron_to_hf(shards, shape, parallel)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from demo.tiny_model import TinyModelConfig, random_state_dict
+from trainer.megatron.convert import ModelShape, hf_param_shapes
 
 # The HF trainer tests' model: 2 layers, hidden 64, one head, SwiGLU 128; init std 0.1 (clear logit margins).
 SMALL = TinyModelConfig(
@@ -40,3 +41,23 @@ def tiny_hf(seed: int = 1, num_layers: int = 2) -> tuple[dict, dict[str, torch.T
         if name.endswith(".bias") or name.endswith("norm.weight"):
             state[name] = tensor + 0.1 * torch.randn(tensor.shape, generator=gen)
     return config.hf_config(), state
+
+
+def layout_shape(**overrides) -> ModelShape:
+    """The conversion tests' shape: 2 layers, hidden 16, GQA 4 heads / 2 groups of dim 4, SwiGLU 24, vocab 32."""
+    fields = dict(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=4,
+        ffn_hidden_size=24,
+        vocab_size=32,
+    )
+    return ModelShape(**(fields | overrides))
+
+
+def random_hf(shape: ModelShape, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random HF tensors of every name and shape ``shape`` has."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(dims, generator=gen).to(dtype) for name, dims in hf_param_shapes(shape).items()}
