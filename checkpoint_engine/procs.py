@@ -1,23 +1,30 @@
 """Child processes end with their parent.
 
-Two mechanisms, both needed:
+Three mechanisms:
 - ``exit_on_signals()`` (entry points only): SIGTERM (and SIGINT) raise ``SystemExit`` in the main
   thread, so ``finally`` blocks that stop servers run, as they do for Ctrl-C.
+- ``stop_deadline()`` (entry points only): once such a signal arrived, the process ends within a
+  deadline even if that clean-up hangs (a peer that died mid-call, a thread the interpreter joins
+  at exit); it first writes every thread's stack to stderr, so the hang can be found.
 - ``die_with_parent`` (``preexec_fn`` of ``subprocess.Popen``): the kernel sends the child SIGTERM
   when the thread that started it dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``). Start such
   children from the main thread (or one that lives as long as they should).
 
     parent ──SIGTERM/SIGINT──▶ SystemExit ──▶ finally: child.terminate()
     parent ──SIGKILL──▶ kernel ──SIGTERM──▶ child (its own handler stops its children)
+    signal ──wakeup fd──▶ watchdog thread ──deadline_s later, still alive──▶ stacks, os._exit(128 + signum)
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import faulthandler
 import os
 import signal
 import sys
+import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,3 +48,45 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
 
     for sig in signals:
         signal.signal(sig, handler)
+
+
+FORCED_EXIT_MARKER = "forcing the exit"
+
+
+def stop_deadline(deadline_s: float, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """After the first of ``signals``, end the process within ``deadline_s`` even if clean-up hangs.
+
+    Call from the main thread, after the Python handlers for ``signals`` are installed (the default
+    SIGINT handler counts). The interpreter's C-level handler writes each signal number to a wakeup
+    fd; a daemon thread reads it, so it wakes even while the main thread is stuck inside a C call and
+    cannot run Python handlers. The normal path (``KeyboardInterrupt``/``SystemExit`` unwinding
+    through ``finally``) keeps the whole deadline; the watchdog only acts if the process outlives it.
+    Also registers SIGUSR1 to dump every thread's stack to stderr on demand.
+    """
+    if deadline_s <= 0:
+        raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # the C handler must never block
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    watched = {int(s) for s in signals}
+
+    def watch() -> None:
+        while True:
+            data = os.read(read_fd, 64)
+            hit = [b for b in data if b in watched]
+            if hit:
+                break
+        signum = hit[0]
+        time.sleep(deadline_s)
+        name = signal.Signals(signum).name
+        # os.write, not sys.stderr/logging: the stuck main thread may hold their locks.
+        os.write(
+            2,
+            f"\n{name} received {deadline_s:.0f} s ago and clean-up still runs: {FORCED_EXIT_MARKER}; "
+            "stacks of every thread:\n".encode(),
+        )
+        faulthandler.dump_traceback(file=2, all_threads=True)
+        os._exit(128 + signum)
+
+    threading.Thread(target=watch, name="stop-deadline", daemon=True).start()

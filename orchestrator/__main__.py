@@ -40,7 +40,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--stop-timeout-s",
+        type=float,
+        default=20.0,
+        help="after Ctrl-C or SIGTERM the job ends within this many seconds, even if closing the "
+        "engines hangs (it then prints every thread's stack); the saved state is kept either way",
+    )
+    args = parser.parse_args(argv)
+    if args.stop_timeout_s <= 0:
+        parser.error(f"--stop-timeout-s must be > 0, got {args.stop_timeout_s}")
+    return args
 
 
 def _environment(kv_cache_gib: int, log_level: str) -> None:
@@ -70,14 +80,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level == "INFO":  # one line per update from the checkpoint engine drowns the progress bar
         logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
     _environment(config.engine.kv_cache_gib, args.log_level)
-    # SIGTERM unwinds like Ctrl-C, so the engine is shut down; the reaper covers SIGKILL.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from checkpoint_engine.procs import exit_on_signals, stop_deadline
+
+    # SIGTERM unwinds like Ctrl-C, so the engine is shut down; the reaper covers SIGKILL; the
+    # deadline covers a clean-up that hangs.
+    exit_on_signals((signal.SIGTERM,))
+    stop_deadline(args.stop_timeout_s)
     from orchestrator.loop import run_job
     from orchestrator.reaper import start_reaper, stop_reaper
 
     reaper = start_reaper()
     try:
         summary = run_job(config, args.output_dir, progress_bar=not args.no_progress)
+    except KeyboardInterrupt:
+        print(
+            f"interrupted: the state of the last finished iteration is in {os.path.join(args.output_dir, 'state')}; "
+            "run the same command to resume",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     finally:
         start = time.monotonic()
         stop_reaper(reaper)

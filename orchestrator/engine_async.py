@@ -123,6 +123,7 @@ class AsyncVllmEngine(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         params = SamplingParams(
             temperature=sampling.temperature,
@@ -139,17 +140,24 @@ class AsyncVllmEngine(RolloutEngine):
             params,
             request_id=f"b{batch}-{request.request_id}",
         )
-        async for out in stream:  # a cancelled task aborts its request inside vLLM's generate()
-            completion = out.outputs[0]
-            new = list(completion.token_ids)
-            keep = stopper.push(new, len(tokens))
-            if keep is not None:
-                tokens = (tokens + new)[:keep]
-                finish = "repeat"
-                break
-            tokens += new
-            if out.finished:
-                finish = VLLM_FINISH.get(completion.finish_reason, "abort")
+        try:
+            async for out in stream:  # a cancelled task aborts its request inside vLLM's generate()
+                completion = out.outputs[0]
+                new = list(completion.token_ids)
+                keep = stopper.push(new, len(tokens))
+                if keep is not None:
+                    tokens = (tokens + new)[:keep]
+                    finish = "repeat"
+                    break
+                tokens += new
+                if out.finished:
+                    finish = VLLM_FINISH.get(completion.finish_reason, "abort")
+        except EngineDeadError:
+            # vLLM raises one shared exception object in every open stream, and its traceback grows by
+            # each stream's frames (hundreds of KB for a full batch): raise a fresh, short one instead.
+            raise RuntimeError(
+                "the in-process vLLM engine died (its EngineCore process ended; its own log above says why)"
+            ) from None
         if finish == "repeat":
             await stream.aclose()  # stopped early: abort the request in the engine now
         result = GenResult(request.request_id, tuple(tokens), finish or "abort")

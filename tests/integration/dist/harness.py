@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -62,6 +63,7 @@ class Engine:
     def __init__(self, *flags: str, device: str = "cpu", timeout_s: float = 30.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -76,14 +78,15 @@ class Engine:
                 *flags,
             ],
             env=_env(),
-            stdout=subprocess.PIPE,
+            stdout=self._log,  # a file: an undrained pipe would block the engine once full
             stderr=subprocess.STDOUT,
             text=True,
         )
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited early: {self.proc.stdout.read()}")
+                self._log.seek(0)
+                raise RuntimeError(f"engine exited early: {self._log.read()}")
             try:
                 get_json(self.url + "/health", 1.0)
                 return
@@ -107,6 +110,7 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        self._log.close()
         return self.proc.returncode
 
 

@@ -91,23 +91,19 @@ class _Refs:
             "a": [str(models["A"]), str(self.out["a"]), str(models["B"])],
             "b": [str(models["B"]), str(self.out["b"])],
         }
-        self.procs = {
-            k: subprocess.Popen(
-                [sys.executable, __file__, *a],
-                env=child_env(),
-                cwd=REPO_ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for k, a in args.items()
-        }
+        self.logs = {k: workdir / f"ref_{k}.log" for k in args}
+        self.procs = {}
+        for k, a in args.items():
+            with open(self.logs[k], "w") as log:  # a file: an undrained pipe would block vLLM's logging
+                self.procs[k] = subprocess.Popen(
+                    [sys.executable, __file__, *a], env=child_env(), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT
+                )
 
     def result(self) -> dict:
         res = {}
         for k, p in self.procs.items():
-            text, _ = p.communicate(timeout=STARTUP_TIMEOUT_S)
-            assert p.returncode == 0, f"reference engine {k} failed:\n{text[-4000:]}"
+            p.wait(timeout=STARTUP_TIMEOUT_S)
+            assert p.returncode == 0, f"reference engine {k} failed:\n{self.logs[k].read_text()[-4000:]}"
             res[k] = json.loads(self.out[k].read_text())
         return res
 

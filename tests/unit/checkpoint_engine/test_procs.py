@@ -1,0 +1,106 @@
+"""procs.stop_deadline: a stop signal ends the process within the deadline, whatever its clean-up does."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from checkpoint_engine.procs import FORCED_EXIT_MARKER, stop_deadline
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
+
+PRELUDE = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from checkpoint_engine.procs import exit_on_signals, stop_deadline
+exit_on_signals()  # SIGTERM -> SystemExit, as the entry points do
+stop_deadline({deadline_s})
+print("ready", flush=True)
+"""
+
+SCRIPTS = {
+    # a finally block that never ends (a close() waiting on a dead peer)
+    "python_hang": """
+def hang_in_cleanup():
+    while True:
+        time.sleep(0.05)
+try:
+    time.sleep(60)
+finally:
+    hang_in_cleanup()
+""",
+    # the main thread inside one C call that never returns to the interpreter, so Python-level
+    # signal handlers never run (a mutex locked twice stands in for a stuck collective)
+    "stuck_in_c": """
+import ctypes
+libc = ctypes.CDLL(None)
+mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER, a non-recursive mutex
+libc.pthread_mutex_lock(mutex)
+libc.pthread_mutex_lock(mutex)
+""",
+    # a clean-up that finishes: the watchdog must not interfere
+    "clean": """
+try:
+    time.sleep(60)
+finally:
+    print("cleaned", flush=True)
+""",
+}
+
+
+def _start(script: str, deadline_s: float) -> subprocess.Popen:
+    code = PRELUDE.format(repo=str(REPO), deadline_s=deadline_s) + textwrap.dedent(SCRIPTS[script])
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    time.sleep(0.3)  # into the try block / the C call
+    return proc
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> tuple[int, float, str, str]:
+    start = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode, time.monotonic() - start, out, err
+
+
+@pytest.mark.parametrize(
+    ("script", "sig"),
+    [("python_hang", signal.SIGINT), ("stuck_in_c", signal.SIGINT), ("python_hang", signal.SIGTERM)],
+)
+def test_a_hanging_stop_is_forced_after_the_deadline_with_the_stacks(script, sig):
+    deadline_s = 1.0
+    proc = _start(script, deadline_s)
+    rc, stop_s, _, err = _stop(proc, sig)
+    assert rc == 128 + sig, err
+    assert FORCED_EXIT_MARKER in err, err
+    assert deadline_s <= stop_s < deadline_s + 10, stop_s
+    if script == "python_hang":
+        assert "hang_in_cleanup" in err, err  # the stack shows where the clean-up hung
+
+
+def test_a_clean_stop_is_left_alone():
+    proc = _start("clean", deadline_s=30.0)
+    proc.send_signal(signal.SIGUSR1)  # stacks on demand; the process goes on
+    time.sleep(0.5)
+    assert proc.poll() is None
+    rc, stop_s, out, err = _stop(proc, signal.SIGINT)
+    assert "cleaned" in out
+    assert FORCED_EXIT_MARKER not in err
+    assert "most recent call first" in err, err  # the SIGUSR1 dump
+    assert rc == -signal.SIGINT, err  # the uncaught KeyboardInterrupt, as without the watchdog
+    assert stop_s < 10
+
+
+def test_deadline_must_be_positive():
+    with pytest.raises(ValueError, match="deadline_s"):
+        stop_deadline(0)
