@@ -5,6 +5,9 @@
     status_json(method, url, body) ──▶ (status, decoded answer) for any status (probes, tests);
                                        an unreachable server raises OSError
     post_json(url, body)           ──▶ call_json("POST", ...)
+    post_sse(url, body)            ──▶ the decoded ``data:`` events of a server-sent-event stream, as
+                                       they arrive, up to ``data: [DONE]``; HTTPError before the first
+                                       event, ConnectionError when the stream breaks off
     JsonRequestHandler             ──   server side: reply(status, body), read_json()
 
 URLs are ``http://host:port/path``; ``uds=PATH`` sends the request over a Unix socket instead.
@@ -17,12 +20,13 @@ import json
 import logging
 import socket
 import urllib.parse
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from checkpoint_engine.errors import HTTPError
 
-__all__ = ["HTTPError", "JsonRequestHandler", "call_json", "post_json", "status_json"]
+__all__ = ["HTTPError", "JsonRequestHandler", "call_json", "post_json", "post_sse", "status_json"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +42,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self._uds)
 
 
-def _request(method: str, url: str, body: Any, timeout_s: float, uds: str | None) -> tuple[int, str]:
-    """(status, body text) of one request; OSError (ConnectionError for protocol failures) when it fails."""
+def _connection(url: str, timeout_s: float, uds: str | None) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     if uds:
         conn: http.client.HTTPConnection = _UnixHTTPConnection(uds, timeout_s)
@@ -47,7 +50,12 @@ def _request(method: str, url: str, body: Any, timeout_s: float, uds: str | None
         conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
     else:
         raise ValueError(f"only http:// URLs are supported, got {url!r}")
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return conn, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+
+def _request(method: str, url: str, body: Any, timeout_s: float, uds: str | None) -> tuple[int, str]:
+    """(status, body text) of one request; OSError (ConnectionError for protocol failures) when it fails."""
+    conn, path = _connection(url, timeout_s, uds)
     data = None if body is None else json.dumps(body)
     headers = {} if body is None else {"Content-Type": "application/json"}
     try:
@@ -90,6 +98,42 @@ def call_json(method: str, url: str, body: Any = None, *, timeout_s: float, uds:
 def post_json(url: str, body: Any, *, timeout_s: float, uds: str | None = None) -> Any:
     """POST JSON, return the decoded JSON answer (see `call_json` for the errors)."""
     return call_json("POST", url, body, timeout_s=timeout_s, uds=uds)
+
+
+def post_sse(url: str, body: Any, *, timeout_s: float, uds: str | None = None) -> Iterator[Any]:
+    """POST JSON and yield each decoded ``data:`` event of the server-sent-event answer.
+
+    ``timeout_s`` bounds each socket operation (a stalled stream raises). HTTPError for a status
+    >= 400; ConnectionError when the stream ends before ``data: [DONE]`` or the connection breaks;
+    RuntimeError for an event that is not JSON. Closing the generator early closes the connection
+    (a vLLM server then aborts the request)."""
+    conn, path = _connection(url, timeout_s, uds)
+    try:
+        try:
+            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+        except http.client.HTTPException as e:
+            raise ConnectionError(f"POST {url}: {type(e).__name__}: {e}") from None
+        if resp.status >= 400:
+            raise HTTPError("POST", url, resp.status, resp.read().decode(errors="replace"))
+        while True:
+            try:
+                line = resp.readline()
+            except http.client.HTTPException as e:
+                raise ConnectionError(f"POST {url}: the stream broke off: {type(e).__name__}: {e}") from None
+            if not line:
+                raise ConnectionError(f"POST {url}: the stream ended before its [DONE] event")
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, other fields
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            try:
+                yield json.loads(data)
+            except json.JSONDecodeError:
+                raise RuntimeError(f"POST {url}: an event that is not JSON: {data[:300]!r}") from None
+    finally:
+        conn.close()
 
 
 class JsonRequestHandler(BaseHTTPRequestHandler):

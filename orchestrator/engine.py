@@ -58,6 +58,37 @@ class GenResult:
 ResultCallback = Callable[[GenResult], None]
 
 
+class PartialGeneration(RuntimeError):
+    """A batch broke off mid-generation (its engine died): what each of its requests got so far.
+
+    ``finished``: results of requests that ended before the break; ``partial``: request id -> the
+    tokens generated so far by each of the others (possibly none). A caller that requeues them keeps
+    those tokens (``continuation``) instead of generating them again."""
+
+    def __init__(self, cause: BaseException, finished: Sequence[GenResult], partial: dict[str, tuple[int, ...]]):
+        self.cause, self.finished, self.partial = cause, list(finished), dict(partial)
+        kept = sum(len(t) for t in partial.values())
+        super().__init__(
+            f"{type(cause).__name__}: {cause} ({len(self.finished)} requests finished, {len(partial)} broke off "
+            f"with {kept} tokens)"
+        )
+
+
+def continuation(request: GenRequest, kept: Sequence[int]) -> GenRequest:
+    """``request`` resumed after ``kept`` (tokens it already generated): they join the prompt and the
+    repeat check's history, and count against ``max_tokens`` (at least 1 is left to generate)."""
+    if not kept:
+        return request
+    if len(kept) >= request.max_tokens:
+        raise ValueError(f"request {request.request_id!r}: {len(kept)} kept tokens leave none of max_tokens")
+    return dataclasses.replace(
+        request,
+        prompt_token_ids=(*request.prompt_token_ids, *kept),
+        max_tokens=request.max_tokens - len(kept),
+        earlier_response_ids=(*request.earlier_response_ids, *kept),
+    )
+
+
 def check_requests(requests: Sequence[GenRequest]) -> None:
     """ValueError for duplicate request ids or a request without a prompt or tokens to generate."""
     ids = [r.request_id for r in requests]

@@ -10,8 +10,9 @@
     EnginePool.generate(requests) ── queue ──▶ the serving engine with the fewest requests in flight,
         in batches of up to BATCH_SIZE prompts (one HTTP request); on_result(result) as each batch ends
         a request fails (connection error, 5xx) and the engine no longer answers, or its server
-        exits ──▶ engine down: its in-flight requests go back to the front of the queue (a partial
-        rollout keeps the segments it already has: they are in its prompt), the others keep going
+        exits ──▶ engine down: its in-flight requests go back to the front of the queue, the others
+        keep going; the answers stream, so each request keeps the tokens it already got and goes back
+        as a continuation (those tokens join its prompt; its result carries them again)
     healer thread (pool_members.py): down engine ──▶ what is left of it killed ──▶ the same launcher command on a new
         port ──▶ vLLM healthy (gate closed) ──▶ one update of the CURRENT version into it alone
         ──▶ back in the pool (`engine_recoveries`, `recovery_s`)
@@ -40,7 +41,16 @@ from typing import Any
 from checkpoint_engine.errors import HTTPError
 from checkpoint_engine.types import ReqFunc
 from orchestrator.config import EngineConfig
-from orchestrator.engine import GenCall, GenRequest, GenResult, ResultCallback, RolloutEngine, SamplingSettings
+from orchestrator.engine import (
+    GenCall,
+    GenRequest,
+    GenResult,
+    PartialGeneration,
+    ResultCallback,
+    RolloutEngine,
+    SamplingSettings,
+    continuation,
+)
 from orchestrator.engine_server import BATCH_SIZE, cpu_binds, launch_command, start_servers
 from orchestrator.pool_members import (
     CLOSED,
@@ -86,6 +96,8 @@ class _Call:
     repeat: RepeatConfig | None
     on_result: ResultCallback | None
     deadline: float
+    originals: dict = dataclasses.field(default_factory=dict)  # request id -> the caller's request
+    kept: dict = dataclasses.field(default_factory=dict)  # request id -> tokens kept from broken-off streams
     results: dict = dataclasses.field(default_factory=dict)
     attempts: dict = dataclasses.field(default_factory=dict)
     error: BaseException | None = None
@@ -116,6 +128,7 @@ class EnginePool(PoolMembers, RolloutEngine):
             max_workers=max_inflight_per_engine * len(self.members), thread_name_prefix="pool"
         )
         self.requests_requeued = 0
+        self.tokens_kept_on_requeue = 0
         self.log_dir: pathlib.Path | None = None
         self._start_healer()
 
@@ -137,6 +150,7 @@ class EnginePool(PoolMembers, RolloutEngine):
     def _generate(self, gen: GenCall) -> list[GenResult]:
         requests, timeout_s = gen.requests, gen.timeout_s
         call = _Call(collections.deque(requests), gen.sampling, gen.repeat, gen.on_result, time.monotonic() + timeout_s)
+        call.originals = {r.request_id: r for r in requests}
         with self._generate_lock, self._cond:
             try:
                 while len(call.results) < len(requests):
@@ -191,8 +205,25 @@ class EnginePool(PoolMembers, RolloutEngine):
             remaining = max(1.0, call.deadline - time.monotonic())
             results = engine.generate(batch, call.sampling, repeat=call.repeat, timeout_s=remaining)
         except Exception as e:  # noqa: BLE001 - sorted below: dead engine (requeue) or bad request (fail the call)
-            self._batch_failed(call, member, epoch, batch, e)
+            requeue = self._keep_partial(call, batch, e) if isinstance(e, PartialGeneration) else batch
+            self._batch_failed(call, member, epoch, batch, requeue, e)
             return
+        results, error = self._deliver(call, results)
+        with self._cond:
+            member.outstanding -= len(batch)
+            if error is None:
+                member.num_requests += len(batch)
+            self._cond.notify_all()
+
+    def _deliver(self, call: _Call, results: list[GenResult]) -> tuple[list[GenResult], BaseException | None]:
+        """Finished results: the tokens kept from broken-off streams in front, the caller's callback run,
+        recorded in the call (or the callback's error recorded instead)."""
+        results = [
+            dataclasses.replace(r, token_ids=(*call.kept[r.request_id], *r.token_ids))
+            if r.request_id in call.kept
+            else r
+            for r in results
+        ]
         error = None
         if call.on_result is not None and not call.abandoned:
             try:
@@ -202,15 +233,44 @@ class EnginePool(PoolMembers, RolloutEngine):
             except Exception as e:  # noqa: BLE001 - the caller's own error ends its call
                 error = e
         with self._cond:
-            member.outstanding -= len(batch)
             if error is not None:
                 call.error = call.error or error
             else:
-                member.num_requests += len(batch)
                 call.results.update((r.request_id, r) for r in results)
-            self._cond.notify_all()
+        return results, error
 
-    def _batch_failed(self, call: _Call, member: Member, epoch: int, batch: list[GenRequest], e: Exception) -> None:
+    def _keep_partial(self, call: _Call, batch: list[GenRequest], e: PartialGeneration) -> list[GenRequest]:
+        """A batch broke off: deliver what finished, return the others as continuations of what they got."""
+        finished = {r.request_id for r in e.finished}
+        done = list(e.finished)
+        requeue = []
+        for request in batch:
+            rid = request.request_id
+            if rid in finished:
+                continue
+            new = tuple(e.partial.get(rid, ()))
+            kept = (*call.kept.get(rid, ()), *new)
+            original = call.originals[rid]
+            with self._cond:
+                call.kept[rid] = kept
+                self.tokens_kept_on_requeue += len(new)
+            if len(kept) >= original.max_tokens:  # cut right after its last token: it is complete
+                call.kept[rid] = kept[: original.max_tokens]
+                done.append(GenResult(rid, (), "length"))
+            else:
+                requeue.append(continuation(original, kept))
+        self._deliver(call, done)
+        return requeue
+
+    def _batch_failed(
+        self,
+        call: _Call,
+        member: Member,
+        epoch: int,
+        batch: list[GenRequest],
+        requeue: list[GenRequest],
+        e: Exception,
+    ) -> None:
         rejected = isinstance(e, HTTPError) and e.status < 500  # the engine answered: the request is at fault
         # A failed request on an engine that still answers is retried a few times, then fails the call;
         # an engine that no longer answers (or whose server exited) is down.
@@ -229,11 +289,11 @@ class EnginePool(PoolMembers, RolloutEngine):
                         f"request {first!r} failed {tries} times on engines that still answer: {e}"
                     )
                 else:
-                    call.pending.extendleft(reversed(batch))
-                    self.requests_requeued += len(batch)
+                    call.pending.extendleft(reversed(requeue))
+                    self.requests_requeued += len(requeue)
             else:
-                call.pending.extendleft(reversed(batch))  # front of the queue: older than what waits there
-                self.requests_requeued += len(batch)
+                call.pending.extendleft(reversed(requeue))  # front of the queue: older than what waits there
+                self.requests_requeued += len(requeue)
                 self._mark_down_locked(member, epoch, f"request {first!r} failed: {e}")
             self._cond.notify_all()
 
@@ -258,6 +318,7 @@ class EnginePool(PoolMembers, RolloutEngine):
                 "engine_states": {m.name: m.state for m in self.members},
                 "engine_failures": self.engine_failures,
                 "requests_requeued": self.requests_requeued,
+                "tokens_kept_on_requeue": self.tokens_kept_on_requeue,
                 "engine_recoveries": self.engine_recoveries,
                 "recovery_s": [round(s, 3) for s in self.recovery_s],
             }

@@ -4,10 +4,10 @@ One short run of the demo task (real vLLM servers on CPU, real checkpoint engine
 model from the shared cache) with two engines:
 
     iteration 1: rollouts on both engines; v1 pushed into both (one update each)
-    iteration 2: the vLLM server of engine1 is SIGKILLed while its requests are in flight; they go
-                 back to the queue and engine0 finishes them; the healer restarts engine1 (new port,
-                 no dummy weights served: its gate stays closed), updates it to the current version
-                 and puts it back, while engine0 keeps generating
+    iteration 2: the vLLM server of engine1 is SIGKILLed while its requests stream tokens; they go
+                 back to the queue with the tokens they got and engine0 continues them; the healer
+                 restarts engine1 (new port, no dummy weights served: its gate stays closed), updates
+                 it to the current version and puts it back, while engine0 keeps generating
     end: both engines report the newest checkpoint, hold the same weights (checksum) and answer the
          same greedy tokens for held-out prompts; metrics count one failure and one recovery
 
@@ -82,6 +82,10 @@ def healed_run(tmp_path_factory):
             _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= KILL_IN_ITERATION - 1, 900, "iteration 1")
             member = job.engine.members[1]
             _wait_for(lambda: member.outstanding > 0, 300, "requests in flight on engine1")
+            # ... and streaming: their first tokens arrived (a request's segment is 16 tokens), so they
+            # go back to the queue with tokens to keep
+            streamed = member.engine.tokens_streamed
+            _wait_for(lambda: member.engine.tokens_streamed >= streamed + 8, 300, "tokens streamed from engine1")
             launcher = psutil.Process(member.server.proc.pid)
             server = next(p for p in launcher.children() if "vllm" in " ".join(p.cmdline()))  # vLLM's API server
             killed["tree"] = [server, *server.children(recursive=True)]
@@ -147,6 +151,7 @@ def test_a_killed_engine_is_healed_while_the_other_generates(healed_run):
     assert metrics["engine_failures"] == 1, metrics
     assert metrics["engine_recoveries"] == 1 and 0 < metrics["recovery_s"][0] < 300, metrics
     assert metrics["requests_requeued"] >= 1, metrics
+    assert metrics["tokens_kept_on_requeue"] >= 1, metrics  # partial rollouts kept their tokens
     records = read_jsonl(job.out / "metrics.jsonl")
     killed_in = records[KILL_IN_ITERATION - 1]
     assert killed_in["engine_failures"] == 1 and killed_in["requests_requeued"] >= 1, killed_in

@@ -9,7 +9,7 @@ import pytest
 
 from checkpoint_engine.errors import HTTPError
 from orchestrator.config import EngineConfig
-from orchestrator.engine import GenRequest, GenResult, SamplingSettings
+from orchestrator.engine import GenRequest, GenResult, PartialGeneration, SamplingSettings, continuation
 from orchestrator.engine_pool import EnginePool, Member, cpu_binds, launch_command
 
 SAMPLING = SamplingSettings()
@@ -19,8 +19,18 @@ class ScriptedEngine:
     """Answers each request with one token (its prompt length); ``hold`` keeps requests in flight until
     set; ``kill()`` makes every request in flight and later fail like a dead server."""
 
-    def __init__(self, name: str, *, hold: bool = False, reject: bool = False, fail_alive: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        hold: bool = False,
+        reject: bool = False,
+        fail_alive: bool = False,
+        break_off: tuple[int, ...] | None = None,
+    ) -> None:
         self.name = name
+        self.break_off = break_off  # killed: streams break off after these tokens (the first request finished)
+        self.requests: list[GenRequest] = []
         self.alive = True
         self.reject = reject
         self.fail_alive = fail_alive
@@ -36,6 +46,7 @@ class ScriptedEngine:
     def generate(self, requests, sampling, *, repeat=None, on_result=None, timeout_s=900.0):
         with self.lock:
             self.calls.append([r.request_id for r in requests])
+            self.requests += requests
             self.inflight += len(requests)
             self.max_inflight = max(self.max_inflight, self.inflight)
         try:
@@ -45,6 +56,12 @@ class ScriptedEngine:
                     break
             if self.reject:
                 raise HTTPError("POST", f"http://{self.name}/v1/completions", 400, "prompt too long")
+            if not self.alive and self.break_off is not None:
+                cause = ConnectionError("the stream ended before its [DONE] event")
+                first = self.calls[0][0]
+                finished = [GenResult(r.request_id, (99,), "stop") for r in requests if r.request_id == first]
+                partial = {r.request_id: self.break_off for r in requests if r.request_id != first}
+                raise PartialGeneration(cause, finished, partial)
             if not self.alive:
                 raise RuntimeError(f"POST http://{self.name}/v1/completions failed: ConnectionRefusedError")
             if self.fail_alive:
@@ -168,6 +185,54 @@ def test_a_dead_engines_requests_are_requeued_to_the_others(pools):
     assert metrics["engine_requests"] == {"engine0": 30, "engine1": 0}
     assert metrics["engine_states"]["engine1"] == "down"  # no healer: it stays down
     assert len(fast.served) == 30
+
+
+def test_a_broken_off_batch_keeps_its_tokens_and_continues_on_another_engine(pools):
+    fast, doomed = ScriptedEngine("fast"), ScriptedEngine("doomed", hold=True, break_off=(7, 8))
+    pool = pools([fast, doomed], max_inflight_per_engine=4)
+    requests = {r.request_id: r for r in _requests(30)}
+    called: list = []
+    out: list = []
+    worker = threading.Thread(
+        target=lambda: out.extend(pool.generate(list(requests.values()), SAMPLING, on_result=called.append))
+    )
+    worker.start()
+    _wait(lambda: doomed.inflight == 4)
+    doomed.kill()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    results = {r.request_id: r for r in out}
+    assert sorted(results) == sorted(requests) and sorted(r.request_id for r in called) == sorted(requests)
+    finished, *broken = [ids[0] for ids in doomed.calls]
+    assert results[finished].token_ids == (99,)  # ended before the break: delivered as it was
+    continued = {r.request_id: r for r in fast.requests if r.request_id in broken}
+    for rid in broken:
+        original = requests[rid]
+        assert continued[rid] == continuation(original, (7, 8))  # the kept tokens are in its prompt
+        assert continued[rid].max_tokens == original.max_tokens - 2
+        # the result carries the kept tokens, then what the other engine generated after them
+        assert results[rid].token_ids == (7, 8, len(original.prompt_token_ids) + 2)
+    metrics = pool.metrics()
+    assert metrics["requests_requeued"] == 3 and metrics["tokens_kept_on_requeue"] == 6
+    assert metrics["engine_failures"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kept", "prompt", "max_tokens", "earlier"),
+    [
+        ((), (1, 2), 8, (5,)),  # nothing kept: the request itself
+        ((3,), (1, 2, 3), 7, (5, 3)),
+        ((3, 4, 6), (1, 2, 3, 4, 6), 5, (5, 3, 4, 6)),
+    ],
+)
+def test_continuation(kept, prompt, max_tokens, earlier):
+    request = GenRequest("r", (1, 2), 8, (5,))
+    assert continuation(request, kept) == GenRequest("r", prompt, max_tokens, earlier)
+
+
+def test_continuation_needs_a_token_left():
+    with pytest.raises(ValueError, match="none of max_tokens"):
+        continuation(GenRequest("r", (1,), 2), (3, 4))
 
 
 def test_a_healed_engine_rejoins_and_takes_requests(pools):

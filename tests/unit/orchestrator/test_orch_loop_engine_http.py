@@ -8,15 +8,19 @@ import pytest
 
 from checkpoint_engine.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig
-from orchestrator.engine import GenRequest, SamplingSettings
+from orchestrator.engine import GenRequest, PartialGeneration, SamplingSettings
 from orchestrator.engine_http import HttpVllmEngine
 from orchestrator.repeat import RepeatConfig
 
 
 class FakeVllm(JsonRequestHandler):
-    """Echoes max_tokens tokens: prompt[-1]+1, +2, ...; prompts ending in 7 loop on one token."""
+    """Echoes max_tokens tokens: prompt[-1]+1, +2, ...; prompts ending in 7 loop on one token.
+
+    ``stream``: one SSE event per token and prompt, as vLLM sends them; ``break_after`` tokens per
+    prompt, the connection then closes without ``[DONE]`` (a server that died mid-stream)."""
 
     bodies: list = []
+    break_after: int | None = None
 
     def do_GET(self):
         if self.path == "/v1/models":
@@ -30,16 +34,50 @@ class FakeVllm(JsonRequestHandler):
         if self.path != "/v1/completions" or body["model"] != "tiny" or not body.get("return_token_ids"):
             self.reply(400, {"detail": "bad request"})
             return
-        last = body["prompt"][-1]
-        tokens = [5] * body["max_tokens"] if last == 7 else [last + i + 1 for i in range(body["max_tokens"])]
+        prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        answers = [self._answer(prompt, body["max_tokens"]) for prompt in prompts]
+        if not body.get("stream"):
+            self.reply(
+                200,
+                {
+                    "choices": [
+                        {"index": i, "token_ids": t, "finish_reason": f, "text": ""} for i, (t, f) in enumerate(answers)
+                    ]
+                },
+            )
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for step in range(max(len(t) for t, _ in answers)):
+            if FakeVllm.break_after is not None and step >= FakeVllm.break_after:
+                self.wfile.flush()
+                return  # HTTP/1.0: the connection closes here, before [DONE]
+            for i, (tokens, finish) in enumerate(answers):
+                if step < len(tokens):
+                    last = step == len(tokens) - 1
+                    choice = {
+                        "index": i,
+                        "text": "",
+                        "token_ids": [tokens[step]],
+                        "finish_reason": finish if last else None,
+                    }
+                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    @staticmethod
+    def _answer(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        last = prompt[-1]
+        tokens = [5] * max_tokens if last == 7 else [last + i + 1 for i in range(max_tokens)]
         finish = "length"
         if 50 in tokens:
             tokens, finish = tokens[: tokens.index(50) + 1], "stop"
-        self.reply(200, {"choices": [{"token_ids": tokens, "finish_reason": finish, "text": ""}]})
+        return tokens, finish
 
 
 @pytest.fixture
 def server():
+    FakeVllm.bodies.clear()
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -48,8 +86,11 @@ def server():
     thread.join(timeout=10)
 
 
-def test_http_engine_generates_calls_back_and_cuts_repeats(server):
-    engine = HttpVllmEngine(EngineConfig(type="vllm_http", endpoint=server), max_workers=4)
+@pytest.mark.parametrize(("stream", "batch_size"), [(False, 1), (True, 1), (True, 2)])
+def test_http_engine_generates_calls_back_and_cuts_repeats(server, stream, batch_size):
+    engine = HttpVllmEngine(
+        EngineConfig(type="vllm_http", endpoint=server), max_workers=4, batch_size=batch_size, stream=stream
+    )
     seen = []
     requests = [GenRequest("a", (1, 10), 4), GenRequest("b", (1, 45), 10), GenRequest("c", (1, 7), 40, (5,) * 10)]
     try:
@@ -68,6 +109,34 @@ def test_http_engine_generates_calls_back_and_cuts_repeats(server):
     assert results[2].token_ids == (5,) * 6 and results[2].finish_reason == "repeat"
     assert sorted(r.request_id for r in seen) == ["a", "b", "c"]
     assert {b["temperature"] for b in FakeVllm.bodies} == {0.7}
+    assert {bool(b.get("stream")) for b in FakeVllm.bodies} == {stream}
+
+
+def test_a_stream_that_breaks_off_raises_the_tokens_so_far(server, monkeypatch):
+    monkeypatch.setattr(FakeVllm, "break_after", 3)
+    engine = HttpVllmEngine(EngineConfig(type="vllm_http", endpoint=server), max_workers=2, batch_size=2, stream=True)
+    requests = [GenRequest("a", (1, 10), 8), GenRequest("b", (1, 48), 8)]  # b stops at token 50, a is cut
+    try:
+        with pytest.raises(PartialGeneration) as info:
+            engine.generate(requests, SamplingSettings())
+    finally:
+        engine.close()
+    assert info.value.partial == {"a": (11, 12, 13)}
+    assert [(r.request_id, r.token_ids, r.finish_reason) for r in info.value.finished] == [("b", (49, 50), "stop")]
+    assert isinstance(info.value.cause, ConnectionError)
+
+
+def test_a_stream_answered_with_an_http_error_raises_it(server):
+    from checkpoint_engine.errors import HTTPError
+
+    engine = HttpVllmEngine(EngineConfig(type="vllm_http", endpoint=server), stream=True)
+    engine.model_name = "not-tiny"  # the fake answers 400
+    try:
+        with pytest.raises(HTTPError) as info:
+            engine.generate([GenRequest("a", (1, 10), 4)], SamplingSettings())
+    finally:
+        engine.close()
+    assert info.value.status == 400
 
 
 def test_http_engine_reports_a_server_that_is_not_vllm(server):
