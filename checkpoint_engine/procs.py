@@ -53,6 +53,13 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
 FORCED_EXIT_MARKER = "forcing the exit"
 
 
+def _detach_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from a thread other than the main one: nothing was inherited there
+        pass
+
+
 def stop_deadline(deadline_s: float, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
     """After the first of ``signals``, end the process within ``deadline_s`` even if clean-up hangs.
 
@@ -69,6 +76,9 @@ def stop_deadline(deadline_s: float, signals: tuple[int, ...] = (signal.SIGINT, 
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)  # the C handler must never block
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # A forked child (multiprocessing's "fork", as vLLM and torch use it) inherits the wakeup fd but not
+    # the watchdog: a signal to the child would reach this process's watchdog. Detach it there.
+    os.register_at_fork(after_in_child=_detach_wakeup_fd)
     watched = {int(s) for s in signals}
 
     def watch() -> None:

@@ -43,6 +43,20 @@ mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER, a 
 libc.pthread_mutex_lock(mutex)
 libc.pthread_mutex_lock(mutex)
 """,
+    # a forked child that gets SIGTERM: the parent's watchdog must not see that signal
+    "forked_child_stopped": """
+import multiprocessing, signal
+def child():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    time.sleep(30)
+p = multiprocessing.get_context("fork").Process(target=child)
+p.start()
+time.sleep(0.3)
+p.terminate()
+p.join(10)
+time.sleep(2.0)  # twice the deadline
+print("survived", flush=True)
+""",
     # a clean-up that finishes: the watchdog must not interfere
     "clean": """
 try:
@@ -99,6 +113,13 @@ def test_a_clean_stop_is_left_alone():
     assert "most recent call first" in err, err  # the SIGUSR1 dump
     assert rc == -signal.SIGINT, err  # the uncaught KeyboardInterrupt, as without the watchdog
     assert stop_s < 10
+
+
+def test_a_signal_to_a_forked_child_does_not_trip_the_parent():
+    proc = _start("forked_child_stopped", deadline_s=1.0)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "survived" in out, err
+    assert FORCED_EXIT_MARKER not in err
 
 
 def test_deadline_must_be_positive():
