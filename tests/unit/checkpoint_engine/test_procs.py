@@ -15,7 +15,8 @@ from checkpoint_engine.procs import FORCED_EXIT_MARKER, stop_deadline
 REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 
 PRELUDE = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, even if the runner ignores SIGINT
 sys.path.insert(0, {repo!r})
 from checkpoint_engine.procs import exit_on_signals, stop_deadline
 exit_on_signals()  # SIGTERM -> SystemExit, as the entry points do
