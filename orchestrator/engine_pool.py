@@ -249,13 +249,12 @@ class EnginePool(PoolMembers, RolloutEngine):
             if rid in finished:
                 continue
             new = tuple(e.partial.get(rid, ()))
-            kept = (*call.kept.get(rid, ()), *new)
             original = call.originals[rid]
+            kept = (*call.kept.get(rid, ()), *new)[: original.max_tokens]
             with self._cond:
                 call.kept[rid] = kept
                 self.tokens_kept_on_requeue += len(new)
-            if len(kept) >= original.max_tokens:  # cut right after its last token: it is complete
-                call.kept[rid] = kept[: original.max_tokens]
+            if len(kept) == original.max_tokens:  # cut right after its last token: it is complete
                 done.append(GenResult(rid, (), "length"))
             else:
                 requeue.append(continuation(original, kept))
