@@ -64,8 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-health-path", default="/health", help="GET path answering 200 once an engine is up")
     p.add_argument("--engine-start-timeout-s", type=float, default=300.0, help="engine start -> healthy deadline")
     p.add_argument("--engine-log-dir", default=None, help="engine logs (default: a temporary folder per rank)")
+    p.add_argument(
+        "--stop-timeout-s",
+        type=float,
+        default=20.0,
+        help="SIGTERM/SIGINT -> exit deadline (engines stopped, other ranks told); past it a rank writes its "
+        "threads' stacks to stderr and exits 128+signal (default 20, under torchrun's 30 s before SIGKILL)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if args.stop_timeout_s <= 0:
+        p.error(f"--stop-timeout-s must be > 0, got {args.stop_timeout_s}")
     if args.engine_cmd is not None:
         from checkpoint_engine.engines import EngineConfig, parse_engine_cmd
 
@@ -145,9 +154,16 @@ def main(argv=None) -> int:
                 store=dist.PrefixStore("ckpt-engines-agree/", store.clone()),
             )
         if rank == 0:
-            asyncio.run(serve_http(Driver(ps, relay, host, board), args.host, args.port, args.uds))
+            asyncio.run(serve_http(Driver(ps, relay, host, board), args.host, args.port, args.uds, args.stop_timeout_s))
         else:
-            serve_rank(ps, relay, threading.Event(), host)
+            from checkpoint_engine.procs import exit_on_signals, stop_deadline
+
+            exit_on_signals()  # SIGTERM unwinds through `finally`: this rank's engine is stopped
+            stop_deadline(args.stop_timeout_s)
+            try:
+                serve_rank(ps, relay, threading.Event(), host)
+            finally:
+                relay.leave()
         logging.getLogger(__name__).info("rank %d: exiting", rank)
     finally:
         if host is not None:

@@ -86,8 +86,17 @@ def _clear_stale_socket(path: str) -> None:
     raise RuntimeError(f"--uds {path}: another server is listening there")
 
 
-async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> None:
+STOP_TIMEOUT_S = 20.0  # SIGTERM -> exit, engines stopped included (under torchrun's 30 s before SIGKILL)
+
+
+async def serve_http(
+    driver: Driver, host: str, port: int, uds: str | None, stop_timeout_s: float = STOP_TIMEOUT_S
+) -> None:
+    """Rank 0's HTTP server until SIGTERM/SIGINT; the shutdown (engines stopped, the other ranks told to
+    exit) then has `stop_timeout_s`, after which the process dumps its stacks and exits 128 + signum."""
     from aiohttp import web
+
+    from checkpoint_engine.procs import force_exit_after
 
     stop = asyncio.Event()
     runner = web.AppRunner(make_app(driver, stop))
@@ -102,8 +111,13 @@ async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> N
     loop = asyncio.get_running_loop()
     import signal
 
+    def on_signal(signum: int) -> None:
+        if not stop.is_set():
+            force_exit_after(stop_timeout_s, signum)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     healer = None
     if driver.host is not None and driver.host.config.auto_heal:
         cfg = driver.host.config
@@ -116,7 +130,8 @@ async def serve_http(driver: Driver, host: str, port: int, uds: str | None) -> N
             healer.stop()  # no new heals; one in progress finishes first (bounded by its own deadlines)
         # exit stops every engine; then the healer thread ends (a rank-0 engine it restarted has
         # PR_SET_PDEATHSIG on that thread: stopping it first keeps that engine from dying unasked)
-        await loop.run_in_executor(None, driver.run, {"op": "exit"})
+        # half the stop deadline: a rank that a signal already ended (torchrun signals every rank) never answers
+        await loop.run_in_executor(None, driver.run, {"op": "exit"}, stop_timeout_s / 2)
         if healer is not None:
             await loop.run_in_executor(None, healer.close, driver.host.config.start_timeout_s)
         if uds:

@@ -197,13 +197,14 @@ class Driver:
 
     ENGINE_OPS = ("engine_start", "engine_stop")
 
-    def run(self, cmd: dict) -> dict:
+    def run(self, cmd: dict, result_timeout_s: float | None = None) -> dict:
+        """Run `cmd` on every rank; ranks silent for `result_timeout_s` (default: the relay's) fail it."""
         with self.lock:
             op_key = self._begin_engine_op(cmd)
             self.relay.publish(cmd)
             mine = run_command(self.ps, cmd, self.host)
             self.relay.put_result(mine)
-            results = self.relay.gather_results()
+            results = self.relay.gather_results(result_timeout_s)
             self.relay.done()
             ok = all(r.get("ok") for r in results)
             if op_key is not None:

@@ -13,6 +13,7 @@ Three mechanisms:
     parent ──SIGTERM/SIGINT──▶ SystemExit ──▶ finally: child.terminate()
     parent ──SIGKILL──▶ kernel ──SIGTERM──▶ child (its own handler stops its children)
     signal ──wakeup fd──▶ watchdog thread ──deadline_s later, still alive──▶ stacks, os._exit(128 + signum)
+    signal ──asyncio handler──▶ force_exit_after(deadline_s, signum) ──same ending──
 """
 
 from __future__ import annotations
@@ -87,16 +88,29 @@ def stop_deadline(deadline_s: float, signals: tuple[int, ...] = (signal.SIGINT, 
             hit = [b for b in data if b in watched]
             if hit:
                 break
-        signum = hit[0]
-        time.sleep(deadline_s)
-        name = signal.Signals(signum).name
-        # os.write, not sys.stderr/logging: the stuck main thread may hold their locks.
-        os.write(
-            2,
-            f"\n{name} received {deadline_s:.0f} s ago and clean-up still runs: {FORCED_EXIT_MARKER}; "
-            "stacks of every thread:\n".encode(),
-        )
-        faulthandler.dump_traceback(file=2, all_threads=True)
-        os._exit(128 + signum)
+        _exit_after(deadline_s, hit[0])
 
     threading.Thread(target=watch, name="stop-deadline", daemon=True).start()
+
+
+def force_exit_after(deadline_s: float, signum: int) -> None:
+    """Arm the stop deadline now, from a handler that ``signum`` already ran (an asyncio loop's signal
+    handler: the loop owns the wakeup fd, so ``stop_deadline`` cannot watch it). Same ending: if the
+    process is still alive ``deadline_s`` later, every thread's stack goes to stderr and it exits
+    ``128 + signum``."""
+    if deadline_s <= 0:
+        raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    threading.Thread(target=_exit_after, args=(deadline_s, int(signum)), name="stop-deadline", daemon=True).start()
+
+
+def _exit_after(deadline_s: float, signum: int) -> None:
+    time.sleep(deadline_s)
+    name = signal.Signals(signum).name
+    # os.write, not sys.stderr/logging: the stuck main thread may hold their locks.
+    os.write(
+        2,
+        f"\n{name} received {deadline_s:.0f} s ago and clean-up still runs: {FORCED_EXIT_MARKER}; "
+        "stacks of every thread:\n".encode(),
+    )
+    faulthandler.dump_traceback(file=2, all_threads=True)
+    os._exit(128 + signum)

@@ -249,3 +249,26 @@ def test_engine_operations_queue_and_get_engines_answers_during_an_update(tmp_pa
         shutdown(daemon)
     finally:
         daemon.stop()
+
+
+def test_sigterm_to_torchrun_stops_every_rank_and_engine_within_the_deadline(tmp_path):
+    """torchrun forwards SIGTERM to every rank at once: rank 0 must not wait for rank 1's answer to
+    its exit command (rank 1 has left), each rank stops its engine, and all of it ends well inside
+    torchrun's 30 s before SIGKILL."""
+    daemon = start_daemon(tmp_path, "--stop-timeout-s", "20")
+    try:
+        code, res = call("POST", daemon.url + "/engines/start", {})
+        assert code == 200 and res["ok"], res
+        pids = [e["pid"] for e in engines(daemon.url)]
+        assert all(isinstance(p, int) and alive(p) for p in pids), pids
+        t0 = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.proc.wait(30)
+        stop_s = time.monotonic() - t0
+        log = daemon.log.read_text(errors="replace")
+        assert stop_s < 15, (stop_s, log[-4000:])
+        assert "forcefully exiting via 9" not in log and "forcing the exit" not in log, log[-4000:]
+        assert "rank 0: exiting" in log, log[-4000:]
+        wait_for(lambda: not any(alive(p) for p in pids), "the engines end with their ranks", timeout_s=10)
+    finally:
+        daemon.stop()

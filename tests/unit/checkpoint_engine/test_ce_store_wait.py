@@ -61,3 +61,24 @@ def test_relay_names_the_ranks_that_did_not_answer(store, capfd):
     relays[2].done()
     assert relays[2].next_command(stop) is None  # stopped: no wait
     assert "waitForInput" not in capfd.readouterr().err
+
+
+def test_relay_stops_waiting_for_a_rank_that_left(store):
+    relays = [Relay(store, r, 3, result_timeout_s=30.0) for r in range(3)]
+    relays[0].publish({"op": "exit"})
+    relays[0].put_result({"ok": True, "result": {}})
+    relays[1].put_result({"ok": True, "result": {}})
+    relays[2].leave()  # a signal ended rank 2 before it ran the command
+    t0 = time.monotonic()
+    results = relays[0].gather_results()
+    assert time.monotonic() - t0 < 2  # not the relay's 30 s
+    assert results == [{"ok": True, "result": {}}] * 2 + [{"ok": False, "error": "rank 2 has exited"}]
+    # a silent rank still costs the (per-call) deadline, and is named as such
+    relays[0].done()
+    relays[0].publish({"op": "inspect"})
+    relays[0].put_result({"ok": True, "result": {}})
+    t0 = time.monotonic()
+    results = relays[0].gather_results(timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2
+    assert results[1] == {"ok": False, "error": "rank 1 did not answer within 0 s"}
+    assert results[2] == {"ok": False, "error": "rank 2 has exited"}

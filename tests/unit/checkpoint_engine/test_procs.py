@@ -1,4 +1,5 @@
-"""procs.stop_deadline: a stop signal ends the process within the deadline, whatever its clean-up does."""
+"""procs.stop_deadline and force_exit_after: a stop signal ends the process within the deadline, whatever its
+clean-up does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from checkpoint_engine.procs import FORCED_EXIT_MARKER, stop_deadline
+from checkpoint_engine.procs import FORCED_EXIT_MARKER, force_exit_after, stop_deadline
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 
@@ -126,3 +127,46 @@ def test_a_signal_to_a_forked_child_does_not_trip_the_parent():
 def test_deadline_must_be_positive():
     with pytest.raises(ValueError, match="deadline_s"):
         stop_deadline(0)
+    with pytest.raises(ValueError, match="deadline_s"):
+        force_exit_after(-1.0, signal.SIGTERM)
+
+
+ASYNCIO_HANG = """
+import asyncio, signal, sys, time
+sys.path.insert(0, {repo!r})
+from checkpoint_engine.procs import force_exit_after
+
+async def main():
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    def on_signal(signum):
+        force_exit_after({deadline_s}, signum)
+        stop.set()
+    loop.add_signal_handler(signal.SIGTERM, on_signal, signal.SIGTERM)
+    print("ready", flush=True)
+    await stop.wait()
+    time.sleep(60)  # a shutdown that blocks the loop (an engine that never stops)
+
+asyncio.run(main())
+"""
+
+
+def test_an_asyncio_server_stuck_in_its_shutdown_exits_at_the_deadline():
+    """The daemon's shape: the loop owns the wakeup fd; its signal handler arms the deadline."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ASYNCIO_HANG.format(repo=str(REPO), deadline_s=1.0)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        stop_s = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert FORCED_EXIT_MARKER in err and "SIGTERM" in err, err
+    assert 1.0 <= stop_s < 10, stop_s
