@@ -6,6 +6,8 @@ Three mechanisms:
 - ``stop_deadline()`` (entry points only): once such a signal arrived, the process ends within a
   deadline even if that clean-up hangs (a peer that died mid-call, a thread the interpreter joins
   at exit); it first writes every thread's stack to stderr, so the hang can be found.
+  ``force_exit_after()`` arms the same deadline from a signal handler that already ran (an asyncio
+  loop's, which owns the wakeup fd ``stop_deadline`` would read).
 - ``die_with_parent`` (``preexec_fn`` of ``subprocess.Popen``): the kernel sends the child SIGTERM
   when the thread that started it dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``). Start such
   children from the main thread (or one that lives as long as they should).
