@@ -10,6 +10,7 @@ correct chain of thought, a lower bound of the model's sampled accuracy on the t
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 from collections.abc import Sequence
@@ -42,3 +43,16 @@ def mean_solution_probability(model_dir: str | pathlib.Path, problems: Sequence)
         rows = logp[i, len(prompt) - 1 : len(prompt) - 1 + len(response)]
         total += math.exp(rows.gather(1, torch.tensor(response)[:, None]).sum().item())
     return total / len(problems)
+
+
+def run_solution_probabilities(run_dir: str | pathlib.Path, start_model_dir: str | pathlib.Path) -> tuple[float, float]:
+    """(before, after): `mean_solution_probability` of the model the RL run in `run_dir` started from and
+    of its last saved model, on the run's held-out problems (rebuilt from its config.json)."""
+    from orchestrator.config import DataConfig
+    from orchestrator.data import heldout_set
+
+    run_dir = pathlib.Path(run_dir)
+    heldout = heldout_set(DataConfig(**json.loads((run_dir / "config.json").read_text())["data"]))
+    saved = sorted((run_dir / "state").glob("*/model"))
+    assert saved, f"no saved model under {run_dir / 'state'}"
+    return mean_solution_probability(start_model_dir, heldout), mean_solution_probability(saved[-1], heldout)

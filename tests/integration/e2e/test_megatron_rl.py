@@ -118,15 +118,10 @@ def test_megatron_rl_run_trains_syncs_and_reports(megatron_run):
 @pytest.mark.e2e
 @pytest.mark.vllm
 def test_megatron_rl_run_raises_heldout_accuracy(megatron_run):
-    from orchestrator.config import DataConfig
-    from orchestrator.data import heldout_set
-    from tests.integration.e2e.learning import mean_solution_probability
+    from tests.integration.e2e.learning import run_solution_probabilities
 
     summary, out, sft_dir, _ = megatron_run
-    data = DataConfig(**json.loads((out / "config.json").read_text())["data"])
-    heldout = heldout_set(data)
-    saved = sorted((out / "state").glob("*/model"))[-1]
-    before, after = mean_solution_probability(sft_dir, heldout), mean_solution_probability(saved, heldout)
+    before, after = run_solution_probabilities(out, sft_dir)
     gain = summary["heldout_gain_points"]
     print(
         f"megatron RL: held-out P(reference solution) {before:.4f} -> {after:.4f} (x{after / before:.2f}); greedy "

@@ -164,15 +164,11 @@ def test_short_rl_run_syncs_real_weights_and_reports(short_run):
 @pytest.mark.e2e
 @pytest.mark.vllm
 def test_short_rl_run_raises_heldout_accuracy(short_run, sft_model_dir):
-    from orchestrator.config import DataConfig
-    from orchestrator.data import heldout_set
-    from tests.integration.e2e.learning import mean_solution_probability
+    from tests.integration.e2e.learning import run_solution_probabilities
 
     summary, out = short_run
     records = read_jsonl(out / "metrics.jsonl")
-    heldout = heldout_set(DataConfig(**json.loads((out / "config.json").read_text())["data"]))
-    saved = sorted((out / "state").glob("*/model"))[-1]
-    before, after = mean_solution_probability(sft_model_dir, heldout), mean_solution_probability(saved, heldout)
+    before, after = run_solution_probabilities(out, sft_model_dir)
     gain = 100 * (summary["heldout_accuracy_after"] - summary["heldout_accuracy_before"])
     print(f"RL: held-out P(reference solution) {before:.4f} -> {after:.4f}; greedy {gain:+.1f} points")
     assert after >= SOLUTION_PROB_MIN_RATIO * before, (before, after)
