@@ -58,8 +58,9 @@ GAIN_RUN = [
 # must not fall by more than GREEDY_MAX_DROP_POINTS. Greedy accuracy alone moves too little in 8
 # iterations for a bar: at lr 5e-5, +2..+9 points in 9 runs (+2.0 in one fresh-clone run); at 8e-5
 # from the float32 SFT model (AVX2 cap, 2026-11-25; seeds 0-2) +1.6, +5.9, +9.0, while P(solution)
-# rose in each run, 0.043 -> 0.060, 0.070, 0.071 (x1.42, x1.64, x1.66).
-SOLUTION_PROB_MIN_RATIO = 1.10
+# rose in each run, 0.043 -> 0.060, 0.070, 0.071 (x1.42, x1.64, x1.66). The bar is set below the
+# Megatron test's worst 5-iteration run (x1.085).
+SOLUTION_PROB_MIN_RATIO = 1.05
 GREEDY_MAX_DROP_POINTS = 3.0
 RESUME_ITERATIONS = 4
 RESUME_RUN = [
