@@ -86,12 +86,7 @@ def _clear_stale_socket(path: str) -> None:
     raise RuntimeError(f"--uds {path}: another server is listening there")
 
 
-STOP_TIMEOUT_S = 20.0  # SIGTERM -> exit, engines stopped included (under torchrun's 30 s before SIGKILL)
-
-
-async def serve_http(
-    driver: Driver, host: str, port: int, uds: str | None, stop_timeout_s: float = STOP_TIMEOUT_S
-) -> None:
+async def serve_http(driver: Driver, host: str, port: int, uds: str | None, stop_timeout_s: float) -> None:
     """Rank 0's HTTP server until SIGTERM/SIGINT; the shutdown (engines stopped, the other ranks told to
     exit) then has `stop_timeout_s`, after which the process dumps its stacks and exits 128 + signum."""
     from aiohttp import web
