@@ -1,34 +1,44 @@
 """The daemon topology on real vLLM engines: colocated switch times, heal time, N=1 vs N=2 rollouts.
 
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 64] [--max-tokens 64]
-        [--model-size-mib 0] [--heal-mode p2p|local] [--pin-healed-engine] [--raw-repeats 20]
+        [--model-size-mib 0] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
+        [--raw-repeats 20]
         [--a-rounds 3] [--work-dir DIR] [--keep]
 
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
-each rank managing one `python -m vllm_ext.launch --no-initial-push` server bound to its share of
+each rank managing one `python -m vllm_ext.launch` server bound to its share of
 the CPUs (VLLM_CPU_OMP_THREADS_BIND from a file the engine command reads at each start), on the
 demo's tiny model shape (random weights; `--model-size-mib N` for a bigger one). The versions go
-through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does:
+through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. Every engine start
+(cold, colocated, heal) is one of two kinds (--engine-start):
+  load   (default) `--load-rendezvous {rendezvous}`: vLLM's load step receives the version from the
+         rank's PS (the daemon waits for the load step, updates through it, then for /health); vLLM
+         packs the weights once, during its start
+  dummy  `--no-initial-push`: vLLM starts on dummy weights; once /version answers the daemon pushes
+         the version into the running engine, which packs them again
 
-  cold start      start_daemon_pool: both engines start (dummy weights), v0 pushed, pool built
+  cold start      start_daemon_pool: both engines start with v0, pool built
   (c) N=2         pool.generate over the prompts (one untimed warm-up round)   -> tokens_per_s_n2
   (a) colocated   --iterations times: rollout (pool.generate) -> before_train (POST /engines/stop)
                   -> train (AdamW steps of the HF model on the rollout's tokens) -> push(v+1)
-                  (files, POST /checkpoints, POST /engines/start: dummy start + update, pool takes
+                  (files, POST /checkpoints, POST /engines/start: start + update, pool takes
                   the new URLs) -> switch_to_train_s, switch_to_inference_s and their share of the
                   iteration
   (b) heal        engine A (rank 0) alone: --a-rounds rounds of the prompts -> a_before tokens/s.
                   Then SIGKILL rank 1's engine (B) while A keeps generating back to back; the daemon
-                  notices, restarts B with dummy weights (with --pin-healed-engine the whole restarted
+                  notices, restarts B (with --pin-healed-engine the whole restarted
                   process tree under `taskset` on B's core) and pulls the current version from the
                   ranks' registered memory (update ranks=[1]): with --heal-mode p2p (default: the daemon
                   runs with --p2p-host 127.0.0.1 --mode collective, so a pull goes through Mooncake's
                   transfer engine over TCP; the colocated starts then broadcast over gloo) or local (the
                   restarted engine maps the owners' memfd chunks, nothing moves).
                   From GET /engines (polled every 50 ms: each state's `since`) and the daemon's
-                  per-update metrics: detect_s, dummy_start_s (reported apart), heal_pull_s (the
-                  update's total_s on the receiving rank) with its phases, the engine's own report of
-                  the reload (transfer_s, reload_tail_s), and side by side in the same run:
+                  per-update metrics: detect_s, the engine's start without the pull (reported apart:
+                  start_s = start_before_pull_s, process start until the load step or, dummy, until
+                  healthy; + start_after_pull_s, load: vLLM packs, compiles, allocates its cache and
+                  opens the gate), heal_pull_s (the update's total_s on the receiving rank) with its
+                  phases, the engine's own report of the update (transfer_s, reload_tail_s), and side
+                  by side in the same run:
                     raw_read_s   the same bytes (the buckets of the owners other than rank 1, rank 1
                                  reads its own in place), the same bucket plan and owners, read by a
                                  Mooncake transfer engine in this process (checkpoint_engine.p2p) bucket by
@@ -73,10 +83,10 @@ POLL_S = 0.05
 # The engine command: the rank's CPU binding is read from <work>/bind-r<rank> at each start, so the
 # N=1 run can give one engine every CPU without a second daemon.
 ENGINE_SCRIPT = """#!/bin/sh
-work="$1"; port="$2"; rank="$3"; pin=""
+work="$1"; port="$2"; rank="$3"; rendezvous="$4"; pin=""
 [ -s "$work/taskset-r$rank" ] && pin="taskset -c $(cat "$work/taskset-r$rank")"
 VLLM_CPU_OMP_THREADS_BIND="$(cat "$work/bind-r$rank")" exec $pin "{python}" -m vllm_ext.launch \\
-  --model "{model}" --host 127.0.0.1 --port "$port" --no-initial-push --startup-timeout-s "{timeout}" -- \\
+  --model "{model}" --host 127.0.0.1 --port "$port" {start_flags} --startup-timeout-s "{timeout}" -- \\
   --dtype float32 --max-model-len {max_model_len} --max-num-seqs 256 --block-size 32 \\
   --enable-prefix-caching --seed 0 --disable-log-stats
 """
@@ -90,6 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=4, help="AdamW steps per colocated iteration")
     p.add_argument("--model-size-mib", type=int, default=0, help="0: the demo's tiny shape (16 MiB float32)")
     p.add_argument("--heal-mode", choices=["p2p", "local"], default="p2p", help="how the healed engine pulls")
+    p.add_argument(
+        "--engine-start",
+        choices=["load", "dummy"],
+        default="load",
+        help="load: weights through vLLM's load step; dummy: dummy weights, push once healthy",
+    )
     p.add_argument(
         "--pin-healed-engine",
         action=argparse.BooleanOptionalAction,
@@ -114,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- the daemon ----------------------------------------------------------------------------------------
 def start_daemon(
-    work: pathlib.Path, model: pathlib.Path, start_timeout_s: float, heal_mode: str = "local"
+    work: pathlib.Path, model: pathlib.Path, start_timeout_s: float, heal_mode: str = "local", engine_start="load"
 ) -> tuple[subprocess.Popen, str]:
     from checkpoint_engine.engines import free_port
     from checkpoint_engine.httpjson import status_json
@@ -125,15 +141,18 @@ def start_daemon(
         .replace("{model}", str(model))
         .replace("{timeout}", str(start_timeout_s))
         .replace("{max_model_len}", "256")
+        .replace("{start_flags}", '--load-rendezvous "$rendezvous"' if engine_start == "load" else "--no-initial-push")
     )
     port = free_port()
+    rendezvous, health = (["{rendezvous}"], "/health") if engine_start == "load" else ([], "/version")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())),
         *("-m", "checkpoint_engine", "--port", str(port), "--collective-timeout-s", "900"),
-        *("--engine-cmd", json.dumps(["sh", str(script), str(work), "{port}", "{rank}"])),
-        *("--engine-health-path", "/version", "--engine-start-timeout-s", str(start_timeout_s)),
+        *("--engine-cmd", json.dumps(["sh", str(script), str(work), "{port}", "{rank}", *rendezvous])),
+        # dummy: vLLM's own /version (the gate's /health opens only after the push); load: the gate's
+        *("--engine-health-path", health, "--engine-start-timeout-s", str(start_timeout_s)),
         *("--engine-log-dir", str(work), "--metrics-jsonl", str(work / "updates.jsonl")),
     ]
     if heal_mode == "p2p":  # a pull (ranks=[...]) with mode collective and Mooncake goes P2P, even on one host
@@ -384,21 +403,22 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
     ]
     pull = pulls[-1]  # the heal's update on the receiving rank
     failed_at = (record.get("last_failure") or {}).get("at", since.get("failed"))
-    pull_wall = since["serving"] - since["updating"] if "updating" in since else None
-    # process start -> healthy and agreed; when the poll missed `updating` (a pull shorter than a poll),
-    # the start is what is left of starting -> serving after the pull
-    dummy = (since["updating"] - since["starting"]) if "updating" in since else None
-    if dummy is None:
-        dummy = since["serving"] - since["starting"] - pull["total_s"]
+    # starting -> updating: process start until the load step (load) or until healthy (dummy);
+    # updating -> serving: the pull, then (load) vLLM's packing, compile, cache and gate. When the poll
+    # missed `updating` (a dummy start's pull shorter than a poll), all of the rest is before the pull.
+    start_s = since["serving"] - since["starting"] - pull["total_s"]
+    before = (since["updating"] - since["starting"]) if "updating" in since else start_s
+    after = start_s - before
     return {
         "checkpoint": current,
         "url": record["url"],
         "killed_at": killed_at,
         "serving_at": since["serving"],
         "detect_s": round(failed_at - killed_at, 3),
-        "dummy_start_s": round(dummy, 3),
+        "start_s": round(start_s, 3),
+        "start_before_pull_s": round(before, 3),
+        "start_after_pull_s": round(after, 3),
         "heal_pull_s": round(pull["total_s"], 4),
-        "heal_pull_wall_s": round(pull_wall, 3) if pull_wall is not None else None,
         "heal_pull_bytes": pull["total_bytes"],
         "heal_pull_mode": pull["mode"],
         "heal_pull_buckets": pull["num_buckets"],
@@ -467,9 +487,10 @@ def main(argv=None) -> dict:
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "heal_mode": args.heal_mode,
+        "engine_start": args.engine_start,
         "healed_engine_pinned": args.pin_healed_engine,
     }
-    daemon, base = start_daemon(work, handoff / "model", args.start_timeout_s, args.heal_mode)
+    daemon, base = start_daemon(work, handoff / "model", args.start_timeout_s, args.heal_mode, args.engine_start)
     pool = sync = None
     finished = False
     try:

@@ -68,6 +68,15 @@ def make_app(driver: Driver, stop: asyncio.Event):
         if busy is not None:
             return busy
         name = data.get("name", driver.current)  # a started engine is brought to the current weights
+        if name is None and driver.host.config.loads_from_ps:
+            return web.json_response(
+                {
+                    "ok": False,
+                    "error": "'name' is required: the engines take their first weights in their load step "
+                    "({rendezvous} in --engine-cmd) and no checkpoint has been served yet",
+                },
+                status=400,
+            )
         return await call({"op": "engine_start", "ranks": data.get("ranks"), "name": name, **_timeout(data)})
 
     async def engines_stop(request):

@@ -1,5 +1,11 @@
-"""What each rank's managed engine runs: the `--engine-cmd` template (`{port}`, `{rank}`, `{device}`
-filled in), its environment (torchrun's variables removed, one GPU visible) and `EngineConfig`.
+"""What each rank's managed engine runs: the `--engine-cmd` template (`{port}`, `{rank}`, `{device}`,
+`{rendezvous}` filled in), its environment (torchrun's variables removed, one GPU visible) and
+`EngineConfig`.
+
+`{rendezvous}` marks an engine that takes its first weights in its own load step from this rank's
+parameter server (`vllm_ext.launch --load-rendezvous {rendezvous}`, the `checkpoint_engine` load
+format): the daemon fills in a private ipc:// address per start and updates the engine through it
+before waiting for its health, instead of waiting for a dummy-weight engine and pushing into it.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PLACEHOLDERS = ("{port}", "{rank}", "{device}")
+PLACEHOLDERS = ("{port}", "{rank}", "{device}", "{rendezvous}")
 
 
 def parse_engine_cmd(text: str) -> tuple[str, ...]:
@@ -32,15 +38,22 @@ def parse_engine_cmd(text: str) -> tuple[str, ...]:
     return cmd
 
 
-def render_cmd(cmd: Sequence[str], *, port: int, rank: int, device: str) -> list[str]:
+def render_cmd(cmd: Sequence[str], *, port: int, rank: int, device: str, rendezvous: str | None = None) -> list[str]:
     """The argv of one engine: each placeholder replaced (other braces, e.g. JSON args, stay as they are)."""
-    values = {"{port}": str(port), "{rank}": str(rank), "{device}": device}
+    if rendezvous is None and loads_from_ps(cmd):
+        raise ValueError(f"the engine command {list(cmd)!r} has a {{rendezvous}} placeholder: give its address")
+    values = {"{port}": str(port), "{rank}": str(rank), "{device}": device, "{rendezvous}": rendezvous or ""}
     out = []
     for arg in cmd:
         for key, value in values.items():
             arg = arg.replace(key, value)
         out.append(arg)
     return out
+
+
+def loads_from_ps(cmd: Sequence[str]) -> bool:
+    """The engine takes its first weights in its load step from the PS (a `{rendezvous}` placeholder)."""
+    return any("{rendezvous}" in a for a in cmd)
 
 
 # torchrun's variables describe the daemon's process group, which the engine is no member of (an
@@ -73,8 +86,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}
-    health_path: str = "/health"  # GET answers 200 once the engine can take updates
+    cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}, {rendezvous}
+    health_path: str = "/health"  # GET answers 200 once the engine can take updates (or, loading: serve)
     host: str = "127.0.0.1"  # where the engine listens (the template's own flags decide; used for the URL)
     start_timeout_s: float = 300.0  # process start until healthy
     stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL
@@ -83,6 +96,10 @@ class EngineConfig:
     auto_heal: bool = True
     max_heal_attempts: int = 3  # consecutive failed heals of one engine before the healer gives up
     log_dir: str | None = None  # engine logs (engine-r<rank>.log); None: a fresh temporary folder
+
+    @property
+    def loads_from_ps(self) -> bool:
+        return loads_from_ps(self.cmd)
 
     def __post_init__(self) -> None:
         from checkpoint_engine.validate import check_int, check_number

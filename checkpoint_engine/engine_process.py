@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -51,6 +52,8 @@ class ManagedEngine:
         self.last_failure: dict | None = None  # kept across restarts: {"reason", "exit_code", "at"}
         self._served_before: str | None = None  # the checkpoint served when the running update began
         self.healthy = False
+        self._rendezvous_dir: str | None = None  # private folder of the load-step socket ({rendezvous})
+        self.rendezvous: str | None = None  # where the running engine's load step listens
         self._emit()
 
     # -- state ------------------------------------------------------------------------------
@@ -109,7 +112,10 @@ class ManagedEngine:
             restart = self.state == "failed"
             self._terminate()  # what a failed run left in its process group
             port = free_port(self.config.host)
-            argv = render_cmd(self.config.cmd, port=port, rank=self.rank, device=self.device)
+            self.rendezvous = self._new_rendezvous() if self.config.loads_from_ps else None
+            argv = render_cmd(
+                self.config.cmd, port=port, rank=self.rank, device=self.device, rendezvous=self.rendezvous
+            )
             self._close_log()
             self._log = open(self.log_path, "a")  # open for the process's lifetime
             self._log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {shlex.join(argv)}\n")
@@ -141,9 +147,44 @@ class ManagedEngine:
             self.pid = self._proc.pid
             self._emit()
 
-    def wait_healthy(self, timeout_s: float | None = None) -> None:
-        """Poll GET url + health_path until it answers 200; RuntimeError (state failed) when the process
-        exits first or the deadline passes (the process is then stopped)."""
+    def _new_rendezvous(self) -> str:
+        """A fresh ipc:// address in a folder only this user can reach (a stale socket of a killed run removed)."""
+        if self._rendezvous_dir is None or not os.path.isdir(self._rendezvous_dir):
+            self._rendezvous_dir = tempfile.mkdtemp(prefix=f"ckpt-load-r{self.rank}-")  # 0700
+        path = os.path.join(self._rendezvous_dir, "load.sock")
+        if os.path.exists(path):
+            os.unlink(path)
+        return f"ipc://{path}"
+
+    def wait_load_step(self, timeout_s: float | None = None) -> None:
+        """Wait until the starting engine listens in its load step ({rendezvous}); RuntimeError (state
+        failed, process stopped) when it exits first or the deadline passes."""
+        from checkpoint_engine.load_rendezvous import LoaderRendezvousError, wait_for_loader
+
+        timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
+        if self.rendezvous is None:
+            raise RuntimeError(f"rank {self.rank}: the engine command has no {{rendezvous}}: it has no load step")
+        try:
+            wait_for_loader(self.rendezvous, timeout_s=timeout_s, is_alive=lambda: self.poll() is None)
+        except LoaderRendezvousError as e:
+            with self._lock:
+                self._terminate()
+                if self.state == "starting":
+                    self._fail(f"engine did not reach its load step: {e}; {self._log_tail()}", self.poll())
+            raise RuntimeError(f"rank {self.rank}: {self.last_error or e}") from None
+
+    def begin_load(self, checkpoint: str) -> None:
+        """starting -> updating: the PS updates the engine's load step (its first weights)."""
+        with self._lock:
+            if self.state != "starting" or self.rendezvous is None:
+                raise RuntimeError(f"rank {self.rank}: the engine is {self.state}, not waiting in its load step")
+            self._served_before = None
+            self._set("updating")
+
+    def wait_healthy(self, timeout_s: float | None = None, *, state: str = "starting") -> None:
+        """Poll GET url + health_path until it answers 200 while the engine is in `state` (starting; or
+        updating: the load step's weights are in and vLLM finishes its start); RuntimeError (state
+        failed) when the process exits first or the deadline passes (the process is then stopped)."""
         from checkpoint_engine.httpjson import status_json
 
         timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
@@ -151,7 +192,7 @@ class ManagedEngine:
         url = f"{self.url}{self.config.health_path}"
         while True:
             with self._lock:
-                if self.state != "starting":  # the watchdog noticed a death first
+                if self.state != state:  # the watchdog noticed a death first
                     raise RuntimeError(f"rank {self.rank}: engine {self.state} while starting: {self.last_error}")
                 code = self._proc.poll() if self._proc is not None else None
                 if code is not None:
@@ -199,6 +240,9 @@ class ManagedEngine:
         with self._lock:
             self._terminate()
             self._close_log()
+            if self._rendezvous_dir is not None:
+                shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+                self._rendezvous_dir = self.rendezvous = None
             if self.state != "stopped":
                 self._set("stopped", pid=None, healthy=False, checkpoint=None)
 

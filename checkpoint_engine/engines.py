@@ -32,6 +32,13 @@ all ranks whatever the metadata store is (the in-process default is per process)
 deadline: health (`start_timeout_s`), stop (`stop_grace_s`, then SIGKILL of the engine's process
 group), the agreements (start deadline + margin), the update (its `timeout_s`).
 
+Engines that take their first weights in their load step (`{rendezvous}` in the template, e.g.
+`vllm_ext.launch --load-rendezvous {rendezvous}`): rank r starts its engine and waits until it
+listens in its load step (`checkpoint_engine.load_rendezvous`), the ranks agree, then the update of
+`name` goes through that load step (on a heal: `update(name, ranks=[r])`, the P2P pull), and rank r
+waits for health. vLLM then packs the pulled weights once, during its start, instead of packing dummy
+weights and repacking after a push into the healthy engine.
+
 Health: GET `health_path` answers 200 once the engine can take an update. For `vllm_ext.launch
 --no-initial-push` that is `/version` (vLLM's own, proxied by the gate), not the gate's `/health`,
 which opens only after the first update.
@@ -136,8 +143,11 @@ def _agree(host: EngineHost, error: str | None, timeout_s: float) -> dict[int, s
 
 
 def engine_start(host: EngineHost, ps, cmd: dict) -> dict:
-    """Start the engines of `ranks` (dummy weights), wait until healthy; with `name`, push it to them."""
+    """Start the engines of `ranks` (dummy weights), wait until healthy; with `name`, push it to them.
+    Engines that load from the PS (`{rendezvous}`) get `name` in their load step instead."""
     ranks = cmd.get("ranks") or list(range(host.world_size))
+    if host.config.loads_from_ps:
+        return _start_loading(host, ps, cmd, ranks)
     error = None
     if host.rank in ranks:
         try:
@@ -158,6 +168,53 @@ def engine_start(host: EngineHost, ps, cmd: dict) -> dict:
         result["update"] = managed_update(host, ps, cmd["name"], ranks, cmd.get("timeout_s"))
         result["engine"] = host.engine.record()
     return result
+
+
+def _start_loading(host: EngineHost, ps, cmd: dict, ranks: list[int]) -> dict:
+    """Start the engines of `ranks`, wait until each sits in its load step, update `name` through it
+    (a P2P pull when only some ranks start), then wait until healthy: the engine never holds dummy
+    weights and packs its weights once. An engine whose load did not happen is stopped (failed)."""
+    from checkpoint_engine.load_rendezvous import loader_req_func
+
+    name = cmd.get("name")
+    if not name:
+        raise RuntimeError("engine_start: these engines load their first weights from the PS: 'name' is required")
+    mine = host.rank in ranks
+    error = None
+    if mine:
+        try:
+            host.engine.start()
+            host.engine.wait_load_step()
+        except RuntimeError as e:
+            error = str(e)
+    failed = _agree(host, error, host.start_agreement_timeout_s)
+    if failed:
+        why = f"engines of ranks {sorted(failed)} did not reach their load step"
+        if mine and error is None:
+            host.engine.abandon(f"start abandoned: {why}")  # waiting for a load that will not come
+        if host.rank in failed:
+            raise RuntimeError(failed[host.rank])
+        return {"engine": host.engine.record(), "update": f"skipped: {why}"}
+    timeout_s = float(cmd.get("timeout_s") or host.config.update_timeout_s)
+    req_func = lambda paths: None  # a rank without a starting engine only serves the pull
+    if mine:
+        host.engine.begin_load(name)
+        alive = lambda: host.engine.poll() is None
+        req_func = loader_req_func(host.engine.rendezvous, timeout_s=timeout_s, is_alive=alive, rank=host.rank)
+    pull_ranks = None if len(set(ranks)) == host.world_size else sorted(set(ranks))
+    try:
+        metrics = ps.update(name, req_func, timeout=timeout_s, ranks=pull_ranks)
+    except Exception as e:
+        if mine:
+            host.engine.abandon(f"loading {name!r} into the engine failed: {type(e).__name__}: {e}")
+        raise
+    if mine:
+        host.engine.wait_healthy(state="updating")  # vLLM packs, compiles and allocates its cache
+        host.engine.end_update(name, None)
+    return {
+        "engine": host.engine.record(),
+        "update": metrics.to_dict() if metrics is not None else {"skipped": "not a receiver"},
+    }
 
 
 def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, timeout_s: float | None) -> dict:

@@ -5,6 +5,11 @@ Used by tests, the demo and the benchmark (and by GPU checks where vLLM cannot r
 127.0.0.1. Fault injection flags make failure tests possible.
 
     python -m checkpoint_engine.plain_engine --port 8100 [--device cpu|cuda:0] [--fail-on-bucket N]
+        [--load-rendezvous ipc://PATH]
+
+With `--load-rendezvous` it first waits, like vLLM's `checkpoint_engine` load format, for a parameter
+server to update it through that address (`checkpoint_engine.load_rendezvous`), and listens on
+`--port` only once the weights are in.
 """
 
 from __future__ import annotations
@@ -149,11 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--die-on-bucket", type=int, default=None, help="SIGKILL itself at this bucket (tests)")
     p.add_argument("--load-delay-s", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=120.0, help="deadline for each wait on the PS")
+    p.add_argument(
+        "--load-rendezvous",
+        default=None,
+        help="ipc:// or tcp:// address: receive the first weights there (a load step) before serving HTTP",
+    )
     args = p.parse_args(argv)
+    if args.load_rendezvous is not None and not args.load_rendezvous.startswith(("ipc://", "tcp://")):
+        p.error(f"--load-rendezvous must be an ipc:// or tcp:// address, got {args.load_rendezvous!r}")
     from checkpoint_engine.logs import setup_logging
 
     setup_logging("INFO")
     engine = PlainEngine(args.device, args.fail_on_bucket, args.die_on_bucket, args.load_delay_s, args.timeout_s)
+    if args.load_rendezvous is not None:
+        from checkpoint_engine.load_rendezvous import serve_initial_load
+
+        # a failed load raises: the process exits non-zero, as vLLM's start fails on a failed load
+        serve_initial_load(args.load_rendezvous, engine.update_weights_from_ipc, timeout_s=args.timeout_s)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine))
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     print(f"plain engine listening on http://{args.host}:{args.port}", flush=True)

@@ -13,7 +13,9 @@ vLLM, no loader registration; slower: dummy initialisation and a second packing 
 
 Later updates go through the same public port (`POST /collective_rpc` is proxied). With
 `--no-initial-push` the launcher only gates: the gate opens when an external parameter server
-(e.g. the trainer's) completes the first update.
+(e.g. the trainer's) completes the first update. With `--load-rendezvous ADDR` vLLM's load step
+waits at ADDR for an external parameter server (the checkpoint-engine daemon's `{rendezvous}`), so
+a managed engine also starts without dummy weights and packs its weights once.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ class Launcher:
 
     def start_engine(self) -> None:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        if self.cfg.initial_push and self.cfg.initial_mode == "load":
+        if self.cfg.load_rendezvous is not None:
+            self.rendezvous = self.cfg.load_rendezvous
+        elif self.cfg.initial_push and self.cfg.initial_mode == "load":
             import tempfile
 
             self._rendezvous_dir = tempfile.mkdtemp(prefix="ckpt-engine-")  # 0700: only this user reaches it
@@ -199,12 +203,14 @@ class Launcher:
         self.start_engine()  # first: vLLM's start is the long pole
         registering = threading.Thread(target=self.register_checkpoint, daemon=True, name="register")
         loading = threading.Thread(target=self.load_into_engine, args=(registering,), daemon=True, name="load")
-        if self.cfg.initial_push:
+        if self.cfg.own_ps:
             registering.start()
             if self.rendezvous is not None:
                 loading.start()
         self.import_gate_modules()
         self.start_gate()
+        if self.cfg.load_rendezvous is not None:
+            return self._run_external_load()
         if self.rendezvous is not None:  # vLLM answers nothing before its load step: no health polls until then
             bound_s = 2 * self.cfg.startup_timeout_s + self.cfg.push_timeout_s  # the load thread's own deadlines
             loading.join(bound_s)
@@ -234,6 +240,26 @@ class Launcher:
             logger.info("weights pushed: %s", json.dumps(metrics))
         else:
             self.gate.set_phase("waiting_for_weights", "waiting for an external parameter server to push weights")
+        return self._supervise()
+
+    def _run_external_load(self) -> int:
+        """vLLM waits in its load step for an external PS; the gate opens once vLLM is healthy and its
+        workers report the loaded weights."""
+        from vllm_ext.req import wait_until_healthy
+
+        self.gate.set_phase(
+            "waiting_for_weights", f"vLLM's load step waits for a parameter server at {self.cfg.load_rendezvous}"
+        )
+        # the load step waits up to startup_timeout_s for the PS, then vLLM finishes its start
+        waited_s = wait_until_healthy(
+            self.engine_url,
+            timeout_s=2 * self.cfg.startup_timeout_s,
+            is_alive=lambda: self.proc.poll() is None,
+            interval_s=0.05,
+        )
+        if not self.refresh_gate():
+            raise RuntimeError(f"vLLM is healthy but reports {self.gate.snapshot()['weights']}")
+        logger.info("engine healthy with the loaded weights after %.1f s", waited_s)
         return self._supervise()
 
     def _supervise(self) -> int:

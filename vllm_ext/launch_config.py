@@ -54,6 +54,14 @@ class LaunchConfig:
             "checkpoint_engine); push: vLLM starts with dummy weights, pushed once it is healthy"
         ),
     )
+    load_rendezvous: str | None = field(
+        default=None,
+        metadata=meta(
+            "an external parameter server (e.g. the checkpoint-engine daemon) loads the weights through "
+            "vLLM's load step at this ipc:// or tcp:// address (load format checkpoint_engine); the "
+            "launcher runs no parameter server of its own and opens the gate once the load is in"
+        ),
+    )
     gate_wait_s: float = field(
         default=0.0,
         metadata=meta("hold requests that arrive before the weights this long (0: refuse at once with 503)"),
@@ -106,7 +114,15 @@ class LaunchConfig:
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
         tp = tensor_parallel_size(self.vllm_args)
-        if self.initial_push and self.initial_mode == "load" and tp != 1:
+        if self.load_rendezvous is not None:
+            if not self.load_rendezvous.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"load_rendezvous must be an ipc:// or tcp:// address, got {self.load_rendezvous!r}")
+            if tp != 1:
+                raise ValueError(
+                    f"load_rendezvous feeds one tensor-parallel rank from one parameter-server rank, "
+                    f"got --tensor-parallel-size {tp}"
+                )
+        elif self.initial_push and self.initial_mode == "load" and tp != 1:
             raise ValueError(
                 f"initial_mode 'load' feeds one tensor-parallel rank from one parameter-server rank, "
                 f"got --tensor-parallel-size {tp}; use initial_mode 'push' or an external PS"
@@ -114,6 +130,11 @@ class LaunchConfig:
         clash = [a for a in self.vllm_args if a.split("=")[0] in RESERVED_VLLM_FLAGS]
         if clash:
             raise ValueError(f"vllm_args must not set {clash}: the launcher sets {list(RESERVED_VLLM_FLAGS)}")
+
+    @property
+    def own_ps(self) -> bool:
+        """The launcher pushes the first weights itself (no external load, no --no-initial-push)."""
+        return self.initial_push and self.load_rendezvous is None
 
     @property
     def name(self) -> str:

@@ -19,7 +19,8 @@ that did the load (its version 1, its weight cache) is handed to the worker exte
 it for later updates. Messages are JSON (nothing is unpickled). A bad request is answered with an
 error and the loader keeps waiting; a failed or aborted load fails vLLM's start with that error.
 
-`LoaderSettings`, `serve_initial_load`, `wait_for_loader` and `loader_req_func` need no vLLM;
+The rendezvous protocol itself (both sides: `serve_initial_load`; `wait_for_loader`, `loader_req_func`)
+needs no vLLM and lives in `checkpoint_engine.load_rendezvous` (re-exported here);
 `register_load_format()` registers the loader with vLLM. The worker extension does that when vLLM
 imports it in the worker, before the model is loaded, so the load format needs
 `--worker-extension-cls vllm_ext.worker.VllmColocateWorkerExtension` (which also carries the receiver
@@ -29,19 +30,24 @@ registry (~0.5 s) in every process of every vLLM start on the machine.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+
+# the rendezvous protocol (no vLLM), kept importable from here
+from checkpoint_engine.load_rendezvous import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
+from checkpoint_engine.load_rendezvous import LoaderRendezvousError as LoaderRendezvousError
+from checkpoint_engine.load_rendezvous import loader_req_func as loader_req_func
+from checkpoint_engine.load_rendezvous import parse_request as parse_request
+from checkpoint_engine.load_rendezvous import serve_initial_load
+from checkpoint_engine.load_rendezvous import wait_for_loader as wait_for_loader
 
 logger = logging.getLogger(__name__)
 vllm_logger = logging.getLogger("vllm.checkpoint_engine")  # inside vLLM's processes: shown in vLLM's log
 
 LOAD_FORMAT = "checkpoint_engine"
-MAX_MESSAGE_BYTES = 1 << 20
-POLL_S = 0.5  # how often the waits below re-check liveness; every wait has its own deadline
 
 
 @dataclass(frozen=True)
@@ -78,132 +84,6 @@ class LoaderSettings:
                 f"got {self.rendezvous!r}"
             )
         return self.rendezvous.replace("{rank}", str(tp_rank))
-
-
-def parse_request(raw: bytes) -> dict:
-    """A rendezvous request: {"op": "hello"} or {"op": "load", "zmq_handles": {device_id: address}}."""
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"request of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        msg = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"request is not JSON: {e}") from None
-    if not isinstance(msg, dict) or msg.get("op") not in ("hello", "load"):
-        raise ValueError(f"request must be a JSON object with op 'hello' or 'load', got {str(msg)[:200]}")
-    if msg["op"] == "load":
-        handles = msg.get("zmq_handles")
-        if (
-            not isinstance(handles, dict)
-            or not handles
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in handles.items())
-        ):
-            raise ValueError(f"'load' needs zmq_handles, a non-empty {{device_id: address}} object, got {handles!r}")
-    return msg
-
-
-def serve_initial_load(address: str, receive: Callable[[dict[str, str]], dict], *, timeout_s: float, ctx=None) -> dict:
-    """Engine side: answer hellos, run `receive(zmq_handles)` for the first valid load request, reply.
-
-    Returns receive's report. Raises TimeoutError when no load request came within `timeout_s`
-    (and no message arrived for `timeout_s` since the last one), or the load's own error.
-    """
-    import zmq
-
-    own_ctx = ctx is None
-    ctx = ctx or zmq.Context()
-    sock = ctx.socket(zmq.REP)
-    sock.setsockopt(zmq.LINGER, 2000)
-    try:
-        sock.bind(address)
-        logger.info("waiting for the parameter server at %s (up to %.0f s)", address, timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms):
-                raise TimeoutError(f"no parameter server sent the weights to {address} within {timeout_s:.0f} s")
-            raw = sock.recv()
-            deadline = time.monotonic() + timeout_s  # a peer is there: each message gets the full deadline
-            try:
-                msg = parse_request(raw)
-            except ValueError as e:
-                logger.warning("rejected a rendezvous request: %s", e)
-                sock.send(json.dumps({"ok": False, "error": str(e)}).encode())
-                continue
-            if msg["op"] == "hello":
-                sock.send(json.dumps({"ok": True, "waiting": True}).encode())
-                continue
-            try:
-                report = receive(msg["zmq_handles"])
-            except BaseException as e:
-                sock.send(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}).encode())
-                raise
-            sock.send(json.dumps({"ok": True, "report": report}, default=str).encode())
-            return report
-    finally:
-        sock.close()
-        if own_ctx:
-            ctx.term()
-
-
-class LoaderRendezvousError(RuntimeError):
-    """The engine's load step answered with an error, or could not be reached in time."""
-
-
-def _request(address: str, msg: dict, *, timeout_s: float, is_alive: Callable[[], bool] | None) -> dict:
-    import zmq
-
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    # The engine binds when it reaches its load step; until then zmq retries the connection every
-    # RECONNECT_IVL (100 ms by default), which the load would wait on: retry every 10 ms instead.
-    sock.setsockopt(zmq.RECONNECT_IVL, 10)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 10)
-    try:
-        sock.connect(address)  # the engine may bind later: zmq connects when it does
-        sock.send(json.dumps(msg).encode())
-        deadline = time.monotonic() + timeout_s
-        while not sock.poll(int(POLL_S * 1000)):
-            if is_alive is not None and not is_alive():
-                raise LoaderRendezvousError(f"the engine exited before its load step answered {msg['op']!r}")
-            if time.monotonic() > deadline:
-                raise LoaderRendezvousError(
-                    f"the engine's load step at {address} did not answer {msg['op']!r} within {timeout_s:.0f} s"
-                )
-        raw = sock.recv()
-    finally:
-        sock.close()
-    try:
-        answer = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise LoaderRendezvousError(f"the engine's load step answered non-JSON: {raw[:200]!r}") from None
-    if not isinstance(answer, dict) or not answer.get("ok"):
-        error = answer.get("error") if isinstance(answer, dict) else answer
-        raise LoaderRendezvousError(f"the engine's load step failed: {error}")
-    return answer
-
-
-def wait_for_loader(address: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None) -> None:
-    """PS side: return once the engine sits in its load step, listening at `address`."""
-    _request(address, {"op": "hello"}, timeout_s=timeout_s, is_alive=is_alive)
-
-
-def loader_req_func(
-    address: str, *, timeout_s: float, is_alive: Callable[[], bool] | None = None, result: dict | None = None
-) -> Callable[[Sequence[tuple[str, str]]], None]:
-    """req_func for `ps.update` that hands the PS's sockets to an engine waiting in its load step.
-
-    One PS rank per engine (TP = 1). `result`, if given, receives the engine's report.
-    """
-
-    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
-        answer = _request(
-            address, {"op": "load", "zmq_handles": dict(socket_paths)}, timeout_s=timeout_s, is_alive=is_alive
-        )
-        if result is not None:
-            result.update(answer.get("report") or {})
-
-    return req_func
 
 
 # -- handoff to the worker extension (same process) ----------------------------------------------

@@ -168,6 +168,55 @@ def test_engines_start_update_heal_stop(tmp_path):
         daemon.stop()
 
 
+def test_engines_that_load_from_the_ps_start_and_heal_through_their_load_step(tmp_path):
+    """`{rendezvous}` engines never run on dummy weights: each start, heals included, updates the
+    engine's load step (the P2P pull on a heal) and only then waits for its health."""
+    files, expected = write_checkpoint(tmp_path / "v1", seed=0)
+    loading_cmd = [*json.loads(ENGINE_CMD), "--load-rendezvous", "{rendezvous}"]
+    daemon = start_daemon(tmp_path, "--engine-cmd", json.dumps(loading_cmd))
+    base = daemon.url
+    try:
+        code, res = call("POST", base + "/engines/start", {})
+        assert code == 400 and "'name' is required" in res["error"], res  # nothing to load yet
+        assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
+        code, res = call("POST", base + "/engines/start", {"name": "v1"})
+        assert code == 200 and res["ok"], res
+        assert all(r["result"]["update"]["total_bytes"] > 0 for r in res["ranks"]), res
+        states = engines(base)
+        assert [(e["state"], e["checkpoint"], e["healthy"]) for e in states] == [("serving", "v1", True)] * 2
+        assert all(rpc(e["url"], "weights_digest") == expected for e in states)
+
+        pid0, pid1 = states[0]["pid"], states[1]["pid"]
+        killed_at = time.monotonic()
+        os.kill(pid1, signal.SIGKILL)
+
+        def healed():
+            now = engines(base)
+            assert now[0]["state"] == "serving" and now[0]["pid"] == pid0, now
+            return now if now[1]["state"] == "serving" and now[1]["pid"] != pid1 else None
+
+        states = wait_for(healed, "rank 1's engine healed through its load step", timeout_s=60)
+        e1 = states[1]
+        assert e1["restarts"] == 1 and e1["checkpoint"] == "v1" and 0 < e1["recovery_s"] < time.monotonic() - killed_at
+        assert rpc(e1["url"], "weights_digest") == expected
+        assert rpc(e1["url"], "weights_state")["version"] == 1  # one update: the load, no dummy weights before
+
+        # a start whose load fails leaves no engine waiting in a load step: both failed, then healed to v1
+        assert call("POST", base + "/engines/stop", {})[0] == 200
+        code, res = call("POST", base + "/engines/start", {"name": "nope"})
+        assert code == 500 and "nope" in json.dumps(res["errors"]), res
+        states = wait_for(
+            lambda: (now := engines(base)) and all(e["state"] == "serving" for e in now) and now,
+            "both engines healed to v1 after the failed start",
+        )
+        assert [e["checkpoint"] for e in states] == ["v1", "v1"]
+        assert all(rpc(e["url"], "weights_digest") == expected for e in states)
+        assert call("POST", base + "/engines/stop", {})[0] == 200
+        shutdown(daemon)
+    finally:
+        daemon.stop()
+
+
 # -- the same states, read from a real etcd ------------------------------------------------------
 @pytest.mark.etcd
 def test_engine_states_in_etcd_without_auto_heal(tmp_path, etcd_port):

@@ -1,5 +1,7 @@
-"""The checkpoint-engine daemon managing two real vLLM servers (`vllm_ext.launch --no-initial-push`):
-start with dummy weights + push, SIGKILL one, self-healing while the other keeps answering."""
+"""The checkpoint-engine daemon managing two real vLLM servers that load from its ranks
+(`vllm_ext.launch --load-rendezvous {rendezvous}`): each start, and the heal of a SIGKILLed one, updates
+vLLM's load step (never dummy weights), while the other keeps answering. The dummy-start path
+(`--no-initial-push`, push after health) runs in tests/integration/e2e/test_daemon_rl.py."""
 
 from __future__ import annotations
 
@@ -24,16 +26,17 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import CPU_ENGINE_ARGS, child_env, completion_token_ids
     from vllm_ext.launch import model_safetensors_files
+    from vllm_ext.req import collective_rpc
 
     model = make_tiny_model(tmp_path / "A", TinyModelConfig.tiny(init_std=0.1), seed=11)
     engine_cmd = [
-        *(sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--no-initial-push"),
+        *(sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--load-rendezvous", "{rendezvous}"),
         *("--port", "{port}", "--engine-timeout-s", "120", "--", *CPU_ENGINE_ARGS),
     ]
     daemon = start_daemon(
         *("--collective-timeout-s", "300", "--engine-log-dir", str(tmp_path)),
-        # the gate's /health opens only after the first update; /version is vLLM's own, proxied
-        *("--engine-health-path", "/version", "--engine-start-timeout-s", str(STARTUP_TIMEOUT_S)),
+        # the gate's /health (the default) opens once the loaded weights are in
+        *("--engine-start-timeout-s", str(STARTUP_TIMEOUT_S)),
         engine_cmd=engine_cmd,
         env=child_env(),
         log=tmp_path / "daemon.log",
@@ -47,7 +50,7 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
     try:
         code, res = call("POST", "/checkpoints", {"name": "A", "files": model_safetensors_files(str(model))})
         assert code == 200 and res["ok"], res
-        code, res = call("POST", "/engines/start", {"name": "A"})  # dummy start + push, then serving
+        code, res = call("POST", "/engines/start", {"name": "A"})  # A through vLLM's load step, then serving
         assert code == 200 and res["ok"], res
         states = engines(daemon.url)
         assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "A")] * 2, states
@@ -72,6 +75,9 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         assert answered_during_heal >= 1
         assert now[1]["last_failure"]["exit_code"] == -9 and now[1]["checkpoint"] == "A", now
         assert completion_token_ids(now[1]["url"], str(model), PROMPTS, MAX_TOKENS) == tokens[0]
+        # the healed engine's weights came in its load step (version 1), not as a push into dummy weights
+        (healed_state,) = collective_rpc(now[1]["url"], "weights_state", timeout_s=30.0)
+        assert healed_state["version"] == 1 and healed_state["checkpoint"] == "A", healed_state
 
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res

@@ -261,6 +261,19 @@ def test_launch_config_rejects_unknown_initial_mode_and_loader_flags(tmp_path):
     assert LaunchConfig(model=str(tmp_path), initial_mode="push", vllm_args=("-tp", "2")).initial_mode == "push"
 
 
+def test_load_rendezvous_is_an_external_load_through_vllms_load_step(tmp_path):
+    with pytest.raises(ValueError, match="load_rendezvous must be an ipc:// or tcp:// address"):
+        LaunchConfig(model=str(tmp_path), load_rendezvous="/tmp/x.sock")
+    with pytest.raises(ValueError, match="tensor-parallel-size 2"):
+        LaunchConfig(model=str(tmp_path), load_rendezvous="ipc:///tmp/x.sock", vllm_args=("-tp", "2"))
+    args = build_parser().parse_args(["--model", str(tmp_path), "--load-rendezvous", "ipc:///tmp/r/load.sock"])
+    cfg = LaunchConfig(model=args.model, load_rendezvous=args.load_rendezvous)
+    assert not cfg.own_ps and LaunchConfig(model=str(tmp_path)).own_ps  # no PS of the launcher's own
+    cmd = vllm_command(cfg, 1234, cfg.load_rendezvous)
+    extra = json.loads(cmd[cmd.index("--model-loader-extra-config") + 1])
+    assert extra["rendezvous"] == "ipc:///tmp/r/load.sock"
+
+
 def test_default_engine_settings_are_not_passed(tmp_path):
     # vLLM hashes --additional-config into its compile-cache key: defaults must not change it
     assert "--additional-config" not in vllm_command(LaunchConfig(model=str(tmp_path)), 1234)

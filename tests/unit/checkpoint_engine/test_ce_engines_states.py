@@ -104,6 +104,15 @@ def test_render_cmd_fills_placeholders_and_leaves_other_braces():
     assert argv == ["e", "--port=9", "r1", "cuda:1", '{"k": 1}']
 
 
+def test_render_cmd_fills_the_rendezvous_of_engines_that_load_from_the_ps():
+    cmd = ("e", "--port", "{port}", "--load-rendezvous", "{rendezvous}")
+    assert EngineConfig(cmd=cmd).loads_from_ps and not EngineConfig(cmd=cmd[:3]).loads_from_ps
+    argv = render_cmd(cmd, port=9, rank=0, device="cpu", rendezvous="ipc:///tmp/d/load.sock")
+    assert argv == ["e", "--port", "9", "--load-rendezvous", "ipc:///tmp/d/load.sock"]
+    with pytest.raises(ValueError, match="has a {rendezvous} placeholder: give its address"):
+        render_cmd(cmd, port=9, rank=0, device="cpu")
+
+
 def test_engine_env_drops_torchrun_variables():
     env = engine_env(
         {"RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin", "OMP_NUM_THREADS": "1"}
