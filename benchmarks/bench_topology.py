@@ -2,7 +2,7 @@
 
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 64] [--max-tokens 64]
         [--model-size-mib 0] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
-        [--raw-repeats 20]
+        [--bucket-size-mib N] [--raw-repeats 20]
         [--a-rounds 3] [--work-dir DIR] [--keep]
 
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
@@ -112,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=True,
         help="run the restarted engine's whole process tree on its own core (taskset) during the heal",
     )
+    p.add_argument("--bucket-size-mib", type=int, default=None, help="the daemon's bucket size (default: its own)")
     p.add_argument("--raw-repeats", type=int, default=20, help="repeats of the raw reads (best taken)")
     p.add_argument("--a-rounds", type=int, default=3, help="engine A's rounds before the heal (after a warm-up)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
@@ -121,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats", "a_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.bucket_size_mib is not None and args.bucket_size_mib < 1:
+        p.error(f"--bucket-size-mib={args.bucket_size_mib} must be >= 1")
     if args.model_size_mib < 0:
         p.error(f"--model-size-mib={args.model_size_mib} must be >= 0 (0: the demo's tiny shape)")
     if args.max_tokens > 200:
@@ -130,7 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- the daemon ----------------------------------------------------------------------------------------
 def start_daemon(
-    work: pathlib.Path, model: pathlib.Path, start_timeout_s: float, heal_mode: str = "local", engine_start="load"
+    work: pathlib.Path,
+    model: pathlib.Path,
+    start_timeout_s: float,
+    heal_mode: str = "local",
+    engine_start: str = "load",
+    bucket_size_mib: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
     from checkpoint_engine.engines import free_port
     from checkpoint_engine.httpjson import status_json
@@ -155,6 +163,8 @@ def start_daemon(
         *("--engine-health-path", health, "--engine-start-timeout-s", str(start_timeout_s)),
         *("--engine-log-dir", str(work), "--metrics-jsonl", str(work / "updates.jsonl")),
     ]
+    if bucket_size_mib is not None:
+        cmd += ["--bucket-size-mib", str(bucket_size_mib)]
     if heal_mode == "p2p":  # a pull (ranks=[...]) with mode collective and Mooncake goes P2P, even on one host
         cmd += ["--p2p-host", "127.0.0.1", "--mode", "collective"]
     daemon = subprocess.Popen(
@@ -490,7 +500,9 @@ def main(argv=None) -> dict:
         "engine_start": args.engine_start,
         "healed_engine_pinned": args.pin_healed_engine,
     }
-    daemon, base = start_daemon(work, handoff / "model", args.start_timeout_s, args.heal_mode, args.engine_start)
+    daemon, base = start_daemon(
+        work, handoff / "model", args.start_timeout_s, args.heal_mode, args.engine_start, args.bucket_size_mib
+    )
     pool = sync = None
     finished = False
     try:

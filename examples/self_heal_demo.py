@@ -4,7 +4,8 @@ engine SIGKILLed during the run, healed by the daemon while the other keeps serv
     .venv/bin/python examples/self_heal_demo.py [--iterations 6] [--kill-after-iteration 2]
 
 1. `torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd "python -m vllm_ext.launch ..."`:
-   one vLLM engine per rank, started by the daemon (dummy weights, served only after a push)
+   one vLLM engine per rank, started by the daemon (`--load-rendezvous {rendezvous}`: vLLM's load
+   step receives the current version from the rank's parameter server; never dummy weights)
 2. `python -m orchestrator --set engine.type=daemon ...`: the demo task's RL job on those engines
 3. once the job has finished the iteration named, engine 1's processes are SIGKILLed; the demo
    prints every state change GET /engines reports (serving -> failed -> starting -> updating ->
@@ -70,11 +71,11 @@ def main() -> int:
     deadline = time.monotonic() + args.timeout_s
     try:
         daemon = start_daemon(
-            *("--collective-timeout-s", "900", "--engine-health-path", "/version"),
+            *("--collective-timeout-s", "900"),
             *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(work)),
             # float32 like the job's own engines (engine.dtype): vLLM-CPU picks bfloat16 for "auto", slow or
             # failing where the CPU has no native bf16
-            engine_cmd=[*engine_cmd, "--no-initial-push", "--", "--dtype", "float32"],
+            engine_cmd=[*engine_cmd, "--load-rendezvous", "{rendezvous}", "--", "--dtype", "float32"],
             env=env,
             log=work / "daemon.log",
             ready_timeout_s=args.timeout_s,

@@ -223,7 +223,8 @@ class EngineConfig:
     (``orchestrator.daemon_engines``; weights handed over as files in ``sync.handoff_dir``).
     ``colocated`` (daemon only; k1.5's hybrid deployment): the engines run only during rollouts; each
     iteration the job stops them before training (POST /engines/stop: the trainer gets the memory back)
-    and starts them with the new version after it (POST /engines/start: dummy weights, then the push).
+    and starts them with the new version after it (POST /engines/start: the version goes into vLLM's load
+    step with ``{rendezvous}`` engines, else dummy weights and then the push; never serving dummy weights).
     False (disaggregated): the engines keep serving and each version is one update into all of them.
     """
 

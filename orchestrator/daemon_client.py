@@ -60,7 +60,8 @@ class DaemonClient:
         self._call("DELETE", f"/checkpoints/{name}")
 
     def start_engines(self, name: str, timeout_s: float, ranks: list[int] | None = None) -> dict:
-        """Start the engines of ``ranks`` (all: None) with dummy weights; the daemon pushes ``name`` first."""
+        """Start the engines of ``ranks`` (all: None) with ``name``: through their load step, or dummy
+        weights and a push; they report serving only with it."""
         body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
         return self._call("POST", "/engines/start", body, timeout_s=timeout_s)
 

@@ -8,8 +8,9 @@ volume in the colocated pod, a shared volume across nodes)::
     start_daemon_pool(engine config, SFT model, handoff dir)
         <handoff>/model: the SFT model (config, tokenizer, weights): what --engine-cmd's --model names
         POST /checkpoints {name: policy-v0, files}   every rank registers its share of the files
-        POST /engines/start {name: policy-v0}        every engine starts with dummy weights and gets
-                                                     v0 before it reports serving
+        POST /engines/start {name: policy-v0}        every engine gets v0 (in its load step with
+                                                     {rendezvous} engines, else pushed into dummy
+                                                     weights) before it reports serving
         GET /engines -> EnginePool: one HttpVllmEngine per rank's engine, fewest requests in flight first
     DaemonWeightSync.push(v)
         <handoff>/policy-v<v>/model-*.safetensors (one shard per rank) -> POST /checkpoints
@@ -24,7 +25,7 @@ Colocated (``engine.colocated``, k1.5's hybrid deployment): the engines run only
     rollout ──▶ DaemonWeightSync.before_train(): pool parked (no member serves), POST /engines/stop,
                 GET /engines: every engine stopped          (switch_to_train_s)
     train   ──▶ push(v+1): files -> POST /checkpoints -> POST /engines/start {name: policy-v<v+1>}
-                (dummy weights, then the daemon's update; never serving dummy weights) -> GET /engines:
+                (load step or dummy weights + the daemon's update; never serving dummy weights) -> GET /engines:
                 every engine serving v+1 -> the pool takes the new URLs (switch_to_inference_s)
                 -> DELETE /checkpoints/policy-v<v>
     a failed phase raises SwitchError naming it and every engine's state; the daemon keeps that state
