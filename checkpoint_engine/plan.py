@@ -21,6 +21,11 @@ from checkpoint_engine.dtypes import itemsize
 
 DEFAULT_ALIGN_BYTES = 256
 MIN_ALIGN_BYTES = 16
+# The default bucket size shrinks until a checkpoint is cut into PIPELINE_BUCKETS buckets (never below
+# PIPELINE_MIN_BUCKET_BYTES): with one or two buckets the double buffer has nothing to overlap, and the
+# engine's load of the last bucket adds to the read instead of hiding behind the next one.
+PIPELINE_BUCKETS = 8
+PIPELINE_MIN_BUCKET_BYTES = 16 * 2**20
 
 
 def align_up(n: int, align: int) -> int:
@@ -185,12 +190,16 @@ def choose_bucket_size(
     default_bytes: int,
     budget_bytes: int | None,
     num_buffers: int = 2,
+    pipeline_buckets: int = PIPELINE_BUCKETS,
+    pipeline_min_bytes: int = PIPELINE_MIN_BUCKET_BYTES,
 ) -> int:
     """The bucket size for an update.
 
     An explicit `requested_bytes` wins (tensors that do not fit then fail in `plan_buckets`). Otherwise
-    the default, raised to the largest tensor, capped by `budget_bytes / num_buffers`. Raises
-    ValueError when even the largest tensor does not fit in the memory budget.
+    the default, lowered to total / `pipeline_buckets` (not below `pipeline_min_bytes`) so the
+    pipeline has buckets to overlap, never more than the whole checkpoint, raised to the largest
+    tensor, capped by `budget_bytes / num_buffers`. Raises ValueError when even the largest tensor
+    does not fit in the memory budget.
     """
     if requested_bytes is not None:
         if requested_bytes <= 0:
@@ -198,7 +207,8 @@ def choose_bucket_size(
         return requested_bytes
     largest = max((m.nbytes for metas in rank_metas.values() for m in metas), default=0)
     total = sum(m.nbytes for metas in rank_metas.values() for m in metas)
-    size = align_up(max(min(default_bytes, total), largest, 1), MIN_ALIGN_BYTES)
+    pipelined = max(-(-total // pipeline_buckets), pipeline_min_bytes)
+    size = align_up(max(min(default_bytes, pipelined, total), largest, 1), MIN_ALIGN_BYTES)
     if budget_bytes is not None:
         cap = budget_bytes // num_buffers
         if largest > cap:

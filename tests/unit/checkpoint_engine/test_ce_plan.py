@@ -118,6 +118,27 @@ def test_choose_bucket_size(requested, default, budget, largest, total, expected
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    "default,min_bytes,largest,total,expected",
+    [
+        (1024, 0, 10, 4000, 512),  # 4000 / 8 buckets = 500, aligned up
+        (1024, 0, 10, 800, 112),  # 100, aligned up: 8 buckets of the checkpoint
+        (1024, 600, 10, 4000, 608),  # not below the pipelined minimum (aligned up)
+        (256, 0, 10, 4000, 256),  # a default below total / 8 stays
+        (1024, 0, 700, 4000, 704),  # raised to the largest tensor
+    ],
+)
+def test_choose_bucket_size_cuts_a_checkpoint_into_enough_buckets_to_pipeline(
+    default, min_bytes, largest, total, expected
+):
+    rest = [TensorMeta(f"x{i}", "uint8", (1,), 16 * i) for i in range(total - largest)]
+    rank_metas = {0: metas(largest), 1: rest}
+    got = choose_bucket_size(
+        rank_metas, requested_bytes=None, default_bytes=default, budget_bytes=None, pipeline_min_bytes=min_bytes
+    )
+    assert got == expected
+
+
 def test_choose_bucket_size_fails_when_budget_too_small():
     with pytest.raises(ValueError, match="largest tensor needs 500 bytes"):
         choose_bucket_size({0: metas(500)}, requested_bytes=None, default_bytes=64, budget_bytes=600)
