@@ -58,6 +58,8 @@ class P2PStore:
         self._connect_lock = threading.Lock()
         self._connected: set[str] = set()  # peers read from at least once
         self._scratch: ctypes.Array | None = None  # registered landing place of `connect`'s reads
+        self._closing = threading.Event()
+        self._preconnecting: list[threading.Thread] = []
 
     def register(self, ptr: int, nbytes: int) -> None:
         with self._lock:
@@ -108,6 +110,27 @@ class P2PStore:
             self.read(remote_addr, ctypes.addressof(self._scratch), remote_ptr, CONNECT_BYTES)
             self._connected.add(remote_addr)
 
+    def connect_in_background(self, peers: list[tuple[str, int]]) -> None:
+        """`connect` to each (address, registered pointer) of `peers` on a thread, so that a later pull
+        (a heal, long after the metas were gathered) finds its connections open. Failures are only
+        logged: the pull's own reads report a peer that cannot be read."""
+        todo = [(a, p) for a, p in peers if a not in self._connected]
+        if not todo or self._closing.is_set():
+            return
+
+        def run() -> None:
+            for addr, ptr in todo:
+                if self._closing.is_set():
+                    return
+                try:
+                    self.connect(addr, ptr)
+                except Exception as e:  # noqa: BLE001 - see the docstring
+                    logger.debug("P2P pre-connect to %s: %s", addr, e)
+
+        t = threading.Thread(target=run, daemon=True, name="p2p-preconnect")
+        self._preconnecting = [x for x in self._preconnecting if x.is_alive()] + [t]
+        t.start()
+
     def _sync(self, call, remote_addr: str, nbytes: int) -> None:
         """Run one synchronous Mooncake call on a thread, bounded by `read_timeout_s`; rc != 0 raises."""
         result: list[int] = []
@@ -124,7 +147,10 @@ class P2PStore:
                 "is the owner's parameter server alive and its checkpoint still registered?"
             )
 
-    def close(self) -> None:
+    def close(self, join_timeout_s: float = 5.0) -> None:
+        self._closing.set()
+        for t in self._preconnecting:  # a connect in flight reads into the scratch buffer unregistered below
+            t.join(join_timeout_s)
         for ptr in list(self._registered):
             self.unregister(ptr)
         self._scratch = None

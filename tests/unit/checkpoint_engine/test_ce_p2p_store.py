@@ -106,3 +106,21 @@ def test_p2p_source_connects_to_the_owners_it_reads_while_the_engine_connects():
     src.fill(run, Bucket(1, 0, 0, 64, 100, ()), 512)
     assert sorted(c for c in calls if c[0] == "connect") == [("connect", "peer0:1", 1000), ("connect", "peer2:3", 3000)]
     assert calls[-1] == ("read", "peer0:1", 1064, 100) and not src._connecting
+
+
+def test_connect_in_background_opens_each_peer_once_and_close_waits_for_it():
+    owner, reader = P2PStore(P2PConfig()), P2PStore(P2PConfig())
+    src = torch.ones(64, dtype=torch.uint8)
+    owner.register(src.data_ptr(), src.numel())
+    try:
+        reader.connect_in_background([(owner.addr, src.data_ptr())])
+        (t,) = reader._preconnecting
+        t.join(60)
+        assert not t.is_alive() and reader._connected == {owner.addr}
+        reader.connect_in_background([(owner.addr, src.data_ptr())])  # already open: no thread
+        assert reader._preconnecting == [t]
+    finally:
+        reader.close()
+        owner.close()
+    reader.connect_in_background([("127.0.0.1:1", 8)])  # closed: nothing starts
+    assert reader._preconnecting == [t]
