@@ -142,27 +142,39 @@ def _agree(host: EngineHost, error: str | None, timeout_s: float) -> dict[int, s
     return failed
 
 
+def _start_and_agree(host: EngineHost, ranks: list[int], wait, what: str, *, abandon: bool) -> dict | None:
+    """Start this rank's engine when it is among `ranks`, `wait()` for it, and agree with every rank.
+
+    None when every engine got there; else this rank's result (raises on a rank whose engine failed),
+    and with `abandon` an engine of this rank that got there is stopped and marked failed."""
+    error = None
+    if host.rank in ranks:
+        try:
+            host.engine.start()
+            wait()
+        except RuntimeError as e:
+            error = str(e)
+    failed = _agree(host, error, host.start_agreement_timeout_s)
+    if not failed:
+        return None
+    why = f"engines of ranks {sorted(failed)} {what}"
+    if abandon and error is None and host.rank in ranks:
+        host.engine.abandon(f"start abandoned: {why}")
+    if host.rank in failed:
+        raise RuntimeError(failed[host.rank])
+    return {"engine": host.engine.record(), "update": f"skipped: {why}"}
+
+
 def engine_start(host: EngineHost, ps, cmd: dict) -> dict:
     """Start the engines of `ranks` (dummy weights), wait until healthy; with `name`, push it to them.
     Engines that load from the PS (`{rendezvous}`) get `name` in their load step instead."""
     ranks = cmd.get("ranks") or list(range(host.world_size))
     if host.config.loads_from_ps:
         return _start_loading(host, ps, cmd, ranks)
-    error = None
-    if host.rank in ranks:
-        try:
-            host.engine.start()
-            host.engine.wait_healthy()
-        except RuntimeError as e:
-            error = str(e)
-    failed = _agree(host, error, host.start_agreement_timeout_s)
-    if failed:
-        why = f"engines of ranks {sorted(failed)} did not start"
-        if cmd.get("heal") and error is None and host.rank in ranks:
-            host.engine.abandon(f"heal abandoned: {why}")  # failed again: the healer retries (bounded)
-        if host.rank in failed:
-            raise RuntimeError(failed[host.rank])
-        return {"engine": host.engine.record(), "update": f"skipped: {why}"}
+    # a heal's engine that started while another did not: failed again, the healer retries (bounded)
+    skipped = _start_and_agree(host, ranks, host.engine.wait_healthy, "did not start", abandon=bool(cmd.get("heal")))
+    if skipped is not None:
+        return skipped
     result = {"engine": host.engine.record()}
     if cmd.get("name"):
         result["update"] = managed_update(host, ps, cmd["name"], ranks, cmd.get("timeout_s"))
@@ -180,21 +192,10 @@ def _start_loading(host: EngineHost, ps, cmd: dict, ranks: list[int]) -> dict:
     if not name:
         raise RuntimeError("engine_start: these engines load their first weights from the PS: 'name' is required")
     mine = host.rank in ranks
-    error = None
-    if mine:
-        try:
-            host.engine.start()
-            host.engine.wait_load_step()
-        except RuntimeError as e:
-            error = str(e)
-    failed = _agree(host, error, host.start_agreement_timeout_s)
-    if failed:
-        why = f"engines of ranks {sorted(failed)} did not reach their load step"
-        if mine and error is None:
-            host.engine.abandon(f"start abandoned: {why}")  # waiting for a load that will not come
-        if host.rank in failed:
-            raise RuntimeError(failed[host.rank])
-        return {"engine": host.engine.record(), "update": f"skipped: {why}"}
+    # an engine in its load step whose peers failed waits for a load that will not come: stopped
+    skipped = _start_and_agree(host, ranks, host.engine.wait_load_step, "did not reach their load step", abandon=True)
+    if skipped is not None:
+        return skipped
     timeout_s = float(cmd.get("timeout_s") or host.config.update_timeout_s)
     req_func = lambda paths: None  # a rank without a starting engine only serves the pull
     if mine:
