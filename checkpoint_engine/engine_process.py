@@ -226,6 +226,9 @@ class ManagedEngine:
             code = self._proc.poll()
             if code is None:
                 return None
+            # what it left in its process group (an inference server's engine processes) starts stopping
+            # now; the next start() makes sure it is gone before a new engine takes the device
+            _killpg(self._proc.pid, signal.SIGTERM)
             self._fail(f"engine process {self._proc.pid} exited with code {code} ({self._log_tail()})", code)
             return code
 

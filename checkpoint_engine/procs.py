@@ -116,3 +116,57 @@ def _exit_after(deadline_s: float, signum: int) -> None:
     )
     faulthandler.dump_traceback(file=2, all_threads=True)
     os._exit(128 + signum)
+
+
+def descendants(pid: int) -> dict[int, float]:
+    """A process's descendants now, as {pid: create_time} (the time tells a reused pid apart)."""
+    import psutil
+
+    try:
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def _gone(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE  # dead, waiting for a parent that may never reap it
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: list, timeout_s: float, poll_s: float = 0.05) -> list:
+    """Wait until every process has exited (zombies count as exited); the ones still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = [p for p in procs if not _gone(p)]
+        if not procs or time.monotonic() >= deadline:
+            return procs
+        time.sleep(poll_s)
+
+
+def end_processes(recorded: dict[int, float], grace_s: float) -> list[str]:
+    """SIGTERM the recorded processes (``descendants()``) still alive, SIGKILL what is left after
+    ``grace_s``; the names of those that were alive."""
+    import psutil
+
+    alive, names = [], []
+    for pid, created in recorded.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() != created or _gone(proc):  # reused pid, or already dead
+                continue
+            names.append(f"{proc.name()}[{pid}]")
+            proc.terminate()
+            alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    for proc in _wait_gone(alive, grace_s):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _wait_gone(alive, grace_s)
+    return names

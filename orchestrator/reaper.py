@@ -19,8 +19,9 @@ import os
 import select
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
+
+from checkpoint_engine.procs import descendants, end_processes
 
 logger = logging.getLogger(__name__)
 
@@ -55,58 +56,6 @@ def stop_reaper(reaper: subprocess.Popen, timeout_s: float = 30.0) -> None:
         reaper.kill()
 
 
-def _descendants(pid: int) -> dict[int, float]:
-    import psutil
-
-    try:
-        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return {}
-
-
-def _gone(proc) -> bool:
-    import psutil
-
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE  # dead, waiting for a parent that may never reap it
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_gone(procs: list, timeout_s: float, poll_s: float = 0.05) -> list:
-    """Wait until every process has exited (zombies count as exited); the ones still running."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        procs = [p for p in procs if not _gone(p)]
-        if not procs or time.monotonic() >= deadline:
-            return procs
-        time.sleep(poll_s)
-
-
-def _kill(recorded: dict[int, float], grace_s: float) -> list[str]:
-    """SIGTERM the recorded processes still alive, SIGKILL what is left after ``grace_s``; their names."""
-    import psutil
-
-    alive, names = [], []
-    for pid, created in recorded.items():
-        try:
-            proc = psutil.Process(pid)
-            if proc.create_time() != created or _gone(proc):  # reused pid, or already dead
-                continue
-            names.append(f"{proc.name()}[{pid}]")
-            proc.terminate()
-            alive.append(proc)
-        except psutil.NoSuchProcess:
-            continue
-    for proc in _wait_gone(alive, grace_s):
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    _wait_gone(alive, grace_s)
-    return names
-
-
 def _write_record(path: str, pids: Sequence[int]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -120,13 +69,13 @@ def watch(parent_pid: int, poll_s: float, grace_s: float, record_path: str | Non
     me = os.getpid()
     while True:
         before = len(recorded)
-        recorded.update({p: t for p, t in _descendants(parent_pid).items() if p != me})
+        recorded.update({p: t for p, t in descendants(parent_pid).items() if p != me})
         if record_path is not None and (len(recorded) != before or not os.path.exists(record_path)):
             _write_record(record_path, list(recorded))
         ready, _, _ = select.select([sys.stdin], [], [], poll_s)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             break  # EOF: the parent is gone (or closed the pipe on a clean exit)
-    return _kill(recorded, grace_s)
+    return end_processes(recorded, grace_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

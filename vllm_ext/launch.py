@@ -31,7 +31,7 @@ import threading
 import time
 
 from checkpoint_engine.cli_config import ConfigArgs, add_config_args
-from checkpoint_engine.procs import die_with_parent
+from checkpoint_engine.procs import descendants, die_with_parent, end_processes
 
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
 from vllm_ext.launch_config import EXTENSION as EXTENSION
@@ -65,6 +65,7 @@ class Launcher:
         self._load_metrics: dict | None = None
         self._load_report: dict = {}  # the engine's report at the end of its load step
         self._load_error: BaseException | None = None
+        self._engine_tree: dict[int, float] = {}  # vLLM's processes seen so far ({pid: create_time})
 
     # -- pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -110,8 +111,18 @@ class Launcher:
             self.rendezvous = f"ipc://{self._rendezvous_dir}/load.sock"
         cmd = vllm_command(self.cfg, self.engine_port, self.rendezvous)
         logger.info("starting: %s", " ".join(cmd))
-        # Own session (close() ends vLLM's engine processes with it); SIGTERM if this launcher dies.
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        # vLLM stays in this launcher's process group: whoever stops the group (the daemon, a Ctrl-C)
+        # reaches vLLM's engine core and workers too, even after this launcher was SIGKILLed. If the
+        # launcher alone dies, vLLM gets SIGTERM (PDEATHSIG).
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+        threading.Thread(target=self._record_engine_tree, daemon=True, name="engine-tree").start()
+
+    def _record_engine_tree(self, interval_s: float = 1.0) -> None:
+        """Thread: note vLLM's processes while it runs, so close() can end the ones its front end leaves."""
+        proc = self.proc
+        while proc.poll() is None:
+            self._engine_tree.update(descendants(proc.pid))
+            time.sleep(interval_s)
 
     def register_checkpoint(self) -> None:
         """Runs in a thread while vLLM starts, at low CPU priority (it has a minute; vLLM is the long pole)."""
@@ -284,14 +295,20 @@ class Launcher:
         if not self._supervising:
             raise SystemExit(128 + signum)
 
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its session: the engine core and workers too
-                self.proc.wait(10)
+    def close(self, grace_s: float = 30.0) -> None:
+        """Stop vLLM: SIGTERM, SIGKILL after `grace_s`; then end its engine processes still alive."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self._engine_tree.update(descendants(self.proc.pid))
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+            left = end_processes(self._engine_tree, grace_s=10.0)
+            if left:
+                logger.warning("vLLM left %d process(es) running; ended: %s", len(left), ", ".join(left))
         if self._server is not None:
             self._server.should_exit = True
         self.release_ps()

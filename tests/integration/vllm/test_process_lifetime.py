@@ -129,3 +129,63 @@ def test_sigterm_to_launcher_ends_vllm(tmp_path):
     ]
     seen = _run_until_vllm_then_signal(cmd, signal.SIGTERM, tmp_path)
     _assert_all_gone(seen)
+
+
+@pytest.mark.vllm
+def test_killing_the_launchers_process_group_ends_vllm_at_once(tmp_path):
+    """The daemon starts each engine command in a process group of its own and, when the engine dies
+    (even by SIGKILL), signals that group: vLLM's processes must be in it, so none outlives the engine
+    and holds the device (or a compile-cache lock) while a restarted engine starts."""
+    import os
+
+    from demo.tiny_model import TinyModelConfig, make_tiny_model
+    from testing.vllm_servers import CPU_ENGINE_ARGS, child_env
+    from vllm_ext.launch import free_port
+
+    model = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(), seed=1)
+    cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--port", str(free_port())]
+    log = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen(
+        [*cmd, "--", *CPU_ENGINE_ARGS],
+        cwd=REPO,
+        env=child_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # as the daemon starts an engine
+    )
+    seen: set[psutil.Process] = set()
+    try:
+        root = psutil.Process(launcher.pid)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any("EngineCore" in _describe(p) or "VLLM" in _describe(p) for p in seen):
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no vLLM engine process within {START_TIMEOUT_S:.0f} s"
+            time.sleep(0.2)  # polling the process tree, bounded by the deadline
+            seen |= _descendants(root)
+        outside = []
+        for p in seen:
+            try:
+                if os.getpgid(p.pid) != launcher.pid:
+                    outside.append((p.pid, _describe(p)[:80]))
+            except ProcessLookupError:
+                pass
+        launcher.kill()  # the engine "crashes"
+        launcher.wait(10)
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)  # what the daemon does with the group it started
+        except ProcessLookupError:
+            pass
+        stop_by = time.monotonic() + 10.0
+        alive = [p for p in seen if _running(p)]
+        while alive and time.monotonic() < stop_by:
+            time.sleep(0.1)  # polling the recorded processes, bounded by the deadline
+            alive = [p for p in alive if _running(p)]
+        for p in alive:
+            p.kill()
+        assert not outside, f"vLLM processes outside the launcher's process group: {outside}"
+        assert not alive, f"left running 10 s after SIGKILL to the group: {[(p.pid, _describe(p)[:80]) for p in alive]}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(30)
+        log.close()
