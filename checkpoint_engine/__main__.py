@@ -11,6 +11,8 @@ Managed engines (--engine-cmd 'python -m ENGINE ... --port {port}'; {rank} {devi
   POST /engines/start {"ranks": null | [...], "name": null | NAME}  start (dummy weights), then push NAME
                                                  (default: the current checkpoint) before reporting serving
   POST /engines/stop  {"ranks": null | [...]}     SIGTERM, SIGKILL after a grace period
+  POST /engines/sleep {"ranks", "level": 1 | 2}   vLLM's sleep mode (CUDA, --enable-sleep-mode): serving -> sleeping
+  POST /engines/wake  {"ranks", "name"?}          sleeping -> serving; level-2 sleepers (no weights) take NAME
   GET  /engines                                  every rank's engine: state, checkpoint, pid, url, restarts
   POST /update {"name", "ranks"?}                without "endpoints": the managed engines
   --auto-heal (default): a dead engine is restarted and pulls the current checkpoint (update ranks=[r])

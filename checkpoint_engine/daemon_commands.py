@@ -32,13 +32,17 @@ class CommandError(ValueError):
 def execute(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None) -> dict:
     """Run one command on this rank's ParameterServer; return a JSON-ready result."""
     op = cmd.get("op")
-    if op in ("engine_start", "engine_stop") or (op == "update" and cmd.get("managed")):
+    if op in Driver.ENGINE_OPS or (op == "update" and cmd.get("managed")):
         if host is None:
             raise CommandError(f"{op}: this daemon manages no engines (start it with --engine-cmd)")
         if op == "engine_start":
             return engines.engine_start(host, ps, cmd)
         if op == "engine_stop":
             return engines.engine_stop(host, cmd)
+        if op == "engine_sleep":
+            return engines.engine_sleep(host, cmd)
+        if op == "engine_wake":
+            return engines.engine_wake(host, ps, cmd)
         return engines.managed_update(host, ps, cmd["name"], cmd.get("ranks"), cmd.get("timeout_s"))
     if op == "register":
         files = cmd.get("files") or []
@@ -103,8 +107,15 @@ def is_int_list(value) -> bool:
 def validate(cmd: dict) -> dict:
     """Check a command on rank 0 before it goes to every rank (HTTP 400 on failure)."""
     op = cmd.get("op")
-    if op in ("engine_start", "engine_stop") and cmd.get("ranks") is not None and not is_int_list(cmd["ranks"]):
+    if op in Driver.ENGINE_OPS and cmd.get("ranks") is not None and not is_int_list(cmd["ranks"]):
         raise CommandError(f"{op}: 'ranks' must be a list of ranks or null (all)", "ranks")
+    if op == "engine_sleep" and cmd.get("level", 1) not in engines.SLEEP_LEVELS:
+        raise CommandError(f"engine_sleep: 'level' must be one of {list(engines.SLEEP_LEVELS)}", "level")
+    if op == "engine_wake" and cmd.get("update_ranks"):
+        if not is_int_list(cmd["update_ranks"]):
+            raise CommandError("engine_wake: 'update_ranks' must be a list of ranks", "update_ranks")
+        if not (isinstance(cmd.get("name"), str) and cmd["name"]):
+            raise CommandError("engine_wake: engines to update need a checkpoint 'name'", "name")
     if op == "engine_start" and cmd.get("name") is not None and not (isinstance(cmd["name"], str) and cmd["name"]):
         raise CommandError("engine_start: 'name' must be a checkpoint name or null", "name")
     if op in ("register", "unregister", "update", "gather_metas") and not (
@@ -195,7 +206,7 @@ class Driver:
         self.lock = threading.Lock()
         self.current: str | None = None
 
-    ENGINE_OPS = ("engine_start", "engine_stop")
+    ENGINE_OPS = ("engine_start", "engine_stop", "engine_sleep", "engine_wake")
 
     def run(self, cmd: dict, result_timeout_s: float | None = None) -> dict:
         """Run `cmd` on every rank; ranks silent for `result_timeout_s` (default: the relay's) fail it."""
@@ -210,7 +221,8 @@ class Driver:
             if op_key is not None:
                 self.ps.registry.store.delete(op_key)
             op, name = cmd.get("op"), cmd.get("name")
-            if ok and name and (op == "engine_start" or (op == "update" and cmd.get("managed"))):
+            updated = op == "engine_start" or (op == "update" and cmd.get("managed"))
+            if ok and name and (updated or (op == "engine_wake" and cmd.get("update_ranks"))):
                 self.current = name
             elif ok and op == "unregister" and name == self.current:
                 self.current = None  # heals now start engines without weights until the next update
@@ -223,6 +235,6 @@ class Driver:
         if cmd.get("op") not in self.ENGINE_OPS:
             return None
         key = f"ops/engines-{self.relay.seq}"
-        info = {k: cmd.get(k) for k in ("op", "ranks", "name", "heal")}
+        info = {k: cmd.get(k) for k in ("op", "ranks", "name", "heal", "level")}
         self.ps.registry.store.put(key, json.dumps({**info, "started_at_s": time.time()}), ttl_s=3600.0)
         return key

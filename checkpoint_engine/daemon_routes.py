@@ -17,7 +17,7 @@ import asyncio
 import json
 
 from checkpoint_engine.daemon_commands import CommandError, Driver, is_int_list, validate
-from checkpoint_engine.engine_states import STARTABLE, UPDATABLE
+from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE
 
 
 def make_app(driver: Driver, stop: asyncio.Event):
@@ -86,6 +86,49 @@ def make_app(driver: Driver, stop: asyncio.Event):
             return bad
         return await call({"op": "engine_stop", "ranks": data.get("ranks")})
 
+    async def engines_sleep(request):
+        data = await body(request)
+        bad = _check_engine_request(driver, data, ("ranks", "level", "timeout_s"))
+        if bad is not None:
+            return bad
+        level = data.get("level", 1)
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            return web.json_response(
+                {"ok": False, "error": f"'level' must be one of {list(SLEEP_LEVELS)} (vLLM's), got {level!r}"},
+                status=400,
+            )
+        busy = _engines_not_in(driver, data.get("ranks"), SLEEPABLE, "is not serving; only a serving engine sleeps")
+        if busy is not None:
+            return busy
+        return await call({"op": "engine_sleep", "ranks": data.get("ranks"), "level": level, **_timeout(data)})
+
+    async def engines_wake(request):
+        data = await body(request)
+        bad = _check_engine_request(driver, data, ("ranks", "name", "timeout_s"))
+        if bad is not None:
+            return bad
+        busy = _engines_not_in(driver, data.get("ranks"), frozenset({"sleeping"}), "is not sleeping")
+        if busy is not None:
+            return busy
+        wanted = set(data.get("ranks") or range(driver.ps.world_size))
+        records = [r for r in driver.board.records() if r["rank"] in wanted]
+        name = data.get("name")
+        dropped = sorted(r["rank"] for r in records if r.get("sleep_level") == 2)
+        if dropped and name is None:
+            name = driver.current
+            if name is None:
+                return web.json_response(
+                    {
+                        "ok": False,
+                        "error": f"'name' is required: the engines of ranks {dropped} slept at level 2 and "
+                        "have no weights, and no checkpoint has been served yet",
+                    },
+                    status=400,
+                )
+        update_ranks = sorted(r["rank"] for r in records if r["rank"] in dropped or (name and r["checkpoint"] != name))
+        cmd = {"op": "engine_wake", "ranks": data.get("ranks"), "name": name, "update_ranks": update_ranks}
+        return await call({**cmd, **_timeout(data)})
+
     async def engines_list(request):
         if driver.board is None:
             return web.json_response({"ok": False, "error": NO_ENGINES}, status=400)
@@ -121,6 +164,8 @@ def make_app(driver: Driver, stop: asyncio.Event):
             web.get("/engines", engines_list),
             web.post("/engines/start", engines_start),
             web.post("/engines/stop", engines_stop),
+            web.post("/engines/sleep", engines_sleep),
+            web.post("/engines/wake", engines_wake),
             web.get("/metas/{name}", get_metas),
             web.post("/metas", load_metas),
             web.post("/shutdown", shutdown),

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from checkpoint_engine.engine_config import EngineConfig, engine_env, free_port, render_cmd
-from checkpoint_engine.engine_states import STARTABLE, UPDATABLE, check_transition
+from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE, check_transition
 from checkpoint_engine.procs import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class ManagedEngine:
         self.healthy = False
         self._rendezvous_dir: str | None = None  # private folder of the load-step socket ({rendezvous})
         self.rendezvous: str | None = None  # where the running engine's load step listens
+        self.sleep_level: int | None = None  # while sleeping: 1 (weights kept in host memory) or 2 (dropped)
         self._emit()
 
     # -- state ------------------------------------------------------------------------------
@@ -71,6 +72,7 @@ class ManagedEngine:
                 "last_error": self.last_error,
                 "recovery_s": self.recovery_s,
                 "last_failure": self.last_failure,
+                "sleep_level": self.sleep_level,
                 "since": self.since,
                 "log_path": self.log_path,
             }
@@ -80,6 +82,8 @@ class ManagedEngine:
 
     def _set(self, new: str, **fields) -> None:
         check_transition(self.state, new)
+        if new != "sleeping":
+            fields.setdefault("sleep_level", None)
         logger.info("rank %d: engine %s -> %s", self.rank, self.state, new)
         self.state, self.since = new, time.time()
         for k, v in fields.items():
@@ -282,6 +286,67 @@ class ManagedEngine:
         except OSError:
             return f"log {self.log_path} unreadable"
         return f"log {self.log_path}, last lines: {tail[-num_bytes:]}"
+
+    # -- sleep (vLLM's sleep mode: CUDA) ---------------------------------------------------------
+    SLEEP_PATH, WAKE_PATH = "/sleep", "/wake_up"  # vLLM's routes (VLLM_SERVER_DEV_MODE, --enable-sleep-mode)
+
+    def sleep(self, level: int, timeout_s: float) -> None:
+        """serving -> sleeping: POST /sleep?level=N. Level 1 moves the weights to host memory and drops the
+        KV cache; level 2 drops both (the next wake needs an update). RuntimeError naming the engine's
+        answer when it refuses (vLLM without sleep mode, e.g. on CPU); it then keeps serving."""
+        from checkpoint_engine.httpjson import status_json
+
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {list(SLEEP_LEVELS)}, got {level!r}")
+        with self._lock:
+            if self.state not in SLEEPABLE:
+                raise RuntimeError(f"rank {self.rank}: the engine is {self.state}; only a serving engine can sleep")
+            url = f"{self.url}{self.SLEEP_PATH}?level={level}"
+        try:
+            status, answer = status_json("POST", url, timeout_s=timeout_s)
+        except OSError as e:
+            raise RuntimeError(f"rank {self.rank}: POST {url} failed: {e}") from None
+        if status != 200:
+            raise RuntimeError(
+                f"rank {self.rank}: the engine refused to sleep (POST {url} answered {status}: {answer}); "
+                "vLLM sleeps only on CUDA and when started with --enable-sleep-mode"
+            )
+        with self._lock:
+            if self.state == "serving":  # else the watchdog marked it failed meanwhile
+                self._set("sleeping", sleep_level=level, checkpoint=self.checkpoint if level == 1 else None)
+
+    def wake(self, timeout_s: float, *, weights_only: bool = False) -> None:
+        """sleeping -> serving (level 1: its weights are back) or incomplete (level 2: no weights until an
+        update): POST /wake_up. `weights_only` (level 2): POST /wake_up?tags=weights, so the update can
+        write its weights while the KV cache still sleeps and nothing is generated; `finish_wake()` after it."""
+        with self._lock:
+            if self.state != "sleeping":
+                raise RuntimeError(f"rank {self.rank}: the engine is {self.state}, not sleeping")
+            level = self.sleep_level
+        if weights_only and level != 2:
+            raise ValueError(f"rank {self.rank}: a weights-only wake is for a level-2 sleep, not level {level}")
+        self._post_wake(timeout_s, "?tags=weights" if weights_only else "")
+        with self._lock:
+            if self.state == "sleeping":  # else the watchdog marked it failed meanwhile
+                if level == 1:
+                    self._set("serving", last_error=None)
+                else:
+                    self._set("incomplete", checkpoint=None, last_error="woke from a level-2 sleep: no weights yet")
+
+    def finish_wake(self, timeout_s: float) -> None:
+        """The rest of a weights-only wake: POST /wake_up?tags=kv_cache (the state is the update's)."""
+        self._post_wake(timeout_s, "?tags=kv_cache")
+
+    def _post_wake(self, timeout_s: float, query: str) -> None:
+        from checkpoint_engine.httpjson import status_json
+
+        url = f"{self.url}{self.WAKE_PATH}{query}"
+        try:
+            status, answer = status_json("POST", url, timeout_s=timeout_s)
+        except OSError as e:
+            raise RuntimeError(f"rank {self.rank}: POST {url} failed: {e}") from None
+        if status != 200:
+            raise RuntimeError(f"rank {self.rank}: the engine did not wake (POST {url} answered {status}: {answer})")
 
     # -- updates ----------------------------------------------------------------------------
     def update_refusal(self) -> str | None:

@@ -10,7 +10,8 @@ The engine is an argv template the user gives (`{port}`, `{rank}`, `{device}` ar
     engine_process  ManagedEngine: one process (start, health, stop) and its state
     engine_heal     Watchdog (every rank) and Healer (rank 0)
     engines         EngineHost, the agreement through the store, engine_start / managed_update /
-                    engine_stop; every public name of the modules above is importable from here
+                    engine_stop / engine_sleep / engine_wake; every public name of the modules
+                    above is importable from here
 
 How a death reaches rank 0, and the heal (the daemon wires it; see daemon.py):
 
@@ -39,6 +40,12 @@ listens in its load step (`checkpoint_engine.load_rendezvous`), the ranks agree,
 waits for health. vLLM then packs the pulled weights once, during its start, instead of packing dummy
 weights and repacking after a push into the healthy engine.
 
+Sleep instead of stop (vLLM's sleep mode, CUDA; colocated training): `engine_sleep` POSTs /sleep?level=N
+to each engine (serving -> sleeping); `engine_wake` wakes them (level 1: serving the weights they had).
+Engines that slept at level 2 lost their weights: they wake the weights' memory only
+(/wake_up?tags=weights), take the update of `name`, then wake their KV cache (tags=kv_cache), so an
+engine generates only once it holds complete weights.
+
 Health: GET `health_path` answers 200 once the engine can take an update. For `vllm_ext.launch
 --no-initial-push` that is `/version` (vLLM's own, proxied by the gate), not the gate's `/health`,
 which opens only after the first update.
@@ -60,6 +67,8 @@ from checkpoint_engine.engine_config import (
 from checkpoint_engine.engine_heal import Healer, Watchdog
 from checkpoint_engine.engine_process import ManagedEngine
 from checkpoint_engine.engine_states import (
+    SLEEP_LEVELS,
+    SLEEPABLE,
     STARTABLE,
     STATES,
     TRANSITIONS,
@@ -72,6 +81,8 @@ from checkpoint_engine.store_wait import wait_for_keys
 
 __all__ = [
     "PLACEHOLDERS",
+    "SLEEPABLE",
+    "SLEEP_LEVELS",
     "STARTABLE",
     "STATES",
     "TORCHRUN_VARS",
@@ -86,8 +97,10 @@ __all__ = [
     "Watchdog",
     "check_transition",
     "engine_env",
+    "engine_sleep",
     "engine_start",
     "engine_stop",
+    "engine_wake",
     "free_port",
     "managed_update",
     "parse_engine_cmd",
@@ -260,3 +273,44 @@ def engine_stop(host: EngineHost, cmd: dict) -> dict:
     if host.rank in ranks:
         host.engine.stop()
     return {"engine": host.engine.record()}
+
+
+def engine_sleep(host: EngineHost, cmd: dict) -> dict:
+    """Put the serving engines of `ranks` to sleep at `level` (1: weights to host memory; 2: dropped)."""
+    ranks = cmd.get("ranks") or list(range(host.world_size))
+    if host.rank in ranks:
+        host.engine.sleep(
+            int(cmd.get("level") or 1), timeout_s=float(cmd.get("timeout_s") or host.config.update_timeout_s)
+        )
+    return {"engine": host.engine.record()}
+
+
+def engine_wake(host: EngineHost, ps, cmd: dict) -> dict:
+    """Wake the sleeping engines of `ranks`; those of `update_ranks` then take `name` (every rank calls
+    this: the update is collective). Rank 0 picks `update_ranks` from the records: engines that slept at
+    level 2 and those whose weights are not `name`."""
+    ranks = cmd.get("ranks") or list(range(host.world_size))
+    update_ranks = sorted(set(cmd.get("update_ranks") or []))
+    timeout_s = float(cmd.get("timeout_s") or host.config.update_timeout_s)
+    mine = host.rank in ranks
+    weights_only = mine and host.rank in update_ranks and host.engine.sleep_level == 2
+    error = None
+    if mine:
+        try:
+            host.engine.wake(timeout_s, weights_only=weights_only)
+        except RuntimeError as e:
+            error = str(e)
+    failed = _agree(host, error, timeout_s + host.AGREE_MARGIN_S)
+    if failed:
+        if host.rank in failed:
+            raise RuntimeError(failed[host.rank])
+        return {"engine": host.engine.record(), "update": f"skipped: engines of ranks {sorted(failed)} did not wake"}
+    result = {"engine": host.engine.record()}
+    try:
+        if update_ranks:
+            result["update"] = managed_update(host, ps, cmd["name"], update_ranks, timeout_s)
+    finally:
+        if weights_only:  # also after a failed update: the engine stays incomplete, not half asleep
+            host.engine.finish_wake(timeout_s)
+    result["engine"] = host.engine.record()
+    return result

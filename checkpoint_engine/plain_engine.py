@@ -1,7 +1,8 @@
 """A plain engine process: holds named weights in memory and receives updates like a vLLM worker.
 
 Used by tests, the demo and the benchmark (and by GPU checks where vLLM cannot run). It serves
-`POST /collective_rpc` (methods: update_weights_from_ipc, weights_state, weights_digest) on
+`POST /collective_rpc` (methods: update_weights_from_ipc, weights_state, weights_digest) and vLLM's
+sleep routes (`POST /sleep?level=N`, `POST /wake_up[?tags=weights|kv_cache]`, `GET /is_sleeping`) on
 127.0.0.1. Fault injection flags make failure tests possible.
 
     python -m checkpoint_engine.plain_engine --port 8100 [--device cpu|cuda:0] [--fail-on-bucket N]
@@ -36,6 +37,7 @@ class PlainEngine:
         die_on_bucket: int | None = None,
         load_delay_s: float = 0.0,
         timeout_s: float = 120.0,
+        sleep_mode: bool = True,
     ):
         import torch
         import zmq
@@ -53,6 +55,10 @@ class PlainEngine:
         self.load_delay_s, self.timeout_s = load_delay_s, timeout_s
         self._lock = threading.Lock()
         self.num_updates_started = 0
+        self.sleep_mode = sleep_mode
+        self.asleep: set[str] = set()  # the sleeping tags (weights, kv_cache); empty: awake
+        self._offloaded: dict | None = None
+        self._shapes: dict = {}
 
     def update_weights_from_ipc(self, zmq_handles: dict[str, str]) -> dict:
         from checkpoint_engine.worker import update_weights_from_ipc
@@ -61,6 +67,8 @@ class PlainEngine:
             raise ValueError(f"a plain engine serves one device, got handles for {sorted(zmq_handles)}")
         handle = next(iter(zmq_handles.values()))
         with self._lock:
+            if "weights" in self.asleep:
+                raise RuntimeError("the weights are asleep: wake them (POST /wake_up?tags=weights) before an update")
             self.num_updates_started += 1
             bucket = {"i": 0}
 
@@ -104,6 +112,40 @@ class PlainEngine:
     def weights_state(self) -> dict:
         return self.state.report()
 
+    # vLLM's sleep mode, as its HTTP routes behave: level 1 keeps the weights in host memory, level 2
+    # drops them (a wake gives back tensors of the right shapes with nothing meaningful in them: zeros)
+    SLEEP_TAGS = ("weights", "kv_cache")
+
+    def sleep(self, level: int) -> None:
+        with self._lock:
+            if level not in (1, 2):
+                raise ValueError(f"level must be 1 or 2, got {level}")
+            if self.asleep:
+                raise RuntimeError("already sleeping")
+            self._offloaded = {k: t.cpu().clone() for k, t in self.weights.items()} if level == 1 else None
+            self._shapes = {k: (t.shape, t.dtype) for k, t in self.weights.items()}
+            self.weights.clear()
+            self.asleep = set(self.SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None) -> bool:
+        """Wake `tags` (all when None); True once fully awake."""
+        with self._lock:
+            tags = tags or list(self.SLEEP_TAGS)
+            unknown = sorted(set(tags) - set(self.SLEEP_TAGS))
+            if unknown:
+                raise ValueError(f"unknown tags {unknown}; known: {list(self.SLEEP_TAGS)}")
+            if "weights" in tags and "weights" in self.asleep:
+                if self._offloaded is not None:
+                    self.weights = {k: t.to(self.device) for k, t in self._offloaded.items()}
+                else:
+                    z = self.torch.zeros
+                    self.weights = {
+                        k: z(shape, dtype=dt, device=self.device) for k, (shape, dt) in self._shapes.items()
+                    }
+                self._offloaded = None
+            self.asleep -= set(tags)
+            return not self.asleep
+
     def weights_digest(self) -> dict:
         from checkpoint_engine.checksum import tensor_checksum
 
@@ -119,10 +161,28 @@ def make_handler(engine: PlainEngine):
         def do_GET(self):
             if self.path == "/health":
                 self.reply(200, {"ok": True, **engine.weights_state()})
+            elif self.path == "/is_sleeping":
+                self.reply(200, {"is_sleeping": bool(engine.asleep)})
             else:
                 self.reply(404, {"error": f"no route {self.path}"})
 
         def do_POST(self):
+            from urllib.parse import parse_qs, urlsplit
+
+            url = urlsplit(self.path)
+            if url.path in ("/sleep", "/wake_up"):
+                query = parse_qs(url.query)
+                if not engine.sleep_mode:
+                    return self.reply(400, {"error": "sleep mode is not enabled (--no-sleep-mode)"})
+                try:
+                    if url.path == "/sleep":
+                        level = int(query.get("level", ["1"])[0])
+                        engine.sleep(level)
+                        return self.reply(200, {"status": "sleeping", "level": level})
+                    awake = engine.wake_up(query.get("tags"))
+                    return self.reply(200, {"status": "awake" if awake else "sleeping", "tags": query.get("tags")})
+                except (ValueError, RuntimeError) as e:
+                    return self.reply(400, {"error": str(e)})
             if self.path != "/collective_rpc":
                 return self.reply(404, {"error": f"no route {self.path}"})
             try:
@@ -154,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--die-on-bucket", type=int, default=None, help="SIGKILL itself at this bucket (tests)")
     p.add_argument("--load-delay-s", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=120.0, help="deadline for each wait on the PS")
+    p.add_argument("--no-sleep-mode", action="store_true", help="refuse /sleep, as vLLM without sleep mode")
     p.add_argument(
         "--load-rendezvous",
         default=None,
@@ -165,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoint_engine.logs import setup_logging
 
     setup_logging("INFO")
-    engine = PlainEngine(args.device, args.fail_on_bucket, args.die_on_bucket, args.load_delay_s, args.timeout_s)
+    engine = PlainEngine(
+        args.device,
+        args.fail_on_bucket,
+        args.die_on_bucket,
+        args.load_delay_s,
+        args.timeout_s,
+        sleep_mode=not args.no_sleep_mode,
+    )
     if args.load_rendezvous is not None:
         from checkpoint_engine.load_rendezvous import serve_initial_load
 

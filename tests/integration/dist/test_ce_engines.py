@@ -321,3 +321,84 @@ def test_sigterm_to_torchrun_stops_every_rank_and_engine_within_the_deadline(tmp
         wait_for(lambda: not any(alive(p) for p in pids), "the engines end with their ranks", timeout_s=10)
     finally:
         daemon.stop()
+
+
+def test_engines_sleep_and_wake_at_both_levels(tmp_path):
+    """vLLM's sleep mode through the daemon (plain engines answer its routes the same way): level 1
+    keeps the weights, level 2 drops them and the wake updates them (weights woken first, KV cache
+    after), and bad requests are refused before any engine is touched."""
+    files, expected = write_checkpoint(tmp_path / "v1", seed=0)
+    files2, expected2 = write_checkpoint(tmp_path / "v2", seed=1)
+    daemon = start_daemon(tmp_path)
+    base = daemon.url
+
+    def view() -> list[tuple]:
+        return [(e["state"], e["checkpoint"], e["sleep_level"]) for e in engines(base)]
+
+    def asleep(url: str) -> bool:
+        code, res = call("GET", url + "/is_sleeping")
+        assert code == 200, res
+        return res["is_sleeping"]
+
+    try:
+        assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
+        assert call("POST", base + "/engines/start", {"name": "v1"})[0] == 200
+        urls = [e["url"] for e in engines(base)]
+        code, res = call("POST", base + "/engines/sleep", {"level": 3})
+        assert code == 400 and "'level'" in res["error"], res
+        code, res = call("POST", base + "/engines/wake", {})
+        assert code == 409 and "not sleeping" in res["error"], res
+
+        # level 1: the weights come back as they were; a sleeping engine takes no update
+        code, res = call("POST", base + "/engines/sleep", {"level": 1})
+        assert code == 200 and res["ok"], res
+        assert view() == [("sleeping", "v1", 1)] * 2
+        assert all(asleep(u) for u in urls)
+        code, res = call("POST", base + "/update", {"name": "v1"})
+        assert code == 409 and res["states"] == {"0": "sleeping", "1": "sleeping"}, res
+        code, res = call("POST", base + "/engines/sleep", {})
+        assert code == 409 and "only a serving engine sleeps" in res["error"], res
+        code, res = call("POST", base + "/engines/wake", {})
+        assert code == 200 and res["ok"], res
+        assert view() == [("serving", "v1", None)] * 2
+        assert all(rpc(u, "weights_digest") == expected and not asleep(u) for u in urls)
+
+        # level 2: the weights are gone; the wake brings the named checkpoint
+        assert call("POST", base + "/engines/sleep", {"level": 2})[0] == 200
+        assert view() == [("sleeping", None, 2)] * 2
+        assert call("POST", base + "/checkpoints", {"name": "v2", "files": files2})[0] == 200
+        code, res = call("POST", base + "/engines/wake", {"name": "v2"})
+        assert code == 200 and res["ok"], res
+        assert all(r["result"]["update"]["total_bytes"] > 0 for r in res["ranks"]), res
+        assert view() == [("serving", "v2", None)] * 2
+        assert all(rpc(u, "weights_digest") == expected2 and not asleep(u) for u in urls)
+
+        # one engine at level 2, woken without a name: it pulls the current checkpoint (v2) alone
+        assert call("POST", base + "/engines/sleep", {"ranks": [1], "level": 2})[0] == 200
+        assert view() == [("serving", "v2", None), ("sleeping", None, 2)]
+        code, res = call("POST", base + "/engines/wake", {"ranks": [1]})
+        assert code == 200 and res["ok"], res
+        assert view() == [("serving", "v2", None)] * 2
+        assert rpc(urls[1], "weights_digest") == expected2 and not asleep(urls[1])
+        assert call("POST", base + "/engines/stop", {})[0] == 200
+        shutdown(daemon)
+    finally:
+        daemon.stop()
+
+
+def test_an_engine_without_sleep_mode_refuses_and_keeps_serving(tmp_path):
+    files, expected = write_checkpoint(tmp_path / "v1", seed=0)
+    daemon = start_daemon(tmp_path, "--engine-cmd", json.dumps([*json.loads(ENGINE_CMD), "--no-sleep-mode"]))
+    base = daemon.url
+    try:
+        assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
+        assert call("POST", base + "/engines/start", {"name": "v1"})[0] == 200
+        code, res = call("POST", base + "/engines/sleep", {"level": 1})
+        assert code == 500 and "refused to sleep" in res["errors"]["0"] and "--enable-sleep-mode" in res["errors"]["1"]
+        states = engines(base)
+        assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "v1")] * 2
+        assert call("POST", base + "/update", {"name": "v1"})[0] == 200  # still takes updates
+        assert all(rpc(e["url"], "weights_digest") == expected for e in states)
+        shutdown(daemon)
+    finally:
+        daemon.stop()

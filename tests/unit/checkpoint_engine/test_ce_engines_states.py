@@ -31,8 +31,13 @@ ALLOWED = [
     ("updating", "failed"),
     ("updating", "stopped"),
     ("serving", "updating"),
+    ("serving", "sleeping"),
     ("serving", "failed"),
     ("serving", "stopped"),
+    ("sleeping", "serving"),  # level 1: its weights are back
+    ("sleeping", "incomplete"),  # level 2: no weights until an update
+    ("sleeping", "failed"),
+    ("sleeping", "stopped"),
     ("incomplete", "updating"),
     ("incomplete", "failed"),
     ("incomplete", "stopped"),
