@@ -226,6 +226,10 @@ class EngineConfig:
     and starts them with the new version after it (POST /engines/start: the version goes into vLLM's load
     step with ``{rendezvous}`` engines, else dummy weights and then the push; never serving dummy weights).
     False (disaggregated): the engines keep serving and each version is one update into all of them.
+    ``sleep_level`` (colocated only): 0 stops and starts the engines as above; 1 or 2 puts them to sleep
+    at that vLLM sleep level instead (POST /engines/sleep: 1 keeps the weights in host memory, 2 drops
+    them; the KV cache is freed either way) and wakes them with the new version (POST /engines/wake),
+    sparing vLLM's start-up. vLLM sleeps on CUDA only, started with ``--enable-sleep-mode``; on CPU keep 0.
     """
 
     type: Literal["vllm_async", "vllm_http", "daemon"] = "vllm_async"
@@ -241,6 +245,7 @@ class EngineConfig:
     start_timeout_s: float = 900.0
     seed: int = 0
     colocated: bool = False
+    sleep_level: int = 0  # colocated: 0 stop/start, 1 or 2 vLLM sleep level
 
     def __post_init__(self) -> None:
         check_literals(self, "engine.")
@@ -263,6 +268,16 @@ class EngineConfig:
             raise ValueError(
                 f"engine.colocated=true stops and starts the checkpoint-engine daemon's engines around each "
                 f"training step: set engine.type='daemon' and engine.endpoint (got engine.type={self.type!r})"
+            )
+        if type(self.sleep_level) is not int or self.sleep_level not in (0, 1, 2):  # bool, 1.0: rejected
+            raise ValueError(
+                f"engine.sleep_level={self.sleep_level!r} must be 0 (stop and start the engines), 1 or 2 "
+                "(vLLM's sleep level)"
+            )
+        if self.sleep_level and not self.colocated:
+            raise ValueError(
+                f"engine.sleep_level={self.sleep_level} puts the engines to sleep around training, which only "
+                "colocated mode does: set engine.colocated=true, or engine.sleep_level=0"
             )
 
 

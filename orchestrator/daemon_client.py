@@ -3,7 +3,8 @@
 ::
 
     DaemonClient: GET /engines, POST /checkpoints, DELETE /checkpoints/<name>, POST /engines/start,
-        POST /engines/stop, POST /update; wait_serving(rank, name): until that rank's engine serves it
+        POST /engines/stop, POST /engines/sleep, POST /engines/wake, POST /update;
+        wait_serving(rank, name): until that rank's engine serves it
     write_version: a version's tensors as safetensors shards in the handoff dir, one per daemon rank
     SwitchError, describe_engines: a failed colocated switch, naming every engine's state
 """
@@ -67,6 +68,20 @@ class DaemonClient:
 
     def stop_engines(self, ranks: list[int] | None = None) -> dict:
         return self._call("POST", "/engines/stop", {} if ranks is None else {"ranks": ranks})
+
+    def sleep_engines(self, level: int, ranks: list[int] | None = None) -> dict:
+        """Put the serving engines of ``ranks`` (all: None) to sleep at vLLM sleep ``level`` (1: weights
+        kept in host memory, 2: dropped); they report "sleeping"."""
+        body = {"level": level} if ranks is None else {"level": level, "ranks": ranks}
+        return self._call("POST", "/engines/sleep", body)
+
+    def wake_engines(self, name: str | None, timeout_s: float, ranks: list[int] | None = None) -> dict:
+        """Wake the sleeping engines of ``ranks`` (all: None), serving ``name`` (the daemon updates them
+        to it; None: level 1 keeps what they slept with, level 2 gets the current checkpoint)."""
+        body: dict = {"name": name, "timeout_s": timeout_s}
+        if ranks is not None:
+            body["ranks"] = ranks
+        return self._call("POST", "/engines/wake", body, timeout_s=timeout_s + 60.0)
 
     def update(self, name: str, ranks: list[int] | None) -> dict:
         body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}

@@ -31,6 +31,16 @@ Colocated (``engine.colocated``, k1.5's hybrid deployment): the engines run only
     a failed phase raises SwitchError naming it and every engine's state; the daemon keeps that state
     (GET /engines, etcd with --metadata-url: failed = the engine did not start, incomplete = the update
     into it failed); the next push stops what is left and starts every engine again.
+
+With ``engine.sleep_level`` 1 or 2 (vLLM's sleep mode, CUDA) the engines sleep instead of stopping::
+
+    rollout ──▶ before_train(): pool parked, POST /engines/sleep {level}, GET /engines: every engine
+                sleeping                                      (switch_to_train_s)
+    train   ──▶ push(v+1): files -> POST /checkpoints -> POST /engines/wake {name: policy-v<v+1>,
+                timeout_s} (the daemon wakes them and updates them to v+1) -> GET /engines: every
+                engine serving v+1 -> the pool takes them again (switch_to_inference_s)
+    a failed sleep or wake raises SwitchError as above; the next push then finds them not all sleeping
+    and stops what is left and starts every engine, as sleep_level 0 does.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from orchestrator.weight_sync import SyncResult
 logger = logging.getLogger(__name__)
 
 MODEL_DIR = "model"  # under the handoff dir: the engines' --model
-PARKED = "stopped"  # a pool member whose engine the daemon stopped (colocated, while training)
+PARKED = "stopped"  # a pool member whose engine the daemon stopped or put to sleep (colocated, while training)
 
 
 def _http_engine(config: EngineConfig, url: str):
@@ -180,6 +190,12 @@ def start_daemon_pool(
     return pool
 
 
+def _update_s(answer: dict) -> float | None:
+    """The longest rank's update seconds in the daemon's answer to /engines/start or /engines/wake, if it said."""
+    updates = [r.get("result", {}).get("update") for r in answer.get("ranks", []) if isinstance(r.get("result"), dict)]
+    return max((u["total_s"] for u in updates if isinstance(u, dict) and "total_s" in u), default=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class DaemonSyncResult(SyncResult):
     switch: dict[str, float] = dataclasses.field(default_factory=dict)  # colocated: switch_to_inference_s
@@ -189,7 +205,13 @@ class DaemonWeightSync:
     """Each version as files in the handoff dir, registered with the daemon and pushed into its engines."""
 
     def __init__(
-        self, config: SyncConfig, pool: DaemonEnginePool, *, colocated: bool = False, start_timeout_s: float = 900.0
+        self,
+        config: SyncConfig,
+        pool: DaemonEnginePool,
+        *,
+        colocated: bool = False,
+        start_timeout_s: float = 900.0,
+        sleep_level: int = 0,
     ) -> None:
         self.pool = pool
         self.client: DaemonClient = pool.daemon
@@ -198,18 +220,25 @@ class DaemonWeightSync:
         self._version = 0
         self._lock = threading.Lock()
         self.colocated, self.start_timeout_s = colocated, start_timeout_s
-        self._parked = False  # colocated: the engines are stopped (training); the next push starts them
+        self.sleep_level = sleep_level  # colocated: 0 stop/start the engines, 1 or 2 sleep/wake them
+        self._parked = (
+            False  # colocated: the engines are stopped or asleep (training); the next push starts or wakes them
+        )
         self._registered: str | None = None  # the last version registered with the daemon
         pool.set_bring_up(self.bring_up)
 
     def before_train(self) -> dict[str, float]:
-        """Colocated: stop every engine (inference -> train); {"switch_to_train_s": s}. Disaggregated: {}."""
+        """Colocated: stop every engine, or put it to sleep with ``sleep_level`` (inference -> train);
+        {"switch_to_train_s": s}. Disaggregated: {}."""
         if not self.colocated:
             return {}
         with self._lock:
             start = time.monotonic()
             self._parked = True  # whatever happens below, the next push starts the engines again
             self.pool.park()
+            if self.sleep_level:
+                self._sleep()
+                return {"switch_to_train_s": time.monotonic() - start}
             try:
                 self.client.stop_engines()
                 records = self.client.engines()["engines"]
@@ -222,6 +251,74 @@ class DaemonWeightSync:
                     f"({describe_engines(running)})"
                 )
             return {"switch_to_train_s": time.monotonic() - start}
+
+    def _sleep(self) -> None:
+        """Colocated inference -> train with ``sleep_level``: every engine asleep (lock held)."""
+        route = f"POST /engines/sleep {{level: {self.sleep_level}}}"
+        try:
+            self.client.sleep_engines(self.sleep_level)
+            records = self.client.engines()["engines"]
+        except Exception as e:
+            # 500: an engine refused to sleep (vLLM without sleep mode); say how to run without it
+            hint = (
+                ". vLLM sleeps only on CUDA and when started with --enable-sleep-mode; else set "
+                "engine.sleep_level=0 (stop and start the engines)"
+                if getattr(e, "status", None) == 500
+                else ""
+            )
+            raise SwitchError(f"colocated switch inference->train: {route} failed: {str(e)[:1500]}{hint}") from e
+        awake = [r for r in records if r.get("state") != "sleeping"]
+        if awake:
+            raise SwitchError(
+                f"colocated switch inference->train: engines not sleeping after {route} ({describe_engines(records)})"
+            )
+
+    def _wake(self, name: str, version: int) -> tuple[float, float | None]:
+        """Colocated train -> inference with ``sleep_level``: every engine woken and brought to ``name`` by
+        the daemon, then taken by the pool. (seconds, the daemon's update seconds if it said). Engines
+        that are not all asleep (a failed switch) are stopped and started instead (``_start``)."""
+        start = time.monotonic()
+        records = self.client.engines()["engines"]
+        if any(r.get("state") != "sleeping" for r in records):
+            logger.warning(
+                "colocated switch train->inference: not every engine sleeps (%s); stopping them and starting "
+                "every engine with %s",
+                describe_engines(records),
+                name,
+            )
+            return self._start(name, version)
+        route = f"POST /engines/wake {{name: {name}}}"
+        try:
+            answer = self.client.wake_engines(name, timeout_s=self.start_timeout_s)
+        except Exception as e:
+            try:
+                records = self.client.engines()["engines"]
+            except Exception as e2:  # noqa: BLE001 - the daemon itself may be gone: say so instead
+                raise SwitchError(
+                    f"colocated switch train->inference: {route} failed: {e}; GET /engines failed too: {e2}"
+                ) from e
+            states = {r.get("state") for r in records}
+            phase = (
+                "engine wake"
+                if "sleeping" in states or "failed" in states
+                else f"weight update to {name}"
+                if "incomplete" in states
+                else "engine wake + update"
+            )
+            raise SwitchError(
+                f"colocated switch train->inference failed in phase '{phase}' ({route}): {str(e)[:1500]}; "
+                f"engines now: {describe_engines(records)}. The next push wakes them if all still sleep, else stops "
+                "them and starts every engine"
+            ) from e
+        records = self.client.engines()["engines"]
+        wrong = [r for r in records if r.get("state") != "serving" or r.get("checkpoint") != name]
+        if wrong:
+            raise SwitchError(
+                f"colocated switch train->inference: after {route} the engines do not all serve {name} "
+                f"({describe_engines(wrong)})"
+            )
+        self.pool.take(records, version)
+        return time.monotonic() - start, _update_s(answer)
 
     def _start(self, name: str, version: int) -> tuple[float, float | None]:
         """Colocated train -> inference: every engine started with dummy weights and brought to ``name`` by
@@ -261,11 +358,7 @@ class DaemonWeightSync:
                 f"serve {name} ({describe_engines(wrong)})"
             )
         self.pool.take(records, version)
-        updates = [
-            r.get("result", {}).get("update") for r in answer.get("ranks", []) if isinstance(r.get("result"), dict)
-        ]
-        update_s = max((u["total_s"] for u in updates if isinstance(u, dict) and "total_s" in u), default=None)
-        return time.monotonic() - start, update_s
+        return time.monotonic() - start, _update_s(answer)
 
     def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> SyncResult:
         name = f"policy-v{version}"
@@ -297,8 +390,8 @@ class DaemonWeightSync:
         return SyncResult(version=version, total_s=total_s, update_s=update_s, total_bytes=nbytes, num_buckets=0)
 
     def _push_by_start(self, name: str, version: int, named_tensors, start: float) -> SyncResult:
-        """Colocated: the version reaches the engines as they start (lock held)."""
-        switch_s, update_s = self._start(name, version)
+        """Colocated: the version reaches the engines as they start or wake (lock held)."""
+        switch_s, update_s = self._wake(name, version) if self.sleep_level else self._start(name, version)
         self._parked = False
         if self._current is not None and self._current != name:
             self.client.unregister(self._current)

@@ -36,6 +36,9 @@ def check_resumable(saved: dict, current: dict) -> None:
     engine = saved.get("engine")
     if isinstance(engine, dict) and "colocated" not in engine:  # saved before colocated mode: disaggregated
         saved = {**saved, "engine": {**engine, "colocated": False}}
+    engine = saved.get("engine")
+    if isinstance(engine, dict) and "sleep_level" not in engine:  # saved before sleep mode: stop and start
+        saved = {**saved, "engine": {**engine, "sleep_level": 0}}
     bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
     if bad:
         raise ValueError(
@@ -114,7 +117,13 @@ def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, s
     if c.engine.type == "daemon" and engine_factory is None:
         from orchestrator.daemon_engines import DaemonWeightSync
 
-        return DaemonWeightSync(c.sync, engine, colocated=c.engine.colocated, start_timeout_s=c.engine.start_timeout_s)
+        return DaemonWeightSync(
+            c.sync,
+            engine,
+            colocated=c.engine.colocated,
+            start_timeout_s=c.engine.start_timeout_s,
+            sleep_level=c.engine.sleep_level,
+        )
     if isinstance(engine, EnginePool):  # one registration, one update per engine; heals engines
         from orchestrator.pool_sync import PoolWeightSync
 
