@@ -1,6 +1,7 @@
 """Self-healing: a `Watchdog` thread on every rank notices its engine's death within one poll; a
 `Healer` thread on rank 0 relays a restart of every failed engine and its update to the current
-checkpoint (see engines.py for the whole path).
+checkpoint (see engines.py for the whole path). An engine that died while sleeping is put back to
+sleep at its level once healed, so a colocated trainer keeps its device memory.
 """
 
 from __future__ import annotations
@@ -52,15 +53,18 @@ class Healer:
                 logger.exception("engine healer round failed")
 
     def heal_once(self) -> None:
-        failed = []
+        failed, asleep = [], {}
         for rec in self.driver.board.records():
             r, state = rec["rank"], rec["state"]
-            if state == "serving":
+            if state in ("serving", "sleeping"):
                 self._attempts.pop(r, None)
             elif state == "failed":
                 n = self._attempts.get(r, 0)
                 if n < self.max_attempts:
                     failed.append(r)
+                    level = (rec.get("last_failure") or {}).get("sleep_level")
+                    if level:
+                        asleep[r] = level
                 elif n == self.max_attempts:
                     self._attempts[r] = n + 1  # say it once
                     logger.error("rank %d: engine still failed after %d heals; giving up: %s", r, n, rec["last_error"])
@@ -72,6 +76,12 @@ class Healer:
         result = self.driver.run({"op": "engine_start", "ranks": failed, "name": self.driver.current, "heal": True})
         if result["ok"]:
             logger.info("healed the engines of ranks %s", failed)
+            # an engine that died asleep (colocated training) goes back to sleep, at its level
+            for level in sorted(set(asleep.values())):
+                ranks = sorted(r for r, lv in asleep.items() if lv == level)
+                back = self.driver.run({"op": "engine_sleep", "ranks": ranks, "level": level})
+                if not back["ok"]:
+                    logger.error("ranks %s healed but not put back to sleep: %s", ranks, back.get("errors"))
         else:
             logger.error("heal of ranks %s failed: %s", failed, result.get("errors"))
 

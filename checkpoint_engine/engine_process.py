@@ -95,7 +95,8 @@ class ManagedEngine:
         if self.state in ("failed", "stopped"):
             return
         self.failed_at = time.monotonic()
-        self.last_failure = {"reason": reason, "exit_code": exit_code, "at": time.time()}
+        asleep_at = self.sleep_level if self.state == "sleeping" else None  # the healer puts it back to sleep
+        self.last_failure = {"reason": reason, "exit_code": exit_code, "at": time.time(), "sleep_level": asleep_at}
         self._set("failed", exit_code=exit_code, last_error=reason, healthy=False, checkpoint=None)
         logger.error("rank %d: engine failed: %s", self.rank, reason)
 

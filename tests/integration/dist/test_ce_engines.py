@@ -358,6 +358,14 @@ def test_engines_sleep_and_wake_at_both_levels(tmp_path):
         assert code == 409 and res["states"] == {"0": "sleeping", "1": "sleeping"}, res
         code, res = call("POST", base + "/engines/sleep", {})
         assert code == 409 and "only a serving engine sleeps" in res["error"], res
+        # an engine that dies asleep is healed and put back to sleep at its level
+        pid1 = engines(base)[1]["pid"]
+        os.kill(pid1, signal.SIGKILL)
+        back = lambda: (e := engines(base)[1])["pid"] != pid1 and e["state"] == "sleeping" and e
+        e1 = wait_for(back, "rank 1's engine healed and asleep again", timeout_s=60)
+        assert e1["restarts"] == 1 and e1["sleep_level"] == 1 and e1["checkpoint"] == "v1", e1
+        urls[1] = e1["url"]
+        assert asleep(urls[1])
         code, res = call("POST", base + "/engines/wake", {})
         assert code == 200 and res["ok"], res
         assert view() == [("serving", "v1", None)] * 2
