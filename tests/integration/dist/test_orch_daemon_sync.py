@@ -232,3 +232,46 @@ def test_colocated_needs_the_daemon():
     with pytest.raises(ValueError, match=r"engine.colocated='yes' must be true or false"):
         EngineConfig(type="daemon", endpoint="http://127.0.0.1:8400", colocated="yes")
     assert EngineConfig(type="daemon", endpoint="http://127.0.0.1:8400", colocated=True).colocated
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_colocated_switches_with_sleeping_engines(tmp_path, level):
+    """`engine.sleep_level`: the engines sleep through training and wake with the new version; their
+    processes are never restarted (the plain engine answers vLLM's sleep routes)."""
+    config = TinyModelConfig.tiny()
+    model = make_tiny_model(tmp_path / "sft", config, seed=0)
+    handoff = tmp_path / "handoff"
+    handoff.mkdir()
+    daemon = start_daemon(tmp_path)
+    base = daemon.url
+    try:
+        engine_config = EngineConfig(
+            type="daemon", endpoint=base, start_timeout_s=60, colocated=True, sleep_level=level
+        )
+        pool = start_daemon_pool(
+            engine_config, str(model), str(handoff), timeout_s=60, engine_for_url=NoRollouts, probe_path="/health"
+        )
+        sync = DaemonWeightSync(SyncConfig(timeout_s=60), pool, colocated=True, start_timeout_s=60, sleep_level=level)
+        pids = [r["pid"] for r in engines(base)]
+        try:
+            for version in (1, 2, 3):
+                switched = sync.before_train()
+                assert switched["switch_to_train_s"] > 0
+                records = engines(base)
+                assert [(r["state"], r["sleep_level"]) for r in records] == [("sleeping", level)] * 2, records
+                assert all(call("GET", r["url"] + "/is_sleeping")[1]["is_sleeping"] for r in records)
+                weights = random_state_dict(config, seed=version)
+                result = sync.push(weights, version=version)
+                assert result.switch["switch_to_inference_s"] > 0 and result.version == version
+                expected = {k: tensor_checksum(v) for k, v in weights.items()}
+                records = engines(base)
+                assert [(r["state"], r["checkpoint"]) for r in records] == [("serving", f"policy-v{version}")] * 2
+                assert all(digests(r["url"]) == expected for r in records)
+                assert [r["pid"] for r in records] == pids  # woken, never restarted
+                assert {(m.state, m.version) for m in pool.members} == {("serving", version)}
+        finally:
+            sync.close()
+            pool.close()
+        shutdown(daemon)
+    finally:
+        daemon.stop()
