@@ -221,9 +221,8 @@ class DaemonWeightSync:
         self._lock = threading.Lock()
         self.colocated, self.start_timeout_s = colocated, start_timeout_s
         self.sleep_level = sleep_level  # colocated: 0 stop/start the engines, 1 or 2 sleep/wake them
-        self._parked = (
-            False  # colocated: the engines are stopped or asleep (training); the next push starts or wakes them
-        )
+        # colocated: the engines are stopped or asleep (training); the next push starts or wakes them
+        self._parked = False
         self._registered: str | None = None  # the last version registered with the daemon
         pool.set_bring_up(self.bring_up)
 
