@@ -229,7 +229,8 @@ class EngineConfig:
     ``sleep_level`` (colocated only): 0 stops and starts the engines as above; 1 or 2 puts them to sleep
     at that vLLM sleep level instead (POST /engines/sleep: 1 keeps the weights in host memory, 2 drops
     them; the KV cache is freed either way) and wakes them with the new version (POST /engines/wake),
-    sparing vLLM's start-up. vLLM sleeps on CUDA only, started with ``--enable-sleep-mode``; on CPU keep 0.
+    sparing vLLM's start-up. vLLM sleeps on CUDA only, started with ``--enable-sleep-mode``; on CPU
+    keep 0 (vLLM-CPU refuses that flag, and without it answers a sleep without freeing anything).
     """
 
     type: Literal["vllm_async", "vllm_http", "daemon"] = "vllm_async"

@@ -115,8 +115,17 @@ def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, s
     from orchestrator.engine_pool import EnginePool
 
     if c.engine.type == "daemon" and engine_factory is None:
+        import torch
+
         from orchestrator.daemon_engines import DaemonWeightSync
 
+        if c.engine.sleep_level and not torch.cuda.is_available():
+            # colocated engines share this machine's devices; vLLM-CPU answers /sleep but ignores it
+            logger.warning(
+                "engine.sleep_level=%d without CUDA: vLLM on CPU accepts a sleep and frees nothing "
+                "(set engine.sleep_level=0 to stop and start the engines around training)",
+                c.engine.sleep_level,
+            )
         return DaemonWeightSync(
             c.sync,
             engine,
