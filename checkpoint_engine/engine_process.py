@@ -294,24 +294,18 @@ class ManagedEngine:
     def sleep(self, level: int, timeout_s: float) -> None:
         """serving -> sleeping: POST /sleep?level=N. Level 1 moves the weights to host memory and drops the
         KV cache; level 2 drops both (the next wake needs an update). RuntimeError naming the engine's
-        answer when it refuses (vLLM without sleep mode, e.g. on CPU); it then keeps serving."""
-        from checkpoint_engine.httpjson import status_json
-
+        answer when it refuses (vLLM on CUDA without --enable-sleep-mode); it then keeps serving."""
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level must be one of {list(SLEEP_LEVELS)}, got {level!r}")
         with self._lock:
             if self.state not in SLEEPABLE:
                 raise RuntimeError(f"rank {self.rank}: the engine is {self.state}; only a serving engine can sleep")
             url = f"{self.url}{self.SLEEP_PATH}?level={level}"
-        try:
-            status, answer = status_json("POST", url, timeout_s=timeout_s)
-        except OSError as e:
-            raise RuntimeError(f"rank {self.rank}: POST {url} failed: {e}") from None
-        if status != 200:
-            raise RuntimeError(
-                f"rank {self.rank}: the engine refused to sleep (POST {url} answered {status}: {answer}); "
-                "vLLM sleeps only on CUDA and when started with --enable-sleep-mode"
-            )
+        self._post(
+            url,
+            timeout_s,
+            "the engine refused to sleep ({answer}); vLLM sleeps only on CUDA, started with --enable-sleep-mode",
+        )
         with self._lock:
             if self.state == "serving":  # else the watchdog marked it failed meanwhile
                 self._set("sleeping", sleep_level=level, checkpoint=self.checkpoint if level == 1 else None)
@@ -339,15 +333,18 @@ class ManagedEngine:
         self._post_wake(timeout_s, "?tags=kv_cache")
 
     def _post_wake(self, timeout_s: float, query: str) -> None:
+        self._post(f"{self.url}{self.WAKE_PATH}{query}", timeout_s, "the engine did not wake ({answer})")
+
+    def _post(self, url: str, timeout_s: float, refused: str) -> None:
+        """POST to the engine; RuntimeError unless it answers 200 (`refused` formats {answer})."""
         from checkpoint_engine.httpjson import status_json
 
-        url = f"{self.url}{self.WAKE_PATH}{query}"
         try:
             status, answer = status_json("POST", url, timeout_s=timeout_s)
         except OSError as e:
             raise RuntimeError(f"rank {self.rank}: POST {url} failed: {e}") from None
         if status != 200:
-            raise RuntimeError(f"rank {self.rank}: the engine did not wake (POST {url} answered {status}: {answer})")
+            raise RuntimeError(f"rank {self.rank}: " + refused.format(answer=f"POST {url} answered {status}: {answer}"))
 
     # -- updates ----------------------------------------------------------------------------
     def update_refusal(self) -> str | None:

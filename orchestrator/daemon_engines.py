@@ -290,25 +290,33 @@ class DaemonWeightSync:
         try:
             answer = self.client.wake_engines(name, timeout_s=self.start_timeout_s)
         except Exception as e:
-            try:
-                records = self.client.engines()["engines"]
-            except Exception as e2:  # noqa: BLE001 - the daemon itself may be gone: say so instead
-                raise SwitchError(
-                    f"colocated switch train->inference: {route} failed: {e}; GET /engines failed too: {e2}"
-                ) from e
-            states = {r.get("state") for r in records}
-            phase = (
-                "engine wake"
-                if "sleeping" in states or "failed" in states
-                else f"weight update to {name}"
-                if "incomplete" in states
-                else "engine wake + update"
+            phases = ("engine wake", ("sleeping", "failed"), "engine wake + update")
+            next_push = "The next push wakes them if all still sleep, else stops them and starts every engine"
+            raise self._failed_switch(route, e, name, phases, next_push) from e
+        return self._take(route, name, version, start, answer)
+
+    def _failed_switch(self, route: str, error: Exception, name: str, phases: tuple, next_push: str) -> SwitchError:
+        """The error of a failed train -> inference switch, naming the phase the engines' states point to.
+        `phases`: (phase when any engine is in one of the states that follow, those states, phase otherwise);
+        an engine left incomplete means the update failed."""
+        try:
+            records = self.client.engines()["engines"]
+        except Exception as e2:  # noqa: BLE001 - the daemon itself may be gone: say so instead
+            return SwitchError(
+                f"colocated switch train->inference: {route} failed: {error}; GET /engines failed too: {e2}"
             )
-            raise SwitchError(
-                f"colocated switch train->inference failed in phase '{phase}' ({route}): {str(e)[:1500]}; "
-                f"engines now: {describe_engines(records)}. The next push wakes them if all still sleep, else stops "
-                "them and starts every engine"
-            ) from e
+        states = {r.get("state") for r in records}
+        early, early_states, otherwise = phases
+        phase = (
+            early if states & set(early_states) else f"weight update to {name}" if "incomplete" in states else otherwise
+        )
+        return SwitchError(
+            f"colocated switch train->inference failed in phase '{phase}' ({route}): {str(error)[:1500]}; "
+            f"engines now: {describe_engines(records)}. {next_push}"
+        )
+
+    def _take(self, route: str, name: str, version: int, start: float, answer: dict) -> tuple[float, float | None]:
+        """Every engine serves ``name`` after ``route``: the pool takes them. (seconds, update seconds)."""
         records = self.client.engines()["engines"]
         wrong = [r for r in records if r.get("state") != "serving" or r.get("checkpoint") != name]
         if wrong:
@@ -329,35 +337,12 @@ class DaemonWeightSync:
         try:
             answer = self.client.start_engines(name, timeout_s=self.start_timeout_s + 60.0)
         except Exception as e:
-            try:
-                records = self.client.engines()["engines"]
-            except Exception as e2:  # noqa: BLE001 - the daemon itself may be gone: say so instead
-                raise SwitchError(
-                    f"colocated switch train->inference: POST /engines/start {name} failed: {e}; "
-                    f"GET /engines failed too: {e2}"
-                ) from e
-            states = {r.get("state") for r in records}
-            phase = (
-                "engine start (dummy weights)"
-                if "failed" in states or "starting" in states
-                else f"weight update to {name}"
-                if "incomplete" in states
-                else "engine start + update"
-            )
-            raise SwitchError(
-                f"colocated switch train->inference failed in phase '{phase}' (POST /engines/start "
-                f"{{name: {name}}}): {str(e)[:1500]}; engines now: {describe_engines(records)}. The next push "
-                "stops them and starts every engine again"
+            route = f"POST /engines/start {{name: {name}}}"
+            phases = ("engine start (dummy weights)", ("failed", "starting"), "engine start + update")
+            raise self._failed_switch(
+                route, e, name, phases, "The next push stops them and starts every engine again"
             ) from e
-        records = self.client.engines()["engines"]
-        wrong = [r for r in records if r.get("state") != "serving" or r.get("checkpoint") != name]
-        if wrong:
-            raise SwitchError(
-                f"colocated switch train->inference: after POST /engines/start the engines do not all "
-                f"serve {name} ({describe_engines(wrong)})"
-            )
-        self.pool.take(records, version)
-        return time.monotonic() - start, _update_s(answer)
+        return self._take("POST /engines/start", name, version, start, answer)
 
     def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> SyncResult:
         name = f"policy-v{version}"
