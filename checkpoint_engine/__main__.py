@@ -63,6 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=True,
         help="restart a dead managed engine and bring it to the current checkpoint",
     )
+    p.add_argument(
+        "--engine-url-host",
+        default=None,
+        help="host or IP in the engine URLs the daemon publishes (GET /engines, etcd), for rollout clients on "
+        "other hosts, e.g. the pod IP; the engine command must listen there too (e.g. --host 0.0.0.0). "
+        "Default: 127.0.0.1",
+    )
     p.add_argument("--engine-health-path", default="/health", help="GET path answering 200 once an engine is up")
     p.add_argument("--engine-start-timeout-s", type=float, default=300.0, help="engine start -> healthy deadline")
     p.add_argument("--engine-log-dir", default=None, help="engine logs (default: a temporary folder per rank)")
@@ -84,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.engine_config = EngineConfig(
                 cmd=parse_engine_cmd(args.engine_cmd),
                 health_path=args.engine_health_path,
+                url_host=args.engine_url_host,
                 start_timeout_s=args.engine_start_timeout_s,
                 auto_heal=args.auto_heal,
                 log_dir=args.engine_log_dir,

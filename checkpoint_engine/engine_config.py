@@ -88,7 +88,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EngineConfig:
     cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}, {rendezvous}
     health_path: str = "/health"  # GET answers 200 once the engine can take updates (or, loading: serve)
-    host: str = "127.0.0.1"  # where the engine listens (the template's own flags decide; used for the URL)
+    host: str = "127.0.0.1"  # where the daemon reaches its engine (health, sleep, updates' requests)
+    # the host in the engine URLs the daemon publishes (GET /engines, etcd), which rollout clients on
+    # other hosts use: the host's or pod's IP; None: `host`. The engine must listen there (the template
+    # decides: e.g. --host 0.0.0.0)
+    url_host: str | None = None
     start_timeout_s: float = 300.0  # process start until healthy
     stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL
     poll_interval_s: float = 0.2  # watchdog and healer period
@@ -110,6 +114,13 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.cmd={list(self.cmd)!r} has no {{port}} placeholder: the daemon picks a free port "
                 "per engine and must pass it, e.g. '... --port {port}'"
+            )
+        if self.url_host is not None and (
+            not isinstance(self.url_host, str) or not self.url_host or any(c in self.url_host for c in "/ ?#@")
+        ):
+            raise ValueError(
+                f"EngineConfig.url_host={self.url_host!r} must be a host name or IP address (no scheme, "
+                "port or path), e.g. 10.0.3.7"
             )
         if not self.health_path.startswith("/"):
             raise ValueError(f"EngineConfig.health_path={self.health_path!r} must start with '/'")

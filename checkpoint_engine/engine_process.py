@@ -65,7 +65,7 @@ class ManagedEngine:
                 "state": self.state,
                 "checkpoint": self.checkpoint,
                 "pid": self.pid,
-                "url": self.url,
+                "url": self.published_url,
                 "healthy": self.healthy,
                 "restarts": self.restarts,
                 "exit_code": self.exit_code,
@@ -76,6 +76,14 @@ class ManagedEngine:
                 "since": self.since,
                 "log_path": self.log_path,
             }
+
+    @property
+    def published_url(self) -> str | None:
+        """The URL clients use (`url_host` when set); `self.url` is the daemon's own way in."""
+        if self.url is None or self.config.url_host is None:
+            return self.url
+        host = f"[{self.config.url_host}]" if ":" in self.config.url_host else self.config.url_host
+        return f"http://{host}:{self.url.rsplit(':', 1)[1]}"
 
     def _emit(self) -> None:
         self._publish(self.record())

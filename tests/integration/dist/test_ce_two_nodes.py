@@ -1,11 +1,15 @@
 """The daemon launched as on two hosts: two torchrun agents (`--nnodes 2 --node-rank 0|1`, one rank
 each, static rendezvous at node 0), as the disaggregated Kubernetes layout runs it. Every per-node
 value differs from a single-node launch: both ranks have LOCAL_RANK 0, each node's engine logs go to
-that node's folder, and the HTTP API is on node 0 only.
+that node's folder, and the HTTP API is on node 0 only. Node 1's agent and its engines run in a UTS
+namespace of their own (`bwrap --unshare-uts --hostname`), so the two nodes have different host
+names, as two hosts do, and the daemon picks its modes itself (`--mode auto`): ranks on different
+hosts cannot map each other's memory, so updates move bytes.
 
-Checks: engines on both nodes start through their load step, rank 1's engine is SIGKILLed and heals
-by a P2P pull from node 0 (Mooncake over TCP, as between hosts), an update reaches both, and a
-shutdown through node 0's API ends both agents with exit code 0 and no engine left.
+Checks: engines on both nodes start through their load step (a broadcast), rank 1's engine is
+SIGKILLed and heals by a P2P pull from node 0 (Mooncake over TCP, as between hosts), an update
+reaches both, and a shutdown through node 0's API ends both agents with exit code 0 and no engine
+left.
 """
 
 from __future__ import annotations
@@ -17,32 +21,54 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from checkpoint_engine.httpjson import status_json
 from testing.daemon import REPO, free_port, repo_env, stop_group
 from tests.integration.dist.harness import rpc
 from tests.integration.dist.test_ce_engines import ENGINE_CMD, alive, wait_for, write_checkpoint
 
 READY_TIMEOUT_S = 90.0
+NODE1_HOSTNAME = "ce-test-node1"
+
+
+def _own_hostname(name: str) -> list[str]:
+    """Command prefix running a process tree under host name `name` (a UTS namespace; same network)."""
+    return ["bwrap", "--unshare-uts", "--hostname", name, "--dev-bind", "/", "/", "--die-with-parent", "--"]
+
+
+@pytest.fixture(scope="module")
+def uts_namespaces() -> None:
+    try:
+        probe = subprocess.run([*_own_hostname(NODE1_HOSTNAME), "hostname"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("bubblewrap (bwrap) is not installed: bash scripts/setup.sh installs it")
+    if probe.returncode != 0 or probe.stdout.strip() != NODE1_HOSTNAME:
+        pytest.skip(f"bwrap cannot give a process its own host name here: {probe.stderr.strip()[:300]}")
 
 
 def _agent(node_rank: int, master_port: int, api_port: int, tmp_path, engine_cmd: list[str]) -> subprocess.Popen:
-    """One torchrun agent ("host"), its output in node<N>.log."""
+    """One torchrun agent ("host"), its output in node<N>.log; node 1 under a host name of its own."""
     log = open(tmp_path / f"node{node_rank}.log", "w")
+    env = repo_env()
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # node 1's made-up host name resolves nowhere; both nodes use loopback
     try:
         return subprocess.Popen(
             [
+                *(_own_hostname(NODE1_HOSTNAME) if node_rank == 1 else []),
                 *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank)),
                 *("--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port)),
                 *("-m", "checkpoint_engine", "--port", str(api_port), "--engine-cmd", json.dumps(engine_cmd)),
                 *("--collective-timeout-s", "60", "--engine-start-timeout-s", "60"),
                 *("--engine-log-dir", str(tmp_path / f"node{node_rank}")),
-                # one machine has one hostname, where local mode would map the other node's memory:
-                # ask for moving bytes, as between hosts (gloo broadcast; heals through Mooncake TCP)
-                *("--mode", "collective", "--p2p-host", "127.0.0.1"),
+                # Mooncake's address: node 1's host name resolves nowhere (on Kubernetes: the pod IP)
+                *("--p2p-host", "127.0.0.1"),
+                # how rollout clients reach node 1's engine (on Kubernetes: the pod IP)
+                *(("--engine-url-host", "localhost") if node_rank == 1 else ()),
                 *("--metrics-jsonl", str(tmp_path / f"node{node_rank}" / "updates.jsonl")),
             ],
             cwd=REPO,
-            env=repo_env(),
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -55,7 +81,7 @@ def _log(tmp_path) -> str:
     return "\n".join(f"--- node{n}.log:\n{(tmp_path / f'node{n}.log').read_text()[-3000:]}" for n in (0, 1))
 
 
-def test_two_node_daemon_starts_heals_across_nodes_and_shuts_down(tmp_path):
+def test_two_node_daemon_starts_heals_across_nodes_and_shuts_down(tmp_path, uts_namespaces):
     files, expected = write_checkpoint(tmp_path / "v1", seed=0)
     files2, expected2 = write_checkpoint(tmp_path / "v2", seed=1)
     engine_cmd = [*json.loads(ENGINE_CMD), "--load-rendezvous", "{rendezvous}"]
@@ -90,6 +116,7 @@ def test_two_node_daemon_starts_heals_across_nodes_and_shuts_down(tmp_path):
         assert code == 200 and res["ok"], (res, _log(tmp_path))
         states = engines()
         assert [(e["rank"], e["state"], e["checkpoint"]) for e in states] == [(r, "serving", "v1") for r in (0, 1)]
+        assert states[0]["url"].startswith("http://127.0.0.1:") and states[1]["url"].startswith("http://localhost:")
         assert all(rpc(e["url"], "weights_digest") == expected for e in states)
         # each node's engine log went to that node's folder
         assert (tmp_path / "node0" / "engine-r0.log").exists() and (tmp_path / "node1" / "engine-r1.log").exists()
@@ -118,7 +145,8 @@ def test_two_node_daemon_starts_heals_across_nodes_and_shuts_down(tmp_path):
         codes = [a.wait(60) for a in agents]
         assert codes == [0, 0], (codes, _log(tmp_path))
         assert not any(alive(e["pid"]) for e in states)
-        # node 1's updates: the start's broadcast, the heal's pull from node 0 over Mooncake, v2's broadcast
+        # node 1's updates, modes chosen by the daemon: the start's broadcast, the heal's pull from node 0
+        # over Mooncake, v2's broadcast (on one host name every one of them would be local)
         lines = (tmp_path / "node1" / "updates.jsonl").read_text().splitlines()
         got = [(m["checkpoint"], m["mode"], m["total_bytes"] > 0) for m in map(json.loads, lines)]
         assert got == [("v1", "collective", True), ("v1", "p2p", True), ("v2", "collective", True)], got

@@ -151,6 +151,9 @@ def test_engine_env_refuses_a_device_outside_the_visible_list():
         ("health_path", "health", "must start with '/'"),
         ("start_timeout_s", 0, "start_timeout_s=0 must be a number > 0"),
         ("max_heal_attempts", -1, "max_heal_attempts=-1 must be an int >= 0"),
+        ("url_host", "", "url_host='' must be a host name or IP address"),
+        ("url_host", "http://10.0.0.1", "no scheme, port or path"),
+        ("url_host", "10.0.0.1/x", "no scheme, port or path"),
     ],
 )
 def test_engine_config_checks(field, value, match):
@@ -208,6 +211,20 @@ def test_lifecycle_of_one_process(tmp_path):
         *("starting", "updating", "incomplete", "stopped"),
     ]
     assert json.dumps(published)  # every record is JSON
+
+
+@pytest.mark.parametrize("url_host,prefix", [("10.0.3.7", "http://10.0.3.7:"), ("fd00::7", "http://[fd00::7]:")])
+def test_published_url_names_the_url_host_while_the_daemon_uses_its_own(tmp_path, url_host, prefix):
+    engine, published = make_engine(tmp_path, start_timeout_s=30, url_host=url_host)
+    try:
+        engine.start()
+        engine.wait_healthy()  # through 127.0.0.1, where the engine listens
+        port = engine.url.rsplit(":", 1)[1]
+        assert engine.url == f"http://127.0.0.1:{port}"
+        assert engine.record()["url"] == published[-1]["url"] == f"{prefix}{port}"
+    finally:
+        engine.stop()
+    assert engine.record()["url"] == f"{prefix}{port}"  # the last address, as before
 
 
 def test_stop_kills_an_engine_that_ignores_sigterm(tmp_path):
