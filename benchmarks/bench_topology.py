@@ -1,14 +1,19 @@
 """The daemon topology on real vLLM engines: colocated switch times, heal time, N=1 vs N=2 rollouts.
 
-    python benchmarks/bench_topology.py [--iterations 2] [--prompts 64] [--max-tokens 64]
-        [--model-size-mib 0] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
-        [--bucket-size-mib N] [--heals 1] [--raw-repeats 20]
+    python benchmarks/bench_topology.py [--iterations 2] [--prompts 32] [--max-tokens 32] [--train-steps 2]
+        [--model-size-mib 256] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
+        [--bucket-size-mib N] [--heals 3] [--raw-repeats 20]
         [--a-rounds 3] [--work-dir DIR] [--keep]
+    python benchmarks/bench_topology.py --model-size-mib 0 --prompts 64 --max-tokens 64   # the demo's shape
 
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
 each rank managing one `python -m vllm_ext.launch` server bound to its share of
-the CPUs (VLLM_CPU_OMP_THREADS_BIND from a file the engine command reads at each start), on the
-demo's tiny model shape (random weights; `--model-size-mib N` for a bigger one). The versions go
+the CPUs (VLLM_CPU_OMP_THREADS_BIND from a file the engine command reads at each start), on a
+Qwen2-like model of --model-size-mib float32 (random weights; default 256 MiB, about 7 minutes on
+2 cores; 0: the demo's tiny shape, 16 MB). The default size is where a heal moves enough bytes for
+its ratio to a raw read to measure the transfer: with the demo's 16 MB, a raw read of the other
+rank's 8 MB takes 4-30 ms and the pull's fixed costs (engine connect, Done) of the same order decide
+the ratio. The versions go
 through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. Every engine start
 (cold, colocated, heal) is one of two kinds (--engine-start):
   load   (default) `--load-rendezvous {rendezvous}`: vLLM's load step receives the version from the
@@ -97,10 +102,10 @@ VLLM_CPU_OMP_THREADS_BIND="$(cat "$work/bind-r$rank")" exec $pin "{python}" -m v
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=2, help="colocated iterations (each: one stop, one start)")
-    p.add_argument("--prompts", type=int, default=64, help="prompts per rollout / throughput round")
-    p.add_argument("--max-tokens", type=int, default=64, help="max new tokens per prompt")
-    p.add_argument("--train-steps", type=int, default=4, help="AdamW steps per colocated iteration")
-    p.add_argument("--model-size-mib", type=int, default=0, help="0: the demo's tiny shape (16 MiB float32)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout / throughput round")
+    p.add_argument("--max-tokens", type=int, default=32, help="max new tokens per prompt")
+    p.add_argument("--train-steps", type=int, default=2, help="AdamW steps per colocated iteration")
+    p.add_argument("--model-size-mib", type=int, default=256, help="model size; 0: the demo's tiny shape (16 MB float32)")
     p.add_argument("--heal-mode", choices=["p2p", "local"], default="p2p", help="how the healed engine pulls")
     p.add_argument(
         "--engine-start",
@@ -116,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--bucket-size-mib", type=int, default=None, help="the daemon's bucket size (default: its own)")
     p.add_argument("--raw-repeats", type=int, default=20, help="repeats of the raw reads (best taken)")
-    p.add_argument("--heals", type=int, default=1, help="heals in a row (the pull's median is reported)")
+    p.add_argument("--heals", type=int, default=3, help="heals in a row (the pull's median is reported)")
     p.add_argument("--a-rounds", type=int, default=3, help="engine A's rounds before the heal (after a warm-up)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
     p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
