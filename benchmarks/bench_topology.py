@@ -9,7 +9,7 @@
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
 each rank managing one `python -m vllm_ext.launch` server bound to its share of
 the CPUs (VLLM_CPU_OMP_THREADS_BIND from a file the engine command reads at each start), on a
-Qwen2-like model of --model-size-mib float32 (random weights; default 256 MiB, about 7 minutes on
+Qwen2-like model of --model-size-mib float32 (random weights; default 256 MiB, about 10 minutes on
 2 cores; 0: the demo's tiny shape, 16 MB). The default size is where a heal moves enough bytes for
 its ratio to a raw read to measure the transfer: with the demo's 16 MB, a raw read of the other
 rank's 8 MB takes 4-30 ms and the pull's fixed costs (engine connect, Done) of the same order decide
@@ -55,6 +55,8 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                                  raw_read_idle_*: the same with nothing else running here
                     ratio_heal_vs_raw_read = heal_pull_s / raw_read_s (with --heals N: B is killed
                                  N times in a row; heal_pull_s is the median, _each_s every one)
+                    heal_pull_idle_s  (--idle-heal, default) B killed once more with A idle: the pull
+                                 beside raw_read_idle_s -> ratio_heal_vs_raw_read_idle
                     memcpy_s     the version's safetensors files from /dev/shm (mmapped) copied into a
                                  warm buffer, best of --raw-repeats; ratio_heal_vs_memcpy
                   throughput_during_heal_ratio = A's tokens/s over its rounds that ran wholly between
@@ -105,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=32, help="prompts per rollout / throughput round")
     p.add_argument("--max-tokens", type=int, default=32, help="max new tokens per prompt")
     p.add_argument("--train-steps", type=int, default=2, help="AdamW steps per colocated iteration")
-    p.add_argument("--model-size-mib", type=int, default=256, help="model size; 0: the demo's tiny shape (16 MB float32)")
+    p.add_argument("--model-size-mib", type=int, default=256, help="model size; 0: the demo's shape (16 MB)")
     p.add_argument("--heal-mode", choices=["p2p", "local"], default="p2p", help="how the healed engine pulls")
     p.add_argument(
         "--engine-start",
@@ -122,6 +124,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size-mib", type=int, default=None, help="the daemon's bucket size (default: its own)")
     p.add_argument("--raw-repeats", type=int, default=20, help="repeats of the raw reads (best taken)")
     p.add_argument("--heals", type=int, default=3, help="heals in a row (the pull's median is reported)")
+    p.add_argument(
+        "--idle-heal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the heals during engine A's rollouts, one with A idle (heal_pull_idle_s vs raw_read_idle_s)",
+    )
     p.add_argument("--a-rounds", type=int, default=3, help="engine A's rounds before the heal (after a warm-up)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
     p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
@@ -617,9 +625,19 @@ def main(argv=None) -> dict:
                     healed.update(raw_read_in_own_process(*raw, key="raw_read"))
                 finally:
                     busy.stop()
+            healed["engine_reload"] = engine_reload_report(healed.pop("url"))
+            if args.idle_heal:  # one more heal with engine A idle: the pull beside raw_read_idle_*
+                if args.pin_healed_engine:
+                    (work / "taskset-r1").write_text((work / "bind-r1").read_text())
+                try:
+                    idle = heal(pool.daemon, work, args.start_timeout_s + 120)
+                finally:
+                    (work / "taskset-r1").unlink(missing_ok=True)
+                healed["heal_pull_idle_s"] = idle["heal_pull_s"]
+                healed["heal_pull_idle_phases"] = idle["heal_pull_phases"]
+                healed["engine_reload_idle"] = engine_reload_report(idle["url"])
         finally:
             a_pool.close()
-        healed["engine_reload"] = engine_reload_report(healed.pop("url"))
         del healed["killed_at"], healed["serving_at"]
         if "raw_read_s" in healed:
             healed["raw_read"] = (
@@ -629,6 +647,8 @@ def main(argv=None) -> dict:
             )
             healed["ratio_heal_vs_raw_read"] = round(healed["heal_pull_s"] / healed["raw_read_s"], 2)
             healed["ratio_pull_read_vs_raw_read"] = round(healed["heal_pull_read_s"] / healed["raw_read_s"], 2)
+            if "heal_pull_idle_s" in healed:
+                healed["ratio_heal_vs_raw_read_idle"] = round(healed["heal_pull_idle_s"] / healed["raw_read_idle_s"], 2)
         else:
             healed["raw_read"] = "not measured: the daemon has no Mooncake (--heal-mode local)"
         mc_s, mc_bytes = memcpy_s(
@@ -666,7 +686,10 @@ def main(argv=None) -> dict:
             single.close()
         print(f"N=1: {out['n1']}", flush=True)
         out["n2_vs_n1"] = round(out["n2"]["tokens_per_s"] / out["n1"]["tokens_per_s"], 3)
-        for k in ("heal_pull_s", "raw_read_s", "ratio_heal_vs_raw_read", "memcpy_s", "ratio_heal_vs_memcpy"):
+        for k in (
+            *("heal_pull_s", "raw_read_s", "ratio_heal_vs_raw_read", "heal_pull_idle_s", "raw_read_idle_s"),
+            *("ratio_heal_vs_raw_read_idle", "memcpy_s", "ratio_heal_vs_memcpy"),
+        ):
             out[k] = out["heal"].get(k)  # the figures at the top level too
         out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
         finished = True
