@@ -1,14 +1,13 @@
 """The shared helpers of checkpoint_engine: HF model-dir I/O, the dtype table, field checks, the JSON client."""
 
 import socket
-import threading
-from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
 
 from checkpoint_engine import dtypes, hf_dir, httpjson
 from checkpoint_engine.validate import check_int, check_number
+from testing.http_stub import serve_stub
 
 
 def test_hf_dir_round_trip_sharded_and_named(tmp_path):
@@ -68,11 +67,8 @@ class _Server(httpjson.JsonRequestHandler):
 
 @pytest.fixture
 def base_url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_stub(_Server) as url:
+        yield url
 
 
 def test_json_client(base_url):

@@ -4,7 +4,6 @@ and wake with the new version (POST /engines/wake) after it, against an in-proce
 from __future__ import annotations
 
 import threading
-from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from orchestrator.daemon_engines import PARKED, DaemonEnginePool, DaemonWeightSy
 from orchestrator.dictconfig import to_dict
 from orchestrator.engine_pool import SERVING, Member
 from orchestrator.loop_setup import check_resumable
+from testing.http_stub import serve_stub
 
 NUM_ENGINES = 2
 START_TIMEOUT_S = 30.0
@@ -150,12 +150,8 @@ class FakeEngine:
 @pytest.fixture
 def daemon():
     FakeDaemon.reset()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeDaemon)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    thread.join(timeout=10)
+    with serve_stub(FakeDaemon) as url:
+        yield url
 
 
 @pytest.fixture

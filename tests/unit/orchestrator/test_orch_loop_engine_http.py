@@ -1,8 +1,6 @@
 """The HTTP rollout engine against a stand-in of vLLM's OpenAI server (token-id prompts and outputs)."""
 
 import json
-import threading
-from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -11,6 +9,7 @@ from orchestrator.config import EngineConfig
 from orchestrator.engine import GenRequest, PartialGeneration, SamplingSettings
 from orchestrator.engine_http import HttpVllmEngine
 from orchestrator.repeat import RepeatConfig
+from testing.http_stub import serve_stub
 
 
 class FakeVllm(JsonRequestHandler):
@@ -78,12 +77,8 @@ class FakeVllm(JsonRequestHandler):
 @pytest.fixture
 def server():
     FakeVllm.bodies.clear()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    thread.join(timeout=10)
+    with serve_stub(FakeVllm) as url:
+        yield url
 
 
 @pytest.mark.parametrize(("stream", "batch_size"), [(False, 1), (True, 1), (True, 2)])
