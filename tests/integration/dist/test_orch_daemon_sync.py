@@ -53,11 +53,17 @@ def digests(url: str) -> dict[str, int]:
     return rpc(url, "weights_digest")
 
 
-def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
+def _tiny_model_and_handoff(tmp_path):
+    """The demo's tiny shape, its SFT model directory (seed 0) and an empty handoff folder."""
     config = TinyModelConfig.tiny()
     model = make_tiny_model(tmp_path / "sft", config, seed=0)
     handoff = tmp_path / "handoff"
     handoff.mkdir()
+    return config, model, handoff
+
+
+def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
+    config, model, handoff = _tiny_model_and_handoff(tmp_path)
     daemon = start_daemon(tmp_path)
     base = daemon.url
     try:
@@ -130,10 +136,8 @@ exec "{python}" -m checkpoint_engine.plain_engine --port "$port" $extra
 def test_colocated_switches_and_failed_phases(tmp_path, etcd_port):
     from checkpoint_engine.metadata import EtcdStore
 
-    config = TinyModelConfig.tiny()
-    model = make_tiny_model(tmp_path / "sft", config, seed=0)
-    handoff, flags = tmp_path / "handoff", tmp_path / "flags"
-    handoff.mkdir()
+    config, model, handoff = _tiny_model_and_handoff(tmp_path)
+    flags = tmp_path / "flags"
     flags.mkdir()
     script = tmp_path / "engine.sh"
     script.write_text(ENGINE_SCRIPT.replace("{python}", sys.executable))
@@ -238,10 +242,7 @@ def test_colocated_needs_the_daemon():
 def test_colocated_switches_with_sleeping_engines(tmp_path, level):
     """`engine.sleep_level`: the engines sleep through training and wake with the new version; their
     processes are never restarted (the plain engine answers vLLM's sleep routes)."""
-    config = TinyModelConfig.tiny()
-    model = make_tiny_model(tmp_path / "sft", config, seed=0)
-    handoff = tmp_path / "handoff"
-    handoff.mkdir()
+    config, model, handoff = _tiny_model_and_handoff(tmp_path)
     daemon = start_daemon(tmp_path)
     base = daemon.url
     try:
