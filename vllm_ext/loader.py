@@ -150,7 +150,7 @@ def _loader_class():
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             loaded: set[str] = set()
 
-            def load(weights) -> None:  # runs in the receiver's reload thread: re-enter vLLM's context there
+            def load(weights) -> None:  # once per bucket; re-enters vLLM's context (harmless where it is set)
                 with set_current_vllm_config(vllm_config), torch.device(device):
                     names = model.load_weights(weights)
                 loaded.update(names or ())
@@ -158,7 +158,8 @@ def _loader_class():
             # The load itself keeps no copy: the PS's registered memory goes to vLLM's loaders as views
             # (one copy, into the parameters, as a disk load does). The weight cache, when configured,
             # is filled by the first update (until then: no checksum, no fill-in after an abort).
-            receiver = WeightReceiver(load, config=replace(config, weight_cache=False))
+            # Each bucket is loaded before its Ack: double-buffer tensors need no copy either.
+            receiver = WeightReceiver(load, config=replace(config, weight_cache=False), load_per_bucket=True)
             is_cuda = device.type == "cuda"
 
             # The parameters are fresh memory: map their pages in bulk now (one call each) rather than
@@ -184,7 +185,8 @@ def _loader_class():
             report = serve_initial_load(address, receive, timeout_s=self.settings.timeout_s)
             if receiver.mappings is not None:
                 receiver.mappings.clear()  # nothing refers to the PS's memory any more: let it go with the PS
-            receiver.config = config  # later updates run under the engine's settings
+            receiver.config = config  # later updates run under the engine's settings,
+            receiver.load_per_bucket = False  # through the worker's reload (one call per update)
             _keep_initial_receiver(receiver)
             last = report.get("last_update") or {}
             vllm_logger.info(

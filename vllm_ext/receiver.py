@@ -14,6 +14,11 @@ arrive, so layer processing overlaps the transfer of later buckets ("streaming" 
 "end" mode only caches during the transfer and runs the reload after Done: slower, but an aborted
 update leaves the model's weights exactly as they were.
 
+`load_per_bucket` (vLLM's load step, where loading is only the loaders' copies into the parameters,
+with no repacking until the load returns): each bucket is loaded by `reload_fn` before it is acked,
+so tensors in the PS's double buffer go to the loaders as views too (no copy into a cache, whose
+fresh pages a new engine process would fault in one by one); the PS fills the other half meanwhile.
+
 With `weight_cache=False` (streaming), tensors in buffers the PS marks stable until Done (its
 registered chunks, when engine and PS share a host) go to the reload as views, without a copy:
 the update then does no work beyond vLLM's own reload, and no host copy of the model is kept.
@@ -131,10 +136,13 @@ class WeightReceiver:
         config: ReceiverConfig | None = None,
         initial_weights: str = "checkpoint",
         cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        load_per_bucket: bool = False,
     ):
         """`initial_weights`: what the engine started with, "checkpoint" or "dummy" (random).
         `cache_slots_fn`: engine memory the weight cache may keep named tensors in (asked after each
-        complete update; see `WeightCache.adopt`)."""
+        complete update; see `WeightCache.adopt`). `load_per_bucket`: call `reload_fn` once per
+        bucket, before its Ack, on views of the PS's buffers (see the module docstring); only for
+        a reload that may be called once per bucket and keeps no tensor after it returns."""
         if initial_weights not in ("checkpoint", "dummy"):
             raise ValueError(f"initial_weights must be 'checkpoint' or 'dummy', got {initial_weights!r}")
         self.initial_weights = initial_weights
@@ -151,6 +159,7 @@ class WeightReceiver:
         self._zmq_ctx = zmq.Context()
         self._fault: FaultSpec | None = None
         self._busy = threading.Lock()
+        self.load_per_bucket = load_per_bucket
 
     def rebind(
         self,
@@ -271,7 +280,7 @@ class _UpdateSession:
 
     def __init__(self, receiver: WeightReceiver, fault: FaultSpec | None):
         self.r = receiver
-        self.mode = receiver.config.reload_mode
+        self.mode = "bucket" if receiver.load_per_bucket else receiver.config.reload_mode
         self.fault = fault
         self.fallback_ok = receiver.cache.matches_model  # untouched names still hold the model's values
         self.order: list[str] = []
@@ -313,22 +322,34 @@ class _UpdateSession:
         self._maybe_fault(index)
         cache = self.r.cache
         cache.matches_model = False
+        if self.mode == "bucket":  # loaded now, before the Ack frees the buffer half: no copy
+            self._note(views)
+            self.num_zero_copy += len(views)
+            try:
+                with torch.no_grad():
+                    self.r._reload_fn(iter(views))
+            except Exception as e:
+                raise RuntimeError(f"the engine's reload path failed: {type(e).__name__}: {e}") from e
+            return
         pairs = [(name, self._keep(name, view)) for name, view in views]
-        for name, t in pairs:
-            if name not in self.received:
-                self.received.add(name)
-                self.order.append(name)
-            self.nbytes += t.numel() * t.element_size()
+        self._note(pairs)
         if self.mode == "streaming":
             if self.stream is None:
                 self.stream = ReloadStream(self.r._reload_fn)
             self.stream.feed(pairs)
 
+    def _note(self, pairs: NamedTensors) -> None:
+        for name, t in pairs:
+            if name not in self.received:
+                self.received.add(name)
+                self.order.append(name)
+            self.nbytes += t.numel() * t.element_size()
+
     def finish(self) -> None:
         """post_hook: every bucket arrived; complete the reload."""
         self.t_done = time.perf_counter()
         cache = self.r.cache
-        if self.stream is None and self.order:  # "end" mode: the whole reload happens now
+        if self.stream is None and self.order and self.mode == "end":  # the whole reload happens now
             self.stream = ReloadStream(self.r._reload_fn)
             self.stream.feed([(n, cache.get(n)) for n in self.order])
         try:
@@ -338,7 +359,7 @@ class _UpdateSession:
             self.stream = None  # nothing left for abort() to end
             self.r.recover(f"reload failed: {type(e).__name__}: {e}")
             raise
-        if self.r.config.weight_cache:
+        if self.r.config.weight_cache and self.mode != "bucket":  # per bucket: nothing was cached
             cache.retain_only(self.received)
             cache.matches_model = True
             if self.r._cache_slots_fn is not None:
@@ -349,6 +370,9 @@ class _UpdateSession:
     def abort(self) -> None:
         """The update failed: end the reload so the engine keeps serving (status: incomplete)."""
         stream, self.stream = self.stream, None
+        if self.mode == "bucket" and self.received:
+            self.r.reload_error = "aborted load: only some buckets reached the parameters"
+            return
         if stream is None:  # no reload started ("end" mode, or failed before the first bucket)
             return
         if stream.error is not None or not stream.running:

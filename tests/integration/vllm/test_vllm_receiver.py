@@ -398,3 +398,59 @@ def test_without_weight_cache_an_abort_is_reported_and_the_next_update_restores(
 def test_weight_cache_must_be_a_bool():
     with pytest.raises(ValueError, match="weight_cache must be true or false"):
         ReceiverConfig(weight_cache="no")
+
+
+class OrderedModel(AliasingModel):
+    """Also records, per reload call, how many buckets the PS had sent when the call began."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[list[str]] = []
+
+    def reload(self, pairs) -> None:
+        pairs = list(pairs)
+        self.calls.append([name for name, _ in pairs])
+        super().reload(pairs)
+
+
+def test_load_per_bucket_hands_double_buffer_tensors_over_uncopied():
+    """The load step's mode: every bucket, including those in the PS's double buffer (overwritten two
+    buckets later), goes to the reload as views and is loaded before its Ack; the weights are exact."""
+    cfg = ParameterServerConfig(
+        transport="cpu",
+        update=UpdateConfig(
+            bucket_size_bytes=16 * 1024, engine_timeout_s=20, engine_connect_timeout_s=20, mode="collective"
+        ),
+    )
+    server = ParameterServer(rank=0, world_size=1, config=cfg)
+    server._transport.engines_map_host_chunks = False  # as for an owner on another rank: the double buffer
+    model = OrderedModel()
+    r = WeightReceiver(
+        model.reload,
+        config=ReceiverConfig(timeout_s=20, reload_timeout_s=20, weight_cache=False),
+        load_per_bucket=True,
+    )
+    try:
+        ckpt = make_ckpt(3)
+        push(server, r, "v1", ckpt)
+        assert_same(model.weights, ckpt)
+        last = r.report()["last_update"]
+        assert last["mode"] == "bucket" and last["num_buckets"] >= 4, last
+        assert len(model.calls) == last["num_buckets"]  # one reload call per bucket
+        assert last["num_zero_copy"] == len(ckpt) and len(r.cache) == 0
+        (double_buffer,) = [m for _, m, _ in r.mappings._maps.values()]
+        lo, hi = double_buffer.data_ptr(), double_buffer.data_ptr() + double_buffer.numel()
+        assert all(lo <= t.data_ptr() < hi for t in model.kept.values())  # views, not copies
+    finally:
+        server.close()
+
+
+def test_load_per_bucket_failure_aborts_with_the_reason(ps):
+    model = DictModel()
+    model.fail_after = 0
+    r = WeightReceiver(
+        model.reload, config=ReceiverConfig(timeout_s=20, reload_timeout_s=20, weight_cache=False), load_per_bucket=True
+    )
+    with pytest.raises(UpdateFailed, match="reload path failed: KeyError"):
+        push(ps, r, "A", make_ckpt(1))
+    assert r.report()["status"] == "incomplete"
