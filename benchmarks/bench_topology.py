@@ -55,6 +55,11 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                                  raw_read_idle_*: the same with nothing else running here
                     ratio_heal_vs_raw_read = heal_pull_s / raw_read_s (with --heals N: B is killed
                                  N times in a row; heal_pull_s is the median, _each_s every one)
+                    ratio_heal_vs_raw_read_paired  each pull over a raw read (median of
+                                 --paired-repeats) taken right after that heal, A still generating:
+                                 the median of the per-heal ratios (_each: every one). The load on
+                                 2 cores varies from minute to minute, so a pair is closer than
+                                 medians taken minutes apart
                     heal_pull_idle_s  (--idle-heal, default) B killed once more with A idle: the pull
                                  beside raw_read_idle_s -> ratio_heal_vs_raw_read_idle
                     memcpy_s     the version's safetensors files from /dev/shm (mmapped) copied into a
@@ -125,6 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--raw-repeats", type=int, default=20, help="repeats of the raw reads (best taken)")
     p.add_argument("--heals", type=int, default=3, help="heals in a row (the pull's median is reported)")
     p.add_argument(
+        "--paired-repeats",
+        type=int,
+        default=5,
+        help="raw reads right after each heal, A still generating (ratio_heal_vs_raw_read_paired)",
+    )
+    p.add_argument(
         "--idle-heal",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -135,7 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, metrics)")
     args = p.parse_args(argv)
-    for name in ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats", "a_rounds", "heals"):
+    positive = ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats", "paired_repeats", "a_rounds")
+    for name in (*positive, "heals"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.bucket_size_mib is not None and args.bucket_size_mib < 1:
@@ -356,6 +368,14 @@ def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeat
         f"{key}_bytes": total,
         f"{key}_buckets": len(buckets),
     }
+
+
+def raw_read_args(daemon, healed: dict, repeats: int) -> tuple | None:
+    """`mooncake_raw_read`'s arguments for the bytes of the pull in `healed` (None: no Mooncake)."""
+    metas = daemon._call("GET", f"/metas/{healed['checkpoint']}")["ranks"][0]["result"]
+    if not metas.get("p2p_addrs"):
+        return None
+    return metas, healed["bucket_size_bytes"], 1, repeats
 
 
 def raw_read_in_own_process(*args, key: str, timeout_s: float = 600.0) -> dict:
@@ -594,8 +614,14 @@ def main(argv=None) -> dict:
             if args.pin_healed_engine:  # read by the engine command at the restart
                 (work / "taskset-r1").write_text((work / "bind-r1").read_text())
             during = Generator(a_pool, tokenizer, args, "a-during").start()
+            heals, paired = [], []
             try:
-                heals = [heal(pool.daemon, work, args.start_timeout_s + 120) for _ in range(args.heals)]
+                for _ in range(args.heals):
+                    heals.append(heal(pool.daemon, work, args.start_timeout_s + 120))
+                    # right after each heal, while A still generates: the raw read beside this pull
+                    raw = raw_read_args(pool.daemon, heals[-1], args.paired_repeats)
+                    if raw is not None:
+                        paired.append(raw_read_in_own_process(*raw, key="paired")["paired_s"])
             finally:
                 rounds = during.stop()
                 (work / "taskset-r1").unlink(missing_ok=True)
@@ -607,6 +633,14 @@ def main(argv=None) -> dict:
             healed["heal_pull_read_each_s"] = [h["heal_pull_phases"]["read_s"] for h in heals]
             healed["heal_pull_s"] = round(statistics.median(healed["heal_pull_each_s"]), 4)
             healed["heal_pull_read_s"] = round(statistics.median(healed["heal_pull_read_each_s"]), 4)
+            if paired:
+                healed["raw_read_paired_each_s"] = paired
+                healed["ratio_heal_vs_raw_read_paired_each"] = [
+                    round(h["heal_pull_s"] / r, 2) for h, r in zip(heals, paired, strict=True)
+                ]
+                healed["ratio_heal_vs_raw_read_paired"] = statistics.median(
+                    healed["ratio_heal_vs_raw_read_paired_each"]
+                )
             a_during = rate(inside)
             after = Generator(a_pool, tokenizer, args, "a-after").start()
             while len(after.rounds) < args.a_rounds:
@@ -614,9 +648,8 @@ def main(argv=None) -> dict:
             a_after = rate(after.stop())
             # The raw Mooncake read of the pull's bytes: once with nothing else running here, once while
             # engine A generates as it did during the heal (the conditions the pull ran under)
-            metas = pool.daemon._call("GET", f"/metas/{healed['checkpoint']}")["ranks"][0]["result"]
-            if metas.get("p2p_addrs"):
-                raw = (metas, healed["bucket_size_bytes"], 1, args.raw_repeats)
+            raw = raw_read_args(pool.daemon, healed, args.raw_repeats)
+            if raw is not None:
                 healed.update(raw_read_in_own_process(*raw, key="raw_read_idle"))
                 busy = Generator(a_pool, tokenizer, args, "a-raw").start()
                 try:
