@@ -371,21 +371,78 @@ def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeat
 
 
 def raw_read_args(daemon, healed: dict, repeats: int) -> tuple | None:
-    """`mooncake_raw_read`'s arguments for the bytes of the pull in `healed` (None: no Mooncake)."""
+    """`RawReader.read`'s arguments for the bytes of the pull in `healed` (None: no Mooncake)."""
     metas = daemon._call("GET", f"/metas/{healed['checkpoint']}")["ranks"][0]["result"]
     if not metas.get("p2p_addrs"):
         return None
     return metas, healed["bucket_size_bytes"], 1, repeats
 
 
-def raw_read_in_own_process(*args, key: str, timeout_s: float = 600.0) -> dict:
-    """`mooncake_raw_read` in a fresh process: this one runs engine A's rollout client (its GIL would
-    slow the reads), while the pull ran in the daemon's rank process."""
-    import concurrent.futures
-    import multiprocessing
+class RawReader:
+    """`mooncake_raw_read` in a process of its own, started once while the machine is quiet.
 
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(mooncake_raw_read, *args, key=key).result(timeout=timeout_s)
+    Not this process: it runs engine A's rollout client, whose GIL would slow the reads (the pull ran
+    in the daemon's rank process). Started once because importing torch pins the importing thread
+    to each CPU in turn (CPU detection), and on this VM such a move under full load once stalled in
+    the kernel for minutes. Every request has a deadline; past it the process is killed, not waited for.
+    """
+
+    def __init__(self, timeout_s: float = 120.0):
+        here = str(REPO / "benchmarks")
+        code = f"import sys; sys.path.insert(0, {here!r}); import bench_topology as b; b.serve_raw_reads()"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+        )
+        self._ask({"op": "ping"}, timeout_s)
+
+    def read(self, metas: dict, bucket_size_bytes: int, receiver: int, repeats: int, key: str, timeout_s=600.0):
+        req = {"metas": metas, "bucket_size_bytes": bucket_size_bytes, "receiver": receiver, "repeats": repeats}
+        return self._ask({"op": "read", **req, "key": key}, timeout_s)
+
+    def _ask(self, req: dict, timeout_s: float) -> dict:
+        import selectors
+
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout_s):
+                self.proc.kill()
+                raise TimeoutError(f"the raw reader did not answer {req['op']!r} within {timeout_s:g} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the raw reader exited (code {self.proc.poll()}) during {req['op']!r}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"raw read failed: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()  # not waited for: a process stuck in the kernel may not go at once
+
+
+def serve_raw_reads() -> None:
+    """The raw reader's loop: one JSON request per stdin line, one JSON answer per stdout line."""
+    import torch  # noqa: F401 - imported before the ping's answer, while the machine is quiet
+
+    out, sys.stdout = sys.stdout, sys.stderr  # anything else printed goes to stderr
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "ping":
+                answer = {"ok": True}
+            else:
+                answer = mooncake_raw_read(
+                    req["metas"], req["bucket_size_bytes"], req["receiver"], req["repeats"], key=req["key"]
+                )
+        except Exception as e:  # noqa: BLE001 - reported to the benchmark
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
 
 
 class Generator:
@@ -600,6 +657,7 @@ def main(argv=None) -> dict:
 
         # (b) heal of a SIGKILLed engine (B, rank 1) while engine A (rank 0) keeps generating
         records = pool.daemon.engines()["engines"]
+        reader = RawReader() if args.heal_mode == "p2p" else None  # started before A generates
         a_pool = EnginePool(
             [Member(0, engine=_http_engine(engine_config, records[0]["url"]), state=SERVING)],
             max_inflight_per_engine=256,
@@ -619,9 +677,9 @@ def main(argv=None) -> dict:
                 for _ in range(args.heals):
                     heals.append(heal(pool.daemon, work, args.start_timeout_s + 120))
                     # right after each heal, while A still generates: the raw read beside this pull
-                    raw = raw_read_args(pool.daemon, heals[-1], args.paired_repeats)
-                    if raw is not None:
-                        paired.append(raw_read_in_own_process(*raw, key="paired")["paired_s"])
+                    raw = reader and raw_read_args(pool.daemon, heals[-1], args.paired_repeats)
+                    if raw:
+                        paired.append(reader.read(*raw, key="paired")["paired_s"])
             finally:
                 rounds = during.stop()
                 (work / "taskset-r1").unlink(missing_ok=True)
@@ -648,14 +706,14 @@ def main(argv=None) -> dict:
             a_after = rate(after.stop())
             # The raw Mooncake read of the pull's bytes: once with nothing else running here, once while
             # engine A generates as it did during the heal (the conditions the pull ran under)
-            raw = raw_read_args(pool.daemon, healed, args.raw_repeats)
-            if raw is not None:
-                healed.update(raw_read_in_own_process(*raw, key="raw_read_idle"))
+            raw = reader and raw_read_args(pool.daemon, healed, args.raw_repeats)
+            if raw:
+                healed.update(reader.read(*raw, key="raw_read_idle"))
                 busy = Generator(a_pool, tokenizer, args, "a-raw").start()
                 try:
                     while not busy.rounds:  # A is generating at full speed
                         time.sleep(POLL_S)
-                    healed.update(raw_read_in_own_process(*raw, key="raw_read"))
+                    healed.update(reader.read(*raw, key="raw_read"))
                 finally:
                     busy.stop()
             healed["engine_reload"] = engine_reload_report(healed.pop("url"))
@@ -671,6 +729,8 @@ def main(argv=None) -> dict:
                 healed["engine_reload_idle"] = engine_reload_report(idle["url"])
         finally:
             a_pool.close()
+            if reader is not None:
+                reader.close()
         del healed["killed_at"], healed["serving_at"]
         if "raw_read_s" in healed:
             healed["raw_read"] = (
