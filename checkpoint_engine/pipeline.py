@@ -1,8 +1,8 @@
 """The double-buffered update, run identically on every PS rank taking part (`run_update`).
 
     Hello(buffers the source chose) -> Ready               # engine maps them (or reuses its mappings)
-    for bucket i (double buffer half h = i % 2):
-        wait Ack(i-2) from my engine        # half h is free again
+    for bucket i (double buffer half h, plan.double_buffer_schedule):
+        wait for the Ack that frees half h  # the last bucket filling h; in place: Ack(i-2)
         agree: all ranks exchange status    # every agree_every_buckets buckets; any failure -> all abort
         source.fill(bucket i, half h)       # collective: copy-in + broadcast; local: nothing; p2p: read
         send Bucket(i, offsets) to engine   # engine loads bucket i while we fill bucket i+1
@@ -30,7 +30,7 @@ from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.errors import UpdateFailed  # also re-exported: callers import it from here
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics
-from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up
+from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up, double_buffer_schedule
 from checkpoint_engine.sources import BucketSource, EngineBuffers, Mode
 from checkpoint_engine.transport import Transport
 from checkpoint_engine.types import ReqFunc
@@ -173,15 +173,18 @@ class UpdateRun:
 
             bar = tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"update {job.checkpoint}")
         acked = 0
+        in_place = [not self.buffers.double_buffer or self.buffers.reads_in_place(b.owner_rank) for b in job.buckets]
+        schedule = double_buffer_schedule(in_place)
         try:
             for i, bucket in enumerate(job.buckets):
-                if i >= 2:
-                    acked = self.wait_acks(acked, i - 1)  # Ack(i-2) frees half i % 2
+                which, acks_needed = schedule[i]
+                if acks_needed > acked:
+                    acked = self.wait_acks(acked, acks_needed)  # frees the half this bucket fills
                 if i % job.cfg.agree_every_buckets == 0:
                     t0 = time.perf_counter()
                     self.status.agree(link.failure)
                     m.agree_s += time.perf_counter() - t0
-                half = (i % 2) * job.half_stride
+                half = (which or 0) * job.half_stride  # unused by buckets read in place
                 job.source.fill(self, bucket, half)  # even after a failure: other ranks broadcast in lockstep
                 if link.failure is None:
                     try:

@@ -5,6 +5,7 @@ Nothing here touches memory, processes or the network; every function is table-t
     register:  [(name, dtype, shape)]  --layout_tensors-->  RankLayout (aligned offsets in chunks)
     gather:    {rank: RankLayout.metas} --check_global_metas--> names unique across ranks
     update:    {rank: metas} --plan_buckets(bucket_size_bytes)--> [Bucket(owner, chunk, byte range)]
+               [bucket read in place?] --double_buffer_schedule--> [(half, acks needed before filling)]
 
 A bucket is one contiguous byte range of one owner's chunk, so it moves with one copy and one
 broadcast; tensor offsets inside it keep the chunk's alignment.
@@ -175,6 +176,32 @@ def plan_buckets(rank_metas: Mapping[int, Sequence[TensorMeta]], bucket_size_byt
                 rank, chunk, start, size, tensors = runs[i]
                 buckets.append(Bucket(len(buckets), rank, chunk, start, size, tensors))
     return buckets
+
+
+def double_buffer_schedule(in_place: Sequence[bool]) -> list[tuple[int | None, int]]:
+    """For each bucket of an update, in order: the double-buffer half it fills (None: the engine
+    reads it in place, e.g. a rank's own chunk) and how many buckets the engine must have acked
+    before it is filled.
+
+    A bucket that fills a half waits for the ack of the last bucket that filled the same half; a
+    bucket read in place waits for the ack of the bucket two before it (the engine stays at most
+    two buckets behind). With every bucket in a half this is the usual "ack i-2 before bucket i".
+    When buckets read in place sit between them (a pull whose rank owns part of the checkpoint),
+    the next read only waits for the half it reuses, so it overlaps the engine's load of the bucket
+    just read instead of following it.
+    """
+    out: list[tuple[int | None, int]] = []
+    last_filled: list[int] = [-1, -1]  # per half: the last bucket that filled it
+    halves_used = 0
+    for i, direct in enumerate(in_place):
+        if direct:
+            out.append((None, max(i - 1, 0)))
+        else:
+            half = halves_used % 2
+            halves_used += 1
+            out.append((half, last_filled[half] + 1))
+            last_filled[half] = i
+    return out
 
 
 def _close(rank: int, metas: list[TensorMeta]) -> tuple[int, int, int, int, tuple[TensorMeta, ...]]:

@@ -5,6 +5,7 @@ from checkpoint_engine.plan import (
     align_up,
     check_global_metas,
     choose_bucket_size,
+    double_buffer_schedule,
     layout_tensors,
     plan_buckets,
     plan_digest,
@@ -157,3 +158,24 @@ def test_tensor_meta_wire_roundtrip_and_validation():
     for bad in (["w", "bfloat16", [-1], 0, 0], ["w", "nope", [1], 0, 0], ["w"], "x"):
         with pytest.raises(ValueError):
             TensorMeta.from_wire(bad)
+
+
+@pytest.mark.parametrize(
+    "in_place, expected",
+    [
+        ([], []),
+        # every bucket in a half: the usual "Ack(i-2) before bucket i"
+        ([False] * 5, [(0, 0), (1, 0), (0, 1), (1, 2), (0, 3)]),
+        # every bucket read in place (local mode): the engine stays at most two buckets behind
+        ([True] * 4, [(None, 0), (None, 0), (None, 1), (None, 2)]),
+        # a pull whose rank owns every other bucket: each read waits only for the half it reuses
+        (
+            [False, True, False, True, False, True, False],
+            [(0, 0), (None, 0), (1, 0), (None, 2), (0, 1), (None, 4), (1, 3)],
+        ),
+        # own buckets first, then reads: the reads alternate halves from the start
+        ([True, True, False, False, False], [(None, 0), (None, 0), (0, 0), (1, 0), (0, 3)]),
+    ],
+)
+def test_double_buffer_schedule(in_place, expected):
+    assert double_buffer_schedule(in_place) == expected
