@@ -2,7 +2,7 @@
 
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 32] [--max-tokens 32] [--train-steps 2]
         [--model-size-mib 256] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
-        [--bucket-size-mib N] [--heals 3] [--raw-repeats 20]
+        [--bucket-size-mib N] [--heals 3] [--raw-repeats 20] [--paired-repeats 5] [--no-idle-heal]
         [--a-rounds 3] [--work-dir DIR] [--keep]
     python benchmarks/bench_topology.py --model-size-mib 0 --prompts 64 --max-tokens 64   # the demo's shape
 
@@ -47,7 +47,8 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                     raw_read_s   the same bytes (the buckets of the owners other than rank 1, rank 1
                                  reads its own in place), the same bucket plan and owners, read by a
                                  Mooncake transfer engine in a process of its own (checkpoint_engine.p2p; not
-                                 this one, whose GIL engine A's client holds) bucket by
+                                 this one, whose GIL engine A's client holds; started once, before A
+                                 generates: `RawReader`) bucket by
                                  bucket into a registered double buffer, as the P2P mode does; no engine.
                                  Measured while engine A generates, as during the heal: median of
                                  --raw-repeats (_best_s, _first_s: the first, with the handshake;
