@@ -63,6 +63,9 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                                  medians taken minutes apart
                     heal_pull_idle_s  (--idle-heal, default) B killed once more with A idle: the pull
                                  beside raw_read_idle_s -> ratio_heal_vs_raw_read_idle
+                    raw_read_all_idle_s  every byte the pull delivers into the engine, rank 1's own half
+                                 too (over TCP from rank 1's transfer engine, where the pull reads it in
+                                 place: more work than the pull's) -> ratio_heal_vs_raw_read_all_idle
                     memcpy_s     the version's safetensors files from /dev/shm (mmapped) copied into a
                                  warm buffer, best of --raw-repeats; ratio_heal_vs_memcpy
                   throughput_during_heal_ratio = A's tokens/s over its rounds that ran wholly between
@@ -313,13 +316,16 @@ def memcpy_s(files: list[str], repeats: int) -> tuple[float, int]:
     return best, total
 
 
-def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeats: int, key: str = "raw_read") -> dict:
+def mooncake_raw_read(
+    metas: dict, bucket_size_bytes: int, receiver: int | None, repeats: int, key: str = "raw_read"
+) -> dict:
     """The bytes a P2P pull into `receiver` moves, read with a Mooncake transfer engine of our own.
 
     Same metas (owners' Mooncake addresses and chunk pointers), same bucket plan as the pull
     (`plan_buckets` at the pull's bucket size); the receiver's own buckets are left out, as the P2P
-    mode reads them in place. Per bucket into half `index % 2` of a registered double buffer (what
-    `P2PSource.fill` does, without an engine), and all buckets in one batch read into one buffer."""
+    mode reads them in place (`receiver` None: every bucket, each from its owner's transfer engine).
+    Per bucket into half `index % 2` of a registered double buffer (what `P2PSource.fill` does,
+    without an engine), and all buckets in one batch read into one buffer."""
     import torch
 
     from checkpoint_engine.jobs import GlobalMetas
@@ -327,7 +333,7 @@ def mooncake_raw_read(metas: dict, bucket_size_bytes: int, receiver: int, repeat
     from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, align_up, plan_buckets
 
     g = GlobalMetas.from_dict(metas)
-    buckets = [b for b in plan_buckets(g.rank_metas, bucket_size_bytes) if b.owner_rank != receiver]
+    buckets = [b for b in plan_buckets(g.rank_metas, bucket_size_bytes) if receiver is None or b.owner_rank != receiver]
     if not buckets:
         return {f"{key}_bytes": 0}
     stride = align_up(bucket_size_bytes, DEFAULT_ALIGN_BYTES)
@@ -710,6 +716,8 @@ def main(argv=None) -> dict:
             raw = reader and raw_read_args(pool.daemon, healed, args.raw_repeats)
             if raw:
                 healed.update(reader.read(*raw, key="raw_read_idle"))
+                # every byte the pull delivers, the rank's own half too (read from its own rank over TCP)
+                healed.update(reader.read(raw[0], raw[1], None, raw[3], key="raw_read_all_idle"))
                 busy = Generator(a_pool, tokenizer, args, "a-raw").start()
                 try:
                     while not busy.rounds:  # A is generating at full speed
@@ -743,6 +751,10 @@ def main(argv=None) -> dict:
             healed["ratio_pull_read_vs_raw_read"] = round(healed["heal_pull_read_s"] / healed["raw_read_s"], 2)
             if "heal_pull_idle_s" in healed:
                 healed["ratio_heal_vs_raw_read_idle"] = round(healed["heal_pull_idle_s"] / healed["raw_read_idle_s"], 2)
+                if healed.get("raw_read_all_idle_s"):
+                    healed["ratio_heal_vs_raw_read_all_idle"] = round(
+                        healed["heal_pull_idle_s"] / healed["raw_read_all_idle_s"], 2
+                    )
         else:
             healed["raw_read"] = "not measured: the daemon has no Mooncake (--heal-mode local)"
         mc_s, mc_bytes = memcpy_s(
@@ -782,7 +794,8 @@ def main(argv=None) -> dict:
         out["n2_vs_n1"] = round(out["n2"]["tokens_per_s"] / out["n1"]["tokens_per_s"], 3)
         for k in (
             *("heal_pull_s", "raw_read_s", "ratio_heal_vs_raw_read", "heal_pull_idle_s", "raw_read_idle_s"),
-            *("ratio_heal_vs_raw_read_idle", "memcpy_s", "ratio_heal_vs_memcpy"),
+            *("ratio_heal_vs_raw_read_idle", "ratio_heal_vs_raw_read_all_idle", "ratio_heal_vs_raw_read_paired"),
+            *("memcpy_s", "ratio_heal_vs_memcpy"),
         ):
             out[k] = out["heal"].get(k)  # the issue's figures at the top level too
         out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
