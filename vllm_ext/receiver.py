@@ -78,6 +78,11 @@ class FaultSpec:
         return cls(**d)
 
 
+def reload_failed(e: BaseException) -> RuntimeError:
+    """The error an update reports when the engine's reload raised `e`."""
+    return RuntimeError(f"the engine's reload path failed: {type(e).__name__}: {e}")
+
+
 class ReloadStream:
     """Runs `reload_fn` in a thread over an iterator fed batch by batch; `finish` joins it."""
 
@@ -104,9 +109,7 @@ class ReloadStream:
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
-            raise RuntimeError(
-                f"the engine's reload path failed: {type(self.error).__name__}: {self.error}"
-            ) from self.error
+            raise reload_failed(self.error) from self.error
 
     def feed(self, pairs: NamedTensors) -> None:
         self.raise_if_failed()
@@ -329,7 +332,7 @@ class _UpdateSession:
                 with torch.no_grad():
                     self.r._reload_fn(iter(views))
             except Exception as e:
-                raise RuntimeError(f"the engine's reload path failed: {type(e).__name__}: {e}") from e
+                raise reload_failed(e) from e
             return
         pairs = [(name, self._keep(name, view)) for name, view in views]
         self._note(pairs)
