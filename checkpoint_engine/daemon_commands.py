@@ -46,11 +46,13 @@ def execute(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = No
         return engines.managed_update(host, ps, cmd["name"], cmd.get("ranks"), cmd.get("timeout_s"))
     if op == "register":
         files = cmd.get("files") or []
-        mine = (
-            [f for i, f in enumerate(sorted(files)) if i % ps.world_size == ps.rank]
-            if cmd.get("split_files", True)
-            else files
-        )
+        owners = sorted(cmd.get("owner_ranks") or range(ps.world_size))  # validated: distinct ranks
+        if not cmd.get("split_files", True):
+            mine = files
+        elif ps.rank in owners:  # the files split over the owners; any other rank holds none of them
+            mine = [f for i, f in enumerate(sorted(files)) if i % len(owners) == owners.index(ps.rank)]
+        else:
+            mine = []
         ps.register_checkpoint(cmd["name"], files=mine)
         if cmd.get("gather", True):
             ps.gather_metas(cmd["name"])
@@ -126,6 +128,12 @@ def validate(cmd: dict) -> dict:
         files = cmd.get("files")
         if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
             raise CommandError("register: 'files' must be a non-empty list of safetensors paths", "files")
+        owners = cmd.get("owner_ranks")
+        if owners is not None and not (is_int_list(owners) and owners and len(set(owners)) == len(owners)):
+            raise CommandError(
+                f"register: 'owner_ranks' must be a non-empty list of distinct ranks or null (all), got {owners!r}",
+                "owner_ranks",
+            )
     if op == "load_metas" and not isinstance(cmd.get("metas"), dict):
         raise CommandError("load_metas: 'metas' must be the JSON object GET /metas/NAME returned", "metas")
     if op == "update" and cmd.get("ranks") is not None and not is_int_list(cmd["ranks"]):

@@ -45,7 +45,12 @@ def make_app(driver: Driver, stop: asyncio.Event):
         return data
 
     async def register(request):
-        return await call({"op": "register", **await body(request)})
+        cmd = {"op": "register", **await body(request)}
+        owners = cmd.get("owner_ranks")
+        if is_int_list(owners) and not all(0 <= r < driver.ps.world_size for r in owners):
+            error = f"register: 'owner_ranks' must be ranks in [0, {driver.ps.world_size}), got {owners!r}"
+            return web.json_response({"ok": False, "error": error}, status=400)
+        return await call(cmd)
 
     async def unregister(request):
         return await call({"op": "unregister", "name": request.match_info["name"]})

@@ -54,8 +54,14 @@ class DaemonClient:
         """``{"current": name | None, "engines": [per-rank record]}``."""
         return self._call("GET", "/engines")
 
-    def register(self, name: str, files: list[str]) -> None:
-        self._call("POST", "/checkpoints", {"name": name, "files": files})
+    def register(self, name: str, files: list[str], owner_ranks: list[int] | None = None) -> None:
+        """Every rank registers its share of ``files``; with ``owner_ranks`` only those ranks hold them."""
+        body = (
+            {"name": name, "files": files}
+            if owner_ranks is None
+            else {"name": name, "files": files, "owner_ranks": owner_ranks}
+        )
+        self._call("POST", "/checkpoints", body)
 
     def unregister(self, name: str) -> None:
         self._call("DELETE", f"/checkpoints/{name}")

@@ -75,6 +75,20 @@ def test_daemon_register_update_shutdown(tmp_path):
         assert res["ranks"][1]["result"]["mode"] in ("local", "p2p")
         assert engines[1].digest() == expected and engines[1].state()["version"] == 1
         assert engines[0].state()["version"] == 1
+        # a checkpoint held by rank 0 alone: rank 1's engine pulls all of it from rank 0
+        code, res = call("POST", base + "/checkpoints", {"name": "o", "files": files, "owner_ranks": [0]})
+        assert code == 200 and res["ok"], res
+        assert [len(r["result"]["registered_files"]) for r in res["ranks"]] == [3, 0]
+        rpc(engines[1].url, "reset_weights")
+        code, res = call("POST", base + "/update", {"name": "o", "endpoints": [e.url for e in engines], "ranks": [1]})
+        assert code == 200 and res["ok"], res
+        assert res["ranks"][1]["result"]["total_bytes"] == sum(t.nbytes for t in tensors.values())
+        assert engines[1].digest() == expected and engines[1].state()["version"] == 1
+        for bad_owners, why in (([2], "ranks in [0, 2)"), ([], "non-empty list"), ([0, 0], "distinct"), ("0", "list")):
+            code, res = call("POST", base + "/checkpoints", {"name": "p", "files": files, "owner_ranks": bad_owners})
+            assert code == 400 and "'owner_ranks'" in res["error"] and why in res["error"], (bad_owners, res)
+        code, res = call("DELETE", base + "/checkpoints/o")
+        assert code == 200 and res["ok"]
         code, res = call("GET", base + "/metas/m")
         assert code == 200 and set(res["ranks"][0]["result"]["p2p_addrs"]) == {"0", "1"}
         code, res = call("POST", base + "/update", {"name": "nope", "endpoints": [e.url for e in engines]})
@@ -84,7 +98,8 @@ def test_daemon_register_update_shutdown(tmp_path):
         code, res = call("DELETE", base + "/checkpoints/m")
         assert code == 200 and res["ok"]
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-        assert len(lines) == 3 and all(json.loads(x)["ok"] for x in lines)  # one line per rank and update
+        # one line per rank and update (a P2P pull: the receiver only)
+        assert len(lines) == 4 and all(json.loads(x)["ok"] for x in lines)
         assert daemon.shutdown() == 0, daemon.log_tail()
     finally:
         daemon.stop()  # torchrun and its ranks, whatever state the test left them in
