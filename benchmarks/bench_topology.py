@@ -36,7 +36,10 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                   ranks' registered memory (update ranks=[1]): with --heal-mode p2p (default: the daemon
                   runs with --p2p-host 127.0.0.1 --mode collective, so a pull goes through Mooncake's
                   transfer engine over TCP; the colocated starts then broadcast over gloo) or local (the
-                  restarted engine maps the owners' memfd chunks, nothing moves).
+                  restarted engine maps the owners' memfd chunks, nothing moves). With --heal-owners
+                  others the trained weights are first registered once more on rank 0 alone
+                  (POST /checkpoints owner_ranks [0]) and pushed: rank 1 holds nothing, so the pull
+                  reads every byte it delivers (the raw reads then read the same bytes).
                   From GET /engines (polled every 50 ms: each state's `since`) and the daemon's
                   per-update metrics: detect_s, the engine's start without the pull (reported apart:
                   start_s = start_before_pull_s, process start until the load step or, dummy, until
@@ -129,6 +132,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="run the restarted engine's whole process tree on its own core (taskset) during the heal",
+    )
+    p.add_argument(
+        "--heal-owners",
+        choices=["split", "others"],
+        default="split",
+        help="split: the healed rank holds half the version and reads it in place (what the RL job's pushes "
+        "do); others: the version is registered on rank 0 alone, so the pull reads every byte from it",
     )
     p.add_argument("--bucket-size-mib", type=int, default=None, help="the daemon's bucket size (default: its own)")
     p.add_argument("--raw-repeats", type=int, default=20, help="repeats of the raw reads (best taken)")
@@ -580,6 +590,7 @@ def main(argv=None) -> dict:
 
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from orchestrator.config import EngineConfig, SyncConfig
+    from orchestrator.daemon_client import write_version
     from orchestrator.daemon_engines import DaemonWeightSync, _http_engine, start_daemon_pool
     from orchestrator.engine_pool import BATCH_SIZE, SERVING, EnginePool, Member, cpu_binds
     from trainer.torch_trainer import HFTrainer, TrainerConfig
@@ -609,6 +620,7 @@ def main(argv=None) -> dict:
         "heal_mode": args.heal_mode,
         "engine_start": args.engine_start,
         "healed_engine_pinned": args.pin_healed_engine,
+        "heal_owners": args.heal_owners,
     }
     daemon, base = start_daemon(
         work, handoff / "model", args.start_timeout_s, args.heal_mode, args.engine_start, args.bucket_size_mib
@@ -663,6 +675,11 @@ def main(argv=None) -> dict:
         }
 
         # (b) heal of a SIGKILLed engine (B, rank 1) while engine A (rank 0) keeps generating
+        if args.heal_owners == "others":  # the trained weights once more, held by rank 0 alone
+            name = "bench-heal-owner-r0"
+            files = write_version(handoff, name, trainer.named_tensors(), 1)
+            pool.daemon.register(name, files, owner_ranks=[0])
+            pool.daemon.update(name, None)
         records = pool.daemon.engines()["engines"]
         reader = RawReader() if args.heal_mode == "p2p" else None  # started before A generates
         a_pool = EnginePool(
