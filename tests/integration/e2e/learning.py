@@ -23,15 +23,20 @@ from collections.abc import Sequence
 import torch
 
 
-def mean_solution_probability(model_dir: str | pathlib.Path, problems: Sequence) -> float:
-    """Mean over `problems` of P(reference solution + eos | prompt) under the HF model in `model_dir`."""
+def _load(model_dir: str | pathlib.Path):
+    """(float32 HF model in eval mode, its tokenizer) from `model_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = str(pathlib.Path(model_dir).resolve())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def mean_solution_probability(model_dir: str | pathlib.Path, problems: Sequence) -> float:
+    """Mean over `problems` of P(reference solution + eos | prompt) under the HF model in `model_dir`."""
     from trainer.sft import encode_examples
 
-    model_dir = pathlib.Path(model_dir).resolve()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model, tokenizer = _load(model_dir)
     prompts, responses = encode_examples(tokenizer, problems)
     seqs = [prompt + response for prompt, response in zip(prompts, responses, strict=True)]
     width = max(len(x) for x in seqs)
@@ -52,14 +57,10 @@ def mean_solution_probability(model_dir: str | pathlib.Path, problems: Sequence)
 
 def greedy_correct(model_dir: str | pathlib.Path, problems: Sequence) -> list[bool]:
     """Whether the HF model in `model_dir` answers each problem correctly with greedy decoding."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from demo import task
     from trainer.sft import greedy_responses
 
-    model_dir = pathlib.Path(model_dir).resolve()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model, tokenizer = _load(model_dir)
     responses = greedy_responses(model, tokenizer, problems)
     return [task.is_correct(p, r) for p, r in zip(problems, responses, strict=True)]
 
