@@ -128,6 +128,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="load: weights through vLLM's load step; dummy: dummy weights, push once healthy",
     )
     p.add_argument(
+        "--p2p-reader",
+        choices=["rank", "engine"],
+        default="rank",
+        help="who reads the heal's pull: the daemon's rank (into its shared buffer) or the engine (into its weights)",
+    )
+    p.add_argument(
         "--pin-healed-engine",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -181,6 +187,7 @@ def start_daemon(
     heal_mode: str = "local",
     engine_start: str = "load",
     bucket_size_mib: int | None = None,
+    p2p_reader: str = "rank",
 ) -> tuple[subprocess.Popen, str]:
     from checkpoint_engine.engines import free_port
     from checkpoint_engine.httpjson import status_json
@@ -208,7 +215,7 @@ def start_daemon(
     if bucket_size_mib is not None:
         cmd += ["--bucket-size-mib", str(bucket_size_mib)]
     if heal_mode == "p2p":  # a pull (ranks=[...]) with mode collective and Mooncake goes P2P, even on one host
-        cmd += ["--p2p-host", "127.0.0.1", "--mode", "collective"]
+        cmd += ["--p2p-host", "127.0.0.1", "--mode", "collective", "--p2p-reader", p2p_reader]
     daemon = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -621,9 +628,16 @@ def main(argv=None) -> dict:
         "engine_start": args.engine_start,
         "healed_engine_pinned": args.pin_healed_engine,
         "heal_owners": args.heal_owners,
+        "p2p_reader": args.p2p_reader,
     }
     daemon, base = start_daemon(
-        work, handoff / "model", args.start_timeout_s, args.heal_mode, args.engine_start, args.bucket_size_mib
+        work,
+        handoff / "model",
+        args.start_timeout_s,
+        args.heal_mode,
+        args.engine_start,
+        args.bucket_size_mib,
+        args.p2p_reader,
     )
     pool = sync = None
     finished = False

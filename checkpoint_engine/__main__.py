@@ -52,6 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--p2p-protocol", choices=["tcp", "rdma"], default="tcp")
     p.add_argument("--p2p-device", default="", help="RDMA device names for Mooncake (rdma protocol)")
     p.add_argument(
+        "--p2p-reader",
+        choices=["rank", "engine"],
+        default="rank",
+        help="who reads a P2P pull: the PS rank (into its shared buffer) or the engine (into its parameters; CPU)",
+    )
+    p.add_argument(
         "--engine-cmd",
         default=None,
         help="the engine each rank manages: a JSON list or a shell-style string with {port} (and {rank}, "
@@ -143,7 +149,11 @@ def main(argv=None) -> int:
         p2p=p2p,
         metadata_url=args.metadata_url,
         update=UpdateConfig(
-            bucket_size_bytes=bucket, mode=args.mode, metrics_path=args.metrics_jsonl, progress=args.progress
+            bucket_size_bytes=bucket,
+            mode=args.mode,
+            p2p_reader=args.p2p_reader,
+            metrics_path=args.metrics_jsonl,
+            progress=args.progress,
         ),
     )
     ps = ParameterServer(config=cfg)

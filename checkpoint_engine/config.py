@@ -26,6 +26,9 @@ class UpdateConfig:
     # "collective": broadcast every bucket across ranks (gloo/NCCL); "local": all ranks share one host
     # and engines read each owner's registered chunks directly (CPU); "auto": local when possible.
     mode: RequestedMode = "auto"
+    # Who reads a P2P pull: "rank" (the PS rank reads into the shared double buffer, the engine loads
+    # from there) or "engine" (the engine's own transfer engine reads into its parameters; CPU).
+    p2p_reader: Literal["rank", "engine"] = "rank"
     agree_every_buckets: int = 8  # cross-rank status exchange period (failures abort within this many)
     keep_buffers: bool = True  # keep the double buffer between updates
 
@@ -33,6 +36,8 @@ class UpdateConfig:
         if self.mode not in REQUESTED_MODES:
             *first, last = REQUESTED_MODES
             raise ValueError(f"mode must be {', '.join(map(repr, first))} or {last!r}, got {self.mode!r}")
+        if self.p2p_reader not in ("rank", "engine"):
+            raise ValueError(f"p2p_reader must be 'rank' or 'engine', got {self.p2p_reader!r}")
         if not isinstance(self.agree_every_buckets, int) or self.agree_every_buckets < 1:
             raise ValueError(f"agree_every_buckets must be an int >= 1, got {self.agree_every_buckets!r}")
         for name in ("bucket_size_bytes", "memory_budget_bytes"):

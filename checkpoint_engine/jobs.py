@@ -2,7 +2,7 @@
 
     GlobalMetas (gather_metas / load_metas)       what every rank knows about one checkpoint
     make_job:  all_gather budgets + can-map flags  -> bucket size -> plan -> digests agree
-               choose_mode(...)                    -> "collective" | "local" | "p2p"
+               choose_mode(...)                    -> "collective" | "local" | "p2p" | "p2p_engine"
                make_source(mode, ...)              -> the BucketSource of that mode (sources.py)
                -> pipeline.UpdateJob               what every mode shares, plus the source
 
@@ -29,7 +29,15 @@ from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.pipeline import UpdateJob
 from checkpoint_engine.plan import TensorMeta
 from checkpoint_engine.protocol import BufferHandle
-from checkpoint_engine.sources import BucketSource, CollectiveSource, LocalSource, Mode, P2PSource, RequestedMode
+from checkpoint_engine.sources import (
+    BucketSource,
+    CollectiveSource,
+    EngineP2PSource,
+    LocalSource,
+    Mode,
+    P2PSource,
+    RequestedMode,
+)
 from checkpoint_engine.transport import Transport
 from checkpoint_engine.types import ReqFunc
 
@@ -173,12 +181,14 @@ def choose_mode(
     cannot_map: list[int],
     have_p2p: bool,
     backend: str,
+    p2p_reader: str = "rank",
 ) -> Mode:
     """`local` when every taking part rank's engine can map the owners' chunks (and `requested` allows);
     otherwise a broadcast (`collective`) or, for a pull (`ranks=[...]`, owners in another job), Mooncake.
 
     `cannot_map`: ranks whose engine cannot map every owner's chunks; `have_p2p`: this PS has a
-    Mooncake transfer engine; `backend`: the transport's, named in errors.
+    Mooncake transfer engine; `backend`: the transport's, named in errors; `p2p_reader`: "engine"
+    turns a Mooncake pull into "p2p_engine" (the engines read it themselves).
     """
     local_ok = not cannot_map
     if requested == "local" and not local_ok:
@@ -207,6 +217,12 @@ def choose_mode(
             f"owner ranks {missing} of {g.checkpoint!r} have no P2P address: start every "
             "parameter server with p2p enabled"
         )
+    if p2p_reader == "engine":
+        if backend != "gloo":
+            raise ValueError(
+                f"p2p_reader='engine' reads into host memory; with the {backend} transport the ranks read the pull"
+            )
+        return "p2p_engine"
     return "p2p"
 
 
@@ -223,6 +239,10 @@ def make_source(mode: Mode, g: GlobalMetas, ckpt: RegisteredCheckpoint | None, p
         if p2p is None:
             raise ValueError("mode 'p2p' needs a Mooncake transfer engine (ParameterServerConfig(p2p=...))")
         return P2PSource(ckpt, p2p, g.p2p_addrs, g.chunk_ptrs)
+    if mode == "p2p_engine":
+        if p2p is None:
+            raise ValueError("mode 'p2p_engine' needs a Mooncake transfer engine (ParameterServerConfig(p2p=...))")
+        return EngineP2PSource(ckpt, p2p.cfg.host, g.p2p_addrs, g.chunk_ptrs, g.chunk_handles)
     raise ValueError(f"unknown update mode {mode!r}")
 
 
@@ -285,7 +305,13 @@ def make_job(
         )
     cannot_map = [r for r, b in zip(members, budgets) if not b[2]]
     mode = choose_mode(
-        g, cfg.mode, pull=pull, cannot_map=cannot_map, have_p2p=p2p is not None, backend=transport.backend
+        g,
+        cfg.mode,
+        pull=pull,
+        cannot_map=cannot_map,
+        have_p2p=p2p is not None,
+        backend=transport.backend,
+        p2p_reader=cfg.p2p_reader,
     )
     addresses = [(g.device_ids[r], zmq_address(g.pids[r], r, seq)) for r in range(world_size)]
     return UpdateJob(

@@ -134,6 +134,11 @@ class P2PStore:
             if self._registered.pop(ptr, None) is not None:
                 self._engine.unregister_memory(ptr)
 
+    def unregister_all(self) -> None:
+        for ptr in list(self._registered):
+            if self._scratch is None or ptr != ctypes.addressof(self._scratch):
+                self.unregister(ptr)
+
     def read(self, remote_addr: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
         """Copy `nbytes` from `remote_ptr` at peer `remote_addr` into `local_ptr`, within the deadline."""
         self._sync(

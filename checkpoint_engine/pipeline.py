@@ -150,6 +150,7 @@ class UpdateRun:
                     buffers=self.buffers.handles,
                     verify_checksums=job.checksums is not None,
                     stable_buffers=self.buffers.stable_buffers(),
+                    p2p_host=self.buffers.p2p_host,
                 ),
                 deadline_s=deadline,
                 check=lambda: req.error,

@@ -59,6 +59,19 @@ class PlainEngine:
         self.asleep: set[str] = set()  # the sleeping tags (weights, kv_cache); empty: awake
         self._offloaded: dict | None = None
         self._shapes: dict = {}
+        from checkpoint_engine.engine_reads import EngineReads
+
+        # pulls this engine reads itself (p2p_reader="engine"): into the weights it holds, when they fit
+        self.reads = EngineReads(self._destinations, read_timeout_s=timeout_s)
+        self.last_engine_reads: dict | None = None
+
+    def _destinations(self, items):
+        out = []
+        for name, dtype, shape in items:
+            dst = self.weights.get(name)
+            ok = dst is not None and dst.device.type == "cpu" and dst.dtype == dtype and tuple(dst.shape) == shape
+            out.append(dst if ok else None)
+        return out
 
     def update_weights_from_ipc(self, zmq_handles: dict[str, str]) -> dict:
         from checkpoint_engine.worker import update_weights_from_ipc
@@ -97,7 +110,10 @@ class PlainEngine:
                 state=self.state,
                 timeout_s=self.timeout_s,
                 mapping_cache=self.mappings,
+                remote_reads=self.reads,
             )
+            self.last_engine_reads = self.reads.stats.report() if self.reads.stats.read_s else None
+            self.reads.stats = type(self.reads.stats)()
             return self.state.report()
 
     def reset_weights(self) -> dict:
@@ -110,7 +126,10 @@ class PlainEngine:
             return self.state.report()
 
     def weights_state(self) -> dict:
-        return self.state.report()
+        report = self.state.report()
+        if self.last_engine_reads is not None:  # the last update was read by this engine itself
+            report["engine_reads"] = self.last_engine_reads
+        return report
 
     # vLLM's sleep mode, as its HTTP routes behave: level 1 keeps the weights in host memory, level 2
     # drops them (a wake gives back tensors of the right shapes with nothing meaningful in them: zeros)

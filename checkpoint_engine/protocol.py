@@ -4,7 +4,8 @@ Encoded with msgpack (never pickle). Every message is a map with a "t" tag; `dec
 the tag and the field types and raises ProtocolError naming what is wrong.
 
     PS rank                                   engine worker
-    Hello(update, checkpoint, buffers) ─────▶ map the shared buffers once
+    Hello(update, checkpoint, buffers) ─────▶ map the shared buffers once (remote buffers: the
+                                              engine reads those tensors itself, engine_reads.py)
                                       ◀────── Ready(version)
     Bucket(i, tensors@offsets)        ──────▶ run(views)            (buckets i and i+1 in flight)
                                       ◀────── Ack(i) | Error(i, reason)
@@ -30,21 +31,29 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class BufferHandle:
-    """How the engine maps one shared buffer: a memfd of a PS process (CPU) or a CUDA IPC handle."""
+    """How the engine reaches one buffer: a memfd of a PS process (CPU), a CUDA IPC handle, or
+    ("remote") an owner's registered chunk that the engine reads itself through Mooncake: `peer` is
+    the owner's transfer-engine address, `ptr` the chunk's address there."""
 
-    kind: str  # "fd" | "cuda"
+    kind: str  # "fd" | "cuda" | "remote"
     size_bytes: int
     pid: int = 0
     fd: int = -1
     cuda_args: tuple = ()
+    peer: str = ""
+    ptr: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("fd", "cuda"):
-            raise ProtocolError(f"buffer kind must be 'fd' or 'cuda', got {self.kind!r}")
+        if self.kind not in ("fd", "cuda", "remote"):
+            raise ProtocolError(f"buffer kind must be 'fd', 'cuda' or 'remote', got {self.kind!r}")
         if not isinstance(self.size_bytes, int) or self.size_bytes <= 0:
             raise ProtocolError(f"buffer size_bytes must be a positive int, got {self.size_bytes!r}")
         if self.kind == "fd" and (self.pid <= 0 or self.fd < 0):
             raise ProtocolError(f"fd buffer needs a pid and an fd, got pid={self.pid} fd={self.fd}")
+        if self.kind == "remote" and (not isinstance(self.peer, str) or not self.peer or self.ptr <= 0):
+            raise ProtocolError(
+                f"remote buffer needs a peer address and a pointer, got peer={self.peer!r} ptr={self.ptr}"
+            )
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class Hello:
     # to the double buffer, which is overwritten two buckets later): views into them may be kept
     # for the whole update without copying.
     stable_buffers: tuple[int, ...] = ()
+    # With "remote" buffers: the address the engine's own transfer engine announces (its PS rank's)
+    p2p_host: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "checkpoint": str,
     "num_buckets": int,
     "verify_checksums": bool,
+    "p2p_host": str,
     "index": int,
     "reason": str,
     "version": int,
@@ -131,7 +143,15 @@ def encode(msg: Message) -> bytes:
         value = getattr(msg, f.name)
         if f.name == "buffers":
             value = [
-                {"kind": b.kind, "size_bytes": b.size_bytes, "pid": b.pid, "fd": b.fd, "cuda_args": list(b.cuda_args)}
+                {
+                    "kind": b.kind,
+                    "size_bytes": b.size_bytes,
+                    "pid": b.pid,
+                    "fd": b.fd,
+                    "cuda_args": list(b.cuda_args),
+                    "peer": b.peer,
+                    "ptr": b.ptr,
+                }
                 for b in value
             ]
         elif f.name == "tensors":
@@ -186,6 +206,8 @@ def _decode_buffer(value: Any) -> BufferHandle:
             pid=int(value.get("pid", 0)),
             fd=int(value.get("fd", -1)),
             cuda_args=tuple(value.get("cuda_args", ())),
+            peer=str(value.get("peer", "")),
+            ptr=int(value.get("ptr", 0)),
         )
     except KeyError as e:
         raise ProtocolError(f"buffer handle misses field {e}") from None

@@ -10,6 +10,8 @@ the engine maps and what happens to a bucket before the engine is told to read i
                 bucket in place (CPU, every rank on one host)
     p2p         Mooncake one-sided read from the owner's chunk into the receiver's half h
                 (CUDA: into pinned staging, then H2D); the owners do no work
+    p2p_engine  the same pull read by the engine itself (`engine_reads`): the rank sends where each
+                tensor is in the owners' memory and the engine reads it into its parameters (CPU)
 
 A source is built for one update (`jobs.make_job`), opened once by the pipeline, then asked to
 `fill` every bucket in order.
@@ -34,9 +36,10 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch (metrics.
     from checkpoint_engine.plan import Bucket
 
 # The mode names live here once. An update's config may ask for `SelectableMode` (or "auto": let
-# `jobs.choose_mode` pick); "p2p" is never asked for: a pull takes it when local reads are impossible.
+# `jobs.choose_mode` pick); "p2p" is never asked for: a pull takes it when local reads are impossible
+# ("p2p_engine" with `UpdateConfig.p2p_reader="engine"`).
 SelectableMode = Literal["collective", "local"]
-Mode = Literal[SelectableMode, "p2p"]  # what an update runs as (Literal flattens: the three names)
+Mode = Literal[SelectableMode, "p2p", "p2p_engine"]  # what an update runs as (Literal flattens: the three names)
 MODES: tuple[Mode, ...] = get_args(Mode)
 RequestedMode = Literal["auto", SelectableMode]  # `UpdateConfig.mode`, daemon `--mode`
 REQUESTED_MODES: tuple[RequestedMode, ...] = get_args(RequestedMode)
@@ -53,14 +56,16 @@ class EngineBuffers:
     handles: tuple[P.BufferHandle, ...]
     base: dict[int, int] = field(default_factory=dict)
     double_buffer: bool = True
+    p2p_host: str = ""  # with remote handles: the address the engine's transfer engine announces
 
     def reads_in_place(self, owner_rank: int) -> bool:
         return owner_rank in self.base
 
     def stable_buffers(self) -> tuple[int, ...]:
         """Registered chunks keep their bytes for the whole update; the double buffer is overwritten
-        two buckets later."""
-        return tuple(range(1 if self.double_buffer else 0, len(self.handles)))
+        two buckets later. Remote chunks are not mapped at all (the engine reads them)."""
+        start = 1 if self.double_buffer else 0
+        return tuple(i for i in range(start, len(self.handles)) if self.handles[i].kind != "remote")
 
     def wire(self, bucket: Bucket, half_offset: int, checksums: dict[str, int] | None) -> tuple[P.WireTensor, ...]:
         """Where the engine finds each tensor of `bucket` (buffer index, byte offset)."""
@@ -207,3 +212,40 @@ class P2PSource:
             job.transport.copy_in(self._shared[half : half + bucket.size_bytes], local)
             job.transport.synchronize()
             m.copy_in_s += time.perf_counter() - t0
+
+
+@dataclass
+class EngineP2PSource:
+    """A pull the engine reads itself: the owners' chunks go to the engine as remote buffers, the
+    engine's transfer engine reads each bucket into the parameters; our own shard is mapped (CPU)."""
+
+    ckpt: RegisteredCheckpoint | None
+    p2p_host: str  # this rank's transfer-engine address: the engine beside it announces the same
+    owner_addrs: dict[int, str]
+    chunk_ptrs: dict[int, list[int]]
+    chunk_handles: dict[int, list[P.BufferHandle]]  # for the owners' chunk sizes
+    mode: ClassVar[Mode] = "p2p_engine"
+
+    def open(self, job: UpdateJob) -> EngineBuffers:
+        if not job.transport.engines_map_host_chunks:
+            raise ValueError("p2p_reader='engine' reads into host memory: CUDA engines pull through their rank")
+        handles: list[P.BufferHandle] = []
+        base: dict[int, int] = {}
+        if self.ckpt is not None:
+            base[job.rank] = 0
+            handles += [c.handle for c in self.ckpt.chunks]
+        for r, ptrs in sorted(self.chunk_ptrs.items()):
+            if r in base:
+                continue
+            sizes = [h.size_bytes for h in self.chunk_handles.get(r, [])]
+            if len(sizes) != len(ptrs) or r not in self.owner_addrs:
+                raise ValueError(f"owner rank {r}: its chunk sizes or P2P address are missing from the metas")
+            base[r] = len(handles)
+            handles += [
+                P.BufferHandle(kind="remote", size_bytes=n, peer=self.owner_addrs[r], ptr=p)
+                for n, p in zip(sizes, ptrs, strict=True)
+            ]
+        return EngineBuffers(tuple(handles), base, double_buffer=False, p2p_host=self.p2p_host)
+
+    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+        pass  # the engine reads the bucket itself

@@ -23,6 +23,7 @@ import zmq
 from checkpoint_engine import protocol as P
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.dtypes import dtype_from_name
+from checkpoint_engine.engine_reads import EngineReads
 from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.transport import open_buffer
@@ -72,6 +73,7 @@ def update_weights_from_ipc(
     timeout_s: float = 600.0,
     mapping_cache: MappingCache | None = None,
     on_hello: Callable[[P.Hello, list[torch.Tensor]], None] | None = None,
+    remote_reads: EngineReads | None = None,
 ) -> EngineWeightState:
     """Receive one update from the PS rank listening at `zmq_handle`; return the engine's state.
 
@@ -80,27 +82,37 @@ def update_weights_from_ipc(
     segments mapped between updates instead of mapping them afresh each time. `on_hello(hello,
     buffers)` runs once the buffers are mapped: views into `buffers[i]` for i in
     `hello.stable_buffers` stay valid until Done, so `run` may keep them without copying.
+    `remote_reads`: how this engine reads tensors of "remote" buffers itself (`engine_reads`);
+    without it, an update that sends such buffers fails at once, naming why.
     """
     state = state if state is not None else EngineWeightState()
     sock = zmq_ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(zmq_handle)
-    buffers: list[torch.Tensor] = []
-    started = False
+    buffers: list[torch.Tensor | None] = []
+    started = reading = False
     try:
         hello = _recv(sock, timeout_s, "the update's Hello")
         if not isinstance(hello, P.Hello):
             raise P.ProtocolError(f"expected Hello, got {type(hello).__name__}")
         state.begin(hello.checkpoint)
         started = True
-        buffers = [open_buffer(h, device_id, mapping_cache) for h in hello.buffers]
+        if any(h.kind == "remote" for h in hello.buffers):
+            if remote_reads is None:
+                raise RuntimeError(
+                    "the parameter server asked this engine to read the weights itself (remote buffers), "
+                    "but the engine has no transfer engine for that"
+                )
+            reading = True
+            remote_reads.begin(hello.buffers, hello.p2p_host)
+        buffers = [None if h.kind == "remote" else open_buffer(h, device_id, mapping_cache) for h in hello.buffers]
         bad = [i for i in hello.stable_buffers if i >= len(buffers)]
         if bad:
             raise P.ProtocolError(f"Hello.stable_buffers names buffers {bad} but only {len(buffers)} were shared")
         if on_hello is not None:
             on_hello(hello, buffers)
         sock.send(P.encode(P.Ready(version=state.version, status=state.status.value)))
-        return _serve(sock, hello, buffers, run, post_hook, state, timeout_s)
+        return _serve(sock, hello, buffers, run, post_hook, state, timeout_s, remote_reads)
     except BaseException as e:
         if started and state.status.value == "receiving":
             state.abort(_short(e))
@@ -109,12 +121,27 @@ def update_weights_from_ipc(
         raise UpdateAborted(f"weight update failed on the engine side: {_short(e)}") from e
     finally:
         buffers.clear()
+        if reading:
+            remote_reads.end()
         if mapping_cache is not None:
             mapping_cache.end_update()
         sock.close()
 
 
-def _serve(sock, hello, buffers, run, post_hook, state, timeout_s) -> EngineWeightState:
+def bucket_views(
+    buffers: list[torch.Tensor | None], hello: P.Hello, tensors: tuple[P.WireTensor, ...], reads: EngineReads | None
+) -> NamedTensors:
+    """The bucket's (name, tensor)s in order: views of mapped buffers, or read by `reads` (remote buffers)."""
+    n = len(hello.buffers)
+    remote = [t for t in tensors if t.buffer < n and hello.buffers[t.buffer].kind == "remote"]
+    if not remote:
+        return extract_views(buffers, tensors)
+    got = dict(reads.read(hello.buffers, remote))
+    local = dict(extract_views(buffers, tuple(t for t in tensors if t.name not in got)))
+    return [(t.name, got[t.name] if t.name in got else local[t.name]) for t in tensors]
+
+
+def _serve(sock, hello, buffers, run, post_hook, state, timeout_s, reads=None) -> EngineWeightState:
     expected = 0
     failed: str | None = None
     while True:
@@ -130,11 +157,11 @@ def _serve(sock, hello, buffers, run, post_hook, state, timeout_s) -> EngineWeig
             if msg.index != expected:
                 raise P.ProtocolError(f"expected bucket {expected}, got {msg.index}")
             try:
-                views = extract_views(buffers, msg.tensors)
+                views = bucket_views(buffers, hello, msg.tensors, reads)
                 if hello.verify_checksums:
                     _verify(views, msg.tensors)
                 run(views)
-                if buffers[0].is_cuda:
+                if buffers[0] is not None and buffers[0].is_cuda:
                     torch.cuda.current_stream(buffers[0].device).synchronize()
             except Exception as e:  # noqa: BLE001 - reported to the PS, which aborts all ranks
                 failed = f"bucket {msg.index}: {_short(e)}"

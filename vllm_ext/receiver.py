@@ -26,6 +26,7 @@ the update then does no work beyond vLLM's own reload, and no host copy of the m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -38,9 +39,11 @@ from typing import Literal
 import torch
 import zmq
 
+from checkpoint_engine.engine_reads import EngineReads
 from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
+from vllm_ext.placement import SlotProbe, skip_self_copies
 from vllm_ext.settings import ReceiverConfig, ReloadImpl, ReloadMode  # noqa: F401 - re-exported
 from vllm_ext.weight_cache import WeightCache
 
@@ -163,6 +166,10 @@ class WeightReceiver:
         self._fault: FaultSpec | None = None
         self._busy = threading.Lock()
         self.load_per_bucket = load_per_bucket
+        # A pull the engine reads itself (PS `p2p_reader="engine"`): its transfer engine, started by
+        # the first such update; in the load step each tensor is read straight into its parameter slot.
+        self.remote_reads = EngineReads(read_timeout_s=self.config.timeout_s)
+        self._slot_probe: SlotProbe | None = None
 
     def rebind(
         self,
@@ -192,6 +199,11 @@ class WeightReceiver:
             raise RuntimeError("a weight update is already in progress on this engine")
         try:
             fault, self._fault = self._fault, None
+            if self.load_per_bucket:  # plain parameters, loaded bucket by bucket: reads land in place
+                self._slot_probe = self._slot_probe or SlotProbe(lambda weights: self._reload_fn(weights))
+                self.remote_reads.set_destination(self._slot_probe)
+            else:  # later updates go through the reload's own staging: reads land in scratch
+                self.remote_reads.set_destination(None)
             session = _UpdateSession(self, fault)
             maps = self.mappings
             before = (maps.hits, maps.misses) if maps is not None else (0, 0)
@@ -206,6 +218,7 @@ class WeightReceiver:
                     timeout_s=self.config.timeout_s,
                     mapping_cache=self.mappings,
                     on_hello=session.on_hello,
+                    remote_reads=self.remote_reads,
                 )
             except UpdateAborted:
                 session.abort()
@@ -296,8 +309,10 @@ class _UpdateSession:
         self.t_first: float | None = None
         self.t_done: float | None = None
         self.t_end: float | None = None
+        self.remote = False  # the engine reads this update itself (remote buffers)
 
-    def on_hello(self, hello, buffers: list[torch.Tensor]) -> None:
+    def on_hello(self, hello, buffers: list[torch.Tensor | None]) -> None:
+        self.remote = any(h.kind == "remote" for h in hello.buffers)
         if not self.r.config.weight_cache and self.mode == "streaming":
             self.stable_ranges = [
                 (b.data_ptr(), b.data_ptr() + b.numel())
@@ -329,7 +344,8 @@ class _UpdateSession:
             self._note(views)
             self.num_zero_copy += len(views)
             try:
-                with torch.no_grad():
+                # tensors read straight into their slots are the loaders' sources too: no copy onto itself
+                with torch.no_grad(), skip_self_copies() if self.remote else contextlib.nullcontext():
                     self.r._reload_fn(iter(views))
             except Exception as e:
                 raise reload_failed(e) from e
@@ -429,4 +445,5 @@ class _UpdateSession:
             "transfer_s": span(self.t_first, self.t_done),
             "reload_tail_s": span(self.t_done, self.t_end),
             "total_s": span(self.t_first, self.t_end),
+            "engine_reads": self.r.remote_reads.stats.report() if self.remote else None,
         }

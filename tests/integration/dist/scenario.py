@@ -79,6 +79,7 @@ def main() -> int:
         default=None,
         help="after the steps: this rank's engine restarts empty and recovers by P2P alone",
     )
+    p.add_argument("--p2p-reader", default="rank", choices=["rank", "engine"], help="who reads the P2P pull")
     p.add_argument("--tamper-metas", action="store_true", help="last rank loads metas that differ")
     p.add_argument("--dup-name", action="store_true", help="last rank also registers a name rank 0 owns")
     args = p.parse_args()
@@ -97,6 +98,7 @@ def main() -> int:
             engine_connect_timeout_s=args.timeout_s,
             mode=args.mode,
             agree_every_buckets=2,
+            p2p_reader=args.p2p_reader,
         ),
     )
     ps = ParameterServer(
@@ -163,6 +165,7 @@ def p2p_recover(ps, args, req, full, name, num_updates) -> int:
     from tests.integration.dist.harness import rpc
 
     target = args.p2p_recover
+    mode = "p2p" if args.p2p_reader == "rank" else "p2p_engine"
     if args.rank == target:
         rpc(args.engine_url, "reset_weights")  # as if the engine had just restarted
     m = ps.update(name, req, ranks=[target])
@@ -172,8 +175,27 @@ def p2p_recover(ps, args, req, full, name, num_updates) -> int:
     state = rpc(args.engine_url, "weights_state")
     digest = rpc(args.engine_url, "weights_digest")
     expected = {k: tensor_checksum(v) for k, v in full.items()}
+    if args.rank == target and args.p2p_reader == "engine":
+        # the engine read the pull itself: the owners' tensors into scratch (it held nothing after the reset)
+        reads = state.get("engine_reads") or {}
+        others = sum(v.numel() * v.element_size() for k, v in full.items() if k not in shard(full, target, args.world))
+        if reads.get("scratch_bytes") != others or reads.get("placed_bytes") != 0:
+            print(f"P2P_BAD engine reads {reads}, expected {others} bytes into scratch", flush=True)
+            return 1
+        # once more, now into the tensors it holds: every byte lands in place
+        m = ps.update(name, req, ranks=[target])
+        state = rpc(args.engine_url, "weights_state")
+        reads = state.get("engine_reads") or {}
+        if reads.get("placed_bytes") != others or reads.get("scratch_bytes") != 0:
+            print(f"P2P_BAD engine reads {reads}, expected {others} bytes in place", flush=True)
+            return 1
+        digest = rpc(args.engine_url, "weights_digest")
+    elif args.p2p_reader == "engine":
+        m = ps.update(name, req, ranks=[target])
+    dist.barrier()
     if args.rank == target:
-        ok = m is not None and m.mode == "p2p" and state["version"] == 1 and digest == expected
+        version = 2 if args.p2p_reader == "engine" else 1
+        ok = m is not None and m.mode == mode and state["version"] == version and digest == expected
     else:  # not a receiver: returned at once, engine untouched
         ok = m is None and state["version"] == num_updates and digest == expected
     print(f"P2P_{'OK' if ok else 'BAD'} rank {args.rank} {state} {None if m is None else m.to_dict()}", flush=True)

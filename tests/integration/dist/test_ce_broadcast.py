@@ -133,14 +133,17 @@ def test_duplicate_name_across_ranks(tmp_path):
         assert stop_all(engines) == [0, 0]
 
 
-def test_p2p_recovery_of_a_restarted_engine(tmp_path):
+@pytest.mark.parametrize("reader", ["rank", "engine"])
+def test_p2p_recovery_of_a_restarted_engine(tmp_path, reader):
     """Rank 1's engine comes back empty; update(ranks=[1]) refills it from the owners' memory through
-    Mooncake (TCP) while rank 0's engine is not touched."""
+    Mooncake (TCP) while rank 0's engine is not touched. reader=engine: the engine's own transfer
+    engine reads the pull (into scratch after the reset, then, pulled once more, into its tensors)."""
     engines = engines_for(2)
     try:
-        res = run_scenario(engines, tmp_path, *BUCKET, "--p2p-recover", "1")
+        res = run_scenario(engines, tmp_path, *BUCKET, "--p2p-recover", "1", "--p2p-reader", reader)
         for rank, (rc, out) in enumerate(res):
             assert rc == 0 and "P2P_OK" in out, f"rank {rank}:\n{out}"
-        assert engines[0].state()["version"] == 1 and engines[1].state()["version"] == 1
+        assert engines[0].state()["version"] == 1  # untouched
+        assert engines[1].state()["version"] == (1 if reader == "rank" else 2)
     finally:
         assert stop_all(engines) == [0, 0]

@@ -8,7 +8,14 @@ import pytest
 from checkpoint_engine.jobs import GlobalMetas, choose_mode, engine_can_map_owners, make_source
 from checkpoint_engine.plan import Bucket, TensorMeta
 from checkpoint_engine.protocol import BufferHandle
-from checkpoint_engine.sources import MODES, CollectiveSource, EngineBuffers, LocalSource, P2PSource
+from checkpoint_engine.sources import (
+    MODES,
+    CollectiveSource,
+    EngineBuffers,
+    EngineP2PSource,
+    LocalSource,
+    P2PSource,
+)
 
 HERE = socket.gethostname()
 
@@ -99,9 +106,59 @@ def test_make_source_holds_only_its_modes_fields():
     assert (src.ckpt, src.store, src.owner_addrs, src.chunk_ptrs) == (None, store, g.p2p_addrs, g.chunk_ptrs)
     with pytest.raises(ValueError, match="needs a Mooncake transfer engine"):
         make_source("p2p", g, None, None)
+    with_host = SimpleNamespace(cfg=SimpleNamespace(host="10.0.0.2"))
+    src = make_source("p2p_engine", g, None, with_host)
+    assert isinstance(src, EngineP2PSource) and src.mode == "p2p_engine" and src.p2p_host == "10.0.0.2"
+    assert (src.owner_addrs, src.chunk_ptrs, src.chunk_handles) == (g.p2p_addrs, g.chunk_ptrs, g.chunk_handles)
+    with pytest.raises(ValueError, match="needs a Mooncake transfer engine"):
+        make_source("p2p_engine", g, None, None)
     with pytest.raises(ValueError, match="unknown update mode"):
         make_source("broadcast", g, None, None)
-    assert {make_source(m, g, ckpt, store).mode for m in MODES} == set(MODES)
+    assert {make_source(m, g, ckpt, with_host).mode for m in MODES} == set(MODES)
+
+
+def test_choose_mode_engine_reader():
+    g = metas()
+    pull = dict(pull=True, cannot_map=[1], have_p2p=True)
+    assert choose_mode(g, "auto", **pull, backend="gloo", p2p_reader="engine") == "p2p_engine"
+    assert choose_mode(g, "auto", **pull, backend="gloo", p2p_reader="rank") == "p2p"
+    # not a Mooncake pull: the reader does not matter
+    assert choose_mode(g, "auto", pull=False, cannot_map=[], have_p2p=True, backend="gloo", p2p_reader="engine") == (
+        "local"
+    )
+    with pytest.raises(ValueError, match="reads into host memory"):
+        choose_mode(g, "auto", **pull, backend="nccl", p2p_reader="engine")
+
+
+def test_engine_p2p_source_sends_the_owners_chunks_as_remote_buffers():
+    """Rank 1 pulls; owners 0 (two chunks) and 2 (one) are read by the engine, rank 1's own chunk is mapped."""
+    own = SimpleNamespace(chunks=[SimpleNamespace(handle=handle(5))])
+    src = EngineP2PSource(
+        own,
+        "10.0.0.2",
+        {0: "10.0.0.1:1", 2: "10.0.0.3:3"},
+        {0: [0x1000, 0x9000], 1: [0x5000], 2: [0x7000]},
+        {0: [handle(7, 100), handle(8, 200)], 1: [handle(5)], 2: [handle(9, 300)]},
+    )
+    job = SimpleNamespace(rank=1, transport=SimpleNamespace(engines_map_host_chunks=True))
+    buffers = src.open(job)
+    assert buffers.handles[0] == handle(5)
+    remote = [(h.kind, h.peer, h.ptr, h.size_bytes) for h in buffers.handles[1:]]
+    assert remote == [
+        ("remote", "10.0.0.1:1", 0x1000, 100),
+        ("remote", "10.0.0.1:1", 0x9000, 200),
+        ("remote", "10.0.0.3:3", 0x7000, 300),
+    ]
+    assert buffers.base == {1: 0, 0: 1, 2: 3} and not buffers.double_buffer and buffers.p2p_host == "10.0.0.2"
+    assert buffers.stable_buffers() == (0,)  # remote chunks are never mapped
+    # owner 0's chunk 1 at byte 16: buffer 2 of the Hello, offset 16
+    bucket = Bucket(0, 0, 1, 16, 8, (TensorMeta("w", "uint8", (8,), 16, 1),))
+    assert [(w.buffer, w.offset_bytes) for w in buffers.wire(bucket, 0, None)] == [(2, 16)]
+    with pytest.raises(ValueError, match="CUDA engines pull through their rank"):
+        src.open(SimpleNamespace(rank=1, transport=SimpleNamespace(engines_map_host_chunks=False)))
+    src.chunk_handles = {0: [handle(7, 100)], 1: [handle(5)], 2: [handle(9, 300)]}
+    with pytest.raises(ValueError, match="owner rank 0: its chunk sizes"):
+        src.open(job)
 
 
 def test_local_source_maps_every_owners_chunks_in_rank_order():

@@ -23,6 +23,17 @@ MESSAGES = [
         num_buckets=1,
         buffers=(P.BufferHandle(kind="cuda", size_bytes=64, cuda_args=(0, b"\x01\x02", 64, 0, b"rc", 0, b"ev", True)),),
     ),
+    P.Hello(
+        update_id="u3",
+        checkpoint="ck",
+        num_buckets=2,
+        buffers=(
+            P.BufferHandle(kind="fd", size_bytes=64, pid=12, fd=7),
+            P.BufferHandle(kind="remote", size_bytes=4096, peer="10.0.0.1:15000", ptr=0x7F0000001000),
+        ),
+        stable_buffers=(0,),
+        p2p_host="10.0.0.2",
+    ),
     P.Bucket(
         index=2, tensors=(P.WireTensor("a.w", "bfloat16", (3, 4), 1, 256, 17), P.WireTensor("s", "float32", (), 0, 0))
     ),
@@ -58,6 +69,16 @@ def test_roundtrip(msg):
                 "buffers": [{"kind": "fd", "size_bytes": 8, "pid": 0, "fd": 3}],
             },
             "needs a pid and an fd",
+        ),
+        (
+            {
+                "t": "hello",
+                "update_id": "u",
+                "checkpoint": "c",
+                "num_buckets": 1,
+                "buffers": [{"kind": "remote", "size_bytes": 8, "peer": "", "ptr": 4096}],
+            },
+            "remote buffer needs a peer address",
         ),
         (
             {

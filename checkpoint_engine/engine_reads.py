@@ -1,0 +1,169 @@
+"""Engine side of a pull that the engine reads itself: Mooncake reads from the owners straight into
+the engine's parameters.
+
+A P2P pull through the PS rank moves every byte twice on the receiving host: the rank's transfer
+engine reads the owner's chunk into the shared double buffer, then the engine's loaders copy it into
+the parameters. Here the engine runs its own transfer engine and the PS rank only sends the plan
+(`protocol.BufferHandle(kind="remote")`: each owner chunk's peer and address). For every tensor the
+engine asks `destination` (once per bucket) where that tensor lives in its memory; a contiguous
+tensor of that dtype and shape (a parameter, or a slice of a fused one) is read into in place, and
+the loaders then find the bytes already there. Tensors without a destination land in a registered
+scratch buffer and go through the loaders as usual.
+
+    Hello(remote buffers, p2p_host) ─▶ start a transfer engine on p2p_host (first update only),
+                                       connect to every owner
+    Bucket ─▶ register destinations (each storage once) ─▶ one batch read per owner ─▶ (name, tensor)s
+    end of the update ─▶ unregister everything (the parameters may be repacked or freed next)
+
+CPU memory only: a CUDA destination would need GPUDirect registration (RDMA), not written yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from checkpoint_engine import protocol as P
+from checkpoint_engine.dtypes import dtype_from_name
+from checkpoint_engine.p2p import P2PConfig, P2PStore
+
+logger = logging.getLogger(__name__)
+
+# [(name, dtype, shape)] of one bucket -> for each, a contiguous tensor of exactly that dtype and shape
+# to read into, or None
+Destination = Callable[[list[tuple[str, torch.dtype, tuple[int, ...]]]], "list[torch.Tensor | None]"]
+SCRATCH_ALIGN_BYTES = 64
+
+
+@dataclass
+class EngineReadStats:
+    start_s: float = 0.0  # transfer engine start and the connections to the owners
+    read_s: float = 0.0
+    placed_tensors: int = 0  # read straight into their destination
+    placed_bytes: int = 0
+    scratch_tensors: int = 0  # read into scratch, then loaded
+    scratch_bytes: int = 0
+
+    def report(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+class EngineReads:
+    """An engine's reads from the owners (see the module docstring). Kept by the engine across
+    updates (one transfer engine per process); `begin` .. `end` is one update."""
+
+    def __init__(self, destination: Destination | None = None, read_timeout_s: float = 300.0):
+        self._destination = destination
+        self._read_timeout_s = read_timeout_s
+        self._store: P2PStore | None = None
+        self._scratch: torch.Tensor | None = None
+        self.stats = EngineReadStats()
+
+    def set_destination(self, destination: Destination | None) -> None:
+        self._destination = destination
+
+    def begin(self, handles: tuple[P.BufferHandle, ...], p2p_host: str) -> None:
+        """Start the transfer engine (once) and open a connection to every owner (in parallel)."""
+        t0 = time.perf_counter()
+        self.stats = EngineReadStats()
+        if self._store is None:
+            self._store = P2PStore(P2PConfig(host=p2p_host or "127.0.0.1", read_timeout_s=self._read_timeout_s))
+        peers = {h.peer: h.ptr for h in handles if h.kind == "remote"}
+        errors: list[str] = []
+
+        def connect(peer: str, ptr: int) -> None:
+            try:
+                self._store.connect(peer, ptr)
+            except Exception as e:  # noqa: BLE001 - reported below, naming the peer
+                errors.append(f"{peer}: {type(e).__name__}: {e}")
+
+        threads = [
+            threading.Thread(target=connect, args=kv, daemon=True, name="engine-p2p-connect") for kv in peers.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self._read_timeout_s)
+        if errors or any(t.is_alive() for t in threads):
+            raise RuntimeError(f"the engine could not reach the owners of the weights: {errors or 'timed out'}")
+        self.stats.start_s = time.perf_counter() - t0
+
+    def read(self, handles: tuple[P.BufferHandle, ...], tensors: list[P.WireTensor]) -> list[tuple[str, torch.Tensor]]:
+        """Read `tensors` (all in remote buffers) and return (name, tensor) in their order."""
+        if self._store is None:
+            raise RuntimeError("EngineReads.read before begin")
+        t0 = time.perf_counter()
+        out: list[tuple[str, torch.Tensor | None]] = []
+        pending: list[tuple[int, int, int]] = []  # (index in out, scratch offset, nbytes)
+        by_peer: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        scratch_bytes = 0
+        dtypes = [dtype_from_name(t.dtype) for t in tensors]
+        items = [(t.name, d, t.shape) for t, d in zip(tensors, dtypes, strict=True)]
+        dsts = self._destination(items) if self._destination is not None else [None] * len(tensors)
+        for t, dtype, dst in zip(tensors, dtypes, dsts, strict=True):
+            h = handles[t.buffer]
+            nbytes = _nbytes(dtype, t.shape)
+            if t.offset_bytes + nbytes > h.size_bytes:
+                raise P.ProtocolError(f"tensor {t.name!r} [{t.offset_bytes}, +{nbytes}) exceeds the owner's chunk")
+            if dst is not None and not (
+                dst.device.type == "cpu" and dst.dtype == dtype and tuple(dst.shape) == t.shape and dst.is_contiguous()
+            ):
+                dst = None  # not a place the bytes can land as they are
+            locals_, remotes, lengths = by_peer.setdefault(h.peer, ([], [], []))
+            remotes.append(h.ptr + t.offset_bytes)
+            lengths.append(nbytes)
+            if dst is not None:
+                storage = dst.untyped_storage()
+                self._store.register(storage.data_ptr(), storage.nbytes())
+                locals_.append(dst.data_ptr())
+                out.append((t.name, dst))
+                self.stats.placed_tensors += 1
+                self.stats.placed_bytes += nbytes
+            else:
+                offset = -(-scratch_bytes // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
+                scratch_bytes = offset + nbytes
+                locals_.append(-1 - len(pending))  # patched once the scratch is sized
+                pending.append((len(out), offset, nbytes))
+                out.append((t.name, None))
+                self.stats.scratch_tensors += 1
+                self.stats.scratch_bytes += nbytes
+        scratch = self._scratch_of(scratch_bytes) if pending else None
+        for locals_, _, _ in by_peer.values():
+            for i, ptr in enumerate(locals_):
+                if ptr < 0:
+                    locals_[i] = scratch.data_ptr() + pending[-1 - ptr][1]
+        for peer, (locals_, remotes, lengths) in by_peer.items():
+            self._store.read_batch(peer, locals_, remotes, lengths)
+        for index, offset, nbytes in pending:
+            t = tensors[index]
+            out[index] = (t.name, scratch[offset : offset + nbytes].view(dtype_from_name(t.dtype)).view(t.shape))
+        self.stats.read_s += time.perf_counter() - t0
+        return out  # type: ignore[return-value] - every None was replaced above
+
+    def _scratch_of(self, nbytes: int) -> torch.Tensor:
+        """A registered scratch buffer of at least `nbytes`, reused by later buckets (each is loaded
+        before the next is read)."""
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            if self._scratch is not None:
+                self._store.unregister(self._scratch.data_ptr())
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self._store.register(self._scratch.data_ptr(), nbytes)
+        return self._scratch
+
+    def end(self) -> None:
+        """Unregister every destination and the scratch (the parameters may be freed or repacked next)."""
+        if self._store is not None:
+            self._store.unregister_all()
+        self._scratch = None
