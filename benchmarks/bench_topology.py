@@ -584,7 +584,10 @@ def engine_reload_report(url: str) -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
     last = report.get("last_update") or {}
     return {
-        **{k: last.get(k) for k in ("transfer_s", "reload_tail_s", "total_s", "num_buckets", "nbytes", "mode")},
+        **{
+            k: last.get(k)
+            for k in ("transfer_s", "reload_tail_s", "total_s", "num_buckets", "nbytes", "mode", "engine_reads")
+        },
         "reload_impl": report.get("reload_impl"),
     }
 

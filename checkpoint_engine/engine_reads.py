@@ -64,8 +64,14 @@ class EngineReads:
     """An engine's reads from the owners (see the module docstring). Kept by the engine across
     updates (one transfer engine per process); `begin` .. `end` is one update."""
 
-    def __init__(self, destination: Destination | None = None, read_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        destination: Destination | None = None,
+        read_timeout_s: float = 300.0,
+        store_factory: Callable[[P2PConfig], P2PStore] = P2PStore,
+    ):
         self._destination = destination
+        self._store_factory = store_factory
         self._read_timeout_s = read_timeout_s
         self._store: P2PStore | None = None
         self._scratch: torch.Tensor | None = None
@@ -79,7 +85,9 @@ class EngineReads:
         t0 = time.perf_counter()
         self.stats = EngineReadStats()
         if self._store is None:
-            self._store = P2PStore(P2PConfig(host=p2p_host or "127.0.0.1", read_timeout_s=self._read_timeout_s))
+            self._store = self._store_factory(
+                P2PConfig(host=p2p_host or "127.0.0.1", read_timeout_s=self._read_timeout_s)
+            )
         peers = {h.peer: h.ptr for h in handles if h.kind == "remote"}
         errors: list[str] = []
 

@@ -1,6 +1,8 @@
 """The checkpoint-engine daemon managing two real vLLM servers that load from its ranks
 (`vllm_ext.launch --load-rendezvous {rendezvous}`): each start, and the heal of a SIGKILLed one, updates
-vLLM's load step (never dummy weights), while the other keeps answering. The dummy-start path
+vLLM's load step (never dummy weights), while the other keeps answering. The start is a broadcast
+(`--mode collective`); the heal is a pull that the restarted engine reads itself from rank 0's memory
+through Mooncake, straight into vLLM's parameters (`--p2p-reader engine`). The dummy-start path
 (`--no-initial-push`, push after health) runs in tests/integration/e2e/test_daemon_rl.py."""
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
     ]
     daemon = start_daemon(
         *("--collective-timeout-s", "300", "--engine-log-dir", str(tmp_path)),
+        *("--p2p-host", "127.0.0.1", "--mode", "collective", "--p2p-reader", "engine"),
         # the gate's /health (the default) opens once the loaded weights are in
         *("--engine-start-timeout-s", str(STARTUP_TIMEOUT_S)),
         engine_cmd=engine_cmd,
@@ -78,6 +81,11 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         # the healed engine's weights came in its load step (version 1), not as a push into dummy weights
         (healed_state,) = collective_rpc(now[1]["url"], "weights_state", timeout_s=30.0)
         assert healed_state["version"] == 1 and healed_state["checkpoint"] == "A", healed_state
+        # ... read by the engine itself: rank 0's half of the checkpoint over Mooncake, every byte of it
+        # straight into vLLM's parameters (q/k/v into slices of qkv_proj, and so on)
+        reads = healed_state["last_update"]["engine_reads"]
+        print(f"the healed engine's own reads: {reads}")
+        assert reads["placed_bytes"] > 0 and reads["scratch_bytes"] == 0, reads
 
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res
