@@ -107,7 +107,7 @@ ENGINE_SCRIPT = """#!/bin/sh
 work="$1"; port="$2"; rank="$3"; rendezvous="$4"; pin=""
 [ -s "$work/taskset-r$rank" ] && pin="taskset -c $(cat "$work/taskset-r$rank")"
 VLLM_CPU_OMP_THREADS_BIND="$(cat "$work/bind-r$rank")" exec $pin "{python}" -m vllm_ext.launch \\
-  --model "{model}" --host 127.0.0.1 --port "$port" {start_flags} --startup-timeout-s "{timeout}" -- \\
+  --model "{model}" --host 127.0.0.1 --port "$port" {start_flags} --startup-timeout-s "{timeout}" {p2p_flags} -- \\
   --dtype float32 --max-model-len {max_model_len} --max-num-seqs 256 --block-size 32 \\
   --enable-prefix-caching --seed 0 --disable-log-stats
 """
@@ -199,6 +199,8 @@ def start_daemon(
         .replace("{timeout}", str(start_timeout_s))
         .replace("{max_model_len}", "256")
         .replace("{start_flags}", '--load-rendezvous "$rendezvous"' if engine_start == "load" else "--no-initial-push")
+        # the engine reads the heal itself: its transfer engine starts while its load step waits
+        .replace("{p2p_flags}", "--p2p-host 127.0.0.1" if p2p_reader == "engine" and engine_start == "load" else "")
     )
     port = free_port()
     rendezvous, health = (["{rendezvous}"], "/health") if engine_start == "load" else ([], "/version")

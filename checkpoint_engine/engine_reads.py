@@ -74,8 +74,24 @@ class EngineReads:
         self._store_factory = store_factory
         self._read_timeout_s = read_timeout_s
         self._store: P2PStore | None = None
+        self._starting: threading.Thread | None = None
         self._scratch: torch.Tensor | None = None
         self.stats = EngineReadStats()
+
+    def prestart(self, p2p_host: str) -> None:
+        """Start the transfer engine on a thread now (an engine waiting for its first pull); `begin`
+        waits for it."""
+        if self._store is not None or self._starting is not None:
+            return
+
+        def start() -> None:
+            try:
+                self._store = self._store_factory(P2PConfig(host=p2p_host, read_timeout_s=self._read_timeout_s))
+            except Exception as e:  # noqa: BLE001 - begin() starts one itself and reports its error
+                logger.warning("could not start the transfer engine ahead of the pull: %s", e)
+
+        self._starting = threading.Thread(target=start, daemon=True, name="engine-p2p-start")
+        self._starting.start()
 
     def set_destination(self, destination: Destination | None) -> None:
         self._destination = destination
@@ -84,6 +100,9 @@ class EngineReads:
         """Start the transfer engine (once) and open a connection to every owner (in parallel)."""
         t0 = time.perf_counter()
         self.stats = EngineReadStats()
+        if self._starting is not None:
+            self._starting.join(self._read_timeout_s)
+            self._starting = None
         if self._store is None:
             self._store = self._store_factory(
                 P2PConfig(host=p2p_host or "127.0.0.1", read_timeout_s=self._read_timeout_s)

@@ -62,6 +62,14 @@ class LaunchConfig:
             "launcher runs no parameter server of its own and opens the gate once the load is in"
         ),
     )
+    p2p_host: str | None = field(
+        default=None,
+        metadata=meta(
+            "with --load-rendezvous: start the engine's own Mooncake transfer engine on this address while "
+            "vLLM's load step waits, for a pull the engine reads itself (daemon --p2p-reader engine); "
+            "without it, that pull starts one"
+        ),
+    )
     gate_wait_s: float = field(
         default=0.0,
         metadata=meta("hold requests that arrive before the weights this long (0: refuse at once with 503)"),
@@ -205,12 +213,10 @@ def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = N
     else:
         from vllm_ext.loader import LOAD_FORMAT
 
-        cmd += [
-            "--load-format",
-            LOAD_FORMAT,
-            "--model-loader-extra-config",
-            json.dumps({"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)}),
-        ]
+        extra = {"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)}
+        if cfg.p2p_host:
+            extra["p2p_host"] = cfg.p2p_host
+        cmd += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps(extra)]
     settings = engine_settings(cfg)
     if settings:
         cmd += ["--additional-config", json.dumps({"checkpoint_engine": settings})]

@@ -56,12 +56,15 @@ class LoaderSettings:
 
     rendezvous: str  # ipc://PATH or tcp://HOST:PORT; "{rank}" is replaced by the TP rank
     timeout_s: float = 900.0  # how long the load step waits for the parameter server, and for each of its messages
+    p2p_host: str | None = None  # start the engine's transfer engine here while waiting (pulls it reads itself)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rendezvous, str) or not self.rendezvous.startswith(("ipc://", "tcp://")):
             raise ValueError(f"rendezvous must be an ipc:// or tcp:// address, got {self.rendezvous!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
+        if self.p2p_host is not None and (not isinstance(self.p2p_host, str) or not self.p2p_host):
+            raise ValueError(f"p2p_host must be a non-empty address, got {self.p2p_host!r}")
 
     @classmethod
     def from_dict(cls, d: Mapping | None) -> LoaderSettings:
@@ -160,6 +163,8 @@ def _loader_class():
             # is filled by the first update (until then: no checksum, no fill-in after an abort).
             # Each bucket is loaded before its Ack: double-buffer tensors need no copy either.
             receiver = WeightReceiver(load, config=replace(config, weight_cache=False), load_per_bucket=True)
+            if self.settings.p2p_host:  # ready before the PS arrives, as its own ranks' are
+                receiver.remote_reads.prestart(self.settings.p2p_host)
             is_cuda = device.type == "cuda"
 
             # The parameters are fresh memory: map their pages in bulk now (one call each) rather than

@@ -247,6 +247,10 @@ def test_vllm_command_loads_from_the_rendezvous(tmp_path):
     from vllm_ext.loader import LoaderSettings
 
     assert LoaderSettings.from_dict(extra).timeout_s == 123.0  # what the loader will parse
+    args = build_parser().parse_args(["--model", str(tmp_path), "--p2p-host", "10.0.0.2"])
+    cmd = vllm_command(LaunchConfig(model=args.model, p2p_host=args.p2p_host), 1234, rendezvous="ipc:///tmp/x.sock")
+    extra = json.loads(cmd[cmd.index("--model-loader-extra-config") + 1])
+    assert LoaderSettings.from_dict(extra).p2p_host == "10.0.0.2"  # the engine's transfer engine, started early
 
 
 def test_launch_config_rejects_unknown_initial_mode_and_loader_flags(tmp_path):

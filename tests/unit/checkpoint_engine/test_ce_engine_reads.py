@@ -104,6 +104,22 @@ def test_reads_without_a_destination_all_go_to_scratch_and_past_the_chunk_is_ref
         reads.read(HANDLES, [P.WireTensor("x", "float32", (8,), 2, 8)])
 
 
+def test_a_transfer_engine_started_ahead_is_the_one_the_pull_uses():
+    made = []
+
+    def factory(cfg):
+        made.append(cfg.host)
+        return FakeStore(owners())
+
+    reads = EngineReads(store_factory=factory)
+    reads.prestart("10.0.0.2")
+    reads.prestart("10.0.0.2")  # once
+    reads.begin(HANDLES, "10.0.0.2")
+    reads.end()
+    reads.begin(HANDLES, "10.0.0.2")  # kept across updates
+    assert made == ["10.0.0.2"]
+
+
 def test_an_engine_without_a_transfer_engine_names_why():
     from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
 
