@@ -128,9 +128,17 @@ def test_an_engine_without_a_transfer_engine_names_why():
     ps = ctx.socket(zmq.DEALER)  # the PS rank's end of the link
     port = ps.bind_to_random_port("tcp://127.0.0.1")
     try:
-        ps.send(P.encode(HELLO))  # queued until the engine connects
+        import threading
+
+        def hello():  # a DEALER sends only once a peer is connected
+            if ps.poll(5000, zmq.POLLOUT):
+                ps.send(P.encode(HELLO))
+
+        t = threading.Thread(target=hello, daemon=True)
+        t.start()
         with pytest.raises(UpdateAborted, match="read the weights itself"):
             update_weights_from_ipc(ctx, f"tcp://127.0.0.1:{port}", None, run=lambda v: None, timeout_s=5.0)
+        t.join(5)
     finally:
         ps.close(0)
         ctx.term()
