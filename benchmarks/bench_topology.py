@@ -545,6 +545,10 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
     # starting -> updating: process start until the load step (load) or until healthy (dummy);
     # updating -> serving: the pull, then (load) vLLM's packing, compile, cache and gate. When the poll
     # missed `updating` (a dummy start's pull shorter than a poll), all of the rest is before the pull.
+    read_s = pull["broadcast_s"]
+    if pull["mode"] == "p2p_engine":  # the engine read the pull: its own account of the reads
+        reads = (engine_reload_report(record["url"]) or {}).get("engine_reads") or {}
+        read_s = reads.get("read_s") or 0.0
     start_s = since["serving"] - since["starting"] - pull["total_s"]
     before = (since["updating"] - since["starting"]) if "updating" in since else start_s
     after = start_s - before
@@ -566,7 +570,7 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
         # broadcast_s in the metrics), waiting for the engine's acks, status exchanges, Done -> post_hook
         "heal_pull_phases": {
             "setup_s": round(pull["setup_s"], 4),
-            "read_s": round(pull["broadcast_s"], 4),
+            "read_s": round(read_s, 4),
             "engine_wait_s": round(pull["engine_wait_s"], 4),
             "agree_s": round(pull["agree_s"], 4),
             "finish_s": round(pull["finish_s"], 4),
