@@ -134,6 +134,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="who reads the heal's pull: the daemon's rank (into its shared buffer) or the engine (into its weights)",
     )
     p.add_argument(
+        "--engine-p2p-cpus",
+        choices=["all", "engine"],
+        default="all",
+        help="with --p2p-reader engine: the engine's transfer-engine threads run on every CPU (all) or on "
+        "the engine's own (engine: where vLLM's binding and --pin-healed-engine put it)",
+    )
+    p.add_argument(
         "--pin-healed-engine",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -180,6 +187,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- the daemon ----------------------------------------------------------------------------------------
+def engine_p2p_flags(p2p_reader: str, engine_start: str, engine_p2p_cpus: str) -> str:
+    """The launcher's flags for an engine that reads its heal itself: its transfer engine is up while
+    its load step waits, its threads on every CPU ("all") or where the engine runs ("engine": the
+    launcher's own CPU set, which the pinned engine's taskset narrows)."""
+    if p2p_reader != "engine" or engine_start != "load":
+        return ""
+    flags = "--p2p-host 127.0.0.1"
+    if engine_p2p_cpus == "all":
+        flags += " --p2p-cpus " + ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return flags
+
+
 def start_daemon(
     work: pathlib.Path,
     model: pathlib.Path,
@@ -188,6 +207,7 @@ def start_daemon(
     engine_start: str = "load",
     bucket_size_mib: int | None = None,
     p2p_reader: str = "rank",
+    engine_p2p_cpus: str = "all",
 ) -> tuple[subprocess.Popen, str]:
     from checkpoint_engine.engines import free_port
     from checkpoint_engine.httpjson import status_json
@@ -200,7 +220,7 @@ def start_daemon(
         .replace("{max_model_len}", "256")
         .replace("{start_flags}", '--load-rendezvous "$rendezvous"' if engine_start == "load" else "--no-initial-push")
         # the engine reads the heal itself: its transfer engine starts while its load step waits
-        .replace("{p2p_flags}", "--p2p-host 127.0.0.1" if p2p_reader == "engine" and engine_start == "load" else "")
+        .replace("{p2p_flags}", engine_p2p_flags(p2p_reader, engine_start, engine_p2p_cpus))
     )
     port = free_port()
     rendezvous, health = (["{rendezvous}"], "/health") if engine_start == "load" else ([], "/version")
@@ -638,6 +658,7 @@ def main(argv=None) -> dict:
         "healed_engine_pinned": args.pin_healed_engine,
         "heal_owners": args.heal_owners,
         "p2p_reader": args.p2p_reader,
+        "engine_p2p_cpus": args.engine_p2p_cpus if args.p2p_reader == "engine" else None,
     }
     daemon, base = start_daemon(
         work,
@@ -647,6 +668,7 @@ def main(argv=None) -> dict:
         args.engine_start,
         args.bucket_size_mib,
         args.p2p_reader,
+        args.engine_p2p_cpus,
     )
     pool = sync = None
     finished = False

@@ -43,7 +43,8 @@ SCRATCH_ALIGN_BYTES = 64
 @dataclass
 class EngineReadStats:
     start_s: float = 0.0  # transfer engine start and the connections to the owners
-    read_s: float = 0.0
+    read_s: float = 0.0  # all of `read`: the destinations asked for, registration, the reads
+    destination_s: float = 0.0  # of which: asking `destination` where each tensor goes
     placed_tensors: int = 0  # read straight into their destination
     placed_bytes: int = 0
     scratch_tensors: int = 0  # read into scratch, then loaded
@@ -76,17 +77,22 @@ class EngineReads:
         self._store: P2PStore | None = None
         self._starting: threading.Thread | None = None
         self._scratch: torch.Tensor | None = None
+        self._cpus: tuple[int, ...] | None = None
         self.stats = EngineReadStats()
 
-    def prestart(self, p2p_host: str) -> None:
+    def _config(self, p2p_host: str) -> P2PConfig:
+        return P2PConfig(host=p2p_host, read_timeout_s=self._read_timeout_s, cpus=self._cpus)
+
+    def prestart(self, p2p_host: str, cpus: tuple[int, ...] | None = None) -> None:
         """Start the transfer engine on a thread now (an engine waiting for its first pull); `begin`
-        waits for it."""
+        waits for it. `cpus`: where its threads run (`P2PConfig.cpus`), for this and later starts."""
+        self._cpus = cpus
         if self._store is not None or self._starting is not None:
             return
 
         def start() -> None:
             try:
-                self._store = self._store_factory(P2PConfig(host=p2p_host, read_timeout_s=self._read_timeout_s))
+                self._store = self._store_factory(self._config(p2p_host))
             except Exception as e:  # noqa: BLE001 - begin() starts one itself and reports its error
                 logger.warning("could not start the transfer engine ahead of the pull: %s", e)
 
@@ -104,9 +110,7 @@ class EngineReads:
             self._starting.join(self._read_timeout_s)
             self._starting = None
         if self._store is None:
-            self._store = self._store_factory(
-                P2PConfig(host=p2p_host or "127.0.0.1", read_timeout_s=self._read_timeout_s)
-            )
+            self._store = self._store_factory(self._config(p2p_host or "127.0.0.1"))
         peers = {h.peer: h.ptr for h in handles if h.kind == "remote"}
         errors: list[str] = []
 
@@ -139,6 +143,7 @@ class EngineReads:
         dtypes = [dtype_from_name(t.dtype) for t in tensors]
         items = [(t.name, d, t.shape) for t, d in zip(tensors, dtypes, strict=True)]
         dsts = self._destination(items) if self._destination is not None else [None] * len(tensors)
+        self.stats.destination_s += time.perf_counter() - t0
         for t, dtype, dst in zip(tensors, dtypes, dsts, strict=True):
             h = handles[t.buffer]
             nbytes = _nbytes(dtype, t.shape)

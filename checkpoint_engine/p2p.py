@@ -7,12 +7,13 @@ engine recovers its weights without disturbing engines that are serving.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -20,6 +21,39 @@ logger = logging.getLogger(__name__)
 
 CONNECT_BYTES = 8  # what `P2PStore.connect` reads to open the connection to a peer
 T = TypeVar("T")
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """'0,2-3' -> (0, 2, 3): the CPU list syntax of taskset -c and VLLM_CPU_OMP_THREADS_BIND."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list {text!r}: {part.strip()!r} is not N or N-M") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU list {text!r}: {part.strip()!r} is not a range of CPU numbers >= 0")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+@contextlib.contextmanager
+def thread_cpus(cpus: tuple[int, ...] | None) -> Iterator[None]:
+    """Run the block with the calling thread allowed on `cpus` (None: as it is), then restore its set.
+    Threads started inside inherit the set: that is how Mooncake's own threads get it."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # 0: the calling thread (Linux)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        raise ValueError(f"cannot run on CPUs {list(cpus)}: {e} (this machine has {os.cpu_count()} CPUs)") from None
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class CallTimeout(TimeoutError):
@@ -35,8 +69,8 @@ class Workers:
     after `idle_exit_s`; a call past its deadline keeps its worker, which is never handed out again.
     """
 
-    def __init__(self, name: str, idle_exit_s: float = 60.0):
-        self._name, self._idle_exit_s = name, idle_exit_s
+    def __init__(self, name: str, idle_exit_s: float = 60.0, cpus: tuple[int, ...] | None = None):
+        self._name, self._idle_exit_s, self._cpus = name, idle_exit_s, cpus
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue] = []  # each idle worker's inbox
 
@@ -61,6 +95,8 @@ class Workers:
         return inbox
 
     def _serve(self, inbox: queue.SimpleQueue) -> None:
+        if self._cpus is not None:
+            os.sched_setaffinity(0, self._cpus)
         while True:
             try:
                 call, box, done = inbox.get(timeout=self._idle_exit_s)
@@ -83,6 +119,10 @@ class P2PConfig:
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""  # RDMA device(s), e.g. "mlx5_0"; empty for tcp
     read_timeout_s: float = 300.0
+    # CPUs the transfer engine's threads (and the threads that wait on its reads) run on; None: those
+    # of the thread that creates the store. An engine process whose main thread vLLM bound to its
+    # compute core would otherwise read every byte on that one core.
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
@@ -91,6 +131,12 @@ class P2PConfig:
             raise ValueError("p2p host must be a non-empty address")
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
+        if self.cpus is not None and (
+            not isinstance(self.cpus, tuple)
+            or not self.cpus
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpus)
+        ):
+            raise ValueError(f"p2p cpus must be a non-empty tuple of CPU numbers >= 0, got {self.cpus!r}")
 
 
 class P2PStore:
@@ -106,8 +152,9 @@ class P2PStore:
                 f"(CPU machines) or mooncake-transfer-engine (CUDA) ({e})"
             ) from None
         self.cfg = cfg
-        self._engine = TransferEngine()
-        rc = self._engine.initialize(cfg.host, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
+        with thread_cpus(cfg.cpus):  # the threads Mooncake starts here inherit the set
+            self._engine = TransferEngine()
+            rc = self._engine.initialize(cfg.host, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
         if rc != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to initialize on {cfg.host} ({cfg.protocol}): rc={rc}")
         self.addr = f"{cfg.host}:{self._engine.get_rpc_port()}"
@@ -118,7 +165,7 @@ class P2PStore:
         self._scratch: ctypes.Array | None = None  # registered landing place of `connect`'s reads
         self._closing = threading.Event()
         self._preconnecting: list[threading.Thread] = []
-        self._workers = Workers("p2p-read")
+        self._workers = Workers("p2p-read", cpus=cfg.cpus)
 
     def register(self, ptr: int, nbytes: int) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from checkpoint_engine.cli_config import meta
+from checkpoint_engine.p2p import parse_cpu_list
 from checkpoint_engine.validate import check_literals
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,14 @@ class LaunchConfig:
             "without it, that pull starts one"
         ),
     )
+    p2p_cpus: str | None = field(
+        default=None,
+        metadata=meta(
+            "with --p2p-host: the CPUs the engine's transfer-engine threads run on, e.g. '0-3' (default: "
+            "every CPU this launcher may run on; vLLM binds its compute threads to their cores, and the "
+            "transfer threads would otherwise read every byte on that one core)"
+        ),
+    )
     gate_wait_s: float = field(
         default=0.0,
         metadata=meta("hold requests that arrive before the weights this long (0: refuse at once with 503)"),
@@ -119,6 +128,10 @@ class LaunchConfig:
         check_literals(self)
         if not 0 <= self.register_nice <= 19:
             raise ValueError(f"register_nice must be in 0..19, got {self.register_nice!r}")
+        if self.p2p_cpus is not None:
+            if not self.p2p_host:
+                raise ValueError("p2p_cpus places the engine's transfer engine: it needs p2p_host")
+            parse_cpu_list(self.p2p_cpus)  # ValueError naming the bad part
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
         tp = tensor_parallel_size(self.vllm_args)
@@ -216,6 +229,8 @@ def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = N
         extra = {"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)}
         if cfg.p2p_host:
             extra["p2p_host"] = cfg.p2p_host
+            cpus = parse_cpu_list(cfg.p2p_cpus) if cfg.p2p_cpus else sorted(os.sched_getaffinity(0))
+            extra["p2p_cpus"] = list(cpus)
         cmd += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps(extra)]
     settings = engine_settings(cfg)
     if settings:

@@ -57,6 +57,7 @@ class LoaderSettings:
     rendezvous: str  # ipc://PATH or tcp://HOST:PORT; "{rank}" is replaced by the TP rank
     timeout_s: float = 900.0  # how long the load step waits for the parameter server, and for each of its messages
     p2p_host: str | None = None  # start the engine's transfer engine here while waiting (pulls it reads itself)
+    p2p_cpus: tuple[int, ...] | None = None  # where its threads run (`P2PConfig.cpus`); None: the loader's own
 
     def __post_init__(self) -> None:
         if not isinstance(self.rendezvous, str) or not self.rendezvous.startswith(("ipc://", "tcp://")):
@@ -65,6 +66,15 @@ class LoaderSettings:
             raise ValueError(f"timeout_s must be a number > 0, got {self.timeout_s!r}")
         if self.p2p_host is not None and (not isinstance(self.p2p_host, str) or not self.p2p_host):
             raise ValueError(f"p2p_host must be a non-empty address, got {self.p2p_host!r}")
+        if self.p2p_cpus is not None:
+            cpus = self.p2p_cpus
+            if (
+                not isinstance(cpus, (list, tuple))
+                or not cpus
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus)
+            ):
+                raise ValueError(f"p2p_cpus must be a non-empty list of CPU numbers >= 0, got {cpus!r}")
+            object.__setattr__(self, "p2p_cpus", tuple(sorted(set(cpus))))  # from JSON: a list
 
     @classmethod
     def from_dict(cls, d: Mapping | None) -> LoaderSettings:
@@ -164,7 +174,7 @@ def _loader_class():
             # Each bucket is loaded before its Ack: double-buffer tensors need no copy either.
             receiver = WeightReceiver(load, config=replace(config, weight_cache=False), load_per_bucket=True)
             if self.settings.p2p_host:  # ready before the PS arrives, as its own ranks' are
-                receiver.remote_reads.prestart(self.settings.p2p_host)
+                receiver.remote_reads.prestart(self.settings.p2p_host, self.settings.p2p_cpus)
             is_cuda = device.type == "cuda"
 
             # The parameters are fresh memory: map their pages in bulk now (one call each) rather than

@@ -6,6 +6,7 @@ A small fake engine (ThreadingHTTPServer on a free port) plays vLLM's dev-mode r
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -251,6 +252,28 @@ def test_vllm_command_loads_from_the_rendezvous(tmp_path):
     cmd = vllm_command(LaunchConfig(model=args.model, p2p_host=args.p2p_host), 1234, rendezvous="ipc:///tmp/x.sock")
     extra = json.loads(cmd[cmd.index("--model-loader-extra-config") + 1])
     assert LoaderSettings.from_dict(extra).p2p_host == "10.0.0.2"  # the engine's transfer engine, started early
+    # its threads: every CPU the launcher may use (not the one core vLLM binds its main thread to) ...
+    assert LoaderSettings.from_dict(extra).p2p_cpus == tuple(sorted(os.sched_getaffinity(0)))
+    # ... or the CPUs asked for
+    args = build_parser().parse_args(["--model", str(tmp_path), "--p2p-host", "10.0.0.2", "--p2p-cpus", "0,2-3"])
+    cfg = LaunchConfig(model=args.model, p2p_host=args.p2p_host, p2p_cpus=args.p2p_cpus)
+    extra = json.loads(
+        vllm_command(cfg, 1234, rendezvous="ipc:///tmp/x.sock")[cmd.index("--model-loader-extra-config") + 1]
+    )
+    assert LoaderSettings.from_dict(extra).p2p_cpus == (0, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"p2p_cpus": "0-1"}, "it needs p2p_host"),
+        ({"p2p_host": "10.0.0.2", "p2p_cpus": "1-0"}, "bad CPU list '1-0'"),
+        ({"p2p_host": "10.0.0.2", "p2p_cpus": "x"}, "bad CPU list 'x'"),
+    ],
+)
+def test_launch_config_rejects_bad_p2p_cpus(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig(model=str(tmp_path), **kwargs)
 
 
 def test_launch_config_rejects_unknown_initial_mode_and_loader_flags(tmp_path):

@@ -78,6 +78,10 @@ class Engine:
         ({"rendezvous": "ipc:///tmp/x.sock", "timeout_s": 0}, "timeout_s must be a number > 0"),
         ({"rendezvous": "ipc:///tmp/x.sock", "timeout_s": True}, "timeout_s must be a number > 0"),
         ({"rendezvous": "ipc:///tmp/x.sock", "p2p_host": ""}, "p2p_host must be a non-empty address"),
+        ({"rendezvous": "ipc:///tmp/x.sock", "p2p_cpus": []}, "p2p_cpus must be a non-empty list"),
+        ({"rendezvous": "ipc:///tmp/x.sock", "p2p_cpus": [0, -1]}, "p2p_cpus must be a non-empty list"),
+        ({"rendezvous": "ipc:///tmp/x.sock", "p2p_cpus": "0-1"}, "p2p_cpus must be a non-empty list"),
+        ({"rendezvous": "ipc:///tmp/x.sock", "p2p_cpus": [True]}, "p2p_cpus must be a non-empty list"),
         (
             {"rendezvous": "ipc:///tmp/x.sock", "timout_s": 5},
             "unknown checkpoint_engine loader setting(s) ['timout_s']",

@@ -108,16 +108,16 @@ def test_a_transfer_engine_started_ahead_is_the_one_the_pull_uses():
     made = []
 
     def factory(cfg):
-        made.append(cfg.host)
+        made.append((cfg.host, cfg.cpus))
         return FakeStore(owners())
 
     reads = EngineReads(store_factory=factory)
-    reads.prestart("10.0.0.2")
-    reads.prestart("10.0.0.2")  # once
+    reads.prestart("10.0.0.2", (0, 1))
+    reads.prestart("10.0.0.2", (0, 1))  # once
     reads.begin(HANDLES, "10.0.0.2")
     reads.end()
     reads.begin(HANDLES, "10.0.0.2")  # kept across updates
-    assert made == ["10.0.0.2"]
+    assert made == [("10.0.0.2", (0, 1))]  # its threads placed on the CPUs asked for
 
 
 def test_an_engine_without_a_transfer_engine_names_why():

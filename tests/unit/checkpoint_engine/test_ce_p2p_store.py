@@ -124,3 +124,32 @@ def test_connect_in_background_opens_each_peer_once_and_close_waits_for_it():
         owner.close()
     reader.connect_in_background([("127.0.0.1:1", 8)])  # closed: nothing starts
     assert reader._preconnecting == [t]
+
+
+def test_the_transfer_engines_threads_run_on_the_cpus_asked_for():
+    """A store made on a thread bound to one core (as vLLM binds an engine's main thread) with
+    `cpus` set: the threads Mooncake starts, and the readers' waits, get that set, not the core."""
+    import os
+    import threading
+
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs")
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    box = []
+
+    def make() -> None:
+        os.sched_setaffinity(0, {mine[-1]})  # this thread only: the "engine's main thread"
+        box.append(P2PStore(P2PConfig(cpus=(mine[0],))))
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join(60)
+    store = box[0]
+    try:
+        new = [int(x) for x in os.listdir("/proc/self/task") if int(x) not in before]
+        placed = {tid: os.sched_getaffinity(tid) for tid in new}
+        assert placed and all(s == {mine[0]} for s in placed.values()), placed
+        assert store._workers.run(lambda: os.sched_getaffinity(0), 5.0) == {mine[0]}
+    finally:
+        store.close()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from checkpoint_engine.p2p import CallTimeout, Workers
+from checkpoint_engine.p2p import CallTimeout, P2PConfig, Workers, parse_cpu_list, thread_cpus
 
 
 def test_calls_reuse_one_thread_and_return_results_and_exceptions():
@@ -57,3 +57,41 @@ def test_an_idle_worker_ends_and_a_later_call_starts_a_new_one():
         assert time.monotonic() < deadline, "the idle worker did not end"
         time.sleep(0.02)
     assert workers.run(lambda: 7, 5.0) == 7
+
+
+@pytest.mark.parametrize(
+    "text, cpus",
+    [("0", (0,)), ("0,2-3", (0, 2, 3)), (" 3-4 , 1 ", (1, 3, 4)), ("2,2,1-2", (1, 2)), ("5-5", (5,))],
+)
+def test_parse_cpu_list(text, cpus):
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "1,", "3-1", "-1", "1-", "0-x"])
+def test_parse_cpu_list_names_the_bad_part(text):
+    with pytest.raises(ValueError, match="bad CPU list"):
+        parse_cpu_list(text)
+
+
+@pytest.mark.parametrize("cpus", [(), [0], (0, -1), (True,), (1.0,)])
+def test_p2p_config_rejects_bad_cpus(cpus):
+    with pytest.raises(ValueError, match="p2p cpus"):
+        P2PConfig(cpus=cpus)
+
+
+def test_workers_and_threads_started_under_thread_cpus_run_on_those_cpus():
+    import os
+
+    mine = os.sched_getaffinity(0)
+    one = (min(mine),)
+    assert Workers("t", cpus=one).run(lambda: os.sched_getaffinity(0), 5.0) == set(one)
+    assert Workers("t").run(lambda: os.sched_getaffinity(0), 5.0) == mine  # None: inherited
+    seen = []
+    with thread_cpus(one):
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join(5)
+    assert seen == [set(one)] and os.sched_getaffinity(0) == mine  # the caller's set is restored
+    with pytest.raises(ValueError, match="cannot run on CPUs"), thread_cpus((os.cpu_count() + 7,)):
+        pass
+    assert os.sched_getaffinity(0) == mine
