@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoint_engine.prefault import prefault
+from vllm_ext.placement import RecordCopies, same_memory
 
 logger = logging.getLogger(__name__)
 
@@ -163,29 +163,6 @@ class DirectReloadStats:
     late_modules: list[str] = field(default_factory=list)  # packed after the iterator ended (incomplete then)
 
 
-class _CopyCapture(TorchDispatchMode):
-    """Records the (destination, source) of every `copy_` run under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default:
-            self.copies.append((args[0], args[1]))
-        return func(*args, **(kwargs or {}))
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-        and a.device == b.device
-    )
-
-
 class DirectReloader:
     """Callable `(iterator of (name, tensor)) -> None` reloading a vLLM model in place (see module doc)."""
 
@@ -215,8 +192,8 @@ class DirectReloader:
         name, yielded = self._current
         dst, src = copies[0]
         if (
-            _same_memory(src, loaded_weight)
-            and _same_memory(src, yielded)
+            same_memory(src, loaded_weight)
+            and same_memory(src, yielded)
             and dst.shape == src.shape
             and dst.dtype == src.dtype
             and dst.is_contiguous()
@@ -265,11 +242,11 @@ class DirectReloader:
 
             def counting_loader(p, loaded_weight, *args, **kwargs):
                 slot = self._slot_by_ptr.get(loaded_weight.data_ptr()) if staged else None
-                if slot is not None and _same_memory(slot, loaded_weight):
+                if slot is not None and same_memory(slot, loaded_weight):
                     out = None  # the tensor already sits where its loader would copy it
                     stats.num_in_place += 1
                 elif staged and self._current is not None and self._current[0] not in self._tried:
-                    with _CopyCapture() as capture:
+                    with RecordCopies() as capture:
                         out = inner(p, loaded_weight, *args, **kwargs)
                     self._tried.add(self._current[0])
                     self._learn_slot(loaded_weight, capture.copies)

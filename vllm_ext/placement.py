@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bytes seen the same way: address, shape, strides, dtype and device."""
     return (
         a.data_ptr() == b.data_ptr()
         and a.shape == b.shape
@@ -33,17 +34,20 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-class _RecordCopies(TorchDispatchMode):
-    """Records every `copy_` (destination, source) and skips it: nothing is written."""
+class RecordCopies(TorchDispatchMode):
+    """Records the (destination, source) of every `copy_` run under it; `skip=True` also turns each
+    into nothing (nothing is written)."""
 
-    def __init__(self):
+    def __init__(self, skip: bool = False):
         super().__init__()
+        self.skip = skip
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default:
             self.copies.append((args[0], args[1]))
-            return args[0]
+            if self.skip:
+                return args[0]
         return func(*args, **(kwargs or {}))
 
 
@@ -53,7 +57,7 @@ class _SkipSelfCopies(TorchDispatchMode):
         self.skipped = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default and _same_memory(args[0], args[1]):
+        if func is torch.ops.aten.copy_.default and same_memory(args[0], args[1]):
             self.skipped += 1
             return args[0]
         return func(*args, **(kwargs or {}))
@@ -85,7 +89,7 @@ class SlotProbe:
         by_ptr = {t.data_ptr(): n for n, t in stand_ins if t.numel()}
         for n, _ in stand_ins:
             self._slots[n] = None
-        record = _RecordCopies()
+        record = RecordCopies(skip=True)
         try:
             with record, torch.no_grad():
                 self._load_fn(iter(stand_ins))
@@ -102,7 +106,7 @@ class SlotProbe:
                 continue
             dst, src = copies[0]
             if (
-                _same_memory(src, yielded[name])
+                same_memory(src, yielded[name])
                 and dst.shape == src.shape
                 and dst.dtype == src.dtype
                 and dst.device.type == "cpu"
