@@ -38,6 +38,11 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def is_cpu_set(cpus) -> bool:
+    """A non-empty sequence of CPU numbers >= 0 (bools are not numbers here)."""
+    return bool(cpus) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)
+
+
 @contextlib.contextmanager
 def thread_cpus(cpus: tuple[int, ...] | None) -> Iterator[None]:
     """Run the block with the calling thread allowed on `cpus` (None: as it is), then restore its set.
@@ -131,11 +136,7 @@ class P2PConfig:
             raise ValueError("p2p host must be a non-empty address")
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
-        if self.cpus is not None and (
-            not isinstance(self.cpus, tuple)
-            or not self.cpus
-            or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpus)
-        ):
+        if self.cpus is not None and not (isinstance(self.cpus, tuple) and is_cpu_set(self.cpus)):
             raise ValueError(f"p2p cpus must be a non-empty tuple of CPU numbers >= 0, got {self.cpus!r}")
 
 

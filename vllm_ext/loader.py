@@ -36,13 +36,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
-# the rendezvous protocol (no vLLM), kept importable from here
 from checkpoint_engine.load_rendezvous import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
 from checkpoint_engine.load_rendezvous import LoaderRendezvousError as LoaderRendezvousError
 from checkpoint_engine.load_rendezvous import loader_req_func as loader_req_func
 from checkpoint_engine.load_rendezvous import parse_request as parse_request
 from checkpoint_engine.load_rendezvous import serve_initial_load
 from checkpoint_engine.load_rendezvous import wait_for_loader as wait_for_loader
+
+# the rendezvous protocol (no vLLM), kept importable from here
+from checkpoint_engine.p2p import is_cpu_set
 
 logger = logging.getLogger(__name__)
 vllm_logger = logging.getLogger("vllm.checkpoint_engine")  # inside vLLM's processes: shown in vLLM's log
@@ -68,11 +70,7 @@ class LoaderSettings:
             raise ValueError(f"p2p_host must be a non-empty address, got {self.p2p_host!r}")
         if self.p2p_cpus is not None:
             cpus = self.p2p_cpus
-            if (
-                not isinstance(cpus, (list, tuple))
-                or not cpus
-                or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus)
-            ):
+            if not (isinstance(cpus, (list, tuple)) and is_cpu_set(cpus)):
                 raise ValueError(f"p2p_cpus must be a non-empty list of CPU numbers >= 0, got {cpus!r}")
             object.__setattr__(self, "p2p_cpus", tuple(sorted(set(cpus))))  # from JSON: a list
 
