@@ -1,24 +1,27 @@
 """Where a checkpoint tensor lands in the engine's parameters, so that a pull can read it there.
 
 `SlotProbe` runs the engine's own load function (vLLM's `model.load_weights`: name mapping, q/k/v
-into qkv_proj, shards) on empty stand-ins of a bucket's tensors with every `copy_` recorded and not
-run. A tensor whose loader is one plain copy of the whole tensor into a contiguous slice of the same
-dtype and shape gets that slice as its slot; anything else (a cast, a transpose, a narrowed source
-under tensor parallelism, several copies) gets None and is loaded from scratch memory as usual.
-Each name is probed once per probe object.
+into qkv_proj, shards) on empty stand-ins of a bucket's tensors, with every `copy_` recorded and
+not run, and the memory every other (non-view) op reads or writes recorded too. A tensor gets a slot
+when its loader's whole effect on those bytes is one plain copy of the whole tensor into a contiguous
+slice of the same dtype and shape, which no other op of the load touches. Anything else (a cast, a
+transpose, a narrowed source under tensor parallelism, several copies, a scale computed from the
+weight) gets None and is loaded from scratch memory as usual. Each name is probed once per probe
+object.
 
-After the bytes were read into the slots, the load function runs once more on the slots themselves
-(so it records the names it loaded, as vLLM's load step checks); `skip_self_copies` turns each
-copy of a slot onto itself into nothing.
+The probe is the loaders' one run for the tensors that got slots: every other op of their load (a
+padding row zeroed beside the slot, the names vLLM's load step counts) ran during the probe, and
+once the bytes were read into the slot nothing is left to do (`SlotProbe.holds`). The engine runs
+its load function again only for the tensors without a slot.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -34,40 +37,43 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first, last + 1) byte address `t` covers (None: no elements)."""
+    if t.numel() == 0:
+        return None
+    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr() - t.element_size() * sum((n - 1) * -s for n, s in zip(t.shape, t.stride()) if s < 0)
+    return start, start + span * t.element_size()
+
+
 class RecordCopies(TorchDispatchMode):
     """Records the (destination, source) of every `copy_` run under it; `skip=True` also turns each
-    into nothing (nothing is written)."""
+    into nothing (nothing is written). `touched`: the byte ranges of every tensor another op (not a
+    view) took as an argument, in place targets included."""
 
     def __init__(self, skip: bool = False):
         super().__init__()
         self.skip = skip
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.touched: list[tuple[int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.ops.aten.copy_.default:
             self.copies.append((args[0], args[1]))
             if self.skip:
                 return args[0]
-        return func(*args, **(kwargs or {}))
+        elif not func.is_view:
+            for a in tree_leaves((args, kwargs)):
+                if isinstance(a, torch.Tensor) and a.device.type == "cpu":
+                    r = byte_range(a)
+                    if r is not None:
+                        self.touched.append(r)
+        return func(*args, **kwargs)
 
 
-class _SkipSelfCopies(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.skipped = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default and same_memory(args[0], args[1]):
-            self.skipped += 1
-            return args[0]
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def skip_self_copies() -> Iterator[_SkipSelfCopies]:
-    """Within: a `copy_` whose source is its destination (same address, shape, strides) does nothing."""
-    with _SkipSelfCopies() as mode:
-        yield mode
+def _overlaps(r: tuple[int, int] | None, ranges: list[tuple[int, int]]) -> bool:
+    return r is not None and any(lo < r[1] and r[0] < hi for lo, hi in ranges)
 
 
 class SlotProbe:
@@ -83,6 +89,11 @@ class SlotProbe:
         if todo:
             self._probe(todo)
         return [self._slots[n] for n, _, _ in items]
+
+    def holds(self, name: str, tensor: torch.Tensor) -> bool:
+        """`tensor` is `name`'s slot: its bytes are in the parameters and its load already ran."""
+        slot = self._slots.get(name)
+        return slot is not None and same_memory(slot, tensor)
 
     def _probe(self, items: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         stand_ins = [(n, torch.empty(s, dtype=d)) for n, d, s in items]  # never written, never read
@@ -111,5 +122,7 @@ class SlotProbe:
                 and dst.dtype == src.dtype
                 and dst.device.type == "cpu"
                 and dst.is_contiguous()
+                and not _overlaps(byte_range(dst), record.touched)  # nothing else writes or reads the slot
+                and not _overlaps(byte_range(src), record.touched)  # nor computes from the weight
             ):
                 self._slots[name] = dst.detach()

@@ -18,6 +18,9 @@ update leaves the model's weights exactly as they were.
 with no repacking until the load returns): each bucket is loaded by `reload_fn` before it is acked,
 so tensors in the PS's double buffer go to the loaders as views too (no copy into a cache, whose
 fresh pages a new engine process would fault in one by one); the PS fills the other half meanwhile.
+When the engine reads the pull itself (remote buffers), each tensor is read into the slot its loader
+would copy it to (`placement.SlotProbe`, which runs the loaders once with the copies left out), and
+only the tensors without a slot go through `reload_fn` afterwards.
 
 With `weight_cache=False` (streaming), tensors in buffers the PS marks stable until Done (its
 registered chunks, when engine and PS share a host) go to the reload as views, without a copy:
@@ -26,7 +29,6 @@ the update then does no work beyond vLLM's own reload, and no host copy of the m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -43,7 +45,7 @@ from checkpoint_engine.engine_reads import EngineReads
 from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
-from vllm_ext.placement import SlotProbe, skip_self_copies
+from vllm_ext.placement import SlotProbe
 from vllm_ext.settings import ReceiverConfig, ReloadImpl, ReloadMode  # noqa: F401 - re-exported
 from vllm_ext.weight_cache import WeightCache
 
@@ -310,6 +312,8 @@ class _UpdateSession:
         self.t_done: float | None = None
         self.t_end: float | None = None
         self.remote = False  # the engine reads this update itself (remote buffers)
+        self.num_loaded_by_read = 0  # bucket mode: tensors read into their slots, no loader run after
+        self.loaders_s = 0.0  # bucket mode: time in the load function, per bucket, summed
 
     def on_hello(self, hello, buffers: list[torch.Tensor | None]) -> None:
         self.remote = any(h.kind == "remote" for h in hello.buffers)
@@ -343,12 +347,18 @@ class _UpdateSession:
         if self.mode == "bucket":  # loaded now, before the Ack frees the buffer half: no copy
             self._note(views)
             self.num_zero_copy += len(views)
-            try:
-                # tensors read straight into their slots are the loaders' sources too: no copy onto itself
-                with torch.no_grad(), skip_self_copies() if self.remote else contextlib.nullcontext():
-                    self.r._reload_fn(iter(views))
-            except Exception as e:
-                raise reload_failed(e) from e
+            probe = self.r._slot_probe if self.remote else None
+            # a tensor read straight into its slot is loaded: its loader ran (copy left out) in the probe
+            rest = views if probe is None else [(n, t) for n, t in views if not probe.holds(n, t)]
+            self.num_loaded_by_read += len(views) - len(rest)
+            if rest:
+                t0 = time.perf_counter()
+                try:
+                    with torch.no_grad():
+                        self.r._reload_fn(iter(rest))
+                except Exception as e:
+                    raise reload_failed(e) from e
+                self.loaders_s += time.perf_counter() - t0
             return
         pairs = [(name, self._keep(name, view)) for name, view in views]
         self._note(pairs)
@@ -446,4 +456,9 @@ class _UpdateSession:
             "reload_tail_s": span(self.t_done, self.t_end),
             "total_s": span(self.t_first, self.t_end),
             "engine_reads": self.r.remote_reads.stats.report() if self.remote else None,
+            **(
+                {"loaders_s": round(self.loaders_s, 4), "num_loaded_by_read": self.num_loaded_by_read}
+                if self.mode == "bucket"
+                else {}
+            ),
         }

@@ -86,6 +86,8 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         reads = healed_state["last_update"]["engine_reads"]
         print(f"the healed engine's own reads: {reads}")
         assert reads["placed_bytes"] > 0 and reads["scratch_bytes"] == 0, reads
+        # ... and loaded by those reads: their loaders ran once, in the slot probe, and not again after
+        assert healed_state["last_update"]["num_loaded_by_read"] == reads["placed_tensors"], healed_state
 
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res

@@ -1,9 +1,11 @@
-"""SlotProbe and skip_self_copies against a load function shaped like vLLM's: q/k/v copied into rows of a
-fused qkv parameter, a plain parameter, a cast, a transpose, a narrowed source, and a name it skips."""
+"""SlotProbe against a load function shaped like vLLM's: q/k/v copied into rows of a fused qkv parameter,
+a plain parameter, a cast, a transpose, a narrowed source, a name it skips, and loaders that do more
+than one copy (a padding row zeroed beside the slot, a scale applied to the slot, a statistic of the
+weight)."""
 
 import torch
 
-from vllm_ext.placement import SlotProbe, skip_self_copies
+from vllm_ext.placement import SlotProbe, byte_range
 
 
 class Model:
@@ -63,20 +65,72 @@ def test_slots_are_plain_whole_copies_only_and_nothing_is_written():
     assert probe(ITEMS[:2])[0] is slots["q"] and m.calls == 1  # each name is probed once
 
 
-def test_a_load_from_the_slots_themselves_copies_nothing_else_is_unchanged():
+def test_the_probe_is_the_slots_load_what_the_reads_write_is_the_model():
     m = Model()
-    q, k, v, norm = SlotProbe(m.load)(ITEMS[:4])
-    q.copy_(torch.arange(16.0).view(4, 4))  # what the engine's transfer engine would have written
+    probe = SlotProbe(m.load)
+    q, k, v, norm, t = probe(ITEMS[:4] + [ITEMS[5]])
+    assert t is None
+    q.copy_(torch.arange(16.0).view(4, 4))  # what the engine's transfer engine writes
     k.fill_(7)
     v.fill_(8)
     norm.fill_(3)
-    t = torch.arange(6.0).view(2, 3)
-    with skip_self_copies() as mode:
-        m.load([("q", q), ("k", k), ("v", v), ("norm", norm), ("t", t)])
-    assert mode.skipped == 4  # the four slots: their copies onto themselves did nothing
+    assert all(probe.holds(n, s) for n, s in (("q", q), ("k", k), ("v", v), ("norm", norm)))
+    assert not probe.holds("t", torch.zeros(2, 3)) and not probe.holds("q", q.clone())  # elsewhere: not loaded
+    assert not probe.holds("q", m.qkv[:4].t())  # the slot's bytes seen another way: not its slot
     assert torch.equal(m.qkv[:4], torch.arange(16.0).view(4, 4)) and (m.qkv[4] == 7).all() and (m.qkv[5] == 8).all()
-    assert torch.equal(m.t, t.t())  # any other copy runs as usual
-    assert m.loaded[-5:] == ["q", "k", "v", "norm", "t"]  # the loader saw every name (vLLM counts them)
+    assert m.loaded == ["q", "k", "v", "norm", "t"]  # the probe ran each loader (vLLM counts the names)
+
+
+class Padded:
+    """vLLM's vocabulary embedding: the checkpoint's rows copied in, the padding rows after them zeroed."""
+
+    def __init__(self):
+        self.embed = torch.full((6, 2), 5.0)  # 4 rows of the checkpoint, 2 of padding
+        self.scaled = torch.zeros(4)
+        self.stat = torch.zeros(())
+        self.w = torch.zeros(4)
+        self.zero_rows = torch.zeros(4, 2)
+
+    def load(self, weights):
+        for name, w in weights:
+            if name == "embed":
+                self.embed[:4].copy_(w)
+                self.embed[4:].fill_(0)  # beside the slot: done once, in the probe
+            elif name == "scaled":
+                self.scaled.copy_(w)
+                self.scaled.mul_(2)  # works on the slot after the copy: needs the real bytes
+            elif name == "stat":
+                self.w.copy_(w)
+                self.stat.copy_(w.abs().max())  # computed from the weight
+            elif name == "empty_pad":
+                self.zero_rows.copy_(w)
+                self.zero_rows[4:].fill_(1)  # no rows: touches nothing
+
+
+def test_a_slot_only_when_no_other_op_reads_or_writes_its_bytes_or_the_weights():
+    m = Padded()
+    items = [
+        ("embed", torch.float32, (4, 2)),
+        ("scaled", torch.float32, (4,)),
+        ("stat", torch.float32, (4,)),
+        ("empty_pad", torch.float32, (4, 2)),
+    ]
+    embed, scaled, stat, empty_pad = SlotProbe(m.load)(items)
+    assert embed is not None and embed.data_ptr() == m.embed.data_ptr()
+    assert (m.embed[4:] == 0).all() and (m.embed[:4] == 5).all()  # the padding zeroed, the slot untouched
+    assert scaled is None  # its loader scales the slot after the copy: loaded from scratch
+    assert stat is None  # its loader computes from the weight: loaded from scratch
+    assert empty_pad is not None
+
+
+def test_byte_range_covers_every_element():
+    base = torch.zeros(4, 6)
+    start = base.data_ptr()
+    assert byte_range(base) == (start, start + 96)
+    assert byte_range(base[1:3]) == (start + 24, start + 72)
+    assert byte_range(base[:, 2]) == (start + 8, start + 8 + 4 * (3 * 6 + 1))
+    assert byte_range(base.t()) == (start, start + 96)
+    assert byte_range(base[4:]) is None
 
 
 def test_a_loader_that_refuses_stand_ins_gives_no_slots():
