@@ -612,7 +612,17 @@ def engine_reload_report(url: str) -> dict | None:
     return {
         **{
             k: last.get(k)
-            for k in ("transfer_s", "reload_tail_s", "total_s", "num_buckets", "nbytes", "mode", "engine_reads")
+            for k in (
+                "transfer_s",
+                "reload_tail_s",
+                "total_s",
+                "num_buckets",
+                "nbytes",
+                "mode",
+                "engine_reads",
+                "loaders_s",
+                "num_loaded_by_read",
+            )
         },
         "reload_impl": report.get("reload_impl"),
     }
