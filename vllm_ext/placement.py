@@ -38,12 +38,11 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
-    """[first, last + 1) byte address `t` covers (None: no elements)."""
+    """[first, last + 1) byte address `t` covers (None: no elements). Torch strides are >= 0."""
     if t.numel() == 0:
         return None
-    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
-    start = t.data_ptr() - t.element_size() * sum((n - 1) * -s for n, s in zip(t.shape, t.stride()) if s < 0)
-    return start, start + span * t.element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
 
 
 class RecordCopies(TorchDispatchMode):
