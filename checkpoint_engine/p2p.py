@@ -3,6 +3,11 @@
 Owners register their host chunks once; a receiving rank reads bucket byte ranges straight from
 the owners' memory (one-sided: the owners' engines and PS ranks do no work), so a restarted or new
 engine recovers its weights without disturbing engines that are serving.
+
+Reads are submitted asynchronously, one Mooncake batch per byte range, and their completion is
+polled with a short sleep in between. Mooncake's synchronous calls (and its batch wait) spin on the
+status until the transfer is done: the waiting thread then takes a core from the threads that move
+the bytes, which over TCP on a few cores slows the read itself (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -11,16 +16,16 @@ import contextlib
 import ctypes
 import logging
 import os
-import queue
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal
 
 logger = logging.getLogger(__name__)
 
 CONNECT_BYTES = 8  # what `P2PStore.connect` reads to open the connection to a peer
-T = TypeVar("T")
+POLL_S = 0.0005  # between two looks at the reads in flight
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -61,70 +66,13 @@ def thread_cpus(cpus: tuple[int, ...] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-class CallTimeout(TimeoutError):
-    """A call run by `Workers.run` did not return within its deadline (its thread is left to it)."""
-
-
-class Workers:
-    """Daemon threads that run blocking calls with a deadline, kept between calls.
-
-    Mooncake's synchronous reads block in C++, so a deadline needs the call on another thread. A
-    thread started per call costs a thread start and its first scheduling: on 2 loaded cores that
-    made bucket-by-bucket reads ~20-30% slower than reads from a kept thread. An idle worker ends
-    after `idle_exit_s`; a call past its deadline keeps its worker, which is never handed out again.
-    """
-
-    def __init__(self, name: str, idle_exit_s: float = 60.0, cpus: tuple[int, ...] | None = None):
-        self._name, self._idle_exit_s, self._cpus = name, idle_exit_s, cpus
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue] = []  # each idle worker's inbox
-
-    def run(self, call: Callable[[], T], timeout_s: float) -> T:
-        """`call()` on a worker; its result, or its exception; CallTimeout past `timeout_s`."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else self._start()
-        done, box = threading.Event(), []
-        inbox.put((call, box, done))
-        if not done.wait(timeout_s):
-            raise CallTimeout(f"{self._name}: the call did not return within {timeout_s:g} s")
-        with self._lock:
-            self._idle.append(inbox)
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-    def _start(self) -> queue.SimpleQueue:
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(inbox,), daemon=True, name=self._name).start()
-        return inbox
-
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
-        if self._cpus is not None:
-            os.sched_setaffinity(0, self._cpus)
-        while True:
-            try:
-                call, box, done = inbox.get(timeout=self._idle_exit_s)
-            except queue.Empty:
-                with self._lock:
-                    if inbox in self._idle:  # not handed out meanwhile: end
-                        self._idle.remove(inbox)
-                        return
-                continue  # handed out just now: its call is on the way
-            try:
-                box.append((True, call()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box.append((False, e))
-            done.set()
-
-
 @dataclass(frozen=True)
 class P2PConfig:
     host: str = "127.0.0.1"  # address the transfer engine announces to peers
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""  # RDMA device(s), e.g. "mlx5_0"; empty for tcp
     read_timeout_s: float = 300.0
-    # CPUs the transfer engine's threads (and the threads that wait on its reads) run on; None: those
+    # CPUs the transfer engine's threads run on; None: those
     # of the thread that creates the store. An engine process whose main thread vLLM bound to its
     # compute core would otherwise read every byte on that one core.
     cpus: tuple[int, ...] | None = None
@@ -166,7 +114,6 @@ class P2PStore:
         self._scratch: ctypes.Array | None = None  # registered landing place of `connect`'s reads
         self._closing = threading.Event()
         self._preconnecting: list[threading.Thread] = []
-        self._workers = Workers("p2p-read", cpus=cfg.cpus)
 
     def register(self, ptr: int, nbytes: int) -> None:
         with self._lock:
@@ -189,22 +136,53 @@ class P2PStore:
 
     def read(self, remote_addr: str, local_ptr: int, remote_ptr: int, nbytes: int) -> None:
         """Copy `nbytes` from `remote_ptr` at peer `remote_addr` into `local_ptr`, within the deadline."""
-        self._sync(
-            lambda: self._engine.transfer_sync_read(remote_addr, local_ptr, remote_ptr, nbytes), remote_addr, nbytes
-        )
+        self.read_batch(remote_addr, [local_ptr], [remote_ptr], [nbytes])
 
     def read_batch(self, remote_addr: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]) -> None:
-        """Several reads from one peer in one Mooncake batch (`lengths[i]` bytes from `remote_ptrs[i]`
-        into `local_ptrs[i]`), within the deadline."""
+        """Several reads from one peer, all in flight at once (`lengths[i]` bytes from `remote_ptrs[i]`
+        into `local_ptrs[i]`); returns when every one is done, within the deadline."""
         if not len(local_ptrs) == len(remote_ptrs) == len(lengths):
             raise ValueError(f"read_batch: {len(local_ptrs)} local, {len(remote_ptrs)} remote, {len(lengths)} lengths")
         if not lengths:
             return
-        self._sync(
-            lambda: self._engine.batch_transfer_sync_read(remote_addr, local_ptrs, remote_ptrs, lengths),
-            remote_addr,
-            sum(lengths),
-        )
+        deadline = time.monotonic() + self.cfg.read_timeout_s
+        nbytes = sum(lengths)
+        batches: list[int] = []
+        refused = False
+        for local, remote, n in zip(local_ptrs, remote_ptrs, lengths, strict=True):
+            # one batch per range: Mooncake's non-blocking status covers a batch's first range only
+            batch = self._engine.batch_transfer_async_read(remote_addr, [local], [remote], [n])
+            if not batch:  # not submitted (peer unreachable): wait for those that were, then fail
+                refused = True
+                break
+            batches.append(batch)
+        failed = self._wait(batches, deadline, remote_addr, nbytes)
+        if refused or failed:
+            raise RuntimeError(
+                f"P2P read of {nbytes} bytes from {remote_addr} failed ({'not submitted' if refused else failed}): "
+                "is the owner's parameter server alive and its checkpoint still registered?"
+            )
+
+    def _wait(self, batches: list[int], deadline: float, remote_addr: str, nbytes: int) -> str | None:
+        """Poll `batches` until each is done; what went wrong, if anything (TimeoutError past `deadline`)."""
+        failed: str | None = None
+        while batches:
+            pending = []
+            for batch in batches:
+                status = self._engine.transfer_check_status(batch)  # 1 done, 0 in flight, < 0 failed
+                if status == 0:
+                    pending.append(batch)
+                elif status != 1:
+                    failed = failed or f"status {status}"
+            batches = pending
+            if batches:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"P2P read of {nbytes} bytes from {remote_addr} did not finish within "
+                        f"{self.cfg.read_timeout_s:g} s"
+                    )
+                time.sleep(POLL_S)
+        return failed
 
     def connect(self, remote_addr: str, remote_ptr: int) -> None:
         """Open the transfer engine's connection to peer `remote_addr` (segment handshake, TCP connect)
@@ -242,20 +220,6 @@ class P2PStore:
         t = threading.Thread(target=run, daemon=True, name="p2p-preconnect")
         self._preconnecting = [x for x in self._preconnecting if x.is_alive()] + [t]
         t.start()
-
-    def _sync(self, call, remote_addr: str, nbytes: int) -> None:
-        """Run one synchronous Mooncake call on a worker thread, bounded by `read_timeout_s`; rc != 0 raises."""
-        try:
-            rc = self._workers.run(call, self.cfg.read_timeout_s)
-        except CallTimeout:
-            raise TimeoutError(
-                f"P2P read of {nbytes} bytes from {remote_addr} did not finish within {self.cfg.read_timeout_s:.0f} s"
-            ) from None
-        if rc != 0:
-            raise RuntimeError(
-                f"P2P read of {nbytes} bytes from {remote_addr} failed (rc={rc}): "
-                "is the owner's parameter server alive and its checkpoint still registered?"
-            )
 
     def close(self, join_timeout_s: float = 5.0) -> None:
         self._closing.set()
