@@ -72,9 +72,9 @@ class P2PConfig:
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""  # RDMA device(s), e.g. "mlx5_0"; empty for tcp
     read_timeout_s: float = 300.0
-    # CPUs the transfer engine's threads run on; None: those
-    # of the thread that creates the store. An engine process whose main thread vLLM bound to its
-    # compute core would otherwise read every byte on that one core.
+    # CPUs the transfer engine's threads run on; None: those of the thread that creates the store.
+    # An engine process whose main thread vLLM bound to its compute core would otherwise read every
+    # byte on that one core.
     cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

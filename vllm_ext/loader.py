@@ -36,14 +36,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
+# the rendezvous protocol (no vLLM), kept importable from here
 from checkpoint_engine.load_rendezvous import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
 from checkpoint_engine.load_rendezvous import LoaderRendezvousError as LoaderRendezvousError
 from checkpoint_engine.load_rendezvous import loader_req_func as loader_req_func
 from checkpoint_engine.load_rendezvous import parse_request as parse_request
 from checkpoint_engine.load_rendezvous import serve_initial_load
 from checkpoint_engine.load_rendezvous import wait_for_loader as wait_for_loader
-
-# the rendezvous protocol (no vLLM), kept importable from here
 from checkpoint_engine.p2p import is_cpu_set
 
 logger = logging.getLogger(__name__)
