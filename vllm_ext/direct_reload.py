@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 
 from checkpoint_engine.prefault import prefault
-from vllm_ext.placement import RecordCopies, same_memory
+from vllm_ext.placement import RecordCopies, plain_slot, same_memory
 
 logger = logging.getLogger(__name__)
 
@@ -185,19 +185,14 @@ class DirectReloader:
         """Checkpoint name -> staging slice that holds exactly that tensor (learned on the first update)."""
         return dict(self._slots)
 
-    def _learn_slot(self, loaded_weight: torch.Tensor, copies: list) -> None:
-        """Keep the loader's destination as the name's slot when the loader was one plain copy of it."""
-        if self._current is None or len(copies) != 1:
+    def _learn_slot(self, loaded_weight: torch.Tensor, capture: RecordCopies) -> None:
+        """Keep the loader's destination as the name's slot when the loader was one plain copy of it
+        (`placement.plain_slot`: a tensor found in its slot later skips its loader)."""
+        if self._current is None:
             return
         name, yielded = self._current
-        dst, src = copies[0]
-        if (
-            same_memory(src, loaded_weight)
-            and same_memory(src, yielded)
-            and dst.shape == src.shape
-            and dst.dtype == src.dtype
-            and dst.is_contiguous()
-        ):
+        dst = plain_slot(capture.copies, loaded_weight, capture.touched)
+        if dst is not None and same_memory(loaded_weight, yielded):
             self._slots[name] = dst
             self._slot_by_ptr[dst.data_ptr()] = dst
 
@@ -249,7 +244,7 @@ class DirectReloader:
                     with RecordCopies() as capture:
                         out = inner(p, loaded_weight, *args, **kwargs)
                     self._tried.add(self._current[0])
-                    self._learn_slot(loaded_weight, capture.copies)
+                    self._learn_slot(loaded_weight, capture)
                 else:
                     out = inner(p, loaded_weight, *args, **kwargs)
                 loaded[m] += loaded_weight.numel()

@@ -75,6 +75,29 @@ def _overlaps(r: tuple[int, int] | None, ranges: list[tuple[int, int]]) -> bool:
     return r is not None and any(lo < r[1] and r[0] < hi for lo, hi in ranges)
 
 
+def plain_slot(
+    copies: list[tuple[torch.Tensor, torch.Tensor]], source: torch.Tensor, touched: list[tuple[int, int]]
+) -> torch.Tensor | None:
+    """The slot of `source`, given the (destination, source) copies recorded from it and the ranges
+    other ops touched (`RecordCopies`): the destination of its one copy when that copy takes all of
+    `source`, as it is, into a contiguous CPU slice of the same dtype and shape that no other op
+    reads or writes, and no other op computes from `source`. Else None."""
+    if len(copies) != 1:
+        return None
+    dst, src = copies[0]
+    if (
+        same_memory(src, source)
+        and dst.shape == src.shape
+        and dst.dtype == src.dtype
+        and dst.device.type == "cpu"
+        and dst.is_contiguous()
+        and not _overlaps(byte_range(dst), touched)
+        and not _overlaps(byte_range(src), touched)
+    ):
+        return dst.detach()
+    return None
+
+
 class SlotProbe:
     """Slots of checkpoint tensors in the memory `load_fn` writes to (see the module docstring)."""
 
@@ -112,16 +135,4 @@ class SlotProbe:
                 seen.setdefault(name, []).append((dst, src))
         yielded = dict(stand_ins)
         for name, copies in seen.items():
-            if len(copies) != 1:
-                continue
-            dst, src = copies[0]
-            if (
-                same_memory(src, yielded[name])
-                and dst.shape == src.shape
-                and dst.dtype == src.dtype
-                and dst.device.type == "cpu"
-                and dst.is_contiguous()
-                and not _overlaps(byte_range(dst), record.touched)  # nothing else writes or reads the slot
-                and not _overlaps(byte_range(src), record.touched)  # nor computes from the weight
-            ):
-                self._slots[name] = dst.detach()
+            self._slots[name] = plain_slot(copies, yielded[name], record.touched)
