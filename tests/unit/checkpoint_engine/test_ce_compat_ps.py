@@ -77,14 +77,16 @@ def test_use_backend_refuses_others_naming_the_supported(name):
 
 
 def test_distributed_functions_forward_to_torch():
+    """The default backend is NCCL where CUDA is, else gloo; the collectives reach torch's."""
+    on_gpu = torch.cuda.is_available()
     assert not dist.is_initialized()
     dist.init_process_group(rank=0, world_size=1, store=td.HashStore(), timeout=30)
     try:
-        assert dist.is_initialized() and td.get_backend() == "gloo"
+        assert dist.is_initialized() and td.get_backend() == ("nccl" if on_gpu else "gloo")
         got = [None]
         dist.all_gather_object(got, {"pid": os.getpid()})
         assert got == [{"pid": os.getpid()}]
-        t = torch.tensor([3.0])
+        t = torch.tensor([3.0], device="cuda" if on_gpu else "cpu")
         dist.all_reduce(t)
         dist.broadcast(t, src=0)
         dist.barrier()

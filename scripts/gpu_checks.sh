@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run on a lent GPU machine (no package registry there):
+#   the `gpu`-marked tests, the unit tests of the trainer and the checkpoint engine on that machine,
+#   and the CUDA update benchmark.
+# Packages the machine lacks travel as wheels in .whl/ (pyzmq, megatron-core, math-verify and its needs; see README, "GPU").
+# Logs and the benchmark's JSON go to $OUT (default: ./out/gpu).
+set -uo pipefail
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+
+rc=0
+# its own process first: it needs a pytest process with no default process group yet
+timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 100 \
+  tests/unit/trainer/test_megatron_model.py::test_gpu_no_redirects_and_logits_equal_hf 2>&1 | tee "$OUT/pytest_megatron_gpu.log" | tail -4
+rc=$((rc | ${PIPESTATUS[0]}))
+timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m "not vllm" \
+  tests/integration/gpu tests/unit/trainer tests/unit/checkpoint_engine 2>&1 | tee "$OUT/pytest.log" | tail -45
+rc=$((rc | ${PIPESTATUS[0]}))
+
+timeout 200 torchrun --nproc-per-node 1 benchmarks/bench_update_cuda.py \
+  --layers 16 --bucket-sizes-mib "${BUCKETS_MIB:-2048}" --repeats 3 --skip-naive 2>&1 | tee "$OUT/bench_update_cuda.log" | tail -6
+rc=$((rc | ${PIPESTATUS[0]}))
+exit $rc
