@@ -4,15 +4,17 @@ the engine's parameters.
 A P2P pull through the PS rank moves every byte twice on the receiving host: the rank's transfer
 engine reads the owner's chunk into the shared double buffer, then the engine's loaders copy it into
 the parameters. Here the engine runs its own transfer engine and the PS rank only sends the plan
-(`protocol.BufferHandle(kind="remote")`: each owner chunk's peer and address). For every tensor the
-engine asks `destination` (once per bucket) where that tensor lives in its memory; a contiguous
-tensor of that dtype and shape (a parameter, or a slice of a fused one) is read into in place, and
-the loaders then find the bytes already there. Tensors without a destination land in a registered
-scratch buffer and go through the loaders as usual.
+(`protocol.BufferHandle(kind="remote")`: each owner chunk's peer and address; Hello lists every
+tensor). At `begin` the engine asks `destination` where each tensor lives in its memory, while the
+connections to the owners open; a contiguous tensor of that dtype and shape (a parameter, or a slice
+of a fused one) is read into in place, and the loaders then find the bytes already there. Tensors
+without a destination land in a registered scratch buffer and go through the loaders as usual.
 
-    Hello(remote buffers, p2p_host) ─▶ start a transfer engine on p2p_host (first update only),
-                                       connect to every owner
-    Bucket ─▶ register destinations (each storage once) ─▶ one batch read per owner ─▶ (name, tensor)s
+    Hello(remote buffers, p2p_host, tensors) ─▶ start a transfer engine on p2p_host (first update
+                                                only), connect to every owner, place every tensor
+    Bucket ─▶ register destinations (each storage once) ─▶ every owner's reads submitted at once
+          ─▶ (name, tensor)s once they have landed (`BucketReads`; the worker starts the next
+             bucket's reads while it waits for these)
     end of the update ─▶ unregister everything (the parameters may be repacked or freed next)
 
 CPU memory only: a CUDA destination would need GPUDirect registration (RDMA), not written yet.
@@ -30,7 +32,7 @@ import torch
 
 from checkpoint_engine import protocol as P
 from checkpoint_engine.dtypes import dtype_from_name
-from checkpoint_engine.p2p import P2PConfig, P2PStore
+from checkpoint_engine.p2p import P2PConfig, P2PStore, PendingReads
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,8 @@ SCRATCH_ALIGN_BYTES = 64
 @dataclass
 class EngineReadStats:
     start_s: float = 0.0  # transfer engine start and the connections to the owners
-    read_s: float = 0.0  # all of `read`: the destinations asked for, registration, the reads
-    destination_s: float = 0.0  # of which: asking `destination` where each tensor goes
+    read_s: float = 0.0  # time this engine spent submitting reads and waiting for them (not overlapped)
+    destination_s: float = 0.0  # asking `destination` where each tensor goes (at `begin`, during the connects)
     placed_tensors: int = 0  # read straight into their destination
     placed_bytes: int = 0
     scratch_tensors: int = 0  # read into scratch, then loaded
@@ -76,7 +78,10 @@ class EngineReads:
         self._read_timeout_s = read_timeout_s
         self._store: P2PStore | None = None
         self._starting: threading.Thread | None = None
-        self._scratch: torch.Tensor | None = None
+        self._scratches: list[torch.Tensor | None] = [None, None]  # two: two buckets may be in flight
+        self._next_scratch = 0
+        self._planned: dict[str, torch.Tensor | None] = {}  # name -> where it lands (None: scratch)
+        self._in_flight: list[BucketReads] = []
         self._cpus: tuple[int, ...] | None = None
         self.stats = EngineReadStats()
 
@@ -102,10 +107,13 @@ class EngineReads:
     def set_destination(self, destination: Destination | None) -> None:
         self._destination = destination
 
-    def begin(self, handles: tuple[P.BufferHandle, ...], p2p_host: str) -> None:
-        """Start the transfer engine (once) and open a connection to every owner (in parallel)."""
+    def begin(self, handles: tuple[P.BufferHandle, ...], p2p_host: str, tensors: tuple[P.WireTensor, ...] = ()) -> None:
+        """Start the transfer engine (once) and open a connection to every owner (in parallel).
+        `tensors` (Hello's: every remote tensor of the update): ask `destination` where each lands
+        now, while the connections open, so that the buckets need not ask."""
         t0 = time.perf_counter()
         self.stats = EngineReadStats()
+        self._planned = {}
         if self._starting is not None:
             self._starting.join(self._read_timeout_s)
             self._starting = None
@@ -125,14 +133,31 @@ class EngineReads:
         ]
         for t in threads:
             t.start()
+        remote = [t for t in tensors if t.buffer < len(handles) and handles[t.buffer].kind == "remote"]
+        if remote and self._destination is not None:
+            t1 = time.perf_counter()
+            items = [(t.name, dtype_from_name(t.dtype), t.shape) for t in remote]
+            self._planned = dict(zip((t.name for t in remote), self._destination(items), strict=True))
+            self.stats.destination_s += time.perf_counter() - t1
         for t in threads:
             t.join(self._read_timeout_s)
         if errors or any(t.is_alive() for t in threads):
             raise RuntimeError(f"the engine could not reach the owners of the weights: {errors or 'timed out'}")
         self.stats.start_s = time.perf_counter() - t0
 
+    def knows(self, tensors) -> bool:
+        """Every one of `tensors` (WireTensors) was placed at `begin`: starting its reads runs no loader."""
+        return self._destination is None or all(t.name in self._planned for t in tensors)
+
     def read(self, handles: tuple[P.BufferHandle, ...], tensors: list[P.WireTensor]) -> list[tuple[str, torch.Tensor]]:
         """Read `tensors` (all in remote buffers) and return (name, tensor) in their order."""
+        return self.start(handles, tensors).finish()
+
+    def start(self, handles: tuple[P.BufferHandle, ...], tensors: list[P.WireTensor]) -> BucketReads:
+        """Submit the reads of one bucket's `tensors` (all in remote buffers) and return at once.
+
+        At most two buckets may be in flight, and a bucket's tensors must be loaded before the bucket
+        after next starts: the scratch memory alternates between two buffers."""
         if self._store is None:
             raise RuntimeError("EngineReads.read before begin")
         t0 = time.perf_counter()
@@ -141,10 +166,12 @@ class EngineReads:
         by_peer: dict[str, tuple[list[int], list[int], list[int]]] = {}
         scratch_bytes = 0
         dtypes = [dtype_from_name(t.dtype) for t in tensors]
-        items = [(t.name, d, t.shape) for t, d in zip(tensors, dtypes, strict=True)]
-        dsts = self._destination(items) if self._destination is not None else [None] * len(tensors)
-        self.stats.destination_s += time.perf_counter() - t0
-        for t, dtype, dst in zip(tensors, dtypes, dsts, strict=True):
+        todo = [(t.name, d, t.shape) for t, d in zip(tensors, dtypes, strict=True) if t.name not in self._planned]
+        if todo and self._destination is not None:
+            self._planned.update(zip((n for n, _, _ in todo), self._destination(todo), strict=True))
+            self.stats.destination_s += time.perf_counter() - t0
+        for t, dtype in zip(tensors, dtypes, strict=True):
+            dst = self._planned.get(t.name)
             h = handles[t.buffer]
             nbytes = _nbytes(dtype, t.shape)
             if t.offset_bytes + nbytes > h.size_bytes:
@@ -171,31 +198,71 @@ class EngineReads:
                 out.append((t.name, None))
                 self.stats.scratch_tensors += 1
                 self.stats.scratch_bytes += nbytes
-        scratch = self._scratch_of(scratch_bytes) if pending else None
+        scratch = None
+        if pending:
+            scratch = self._scratch_of(self._next_scratch, scratch_bytes)
+            self._next_scratch ^= 1
         for locals_, _, _ in by_peer.values():
             for i, ptr in enumerate(locals_):
                 if ptr < 0:
                     locals_[i] = scratch.data_ptr() + pending[-1 - ptr][1]
-        for peer, (locals_, remotes, lengths) in by_peer.items():
-            self._store.read_batch(peer, locals_, remotes, lengths)
+        # every owner's reads in flight together
+        reads = [self._store.submit(peer, *lists) for peer, lists in by_peer.items()]
         for index, offset, nbytes in pending:
             t = tensors[index]
             out[index] = (t.name, scratch[offset : offset + nbytes].view(dtype_from_name(t.dtype)).view(t.shape))
         self.stats.read_s += time.perf_counter() - t0
-        return out  # type: ignore[return-value] - every None was replaced above
+        bucket = BucketReads(out, reads, self.stats)  # type: ignore[arg-type] - every None was replaced above
+        self._in_flight = [b for b in self._in_flight if b.pending] + [bucket]
+        return bucket
 
-    def _scratch_of(self, nbytes: int) -> torch.Tensor:
-        """A registered scratch buffer of at least `nbytes`, reused by later buckets (each is loaded
-        before the next is read)."""
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            if self._scratch is not None:
-                self._store.unregister(self._scratch.data_ptr())
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
-            self._store.register(self._scratch.data_ptr(), nbytes)
-        return self._scratch
+    def _scratch_of(self, which: int, nbytes: int) -> torch.Tensor:
+        """Registered scratch buffer `which` (0 or 1) of at least `nbytes`, reused by later buckets."""
+        old = self._scratches[which]
+        if old is None or old.numel() < nbytes:
+            if old is not None:
+                self._store.unregister(old.data_ptr())
+            self._scratches[which] = torch.empty(nbytes, dtype=torch.uint8)
+            self._store.register(self._scratches[which].data_ptr(), nbytes)
+        return self._scratches[which]
 
     def end(self) -> None:
-        """Unregister every destination and the scratch (the parameters may be freed or repacked next)."""
+        """Unregister every destination and the scratch (the parameters may be freed or repacked next),
+        once the reads still in flight (a bucket begun early, then the update failed) have ended."""
+        for bucket in self._in_flight:
+            try:
+                bucket.finish()
+            except Exception as e:  # noqa: BLE001 - the update already failed; its memory is what matters
+                logger.debug("a read in flight at the end of the update failed: %s", e)
+        self._in_flight = []
         if self._store is not None:
             self._store.unregister_all()
-        self._scratch = None
+        self._scratches = [None, None]
+        self._planned = {}
+
+
+class BucketReads:
+    """One bucket's reads in flight (`EngineReads.start`)."""
+
+    def __init__(self, out: list[tuple[str, torch.Tensor]], reads: list[PendingReads], stats: EngineReadStats):
+        self._out = out
+        self._reads = reads
+        self._stats = stats
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._reads)
+
+    def done(self) -> bool:
+        """Whether every read has landed (looks once, does not wait); raises if one failed."""
+        self._reads = [r for r in self._reads if not r.poll()]
+        return not self._reads
+
+    def finish(self) -> list[tuple[str, torch.Tensor]]:
+        """Wait for every read (each within its deadline); the bucket's (name, tensor)s in order."""
+        t0 = time.perf_counter()
+        for r in self._reads:
+            r.wait()
+        self._reads = []
+        self._stats.read_s += time.perf_counter() - t0
+        return self._out

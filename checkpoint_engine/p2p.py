@@ -88,6 +88,51 @@ class P2PConfig:
             raise ValueError(f"p2p cpus must be a non-empty tuple of CPU numbers >= 0, got {self.cpus!r}")
 
 
+class PendingReads:
+    """Reads from one peer in flight (`P2PStore.submit`): `poll` looks once, `wait` polls every
+    POLL_S until all are done. Either raises once one failed or the deadline passed; after a failure
+    the reads still in flight are waited for first, so their memory may be reused."""
+
+    def __init__(self, engine, remote_addr: str, nbytes: int, timeout_s: float):
+        self._engine = engine
+        self.remote_addr = remote_addr
+        self.nbytes = nbytes
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.batches: list[int] = []
+        self.refused = False  # a read could not be submitted
+        self._failed: str | None = None
+
+    def poll(self) -> bool:
+        """True once every read is done; raises if one failed (RuntimeError) or time ran out (TimeoutError)."""
+        pending = []
+        for batch in self.batches:
+            status = self._engine.transfer_check_status(batch)  # 1 done, 0 in flight, < 0 failed
+            if status == 0:
+                pending.append(batch)
+            elif status != 1:
+                self._failed = self._failed or f"status {status}"
+        self.batches = pending
+        if pending:
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(
+                    f"P2P read of {self.nbytes} bytes from {self.remote_addr} "
+                    f"did not finish within {self.timeout_s:g} s"
+                )
+            return False
+        if self.refused or self._failed:
+            raise RuntimeError(
+                f"P2P read of {self.nbytes} bytes from {self.remote_addr} failed "
+                f"({'not submitted' if self.refused else self._failed}): "
+                "is the owner's parameter server alive and its checkpoint still registered?"
+            )
+        return True
+
+    def wait(self) -> None:
+        while not self.poll():
+            time.sleep(POLL_S)
+
+
 class P2PStore:
     """One Mooncake TransferEngine per PS rank."""
 
@@ -141,48 +186,23 @@ class P2PStore:
     def read_batch(self, remote_addr: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]) -> None:
         """Several reads from one peer, all in flight at once (`lengths[i]` bytes from `remote_ptrs[i]`
         into `local_ptrs[i]`); returns when every one is done, within the deadline."""
+        self.submit(remote_addr, local_ptrs, remote_ptrs, lengths).wait()
+
+    def submit(
+        self, remote_addr: str, local_ptrs: list[int], remote_ptrs: list[int], lengths: list[int]
+    ) -> PendingReads:
+        """Start `read_batch`'s reads and return at once; the deadline starts now."""
         if not len(local_ptrs) == len(remote_ptrs) == len(lengths):
             raise ValueError(f"read_batch: {len(local_ptrs)} local, {len(remote_ptrs)} remote, {len(lengths)} lengths")
-        if not lengths:
-            return
-        deadline = time.monotonic() + self.cfg.read_timeout_s
-        nbytes = sum(lengths)
-        batches: list[int] = []
-        refused = False
+        pending = PendingReads(self._engine, remote_addr, sum(lengths), self.cfg.read_timeout_s)
         for local, remote, n in zip(local_ptrs, remote_ptrs, lengths, strict=True):
             # one batch per range: Mooncake's non-blocking status covers a batch's first range only
             batch = self._engine.batch_transfer_async_read(remote_addr, [local], [remote], [n])
-            if not batch:  # not submitted (peer unreachable): wait for those that were, then fail
-                refused = True
+            if not batch:  # not submitted (peer unreachable): the wait lets those that were finish, then fails
+                pending.refused = True
                 break
-            batches.append(batch)
-        failed = self._wait(batches, deadline, remote_addr, nbytes)
-        if refused or failed:
-            raise RuntimeError(
-                f"P2P read of {nbytes} bytes from {remote_addr} failed ({'not submitted' if refused else failed}): "
-                "is the owner's parameter server alive and its checkpoint still registered?"
-            )
-
-    def _wait(self, batches: list[int], deadline: float, remote_addr: str, nbytes: int) -> str | None:
-        """Poll `batches` until each is done; what went wrong, if anything (TimeoutError past `deadline`)."""
-        failed: str | None = None
-        while batches:
-            pending = []
-            for batch in batches:
-                status = self._engine.transfer_check_status(batch)  # 1 done, 0 in flight, < 0 failed
-                if status == 0:
-                    pending.append(batch)
-                elif status != 1:
-                    failed = failed or f"status {status}"
-            batches = pending
-            if batches:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"P2P read of {nbytes} bytes from {remote_addr} did not finish within "
-                        f"{self.cfg.read_timeout_s:g} s"
-                    )
-                time.sleep(POLL_S)
-        return failed
+            pending.batches.append(batch)
+        return pending
 
     def connect(self, remote_addr: str, remote_ptr: int) -> None:
         """Open the transfer engine's connection to peer `remote_addr` (segment handshake, TCP connect)

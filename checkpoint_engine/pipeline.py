@@ -151,6 +151,7 @@ class UpdateRun:
                     verify_checksums=job.checksums is not None,
                     stable_buffers=self.buffers.stable_buffers(),
                     p2p_host=self.buffers.p2p_host,
+                    tensors=self.buffers.remote_plan(job.buckets),
                 ),
                 deadline_s=deadline,
                 check=lambda: req.error,

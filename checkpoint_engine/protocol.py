@@ -5,7 +5,8 @@ the tag and the field types and raises ProtocolError naming what is wrong.
 
     PS rank                                   engine worker
     Hello(update, checkpoint, buffers) ─────▶ map the shared buffers once (remote buffers: the
-                                              engine reads those tensors itself, engine_reads.py)
+                                              engine reads those tensors itself, engine_reads.py,
+                                              and Hello lists them all)
                                       ◀────── Ready(version)
     Bucket(i, tensors@offsets)        ──────▶ run(views)            (buckets i and i+1 in flight)
                                       ◀────── Ack(i) | Error(i, reason)
@@ -80,6 +81,9 @@ class Hello:
     stable_buffers: tuple[int, ...] = ()
     # With "remote" buffers: the address the engine's own transfer engine announces (its PS rank's)
     p2p_host: str = ""
+    # With "remote" buffers: every tensor of the update, buckets in order, so that the engine finds
+    # where each lands before the first bucket (its Bucket messages name the same tensors again)
+    tensors: tuple[WireTensor, ...] = ()
 
 
 @dataclass(frozen=True)

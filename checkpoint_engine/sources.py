@@ -67,6 +67,13 @@ class EngineBuffers:
         start = 1 if self.double_buffer else 0
         return tuple(i for i in range(start, len(self.handles)) if self.handles[i].kind != "remote")
 
+    def remote_plan(self, buckets: list[Bucket]) -> tuple[P.WireTensor, ...]:
+        """With remote buffers: every tensor the engine will read itself, buckets in order (Hello's
+        `tensors`: the engine finds where each lands before the first bucket). Else nothing."""
+        if not any(h.kind == "remote" for h in self.handles):
+            return ()
+        return tuple(t for b in buckets for t in self.wire(b, 0, None) if self.handles[t.buffer].kind == "remote")
+
     def wire(self, bucket: Bucket, half_offset: int, checksums: dict[str, int] | None) -> tuple[P.WireTensor, ...]:
         """Where the engine finds each tensor of `bucket` (buffer index, byte offset)."""
         direct = self.reads_in_place(bucket.owner_rank)

@@ -8,6 +8,9 @@ what it keeps (loading into the model's parameters does).
 
     recv Hello ─▶ map buffers ─▶ Ready ─▶ { recv Bucket ─▶ run(views) ─▶ Ack }* ─▶ recv Done ─▶ post_hook ─▶ Ack
                                           any failure ─▶ Error ─▶ wait Abort ─▶ state incomplete, raise
+
+A bucket whose tensors the engine reads itself (remote buffers, `engine_reads`) is begun before its
+turn when it arrives while the bucket before is still being read: two buckets' reads in flight.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def update_weights_from_ipc(
                     "but the engine has no transfer engine for that"
                 )
             reading = True
-            remote_reads.begin(hello.buffers, hello.p2p_host)
+            remote_reads.begin(hello.buffers, hello.p2p_host, hello.tensors)
         buffers = [None if h.kind == "remote" else open_buffer(h, device_id, mapping_cache) for h in hello.buffers]
         bad = [i for i in hello.stable_buffers if i >= len(buffers)]
         if bad:
@@ -128,24 +131,63 @@ def update_weights_from_ipc(
         sock.close()
 
 
+def _remote(hello: P.Hello, tensors: tuple[P.WireTensor, ...]) -> list[P.WireTensor]:
+    n = len(hello.buffers)
+    return [t for t in tensors if t.buffer < n and hello.buffers[t.buffer].kind == "remote"]
+
+
+class StartedBucket:
+    """One bucket begun: views of mapped buffers now, and the reads of its remote tensors in flight."""
+
+    def __init__(
+        self, buffers: list[torch.Tensor | None], hello: P.Hello, tensors: tuple[P.WireTensor, ...], reads
+    ) -> None:
+        remote = _remote(hello, tensors)
+        names = {t.name for t in remote}
+        self._tensors = tensors
+        self._local = dict(extract_views(buffers, tuple(t for t in tensors if t.name not in names)))
+        self._reads = reads.start(hello.buffers, remote) if remote else None
+
+    def done(self) -> bool:
+        return self._reads is None or self._reads.done()
+
+    def views(self) -> NamedTensors:
+        """The bucket's (name, tensor)s in order, once its reads have landed."""
+        got = dict(self._reads.finish()) if self._reads is not None else {}
+        return [(t.name, got[t.name] if t.name in got else self._local[t.name]) for t in self._tensors]
+
+
 def bucket_views(
     buffers: list[torch.Tensor | None], hello: P.Hello, tensors: tuple[P.WireTensor, ...], reads: EngineReads | None
 ) -> NamedTensors:
     """The bucket's (name, tensor)s in order: views of mapped buffers, or read by `reads` (remote buffers)."""
-    n = len(hello.buffers)
-    remote = [t for t in tensors if t.buffer < n and hello.buffers[t.buffer].kind == "remote"]
-    if not remote:
-        return extract_views(buffers, tensors)
-    got = dict(reads.read(hello.buffers, remote))
-    local = dict(extract_views(buffers, tuple(t for t in tensors if t.name not in got)))
-    return [(t.name, got[t.name] if t.name in got else local[t.name]) for t in tensors]
+    return StartedBucket(buffers, hello, tensors, reads).views()
+
+
+def _look_ahead(sock, hello, buffers, reads, current: StartedBucket, index: int, early: list, ahead: dict) -> None:
+    """While bucket `index`'s reads are in flight, take the next message off the socket; if it is
+    bucket `index + 1` and its reads run no loader (`EngineReads.knows`), start them now, so that two
+    buckets' reads overlap. The message is queued in `early` either way."""
+    while not current.done():
+        if not sock.poll(1, zmq.POLLIN):
+            continue
+        msg = P.decode(sock.recv())
+        early.append(msg)
+        if isinstance(msg, P.Bucket) and msg.index == index + 1 and reads.knows(_remote(hello, msg.tensors)):
+            try:
+                ahead[msg.index] = StartedBucket(buffers, hello, msg.tensors, reads)
+            except Exception as e:  # noqa: BLE001 - raised when that bucket's turn comes
+                ahead[msg.index] = e
+        return
 
 
 def _serve(sock, hello, buffers, run, post_hook, state, timeout_s, reads=None) -> EngineWeightState:
     expected = 0
     failed: str | None = None
+    early: list[P.Message] = []  # taken off the socket while a bucket's reads were in flight
+    ahead: dict[int, StartedBucket | Exception] = {}  # the next bucket, begun early
     while True:
-        msg = _recv(sock, timeout_s, f"bucket {expected} of {hello.num_buckets}")
+        msg = early.pop(0) if early else _recv(sock, timeout_s, f"bucket {expected} of {hello.num_buckets}")
         if isinstance(msg, P.Abort):
             if state.status.value == "receiving":
                 state.abort(msg.reason)
@@ -157,7 +199,12 @@ def _serve(sock, hello, buffers, run, post_hook, state, timeout_s, reads=None) -
             if msg.index != expected:
                 raise P.ProtocolError(f"expected bucket {expected}, got {msg.index}")
             try:
-                views = bucket_views(buffers, hello, msg.tensors, reads)
+                started = ahead.pop(msg.index, None) or StartedBucket(buffers, hello, msg.tensors, reads)
+                if isinstance(started, Exception):
+                    raise started
+                if reads is not None and not early:
+                    _look_ahead(sock, hello, buffers, reads, started, msg.index, early, ahead)
+                views = started.views()
                 if hello.verify_checksums:
                     _verify(views, msg.tensors)
                 run(views)

@@ -4,10 +4,12 @@
 into qkv_proj, shards) on empty stand-ins of a bucket's tensors, with every `copy_` recorded and
 not run, and the memory every other (non-view) op reads or writes recorded too. A tensor gets a slot
 when its loader's whole effect on those bytes is one plain copy of the whole tensor into a contiguous
-slice of the same dtype and shape, which no other op of the load touches. Anything else (a cast, a
-transpose, a narrowed source under tensor parallelism, several copies, a scale computed from the
-weight) gets None and is loaded from scratch memory as usual. Each name is probed once per probe
-object.
+slice of the same dtype and shape, which no other op of the load touches and no other copy writes.
+Anything else (a cast, a transpose, a narrowed source under tensor parallelism, several copies, tied
+weights copied into the same bytes, a scale computed from the weight) gets None and is loaded from
+scratch memory as usual. Each name is probed once per probe object. The engine probes a whole
+update at once (Hello lists its tensors), so "no other op" covers every bucket's loaders: the reads
+into slots may then land in any order relative to the loads of other tensors.
 
 The probe is the loaders' one run for the tensors that got slots: every other op of their load (a
 padding row zeroed beside the slot, the names vLLM's load step counts) ran during the probe, and
@@ -75,6 +77,19 @@ def _overlaps(r: tuple[int, int] | None, ranges: list[tuple[int, int]]) -> bool:
     return r is not None and any(lo < r[1] and r[0] < hi for lo, hi in ranges)
 
 
+def overlapping(ranges: list[tuple[int, int] | None]) -> set[int]:
+    """Indices of the non-empty [lo, hi) ranges that share a byte with another one (n log n)."""
+    order = sorted((r[0], r[1], i) for i, r in enumerate(ranges) if r is not None)
+    out: set[int] = set()
+    reach, reach_i = -1, -1  # the furthest end among ranges starting earlier, and whose
+    for lo, hi, i in order:
+        if lo < reach:  # starts inside an earlier range
+            out.update((i, reach_i))
+        if hi > reach:
+            reach, reach_i = hi, i
+    return out
+
+
 def plain_slot(
     copies: list[tuple[torch.Tensor, torch.Tensor]], source: torch.Tensor, touched: list[tuple[int, int]]
 ) -> torch.Tensor | None:
@@ -129,10 +144,13 @@ class SlotProbe:
         except Exception:  # noqa: BLE001 - a loader that refuses stand-ins: those tensors load as usual
             return
         seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for dst, src in record.copies:
+        shared = overlapping([byte_range(dst) for dst, _ in record.copies])  # two copies write these bytes
+        for k, (dst, src) in enumerate(record.copies):
             name = by_ptr.get(src.data_ptr())
             if name is not None:
                 seen.setdefault(name, []).append((dst, src))
+                if k in shared:
+                    seen[name].append((dst, src))  # two entries: not a plain slot
         yielded = dict(stand_ins)
         for name, copies in seen.items():
             self._slots[name] = plain_slot(copies, yielded[name], record.touched)

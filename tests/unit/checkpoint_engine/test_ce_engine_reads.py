@@ -2,6 +2,7 @@
 memory (the real Mooncake path runs in tests/integration/dist/test_ce_broadcast.py)."""
 
 import ctypes
+import time
 
 import pytest
 import torch
@@ -36,13 +37,30 @@ class FakeStore:
     def unregister_all(self) -> None:
         self.registered.clear()
 
-    def read_batch(self, peer, local_ptrs, remote_ptrs, lengths) -> None:
+    def submit(self, peer, local_ptrs, remote_ptrs, lengths) -> "FakePending":
         self.batches.append((peer, len(lengths)))
-        src = self.chunks[peer]
-        for lp, rp, n in zip(local_ptrs, remote_ptrs, lengths, strict=True):
+        for lp, n in zip(local_ptrs, lengths, strict=True):
             assert any(p <= lp and lp + n <= p + size for p, size in self.registered.items()), "unregistered"
-            off = rp - BASE[peer]
-            ctypes.memmove(lp, src.data_ptr() + off, n)
+        return FakePending(self, peer, local_ptrs, remote_ptrs, lengths)
+
+
+class FakePending:
+    """Reads in flight: the bytes land at the first look (`poll`), as a transfer engine's would later."""
+
+    def __init__(self, store, peer, local_ptrs, remote_ptrs, lengths):
+        self.store, self.peer, self.ranges = store, peer, list(zip(local_ptrs, remote_ptrs, lengths, strict=True))
+        self.landed = False
+
+    def poll(self) -> bool:
+        if not self.landed:
+            src = self.store.chunks[self.peer]
+            for lp, rp, n in self.ranges:
+                ctypes.memmove(lp, src.data_ptr() + rp - BASE[self.peer], n)
+            self.landed = True
+        return True
+
+    def wait(self) -> None:
+        self.poll()
 
 
 def owners():
@@ -142,3 +160,126 @@ def test_an_engine_without_a_transfer_engine_names_why():
     finally:
         ps.close(0)
         ctx.term()
+
+
+REMOTE_ONLY = HANDLES[1:]  # no mapped chunk: the engine reads everything
+PLAN = (
+    P.WireTensor("w", "float32", (4,), 0, 0),
+    P.WireTensor("b", "float32", (2, 2), 0, 16),
+    P.WireTensor("v", "float32", (8,), 1, 0),
+)
+
+
+def test_hello_s_plan_places_every_tensor_once_while_the_owners_connect():
+    store = FakeStore(owners())
+    held = {"w": torch.zeros(4), "v": torch.zeros(8)}
+    asked = []
+
+    def destination(items):
+        asked.append([n for n, _, _ in items])
+        return [held.get(n) for n, _, _ in items]
+
+    reads = EngineReads(destination, store_factory=lambda cfg: store)
+    reads.begin(REMOTE_ONLY, "10.0.0.2", PLAN)
+    assert asked == [["w", "b", "v"]] and reads.knows(PLAN)
+    assert not reads.knows([P.WireTensor("x", "float32", (1,), 0, 0)])
+    first = reads.start(REMOTE_ONLY, list(PLAN[:2]))  # two buckets in flight at once
+    second = reads.start(REMOTE_ONLY, [PLAN[2], P.WireTensor("x", "float32", (2,), 0, 48)])
+    assert asked == [["w", "b", "v"], ["x"]]  # only the name the plan lacked is asked for
+    got1, got2 = dict(first.finish()), dict(second.finish())
+    assert got1["w"] is held["w"] and got2["v"] is held["v"]
+    assert torch.equal(got1["b"], torch.tensor([[4.0, 5.0], [6.0, 7.0]])) and torch.equal(
+        got2["x"], torch.tensor([12.0, 13.0])
+    )
+    assert got1["b"].data_ptr() != got2["x"].data_ptr()  # two scratch buffers: both buckets' bytes kept
+    s = reads.stats
+    assert (s.placed_tensors, s.scratch_tensors) == (2, 2)
+
+
+def test_end_lets_reads_in_flight_land_before_it_unregisters():
+    store = FakeStore(owners())
+    reads = EngineReads(store_factory=lambda cfg: store)
+    reads.begin(REMOTE_ONLY, "10.0.0.2", PLAN)
+    bucket = reads.start(REMOTE_ONLY, list(PLAN))
+    assert bucket.pending
+    reads.end()  # the update failed with these reads in flight
+    assert not bucket.pending and store.registered == {}
+
+
+class SlowFirstStore(FakeStore):
+    """The first bucket's reads land only once a second bucket's reads were submitted (or fail after
+    2 s): the engine must begin bucket 1 while bucket 0 is still being read."""
+
+    def submit(self, peer, local_ptrs, remote_ptrs, lengths):
+        pending = super().submit(peer, local_ptrs, remote_ptrs, lengths)
+        first = len(self.batches) == 1
+        deadline = time.monotonic() + 2.0
+        poll = pending.poll
+
+        def gated() -> bool:
+            if first and len(self.batches) < 2:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("bucket 1's reads were not begun while bucket 0's were in flight")
+                return False
+            return poll()
+
+        pending.poll = gated
+        pending.wait = lambda: _spin(gated)
+        return pending
+
+
+def _spin(poll) -> None:
+    while not poll():
+        time.sleep(0.001)
+
+
+def test_the_worker_begins_the_next_bucket_while_this_one_is_read():
+    from checkpoint_engine.worker import update_weights_from_ipc
+
+    zmq = pytest.importorskip("zmq")
+    store = SlowFirstStore(owners())
+    held = {"w": torch.zeros(4), "v": torch.zeros(8)}
+    reads = EngineReads(lambda items: [held.get(n) for n, _, _ in items], store_factory=lambda cfg: store)
+    hello = P.Hello(update_id="u", checkpoint="ck", num_buckets=2, buffers=REMOTE_ONLY, p2p_host="h", tensors=PLAN)
+    ctx = zmq.Context()
+    ps = ctx.socket(zmq.DEALER)  # the PS rank's end of the link
+    port = ps.bind_to_random_port("tcp://127.0.0.1")
+    got: list = []
+
+    def ps_side():
+        def recv():
+            assert ps.poll(10_000, zmq.POLLIN), "no answer from the engine"
+            return P.decode(ps.recv())
+
+        if ps.poll(5000, zmq.POLLOUT):
+            ps.send(P.encode(hello))
+            got.append(recv())  # Ready
+            ps.send(P.encode(P.Bucket(index=0, tensors=PLAN[:2])))  # buckets 0 and 1 go out at once,
+            ps.send(P.encode(P.Bucket(index=1, tensors=PLAN[2:])))  # as the pipeline sends them
+            got.extend([recv(), recv()])
+            ps.send(P.encode(P.Done(update_id="u")))
+            got.append(recv())
+
+    import threading
+
+    t = threading.Thread(target=ps_side, daemon=True)
+    t.start()
+    loaded: list[dict] = []
+    try:
+        update_weights_from_ipc(
+            ctx,
+            f"tcp://127.0.0.1:{port}",
+            None,
+            run=lambda views: loaded.append({n: v.clone() for n, v in views}),
+            remote_reads=reads,
+            timeout_s=10.0,
+        )
+        t.join(10)
+    finally:
+        ps.close(0)
+        ctx.term()
+    assert [type(m).__name__ for m in got] == ["Ready", "Ack", "Ack", "Ack"]
+    assert [m.index for m in got[1:]] == [0, 1, P.DONE_ACK]
+    assert [list(b) for b in loaded] == [["w", "b"], ["v"]]  # run in bucket order
+    assert torch.equal(loaded[0]["w"], torch.arange(4.0)) and torch.equal(held["v"], torch.arange(100.0, 108.0))
+    assert torch.equal(loaded[0]["b"], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))

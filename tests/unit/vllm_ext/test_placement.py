@@ -3,9 +3,10 @@ a plain parameter, a cast, a transpose, a narrowed source, a name it skips, and 
 than one copy (a padding row zeroed beside the slot, a scale applied to the slot, a statistic of the
 weight)."""
 
+import pytest
 import torch
 
-from vllm_ext.placement import SlotProbe, byte_range
+from vllm_ext.placement import SlotProbe, byte_range, overlapping
 
 
 class Model:
@@ -15,6 +16,7 @@ class Model:
         self.half = torch.zeros(4, dtype=torch.float16)
         self.t = torch.zeros(3, 2)
         self.shard = torch.zeros(2)
+        self.other = torch.zeros(4)
         self.calls = 0
         self.loaded: list[str] = []
 
@@ -35,8 +37,8 @@ class Model:
             elif name == "shard":
                 self.shard.copy_(w[2:])  # half of the source: not a slot
             elif name == "twice":
-                self.norm.copy_(w)
-                self.norm.copy_(w)  # two copies: not a slot
+                self.other.copy_(w)
+                self.other.copy_(w)  # two copies: not a slot
             # "ignored": the loader skips it (tied weights)
 
 
@@ -138,3 +140,34 @@ def test_a_loader_that_refuses_stand_ins_gives_no_slots():
         raise ValueError("unexpected name")
 
     assert SlotProbe(load)(ITEMS[:2]) == [None, None]
+
+
+@pytest.mark.parametrize(
+    "ranges, expected",
+    [
+        ([], set()),
+        ([(0, 4), (4, 8), (8, 12)], set()),  # touching, not sharing
+        ([(0, 4), (3, 8)], {0, 1}),
+        ([(0, 100), (1, 10), (20, 30)], {0, 1, 2}),  # one range holds two others
+        ([(0, 10), (20, 30), (5, 6)], {0, 2}),  # out of order
+        ([(0, 10), None, (0, 10)], {0, 2}),  # the same bytes twice; None: no elements
+        ([(0, 10), (1, 5), (10, 12), (11, 13)], {0, 1, 2, 3}),
+        ([(0, 10), (2, 50), (60, 70)], {0, 1}),
+    ],
+)
+def test_overlapping_names_every_range_that_shares_a_byte(ranges, expected):
+    assert overlapping(ranges) == expected
+
+
+def test_two_tensors_copied_into_the_same_bytes_get_no_slot():
+    """Tied weights loaded from both names: which copy lands last is the loaders' order, which reads
+    in flight at once would not keep."""
+    embed = torch.zeros(4, 2)
+
+    def load(weights):
+        for _name, w in weights:
+            embed.copy_(w)
+
+    items = [("embed", torch.float32, (4, 2)), ("lm_head", torch.float32, (4, 2))]
+    assert SlotProbe(load)(items) == [None, None]
+    assert SlotProbe(load)(items[:1])[0] is not None  # alone it is a slot
