@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from checkpoint_engine.engine_config import EngineConfig, engine_env, free_port, render_cmd
 from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE, check_transition
-from checkpoint_engine.procs import die_with_parent
+from checkpoint_engine.procs import die_with_parent, group_shm_segments, unlink_segments
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class ManagedEngine:
         self._served_before: str | None = None  # the checkpoint served when the running update began
         self.healthy = False
         self._rendezvous_dir: str | None = None  # private folder of the load-step socket ({rendezvous})
+        self._segments: set[str] = set()  # named shared memory its processes mapped once healthy
         self.rendezvous: str | None = None  # where the running engine's load step listens
         self.sleep_level: int | None = None  # while sleeping: 1 (weights kept in host memory) or 2 (dropped)
         self._emit()
@@ -216,6 +217,8 @@ class ManagedEngine:
                 if status == 200:
                     with self._lock:
                         self.healthy = True
+                        # what the engine's processes share by name: removed if they die without doing it
+                        self._segments = group_shm_segments(self._proc.pid) if self._proc is not None else set()
                         self._emit()
                     return
             except OSError:
@@ -281,6 +284,10 @@ class ManagedEngine:
             while time.monotonic() < deadline and _killpg(proc.pid, 0):
                 time.sleep(0.05)
             _killpg(proc.pid, signal.SIGKILL)
+        removed = unlink_segments(self._segments)  # a killed engine's (vLLM's message queues)
+        if removed:
+            logger.info("rank %d: removed %d shared-memory segments the engine left", self.rank, len(removed))
+        self._segments = set()
 
     def _close_log(self) -> None:
         if self._log is not None:

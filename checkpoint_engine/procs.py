@@ -23,11 +23,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import faulthandler
+import logging
 import os
 import signal
 import sys
 import threading
 import time
+
+logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -170,3 +173,42 @@ def end_processes(recorded: dict[int, float], grace_s: float) -> list[str]:
             pass
     _wait_gone(alive, grace_s)
     return names
+
+
+SHM_DIR = "/dev/shm"
+
+
+def group_shm_segments(pgid: int, prefix: str = "psm_") -> set[str]:
+    """The POSIX shared-memory segments (`SHM_DIR/<prefix>*`: Python's `multiprocessing.shared_memory`,
+    which vLLM's message queues use) that the processes of group `pgid` have mapped now."""
+    found: set[str] = set()
+    head = f"{SHM_DIR}/{prefix}"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].startswith(head) and not parts[5].rstrip().endswith("(deleted)"):
+                        found.add(parts[5].rstrip())
+        except (OSError, ProcessLookupError):
+            continue  # ended meanwhile, or not ours to read
+    return found
+
+
+def unlink_segments(paths: set[str]) -> list[str]:
+    """Remove the named segments that still exist (what a killed process group could not remove);
+    the memory goes once the last mapping of it is gone. Returns those removed."""
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # removed by its owner, as on a clean stop
+        except OSError as e:
+            logger.warning("could not remove shared memory %s: %s", path, e)
+    return removed

@@ -303,3 +303,35 @@ def test_ranks_agree_through_the_store_with_a_deadline(tmp_path):
         for h in hosts:
             h.close()
         del server
+
+
+# the engine creates a named segment and (like vLLM's processes killed with SIGKILL) never removes it
+LEAKY = (
+    "from multiprocessing import resource_tracker, shared_memory\n"
+    "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
+    "resource_tracker.unregister(seg._name, 'shared_memory')\n"
+    "open(sys.argv[0] + '.seg', 'w').write(seg.name)\n"
+)
+
+
+def test_a_killed_engine_s_named_shared_memory_is_removed_at_its_restart(tmp_path):
+    from pathlib import Path
+
+    engine, _ = make_engine(tmp_path, trap=LEAKY, start_timeout_s=30)
+    try:
+        engine.start()
+        engine.wait_healthy()
+        seg = Path("/dev/shm") / (tmp_path / "server.py.seg").read_text()
+        assert seg.exists() and engine._segments == {str(seg)}
+        engine._proc.send_signal(signal.SIGKILL)
+        engine._proc.wait(10)
+        assert engine.check_alive() == -9 and seg.exists()  # left behind
+        engine.start()  # the heal's restart
+        assert not seg.exists()
+        engine.wait_healthy()
+        second = Path("/dev/shm") / (tmp_path / "server.py.seg").read_text()
+        assert second != seg and second.exists()
+        engine.stop()
+        assert not second.exists()  # a stop removes what the engine did not
+    finally:
+        engine.stop()
