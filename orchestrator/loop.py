@@ -193,9 +193,14 @@ class RLJob:
         # colocated engines stop here (inference -> train); the push below starts them with version i+1
         before_train = getattr(self.sync, "before_train", None)
         switched = before_train() if before_train is not None else {}
+        colocated = getattr(self.sync, "colocated", False)
+        if colocated:  # a GPU trainer takes back the device memory it lent the engines
+            switched.update(self.trainer.reclaim_device_memory())
         t_train = time.monotonic()
         train_stats = train_on_groups(self.trainer, self.initial_policy, groups, rewards, i, c)
         t_sync = time.monotonic()
+        if colocated:  # ... and lends it to them again: the engines start next (CPU: nothing)
+            switched.update(self.trainer.release_device_memory())
         named = self.trainer.named_tensors()  # Megatron: TP ranks write HF slices to shared memory
         t_push = time.monotonic()
         synced = self.sync.push(named, version=i + 1)

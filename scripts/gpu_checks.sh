@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run on a lent GPU machine (no package registry there):
 #   the `gpu`-marked tests, the unit tests of the trainer and the checkpoint engine on that machine,
-#   and the CUDA update benchmark.
+#   the CUDA update benchmark and the trainer's device-memory release (colocated switch).
 # Packages the machine lacks travel as wheels in .whl/ (pyzmq, megatron-core, math-verify and its needs; see README, "GPU").
 # Logs and the benchmark's JSON go to $OUT (default: ./out/gpu).
 set -uo pipefail
@@ -20,10 +20,13 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 100 \
   tests/unit/trainer/test_megatron_model.py::test_gpu_no_redirects_and_logits_equal_hf 2>&1 | tee "$OUT/pytest_megatron_gpu.log" | tail -4
 rc=$((rc | ${PIPESTATUS[0]}))
 timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -m "not vllm" \
-  tests/integration/gpu tests/unit/trainer tests/unit/checkpoint_engine 2>&1 | tee "$OUT/pytest.log" | tail -45
+  ${GPU_TEST_PATHS:-tests/integration/gpu tests/unit/trainer tests/unit/checkpoint_engine} 2>&1 | tee "$OUT/pytest.log" | tail -45
 rc=$((rc | ${PIPESTATUS[0]}))
 
 timeout 200 torchrun --nproc-per-node 1 benchmarks/bench_update_cuda.py \
   --layers 16 --bucket-sizes-mib "${BUCKETS_MIB:-2048}" --repeats 3 --skip-naive 2>&1 | tee "$OUT/bench_update_cuda.log" | tail -6
+rc=$((rc | ${PIPESTATUS[0]}))
+
+timeout 180 python3 benchmarks/bench_offload_cuda.py --layers "${OFFLOAD_LAYERS:-16}" 2>&1 | tee "$OUT/bench_offload_cuda.log" | tail -3
 rc=$((rc | ${PIPESTATUS[0]}))
 exit $rc

@@ -101,6 +101,10 @@ class Trainer(Protocol):
 
     def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]: ...
 
+    def release_device_memory(self) -> dict[str, float | int]: ...
+
+    def reclaim_device_memory(self) -> dict[str, float | int]: ...
+
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
 
     def save(self, out_dir: str | pathlib.Path) -> pathlib.Path: ...
@@ -227,6 +231,26 @@ class OptimizerSteps:
 
     def _clip_grad_norm(self) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+    def release_device_memory(self) -> dict[str, float | int]:
+        """Colocated: the model, gradients and optimizer state to pinned host memory, the device's
+        cache emptied, so the engines get the GPU (`trainer.offload`); {} on CPU."""
+        return self._device_offload().release().record("trainer_release") if self._on_device() else {}
+
+    def reclaim_device_memory(self) -> dict[str, float | int]:
+        """Undo `release_device_memory` before the next training step; {} when nothing was released."""
+        offload = getattr(self, "_offload", None)
+        return offload.reclaim().record("trainer_reclaim") if offload is not None and offload.released else {}
+
+    def _on_device(self) -> bool:
+        return any(p.device.type == "cuda" for p in self.model.parameters())
+
+    def _device_offload(self):
+        from trainer.offload import DeviceOffload
+
+        if getattr(self, "_offload", None) is None:
+            self._offload = DeviceOffload(self.model, lambda: self.optimizer)
+        return self._offload
 
 
 class HFTrainer(OptimizerSteps):

@@ -205,6 +205,12 @@ class TPMegatronTrainer:
         """Views of the shared HF buffer every rank wrote its slices into (see the module docstring)."""
         return self._call("named_tensors", bool(copy))
 
+    def release_device_memory(self) -> dict[str, float | int]:
+        return self._call("release_device_memory")  # every rank lends its device
+
+    def reclaim_device_memory(self) -> dict[str, float | int]:
+        return self._call("reclaim_device_memory")
+
     def load_hf_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self._call("load_hf_weights", {n: t.detach().cpu() for n, t in state_dict.items()})
 
