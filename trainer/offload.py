@@ -90,6 +90,7 @@ class DeviceOffload:
             host.copy_(t, non_blocking=True)
             put(host)
             moved += t.numel() * t.element_size()
+        t = None  # the last tensor moved: no reference left here to keep its device memory
         self._host = {k: v for k, v in self._host.items() if k in seen}  # what no longer exists: freed
         if self._device is not None and moved:
             torch.cuda.synchronize(self._device)
