@@ -2,7 +2,10 @@
 # The checks that need a CUDA GPU, in one run on a lent GPU machine (no package registry there):
 #   the `gpu`-marked tests, the unit tests of the trainer and the checkpoint engine on that machine,
 #   the CUDA update benchmark and the trainer's device-memory release (colocated switch).
-# Packages the machine lacks travel as wheels in .whl/ (pyzmq, megatron-core, math-verify and its needs; see README, "GPU").
+# Packages the machine lacks travel as wheels in .whl/ (git-ignored through .git/info/exclude), made here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     pyzmq megatron-core==0.16.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 # Logs and the benchmark's JSON go to $OUT (default: ./out/gpu).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
