@@ -149,17 +149,13 @@ class EngineReads:
         """Every one of `tensors` (WireTensors) was placed at `begin`: starting its reads runs no loader."""
         return self._destination is None or all(t.name in self._planned for t in tensors)
 
-    def read(self, handles: tuple[P.BufferHandle, ...], tensors: list[P.WireTensor]) -> list[tuple[str, torch.Tensor]]:
-        """Read `tensors` (all in remote buffers) and return (name, tensor) in their order."""
-        return self.start(handles, tensors).finish()
-
     def start(self, handles: tuple[P.BufferHandle, ...], tensors: list[P.WireTensor]) -> BucketReads:
         """Submit the reads of one bucket's `tensors` (all in remote buffers) and return at once.
 
         At most two buckets may be in flight, and a bucket's tensors must be loaded before the bucket
         after next starts: the scratch memory alternates between two buffers."""
         if self._store is None:
-            raise RuntimeError("EngineReads.read before begin")
+            raise RuntimeError("EngineReads.start before begin")
         t0 = time.perf_counter()
         out: list[tuple[str, torch.Tensor | None]] = []
         pending: list[tuple[int, int, int]] = []  # (index in out, scratch offset, nbytes)

@@ -157,13 +157,6 @@ class StartedBucket:
         return [(t.name, got[t.name] if t.name in got else self._local[t.name]) for t in self._tensors]
 
 
-def bucket_views(
-    buffers: list[torch.Tensor | None], hello: P.Hello, tensors: tuple[P.WireTensor, ...], reads: EngineReads | None
-) -> NamedTensors:
-    """The bucket's (name, tensor)s in order: views of mapped buffers, or read by `reads` (remote buffers)."""
-    return StartedBucket(buffers, hello, tensors, reads).views()
-
-
 def _look_ahead(sock, hello, buffers, reads, current: StartedBucket, index: int, early: list, ahead: dict) -> None:
     """While bucket `index`'s reads are in flight, take the next message off the socket; if it is
     bucket `index + 1` and its reads run no loader (`EngineReads.knows`), start them now, so that two

@@ -9,7 +9,7 @@ import torch
 
 from checkpoint_engine import protocol as P
 from checkpoint_engine.engine_reads import EngineReads
-from checkpoint_engine.worker import bucket_views
+from checkpoint_engine.worker import StartedBucket
 
 BASE = {"10.0.0.1:1": 0x10000, "10.0.0.3:3": 0x90000}  # where each owner's chunk "is" on its host
 
@@ -96,7 +96,7 @@ def test_reads_land_in_place_or_in_scratch_in_bucket_order():
     reads.begin(HANDLES, "10.0.0.2")
     assert sorted(store.connected) == sorted(BASE)
     own = torch.tensor([0, 0, 7.0, 8.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]).view(torch.uint8)
-    views = bucket_views([own, None, None], HELLO, TENSORS, reads)
+    views = StartedBucket([own, None, None], HELLO, TENSORS, reads).views()
     assert asked == [["w", "b", "v"]]  # once per bucket, the remote tensors only
     assert [n for n, _ in views] == ["w", "own", "b", "v"]
     got = dict(views)
@@ -116,10 +116,10 @@ def test_reads_without_a_destination_all_go_to_scratch_and_past_the_chunk_is_ref
     store = FakeStore(owners())
     reads = EngineReads(store_factory=lambda cfg: store)
     reads.begin(HANDLES, "")
-    views = dict(reads.read(HANDLES, [TENSORS[0], TENSORS[3]]))
+    views = dict(reads.start(HANDLES, [TENSORS[0], TENSORS[3]]).finish())
     assert torch.equal(views["w"], torch.arange(4.0)) and torch.equal(views["v"], torch.arange(100.0, 108.0))
     with pytest.raises(P.ProtocolError, match="exceeds the owner's chunk"):
-        reads.read(HANDLES, [P.WireTensor("x", "float32", (8,), 2, 8)])
+        reads.start(HANDLES, [P.WireTensor("x", "float32", (8,), 2, 8)])
 
 
 def test_a_transfer_engine_started_ahead_is_the_one_the_pull_uses():
