@@ -30,10 +30,10 @@ class OffloadReport:
     seconds: float = 0.0
     moved_bytes: int = 0
     device_allocated_bytes: int = 0  # torch.cuda.memory_allocated after the move
-    device_reserved_bytes: int = 0  # torch.cuda.memory_reserved after the move
 
     def record(self, prefix: str) -> dict[str, float | int]:
-        return {f"{prefix}_s": round(self.seconds, 4), f"{prefix}_bytes": self.moved_bytes}
+        """The metrics of a move ({} when nothing moved: a CPU trainer)."""
+        return {f"{prefix}_s": round(self.seconds, 4), f"{prefix}_bytes": self.moved_bytes} if self.moved_bytes else {}
 
 
 class DeviceOffload:
@@ -96,7 +96,6 @@ class DeviceOffload:
             torch.cuda.synchronize(self._device)
             torch.cuda.empty_cache()
             report.device_allocated_bytes = torch.cuda.memory_allocated(self._device)
-            report.device_reserved_bytes = torch.cuda.memory_reserved(self._device)
         self.released = moved > 0
         report.seconds, report.moved_bytes = time.perf_counter() - t0, moved
         if moved:
@@ -117,7 +116,6 @@ class DeviceOffload:
                 moved += t.numel() * t.element_size()
         torch.cuda.synchronize(self._device)
         report.device_allocated_bytes = torch.cuda.memory_allocated(self._device)
-        report.device_reserved_bytes = torch.cuda.memory_reserved(self._device)
         self.released = False
         report.seconds, report.moved_bytes = time.perf_counter() - t0, moved
         return report

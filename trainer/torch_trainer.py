@@ -235,15 +235,11 @@ class OptimizerSteps:
     def release_device_memory(self) -> dict[str, float | int]:
         """Colocated: the model, gradients and optimizer state to pinned host memory, the device's
         cache emptied, so the engines get the GPU (`trainer.offload`); {} on CPU."""
-        return self._device_offload().release().record("trainer_release") if self._on_device() else {}
+        return self._device_offload().release().record("trainer_release")
 
     def reclaim_device_memory(self) -> dict[str, float | int]:
         """Undo `release_device_memory` before the next training step; {} when nothing was released."""
-        offload = getattr(self, "_offload", None)
-        return offload.reclaim().record("trainer_reclaim") if offload is not None and offload.released else {}
-
-    def _on_device(self) -> bool:
-        return any(p.device.type == "cuda" for p in self.model.parameters())
+        return self._device_offload().reclaim().record("trainer_reclaim")
 
     def _device_offload(self):
         from trainer.offload import DeviceOffload

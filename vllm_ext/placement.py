@@ -145,12 +145,13 @@ class SlotProbe:
             return
         seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         shared = overlapping([byte_range(dst) for dst, _ in record.copies])  # two copies write these bytes
+        contested: set[str] = set()
         for k, (dst, src) in enumerate(record.copies):
             name = by_ptr.get(src.data_ptr())
             if name is not None:
                 seen.setdefault(name, []).append((dst, src))
                 if k in shared:
-                    seen[name].append((dst, src))  # two entries: not a plain slot
+                    contested.add(name)
         yielded = dict(stand_ins)
         for name, copies in seen.items():
-            self._slots[name] = plain_slot(copies, yielded[name], record.touched)
+            self._slots[name] = None if name in contested else plain_slot(copies, yielded[name], record.touched)
