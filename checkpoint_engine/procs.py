@@ -16,6 +16,10 @@ Three mechanisms:
     parent ──SIGKILL──▶ kernel ──SIGTERM──▶ child (its own handler stops its children)
     signal ──wakeup fd──▶ watchdog thread ──deadline_s later, still alive──▶ stacks, os._exit(128 + signum)
     signal ──asyncio handler──▶ force_exit_after(deadline_s, signum) ──same ending──
+
+A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`).
+Whoever stops a vLLM process tree notes the segments it maps once it is up (``shm_segments``,
+``group_shm_segments``) and removes what is left after the stop (``unlink_segments``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -181,21 +186,31 @@ SHM_DIR = "/dev/shm"
 def group_shm_segments(pgid: int, prefix: str = "psm_") -> set[str]:
     """The POSIX shared-memory segments (`SHM_DIR/<prefix>*`: Python's `multiprocessing.shared_memory`,
     which vLLM's message queues use) that the processes of group `pgid` have mapped now."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+            except (OSError, ProcessLookupError):
+                continue  # ended meanwhile
+    return shm_segments(pids, prefix)
+
+
+def shm_segments(pids: Iterable[int], prefix: str = "psm_") -> set[str]:
+    """The shared-memory segments `SHM_DIR/<prefix>*` that the processes `pids` have mapped now (their
+    /proc/PID/maps; a process that ended meanwhile, or is not ours to read, adds nothing)."""
     found: set[str] = set()
     head = f"{SHM_DIR}/{prefix}"
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in pids:
         try:
-            if os.getpgid(int(entry)) != pgid:
-                continue
-            with open(f"/proc/{entry}/maps") as f:
+            with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     parts = line.split(maxsplit=5)
                     if len(parts) == 6 and parts[5].startswith(head) and not parts[5].rstrip().endswith("(deleted)"):
                         found.add(parts[5].rstrip())
-        except (OSError, ProcessLookupError):
-            continue  # ended meanwhile, or not ours to read
+        except OSError:
+            continue
     return found
 
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from checkpoint_engine.procs import die_with_parent
+from checkpoint_engine.procs import die_with_parent, shm_segments, unlink_segments
 from orchestrator.config import EngineConfig
 from orchestrator.pool_members import STARTING, WAITING, Member
 
@@ -104,6 +104,7 @@ class EngineServer:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._tree: list[Any] = []  # psutil.Process of the launcher's descendants (vLLM), once healthy
+        self._segments: set[str] = set()  # the shared memory that tree mapped then (removed after a stop)
         with open(log_path, "a") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting on port {self.port}\n")
             log.flush()
@@ -154,6 +155,7 @@ class EngineServer:
             self._tree = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.Error:
             self._tree = []
+        self._segments = shm_segments([self.proc.pid, *(p.pid for p in self._tree)])
 
     def answers(self, timeout_s: float = 5.0) -> bool:
         """Does vLLM behind the gate answer (GET /v1/models; the gate says 502 when vLLM is gone)?"""
@@ -189,6 +191,7 @@ class EngineServer:
             except psutil.Error:
                 pass
         psutil.wait_procs([p for p in self._tree if p.is_running()], timeout=5)
+        unlink_segments(self._segments)  # those a killed launcher or vLLM process could not remove
         return self.proc.returncode
 
 

@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 
 from checkpoint_engine.prefault import prefault
-from vllm_ext.placement import RecordCopies, plain_slot, same_memory
+from vllm_ext.placement import RangeSet, RecordCopies, plain_slot, same_memory
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class DirectReloader:
         if self._current is None:
             return
         name, yielded = self._current
-        dst = plain_slot(capture.copies, loaded_weight, capture.touched)
+        dst = plain_slot(capture.copies, loaded_weight, RangeSet(capture.touched))
         if dst is not None and same_memory(loaded_weight, yielded):
             self._slots[name] = dst
             self._slot_by_ptr[dst.data_ptr()] = dst

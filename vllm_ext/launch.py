@@ -31,7 +31,7 @@ import threading
 import time
 
 from checkpoint_engine.cli_config import ConfigArgs, add_config_args
-from checkpoint_engine.procs import descendants, die_with_parent, end_processes
+from checkpoint_engine.procs import descendants, die_with_parent, end_processes, shm_segments, unlink_segments
 
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
 from vllm_ext.launch_config import EXTENSION as EXTENSION
@@ -66,6 +66,7 @@ class Launcher:
         self._load_report: dict = {}  # the engine's report at the end of its load step
         self._load_error: BaseException | None = None
         self._engine_tree: dict[int, float] = {}  # vLLM's processes seen so far ({pid: create_time})
+        self._segments: set[str] = set()  # the shared memory vLLM mapped once healthy (removed at close)
 
     # -- pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -276,6 +277,7 @@ class Launcher:
     def _supervise(self) -> int:
         """Wait for vLLM to exit or for a stop signal; poll the gate while it is closed."""
         self._supervising = True
+        self._segments = shm_segments([self.proc.pid, *descendants(self.proc.pid)])
         while not self._stop.is_set():
             code = self.proc.poll()
             if code is not None:
@@ -309,6 +311,9 @@ class Launcher:
             left = end_processes(self._engine_tree, grace_s=10.0)
             if left:
                 logger.warning("vLLM left %d process(es) running; ended: %s", len(left), ", ".join(left))
+            removed = unlink_segments(self._segments)  # what a killed vLLM process could not remove
+            if removed:
+                logger.info("removed %d shared-memory segment(s) vLLM left: %s", len(removed), ", ".join(removed))
         if self._server is not None:
             self._server.should_exit = True
         self.release_ps()

@@ -79,6 +79,7 @@ class LaunchConfig:
             "transfer threads would otherwise read every byte on that one core)"
         ),
     )
+    p2p_cpu_list: tuple[int, ...] | None = field(default=None, init=False, repr=False)  # p2p_cpus parsed
     gate_wait_s: float = field(
         default=0.0,
         metadata=meta("hold requests that arrive before the weights this long (0: refuse at once with 503)"),
@@ -131,7 +132,8 @@ class LaunchConfig:
         if self.p2p_cpus is not None:
             if not self.p2p_host:
                 raise ValueError("p2p_cpus places the engine's transfer engine: it needs p2p_host")
-            parse_cpu_list(self.p2p_cpus)  # ValueError naming the bad part
+            cpus = parse_cpu_list(self.p2p_cpus)  # ValueError naming the bad part
+            object.__setattr__(self, "p2p_cpu_list", cpus)
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
         tp = tensor_parallel_size(self.vllm_args)
@@ -229,7 +231,7 @@ def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = N
         extra = {"rendezvous": rendezvous, "timeout_s": float(cfg.startup_timeout_s)}
         if cfg.p2p_host:
             extra["p2p_host"] = cfg.p2p_host
-            cpus = parse_cpu_list(cfg.p2p_cpus) if cfg.p2p_cpus else sorted(os.sched_getaffinity(0))
+            cpus = cfg.p2p_cpu_list or sorted(os.sched_getaffinity(0))
             extra["p2p_cpus"] = list(cpus)
         cmd += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps(extra)]
     settings = engine_settings(cfg)

@@ -19,6 +19,7 @@ its load function again only for the tensors without a slot.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable
 
 import torch
@@ -73,8 +74,26 @@ class RecordCopies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _overlaps(r: tuple[int, int] | None, ranges: list[tuple[int, int]]) -> bool:
-    return r is not None and any(lo < r[1] and r[0] < hi for lo, hi in ranges)
+class RangeSet:
+    """Byte ranges [lo, hi) merged and sorted once, so that asking whether a range meets any of them
+    is one bisect (the probe of a whole update asks once per tensor, against every op's ranges)."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int]]):
+        self._lo: list[int] = []
+        self._hi: list[int] = []
+        for lo, hi in sorted(ranges):
+            if self._hi and lo <= self._hi[-1]:
+                self._hi[-1] = max(self._hi[-1], hi)
+            else:
+                self._lo.append(lo)
+                self._hi.append(hi)
+
+    def meets(self, r: tuple[int, int] | None) -> bool:
+        """`r` shares a byte with one of the ranges (an empty `r` meets nothing)."""
+        if r is None:
+            return False
+        i = bisect.bisect_left(self._lo, r[1]) - 1  # the last merged range starting before r ends
+        return i >= 0 and self._hi[i] > r[0]
 
 
 def overlapping(ranges: list[tuple[int, int] | None]) -> set[int]:
@@ -91,7 +110,7 @@ def overlapping(ranges: list[tuple[int, int] | None]) -> set[int]:
 
 
 def plain_slot(
-    copies: list[tuple[torch.Tensor, torch.Tensor]], source: torch.Tensor, touched: list[tuple[int, int]]
+    copies: list[tuple[torch.Tensor, torch.Tensor]], source: torch.Tensor, touched: RangeSet
 ) -> torch.Tensor | None:
     """The slot of `source`, given the (destination, source) copies recorded from it and the ranges
     other ops touched (`RecordCopies`): the destination of its one copy when that copy takes all of
@@ -106,8 +125,8 @@ def plain_slot(
         and dst.dtype == src.dtype
         and dst.device.type == "cpu"
         and dst.is_contiguous()
-        and not _overlaps(byte_range(dst), touched)
-        and not _overlaps(byte_range(src), touched)
+        and not touched.meets(byte_range(dst))
+        and not touched.meets(byte_range(src))
     ):
         return dst.detach()
     return None
@@ -146,6 +165,7 @@ class SlotProbe:
         seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         shared = overlapping([byte_range(dst) for dst, _ in record.copies])  # two copies write these bytes
         contested: set[str] = set()
+        touched = RangeSet(record.touched)
         for k, (dst, src) in enumerate(record.copies):
             name = by_ptr.get(src.data_ptr())
             if name is not None:
@@ -154,4 +174,4 @@ class SlotProbe:
                     contested.add(name)
         yielded = dict(stand_ins)
         for name, copies in seen.items():
-            self._slots[name] = None if name in contested else plain_slot(copies, yielded[name], record.touched)
+            self._slots[name] = None if name in contested else plain_slot(copies, yielded[name], touched)

@@ -406,3 +406,42 @@ def test_push_shards_partition_the_checkpoint(tmp_path):
     assert sorted(names) == sorted([f"w{i}" for i in range(5)] + [f"v{i}" for i in range(4)])
     assert len(names) == len(set(names)) and all(shards)
     assert torch.equal(load_shard(files, 0, 1)["v3"], torch.full((3,), 3.0))
+
+
+# a stand-in for vLLM: a child that maps a named segment it never removes (as vLLM's processes
+# killed with SIGKILL leave theirs), writes its name beside the script, then waits
+LEAKY_ENGINE = (
+    "import sys, time\n"
+    "from multiprocessing import resource_tracker, shared_memory\n"
+    "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
+    "resource_tracker.unregister(seg._name, 'shared_memory')\n"
+    "open(sys.argv[1], 'w').write(seg.name)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_launcher_close_removes_the_shared_memory_a_killed_vllm_left(tmp_path):
+    from vllm_ext.launch import Launcher
+
+    launcher = Launcher(LaunchConfig(model=str(tmp_path)))
+    name_file = tmp_path / "seg"
+    launcher.proc = subprocess.Popen([sys.executable, "-c", LEAKY_ENGINE, str(name_file)])
+    try:
+        deadline = time.monotonic() + 30
+        while not name_file.exists() or not name_file.read_text():
+            assert time.monotonic() < deadline and launcher.proc.poll() is None
+            time.sleep(0.05)
+        seg = Path("/dev/shm") / name_file.read_text()
+        launcher._stop.set()
+        assert launcher._supervise() == 0  # healthy: notes the segments, then sees the stop
+        assert launcher._segments == {str(seg)}
+        launcher.proc.kill()
+        launcher.proc.wait(10)
+        assert seg.exists()  # left behind by the killed process
+        launcher.close(grace_s=5)
+        assert not seg.exists()
+    finally:
+        if launcher.proc.poll() is None:
+            launcher.proc.kill()
+        if name_file.exists():
+            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)

@@ -6,7 +6,7 @@ weight)."""
 import pytest
 import torch
 
-from vllm_ext.placement import SlotProbe, byte_range, overlapping
+from vllm_ext.placement import RangeSet, SlotProbe, byte_range, overlapping
 
 
 class Model:
@@ -157,6 +157,28 @@ def test_a_loader_that_refuses_stand_ins_gives_no_slots():
 )
 def test_overlapping_names_every_range_that_shares_a_byte(ranges, expected):
     assert overlapping(ranges) == expected
+
+
+@pytest.mark.parametrize(
+    "ranges, query, expected",
+    [
+        ([], (0, 10), False),
+        ([(0, 4)], None, False),  # no elements: meets nothing
+        ([(0, 4), (8, 12)], (4, 8), False),  # the gap between, touching both ends
+        ([(0, 4), (8, 12)], (3, 5), True),
+        ([(0, 4), (8, 12)], (7, 9), True),
+        ([(8, 12), (0, 4)], (11, 20), True),  # out of order
+        ([(0, 4), (4, 8)], (8, 9), False),  # adjacent ranges merged; just past the end
+        ([(0, 4), (4, 8)], (5, 6), True),  # inside the second of two merged ranges
+        ([(0, 100), (10, 20)], (50, 60), True),  # a range inside another: the outer one counts
+        ([(10, 20)], (0, 100), True),  # the query holds a range
+        ([(10, 20), (30, 40)], (20, 30), False),
+    ],
+)
+def test_range_set_meets_a_range_sharing_a_byte(ranges, query, expected):
+    assert RangeSet(ranges).meets(query) is expected
+    brute = query is not None and any(lo < query[1] and query[0] < hi for lo, hi in ranges)
+    assert brute is expected
 
 
 def test_two_tensors_copied_into_the_same_bytes_get_no_slot():
