@@ -2,7 +2,7 @@
 
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 32] [--max-tokens 32] [--train-steps 2]
         [--model-size-mib 256] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
-        [--bucket-size-mib N] [--heals 3] [--raw-repeats 20] [--paired-repeats 5] [--no-idle-heal]
+        [--bucket-size-mib N] [--heals 3] [--raw-repeats 20] [--paired-repeats 5] [--idle-heals 1]
         [--a-rounds 3] [--work-dir DIR] [--keep]
     python benchmarks/bench_topology.py --model-size-mib 0 --prompts 64 --max-tokens 64   # the demo's shape
 
@@ -64,8 +64,10 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                                  the median of the per-heal ratios (_each: every one). The load on
                                  2 cores varies from minute to minute, so a pair is closer than
                                  medians taken minutes apart
-                    heal_pull_idle_s  (--idle-heal, default) B killed once more with A idle: the pull
-                                 beside raw_read_idle_s -> ratio_heal_vs_raw_read_idle
+                    heal_pull_idle_s  (--idle-heals N, default 1) B killed N more times with A idle: the
+                                 pulls' median beside raw_read_idle_s -> ratio_heal_vs_raw_read_idle;
+                                 each pull over --paired-repeats raw reads right after it ->
+                                 ratio_heal_vs_raw_read_idle_paired (median over the idle heals)
                     raw_read_all_idle_s  every byte the pull delivers into the engine, rank 1's own half
                                  too (over TCP from rank 1's transfer engine, where the pull reads it in
                                  place: more work than the pull's) -> ratio_heal_vs_raw_read_all_idle
@@ -163,10 +165,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="raw reads right after each heal, A still generating (ratio_heal_vs_raw_read_paired)",
     )
     p.add_argument(
-        "--idle-heal",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="after the heals during engine A's rollouts, one with A idle (heal_pull_idle_s vs raw_read_idle_s)",
+        "--idle-heals",
+        type=int,
+        default=1,
+        help="after the heals during engine A's rollouts, this many with A idle, each followed by "
+        "--paired-repeats raw reads (heal_pull_idle_s vs raw_read_idle_s; 0: none)",
     )
     p.add_argument("--a-rounds", type=int, default=3, help="engine A's rounds before the heal (after a warm-up)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
@@ -798,16 +801,31 @@ def main(argv=None) -> dict:
                 finally:
                     busy.stop()
             healed["engine_reload"] = engine_reload_report(healed.pop("url"))
-            if args.idle_heal:  # one more heal with engine A idle: the pull beside raw_read_idle_*
+            idle_heals, idle_paired = [], []
+            for _ in range(args.idle_heals):  # heals with engine A idle: the pull beside raw_read_idle_*
                 if args.pin_healed_engine:
                     (work / "taskset-r1").write_text((work / "bind-r1").read_text())
                 try:
-                    idle = heal(pool.daemon, work, args.start_timeout_s + 120)
+                    idle_heals.append(heal(pool.daemon, work, args.start_timeout_s + 120))
                 finally:
                     (work / "taskset-r1").unlink(missing_ok=True)
-                healed["heal_pull_idle_s"] = idle["heal_pull_s"]
+                raw = reader and raw_read_args(pool.daemon, idle_heals[-1], args.paired_repeats)
+                if raw:  # right after this pull, still with nothing else running
+                    idle_paired.append(reader.read(*raw, key="paired")["paired_s"])
+            if idle_heals:
+                idle = idle_heals[-1]
+                healed["heal_pull_idle_each_s"] = [h["heal_pull_s"] for h in idle_heals]
+                healed["heal_pull_idle_s"] = round(statistics.median(healed["heal_pull_idle_each_s"]), 4)
                 healed["heal_pull_idle_phases"] = idle["heal_pull_phases"]
                 healed["engine_reload_idle"] = engine_reload_report(idle["url"])
+            if idle_paired:
+                healed["raw_read_idle_paired_each_s"] = idle_paired
+                healed["ratio_heal_vs_raw_read_idle_paired_each"] = [
+                    round(h["heal_pull_s"] / r, 2) for h, r in zip(idle_heals, idle_paired, strict=True)
+                ]
+                healed["ratio_heal_vs_raw_read_idle_paired"] = statistics.median(
+                    healed["ratio_heal_vs_raw_read_idle_paired_each"]
+                )
         finally:
             a_pool.close()
             if reader is not None:
@@ -867,6 +885,7 @@ def main(argv=None) -> dict:
         for k in (
             *("heal_pull_s", "raw_read_s", "ratio_heal_vs_raw_read", "heal_pull_idle_s", "raw_read_idle_s"),
             *("ratio_heal_vs_raw_read_idle", "ratio_heal_vs_raw_read_all_idle", "ratio_heal_vs_raw_read_paired"),
+            "ratio_heal_vs_raw_read_idle_paired",
             *("memcpy_s", "ratio_heal_vs_memcpy"),
         ):
             out[k] = out["heal"].get(k)  # the issue's figures at the top level too

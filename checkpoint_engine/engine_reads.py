@@ -11,11 +11,21 @@ of a fused one) is read into in place, and the loaders then find the bytes alrea
 without a destination land in a registered scratch buffer and go through the loaders as usual.
 
     Hello(remote buffers, p2p_host, tensors) ─▶ start a transfer engine on p2p_host (first update
-                                                only), connect to every owner, place every tensor
-    Bucket ─▶ register destinations (each storage once) ─▶ every owner's reads submitted at once
+                                                only), connect to every owner, place every tensor,
+                                                then submit the reads of every placed tensor of the
+                                                whole update at once, in the plan's order
+    Bucket ─▶ its placed tensors' reads are already in flight; the rest land in scratch: registered,
+          every owner's reads submitted at once
           ─▶ (name, tensor)s once they have landed (`BucketReads`; the worker starts the next
-             bucket's reads while it waits for these)
-    end of the update ─▶ unregister everything (the parameters may be repacked or freed next)
+             bucket's scratch reads while it waits for these)
+    end of the update ─▶ wait for reads still in flight, unregister everything (the parameters may
+                         be repacked or freed next)
+
+Reading every placed tensor at Hello keeps the transfer engine busy across bucket boundaries: on
+few cores the bucket-by-bucket reads left it idle while each Ack and the next Bucket went round.
+It is safe because a destination is memory that only this tensor's bytes go to (the slot probe
+refuses any other op that touches it), so when its bytes land relative to other tensors' loads does
+not matter; an update that fails midway leaves the engine incomplete, as it would anyway.
 
 CPU memory only: a CUDA destination would need GPUDirect registration (RDMA), not written yet.
 """
@@ -63,6 +73,21 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return n
 
 
+def _landing(dst: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """`dst` when the bytes can land there as they are (CPU, that dtype and shape, contiguous)."""
+    if dst is not None and dst.device.type == "cpu" and dst.dtype == dtype and tuple(dst.shape) == shape:
+        return dst if dst.is_contiguous() else None
+    return None
+
+
+def _check_range(t: P.WireTensor, h: P.BufferHandle, dtype: torch.dtype) -> int:
+    """The tensor's size in bytes, once it is known to lie inside its owner's chunk."""
+    nbytes = _nbytes(dtype, t.shape)
+    if t.offset_bytes + nbytes > h.size_bytes:
+        raise P.ProtocolError(f"tensor {t.name!r} [{t.offset_bytes}, +{nbytes}) exceeds the owner's chunk")
+    return nbytes
+
+
 class EngineReads:
     """An engine's reads from the owners (see the module docstring). Kept by the engine across
     updates (one transfer engine per process); `begin` .. `end` is one update."""
@@ -82,6 +107,7 @@ class EngineReads:
         self._next_scratch = 0
         self._planned: dict[str, torch.Tensor | None] = {}  # name -> where it lands (None: scratch)
         self._in_flight: list[BucketReads] = []
+        self._ahead: dict[str, tuple[P.WireTensor, torch.Tensor, PendingReads]] = {}  # submitted at begin
         self._cpus: tuple[int, ...] | None = None
         self.stats = EngineReadStats()
 
@@ -144,6 +170,26 @@ class EngineReads:
         if errors or any(t.is_alive() for t in threads):
             raise RuntimeError(f"the engine could not reach the owners of the weights: {errors or 'timed out'}")
         self.stats.start_s = time.perf_counter() - t0
+        self._read_placed_ahead(handles, remote)
+
+    def _read_placed_ahead(self, handles: tuple[P.BufferHandle, ...], tensors: list[P.WireTensor]) -> None:
+        """Submit the reads of every tensor of `tensors` that has a destination now (see the module
+        docstring); each bucket then collects its own (`start`)."""
+        t0 = time.perf_counter()
+        for t in tensors:
+            dtype = dtype_from_name(t.dtype)
+            dst = _landing(self._planned.get(t.name), dtype, t.shape)
+            if dst is None or t.name in self._ahead:
+                continue
+            h = handles[t.buffer]
+            nbytes = _check_range(t, h, dtype)
+            storage = dst.untyped_storage()
+            self._store.register(storage.data_ptr(), storage.nbytes())
+            read = self._store.submit(h.peer, [dst.data_ptr()], [h.ptr + t.offset_bytes], [nbytes])
+            self._ahead[t.name] = (t, dst, read)
+            self.stats.placed_tensors += 1
+            self.stats.placed_bytes += nbytes
+        self.stats.read_s += time.perf_counter() - t0
 
     def knows(self, tensors) -> bool:
         """Every one of `tensors` (WireTensors) was placed at `begin`: starting its reads runs no loader."""
@@ -166,16 +212,24 @@ class EngineReads:
         if todo and self._destination is not None:
             self._planned.update(zip((n for n, _, _ in todo), self._destination(todo), strict=True))
             self.stats.destination_s += time.perf_counter() - t0
+        ahead: list[PendingReads] = []
         for t, dtype in zip(tensors, dtypes, strict=True):
-            dst = self._planned.get(t.name)
+            if t.name in self._ahead:  # read since Hello
+                planned, dst, pending_read = self._ahead.pop(t.name)
+                if (planned.buffer, planned.offset_bytes, planned.dtype, planned.shape) != (
+                    t.buffer,
+                    t.offset_bytes,
+                    t.dtype,
+                    t.shape,
+                ):
+                    self._ahead[t.name] = (planned, dst, pending_read)  # end() waits for it
+                    raise P.ProtocolError(f"tensor {t.name!r} of a bucket differs from Hello's plan: {t} vs {planned}")
+                out.append((t.name, dst))
+                ahead.append(pending_read)
+                continue
             h = handles[t.buffer]
-            nbytes = _nbytes(dtype, t.shape)
-            if t.offset_bytes + nbytes > h.size_bytes:
-                raise P.ProtocolError(f"tensor {t.name!r} [{t.offset_bytes}, +{nbytes}) exceeds the owner's chunk")
-            if dst is not None and not (
-                dst.device.type == "cpu" and dst.dtype == dtype and tuple(dst.shape) == t.shape and dst.is_contiguous()
-            ):
-                dst = None  # not a place the bytes can land as they are
+            nbytes = _check_range(t, h, dtype)
+            dst = _landing(self._planned.get(t.name), dtype, t.shape)
             locals_, remotes, lengths = by_peer.setdefault(h.peer, ([], [], []))
             remotes.append(h.ptr + t.offset_bytes)
             lengths.append(nbytes)
@@ -203,7 +257,7 @@ class EngineReads:
                 if ptr < 0:
                     locals_[i] = scratch.data_ptr() + pending[-1 - ptr][1]
         # every owner's reads in flight together
-        reads = [self._store.submit(peer, *lists) for peer, lists in by_peer.items()]
+        reads = ahead + [self._store.submit(peer, *lists) for peer, lists in by_peer.items()]
         for index, offset, nbytes in pending:
             t = tensors[index]
             out[index] = (t.name, scratch[offset : offset + nbytes].view(dtype_from_name(t.dtype)).view(t.shape))
@@ -225,12 +279,14 @@ class EngineReads:
     def end(self) -> None:
         """Unregister every destination and the scratch (the parameters may be freed or repacked next),
         once the reads still in flight (a bucket begun early, then the update failed) have ended."""
-        for bucket in self._in_flight:
+        left = [b.finish for b in self._in_flight] + [r.wait for _, _, r in self._ahead.values()]
+        for wait in left:
             try:
-                bucket.finish()
+                wait()
             except Exception as e:  # noqa: BLE001 - the update already failed; its memory is what matters
                 logger.debug("a read in flight at the end of the update failed: %s", e)
         self._in_flight = []
+        self._ahead = {}
         if self._store is not None:
             self._store.unregister_all()
         self._scratches = [None, None]
@@ -257,8 +313,14 @@ class BucketReads:
     def finish(self) -> list[tuple[str, torch.Tensor]]:
         """Wait for every read (each within its deadline); the bucket's (name, tensor)s in order."""
         t0 = time.perf_counter()
-        for r in self._reads:
-            r.wait()
+        first_error: BaseException | None = None
+        for r in self._reads:  # every read ends before this returns or raises: none may land later
+            try:
+                r.wait()
+            except Exception as e:  # noqa: BLE001 - raised once the others have ended
+                first_error = first_error or e
         self._reads = []
         self._stats.read_s += time.perf_counter() - t0
+        if first_error is not None:
+            raise first_error
         return self._out

@@ -238,8 +238,7 @@ def test_the_worker_begins_the_next_bucket_while_this_one_is_read():
 
     zmq = pytest.importorskip("zmq")
     store = SlowFirstStore(owners())
-    held = {"w": torch.zeros(4), "v": torch.zeros(8)}
-    reads = EngineReads(lambda items: [held.get(n) for n, _, _ in items], store_factory=lambda cfg: store)
+    reads = EngineReads(lambda items: [None] * len(items), store_factory=lambda cfg: store)  # all to scratch
     hello = P.Hello(update_id="u", checkpoint="ck", num_buckets=2, buffers=REMOTE_ONLY, p2p_host="h", tensors=PLAN)
     ctx = zmq.Context()
     ps = ctx.socket(zmq.DEALER)  # the PS rank's end of the link
@@ -281,5 +280,64 @@ def test_the_worker_begins_the_next_bucket_while_this_one_is_read():
     assert [type(m).__name__ for m in got] == ["Ready", "Ack", "Ack", "Ack"]
     assert [m.index for m in got[1:]] == [0, 1, P.DONE_ACK]
     assert [list(b) for b in loaded] == [["w", "b"], ["v"]]  # run in bucket order
-    assert torch.equal(loaded[0]["w"], torch.arange(4.0)) and torch.equal(held["v"], torch.arange(100.0, 108.0))
+    assert torch.equal(loaded[0]["w"], torch.arange(4.0)) and torch.equal(loaded[1]["v"], torch.arange(100.0, 108.0))
     assert torch.equal(loaded[0]["b"], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
+
+
+def test_every_placed_tensor_is_read_at_hello_and_each_bucket_collects_its_own():
+    store = FakeStore(owners())
+    held = {"w": torch.zeros(4), "v": torch.zeros(8)}
+    reads = EngineReads(lambda items: [held.get(n) for n, _, _ in items], store_factory=lambda cfg: store)
+    reads.begin(REMOTE_ONLY, "10.0.0.2", PLAN)
+    assert store.batches == [("10.0.0.1:1", 1), ("10.0.0.3:3", 1)]  # w and v, in the plan's order; b: scratch
+    assert reads.stats.placed_tensors == 2 and reads.stats.placed_bytes == 48
+    second = dict(reads.start(REMOTE_ONLY, [PLAN[2]]).finish())  # bucket 1's read was in flight already
+    assert second["v"] is held["v"] and torch.equal(held["v"], torch.arange(100.0, 108.0))
+    assert len(store.batches) == 2  # nothing more submitted for it
+    first = dict(reads.start(REMOTE_ONLY, list(PLAN[:2])).finish())
+    assert first["w"] is held["w"] and torch.equal(held["w"], torch.arange(4.0))
+    assert torch.equal(first["b"], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))  # b's read: submitted with its bucket
+    assert store.batches[2:] == [("10.0.0.1:1", 1)]
+    assert reads.stats.placed_tensors == 2 and reads.stats.scratch_tensors == 1  # counted once
+    reads.end()
+    assert store.registered == {}
+
+
+def test_a_bucket_that_contradicts_hello_s_plan_is_refused_and_its_read_still_ends():
+    store = FakeStore(owners())
+    held = {"w": torch.zeros(4)}
+    reads = EngineReads(lambda items: [held.get(n) for n, _, _ in items], store_factory=lambda cfg: store)
+    reads.begin(REMOTE_ONLY, "10.0.0.2", PLAN)
+    moved = P.WireTensor("w", "float32", (4,), 0, 32)  # another offset than Hello's
+    with pytest.raises(P.ProtocolError, match="differs from Hello's plan"):
+        reads.start(REMOTE_ONLY, [moved])
+    reads.end()  # waits for w's read, submitted at Hello, before it unregisters
+    assert torch.equal(held["w"], torch.arange(4.0)) and store.registered == {}
+
+
+class FailingStore(FakeStore):
+    """The first submitted read fails; the others land only when waited for."""
+
+    def submit(self, peer, local_ptrs, remote_ptrs, lengths):
+        pending = super().submit(peer, local_ptrs, remote_ptrs, lengths)
+        if len(self.batches) == 1:
+
+            def fail():
+                raise RuntimeError("P2P read failed")
+
+            pending.poll = pending.wait = fail
+        return pending
+
+
+def test_a_failed_read_is_raised_once_every_other_read_of_the_bucket_ended():
+    store = FailingStore(owners())
+    reads = EngineReads(store_factory=lambda cfg: store)
+    reads.begin(REMOTE_ONLY, "10.0.0.2")
+    bucket = reads.start(REMOTE_ONLY, list(PLAN))  # two owners: two reads in flight
+    with pytest.raises(RuntimeError, match="P2P read failed"):
+        bucket.finish()
+    assert not bucket.pending
+    views = bucket._out
+    assert torch.equal(dict(views)["v"], torch.arange(100.0, 108.0))  # the other owner's read landed first
+    reads.end()
+    assert store.registered == {}
