@@ -80,6 +80,10 @@ def _landing(dst: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...
     return None
 
 
+def _where(t: P.WireTensor) -> tuple:
+    return t.buffer, t.offset_bytes, t.dtype, tuple(t.shape)
+
+
 def _check_range(t: P.WireTensor, h: P.BufferHandle, dtype: torch.dtype) -> int:
     """The tensor's size in bytes, once it is known to lie inside its owner's chunk."""
     nbytes = _nbytes(dtype, t.shape)
@@ -212,23 +216,20 @@ class EngineReads:
         if todo and self._destination is not None:
             self._planned.update(zip((n for n, _, _ in todo), self._destination(todo), strict=True))
             self.stats.destination_s += time.perf_counter() - t0
-        ahead: list[PendingReads] = []
+        sizes = []  # checked before anything is taken from the reads begun at Hello (end() waits for those)
         for t, dtype in zip(tensors, dtypes, strict=True):
-            if t.name in self._ahead:  # read since Hello
-                planned, dst, pending_read = self._ahead.pop(t.name)
-                if (planned.buffer, planned.offset_bytes, planned.dtype, planned.shape) != (
-                    t.buffer,
-                    t.offset_bytes,
-                    t.dtype,
-                    t.shape,
-                ):
-                    self._ahead[t.name] = (planned, dst, pending_read)  # end() waits for it
-                    raise P.ProtocolError(f"tensor {t.name!r} of a bucket differs from Hello's plan: {t} vs {planned}")
+            planned = self._ahead[t.name][0] if t.name in self._ahead else None
+            if planned is not None and _where(planned) != _where(t):
+                raise P.ProtocolError(f"tensor {t.name!r} of a bucket differs from Hello's plan: {t} vs {planned}")
+            sizes.append(None if planned is not None else _check_range(t, handles[t.buffer], dtype))
+        ahead: list[PendingReads] = []
+        for t, dtype, nbytes in zip(tensors, dtypes, sizes, strict=True):
+            if nbytes is None:  # read since Hello; taken from `_ahead` once this bucket is in flight
+                _, dst, pending_read = self._ahead[t.name]
                 out.append((t.name, dst))
                 ahead.append(pending_read)
                 continue
             h = handles[t.buffer]
-            nbytes = _check_range(t, h, dtype)
             dst = _landing(self._planned.get(t.name), dtype, t.shape)
             locals_, remotes, lengths = by_peer.setdefault(h.peer, ([], [], []))
             remotes.append(h.ptr + t.offset_bytes)
@@ -257,7 +258,11 @@ class EngineReads:
                 if ptr < 0:
                     locals_[i] = scratch.data_ptr() + pending[-1 - ptr][1]
         # every owner's reads in flight together
-        reads = ahead + [self._store.submit(peer, *lists) for peer, lists in by_peer.items()]
+        reads = [self._store.submit(peer, *lists) for peer, lists in by_peer.items()]
+        for t, nbytes in zip(tensors, sizes, strict=True):
+            if nbytes is None:
+                self._ahead.pop(t.name, None)
+        reads = list({id(r): r for r in ahead}.values()) + reads
         for index, offset, nbytes in pending:
             t = tensors[index]
             out[index] = (t.name, scratch[offset : offset + nbytes].view(dtype_from_name(t.dtype)).view(t.shape))

@@ -341,3 +341,28 @@ def test_a_failed_read_is_raised_once_every_other_read_of_the_bucket_ended():
     assert torch.equal(dict(views)["v"], torch.arange(100.0, 108.0))  # the other owner's read landed first
     reads.end()
     assert store.registered == {}
+
+
+class RefusingScratchStore(FakeStore):
+    """Registering more memory fails once the reads begun at Hello are in flight (the scratch)."""
+
+    def __init__(self, chunks):
+        super().__init__(chunks)
+        self.refuse = False
+
+    def register(self, ptr, nbytes):
+        if self.refuse:
+            raise RuntimeError("Mooncake register_memory failed")
+        super().register(ptr, nbytes)
+
+
+def test_a_bucket_that_fails_to_start_leaves_hello_s_reads_to_end():
+    store = RefusingScratchStore(owners())
+    held = {"w": torch.zeros(4)}
+    reads = EngineReads(lambda items: [held.get(n) for n, _, _ in items], store_factory=lambda cfg: store)
+    reads.begin(REMOTE_ONLY, "10.0.0.2", PLAN)
+    store.refuse = True
+    with pytest.raises(RuntimeError, match="register_memory failed"):
+        reads.start(REMOTE_ONLY, list(PLAN[:2]))  # w read since Hello; b needs scratch, refused
+    reads.end()  # still waits for w's read before it unregisters
+    assert torch.equal(held["w"], torch.arange(4.0)) and store.registered == {}
