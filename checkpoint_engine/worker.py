@@ -9,8 +9,9 @@ what it keeps (loading into the model's parameters does).
     recv Hello ─▶ map buffers ─▶ Ready ─▶ { recv Bucket ─▶ run(views) ─▶ Ack }* ─▶ recv Done ─▶ post_hook ─▶ Ack
                                           any failure ─▶ Error ─▶ wait Abort ─▶ state incomplete, raise
 
-A bucket whose tensors the engine reads itself (remote buffers, `engine_reads`) is begun before its
-turn when it arrives while the bucket before is still being read: two buckets' reads in flight.
+Tensors the engine reads itself (remote buffers, `engine_reads`): those with a place in the model
+are all read from Hello on; the others land in scratch, and a bucket of them is begun before its
+turn when it arrives while the bucket before is still being read (two buckets in flight).
 """
 
 from __future__ import annotations
