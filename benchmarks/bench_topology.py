@@ -2,8 +2,8 @@
 
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 32] [--max-tokens 32] [--train-steps 2]
         [--model-size-mib 256] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
-        [--bucket-size-mib N] [--heals 3] [--raw-repeats 20] [--paired-repeats 5] [--idle-heals 1]
-        [--a-rounds 3] [--work-dir DIR] [--keep]
+        [--daemon-p2p-cpus all|healed] [--bucket-size-mib N] [--heals 3] [--raw-repeats 20]
+        [--paired-repeats 5] [--idle-heals 1] [--a-rounds 3] [--work-dir DIR] [--keep]
     python benchmarks/bench_topology.py --model-size-mib 0 --prompts 64 --max-tokens 64   # the demo's shape
 
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
@@ -143,6 +143,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the engine's own (engine: where vLLM's binding and --pin-healed-engine put it)",
     )
     p.add_argument(
+        "--daemon-p2p-cpus",
+        choices=["all", "healed"],
+        default="all",
+        help="with --heal-mode p2p: the daemon ranks' transfer-engine threads (those serving the owners' "
+        "reads) on every CPU (all) or on the healed engine's CPUs, off engine A's (healed: --p2p-cpus)",
+    )
+    p.add_argument(
         "--pin-healed-engine",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -211,6 +218,7 @@ def start_daemon(
     bucket_size_mib: int | None = None,
     p2p_reader: str = "rank",
     engine_p2p_cpus: str = "all",
+    daemon_p2p_cpus: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     from checkpoint_engine.engines import free_port
     from checkpoint_engine.httpjson import status_json
@@ -241,6 +249,8 @@ def start_daemon(
         cmd += ["--bucket-size-mib", str(bucket_size_mib)]
     if heal_mode == "p2p":  # a pull (ranks=[...]) with mode collective and Mooncake goes P2P, even on one host
         cmd += ["--p2p-host", "127.0.0.1", "--mode", "collective", "--p2p-reader", p2p_reader]
+        if daemon_p2p_cpus:
+            cmd += ["--p2p-cpus", daemon_p2p_cpus]
     daemon = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -672,6 +682,7 @@ def main(argv=None) -> dict:
         "heal_owners": args.heal_owners,
         "p2p_reader": args.p2p_reader,
         "engine_p2p_cpus": args.engine_p2p_cpus if args.p2p_reader == "engine" else None,
+        "daemon_p2p_cpus": args.daemon_p2p_cpus,
     }
     daemon, base = start_daemon(
         work,
@@ -682,6 +693,7 @@ def main(argv=None) -> dict:
         args.bucket_size_mib,
         args.p2p_reader,
         args.engine_p2p_cpus,
+        (work / "bind-r1").read_text() if args.daemon_p2p_cpus == "healed" else None,
     )
     pool = sync = None
     finished = False

@@ -27,6 +27,7 @@ MoonshotAI checkpoint-engine's routes (200 + empty body, 500 + error text), each
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -51,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--p2p-host", default=None, help="start Mooncake's transfer engine on this address (P2P)")
     p.add_argument("--p2p-protocol", choices=["tcp", "rdma"], default="tcp")
     p.add_argument("--p2p-device", default="", help="RDMA device names for Mooncake (rdma protocol)")
+    p.add_argument(
+        "--p2p-cpus",
+        default=None,
+        help="the CPUs the rank's transfer-engine threads run on: one list for every rank ('0-3') or one "
+        "per local rank separated by ';' ('0-3;4-7'); default: those the rank may run on. Keeps the "
+        "threads that serve the owners' reads off the cores of the engines generating meanwhile",
+    )
     p.add_argument(
         "--p2p-reader",
         choices=["rank", "engine"],
@@ -90,6 +98,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.stop_timeout_s <= 0:
         p.error(f"--stop-timeout-s must be > 0, got {args.stop_timeout_s}")
+    args.p2p_cpu_list = None
+    if args.p2p_cpus is not None:
+        from checkpoint_engine.p2p import rank_cpus
+
+        if not args.p2p_host:
+            p.error("--p2p-cpus places the transfer engine's threads: it needs --p2p-host")
+        try:  # torchrun sets these; checked here so that a bad list fails before any rank starts work
+            args.p2p_cpu_list = rank_cpus(
+                args.p2p_cpus, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            )
+        except ValueError as e:
+            p.error(f"--p2p-cpus: {e}")
     if args.engine_cmd is not None:
         from checkpoint_engine.engines import EngineConfig, parse_engine_cmd
 
@@ -114,7 +134,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import asyncio
     import logging
-    import os
     import threading
 
     import torch.distributed as dist
@@ -142,7 +161,9 @@ def main(argv=None) -> int:
     bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
     from checkpoint_engine.p2p import P2PConfig
 
-    p2p = P2PConfig(args.p2p_host, args.p2p_protocol, args.p2p_device) if args.p2p_host else None
+    p2p = (
+        P2PConfig(args.p2p_host, args.p2p_protocol, args.p2p_device, cpus=args.p2p_cpu_list) if args.p2p_host else None
+    )
     cfg = ParameterServerConfig(
         transport=args.transport,
         collective_timeout_s=args.collective_timeout_s,
@@ -194,8 +215,6 @@ def main(argv=None) -> int:
 
 def _engine_device(transport: str) -> str:
     """The `{device}` of this rank's engine: the rank's GPU with the CUDA transport, else cpu."""
-    import os
-
     import torch
 
     if transport == "cuda" or (transport == "auto" and torch.cuda.is_available()):

@@ -43,6 +43,20 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def rank_cpus(spec: str, local_rank: int, local_world_size: int) -> tuple[int, ...]:
+    """The CPUs of this rank's transfer-engine threads from `spec`: one CPU list for every rank
+    ('0-3'), or one per local rank separated by ';' ('0-3;4-7': local rank 1 gets 4-7)."""
+    parts = [p.strip() for p in spec.split(";")]
+    if len(parts) == 1:
+        return parse_cpu_list(parts[0])
+    if len(parts) != local_world_size:
+        raise ValueError(
+            f"bad per-rank CPU lists {spec!r}: {len(parts)} lists for {local_world_size} local ranks "
+            "(give one list for every rank, or one per local rank separated by ';')"
+        )
+    return [parse_cpu_list(p) for p in parts][local_rank]  # each list checked: every rank fails alike
+
+
 def is_cpu_set(cpus) -> bool:
     """A non-empty sequence of CPU numbers >= 0 (bools are not numbers here)."""
     return bool(cpus) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)
