@@ -429,6 +429,18 @@ def mooncake_raw_read(
     }
 
 
+def paired_ratios(heals: list[dict], raws: list[float], key: str) -> dict:
+    """Each heal's pull over the raw read taken right after it, and their median (nothing without raws)."""
+    if not raws:
+        return {}
+    each = [round(h["heal_pull_s"] / r, 2) for h, r in zip(heals, raws, strict=True)]
+    return {
+        f"raw_read_{key}_each_s": raws,
+        f"ratio_heal_vs_raw_read_{key}_each": each,
+        f"ratio_heal_vs_raw_read_{key}": statistics.median(each),
+    }
+
+
 def raw_read_args(daemon, healed: dict, repeats: int) -> tuple | None:
     """`RawReader.read`'s arguments for the bytes of the pull in `healed` (None: no Mooncake)."""
     metas = daemon._call("GET", f"/metas/{healed['checkpoint']}")["ranks"][0]["result"]
@@ -785,14 +797,7 @@ def main(argv=None) -> dict:
             healed["heal_pull_read_each_s"] = [h["heal_pull_phases"]["read_s"] for h in heals]
             healed["heal_pull_s"] = round(statistics.median(healed["heal_pull_each_s"]), 4)
             healed["heal_pull_read_s"] = round(statistics.median(healed["heal_pull_read_each_s"]), 4)
-            if paired:
-                healed["raw_read_paired_each_s"] = paired
-                healed["ratio_heal_vs_raw_read_paired_each"] = [
-                    round(h["heal_pull_s"] / r, 2) for h, r in zip(heals, paired, strict=True)
-                ]
-                healed["ratio_heal_vs_raw_read_paired"] = statistics.median(
-                    healed["ratio_heal_vs_raw_read_paired_each"]
-                )
+            healed.update(paired_ratios(heals, paired, "paired"))
             a_during = rate(inside)
             after = Generator(a_pool, tokenizer, args, "a-after").start()
             while len(after.rounds) < args.a_rounds:
@@ -830,14 +835,7 @@ def main(argv=None) -> dict:
                 healed["heal_pull_idle_s"] = round(statistics.median(healed["heal_pull_idle_each_s"]), 4)
                 healed["heal_pull_idle_phases"] = idle["heal_pull_phases"]
                 healed["engine_reload_idle"] = engine_reload_report(idle["url"])
-            if idle_paired:
-                healed["raw_read_idle_paired_each_s"] = idle_paired
-                healed["ratio_heal_vs_raw_read_idle_paired_each"] = [
-                    round(h["heal_pull_s"] / r, 2) for h, r in zip(idle_heals, idle_paired, strict=True)
-                ]
-                healed["ratio_heal_vs_raw_read_idle_paired"] = statistics.median(
-                    healed["ratio_heal_vs_raw_read_idle_paired_each"]
-                )
+            healed.update(paired_ratios(idle_heals, idle_paired, "idle_paired"))
         finally:
             a_pool.close()
             if reader is not None:

@@ -408,19 +408,8 @@ def test_push_shards_partition_the_checkpoint(tmp_path):
     assert torch.equal(load_shard(files, 0, 1)["v3"], torch.full((3,), 3.0))
 
 
-# a stand-in for vLLM: a child that maps a named segment it never removes (as vLLM's processes
-# killed with SIGKILL leave theirs), writes its name beside the script, then waits
-LEAKY_ENGINE = (
-    "import sys, time\n"
-    "from multiprocessing import resource_tracker, shared_memory\n"
-    "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
-    "resource_tracker.unregister(seg._name, 'shared_memory')\n"
-    "open(sys.argv[1], 'w').write(seg.name)\n"
-    "time.sleep(120)\n"
-)
-
-
 def test_launcher_close_removes_the_shared_memory_a_killed_vllm_left(tmp_path):
+    from tests.leaky_shm import LEAKY_ENGINE
     from vllm_ext.launch import Launcher
 
     launcher = Launcher(LaunchConfig(model=str(tmp_path)))

@@ -11,21 +11,14 @@ import time
 from pathlib import Path
 
 from orchestrator.engine_server import EngineServer
+from tests.leaky_shm import LEAKY_ENGINE
 
-# the "launcher": serves /launcher/status on the given port; its child plays vLLM, which maps a
-# segment and (killed with SIGKILL) never removes it
+# the "launcher": serves /launcher/status on the given port; its child (tests.leaky_shm) plays vLLM,
+# which maps a segment and (killed with SIGKILL) never removes it
 LAUNCHER = r"""
 import json, subprocess, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
-port, name_file = int(sys.argv[1]), sys.argv[2]
-child = (
-    "import sys, time\n"
-    "from multiprocessing import resource_tracker, shared_memory\n"
-    "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
-    "resource_tracker.unregister(seg._name, 'shared_memory')\n"
-    "open(sys.argv[1], 'w').write(seg.name)\n"
-    "time.sleep(120)\n"
-)
+port, name_file, child = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 subprocess.Popen([sys.executable, "-c", child, name_file])
 
 class Handler(BaseHTTPRequestHandler):
@@ -48,7 +41,7 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 def test_a_stop_removes_the_shared_memory_a_killed_engine_left(tmp_path):
     name_file = tmp_path / "seg"
     server = EngineServer(
-        lambda port: [sys.executable, "-c", LAUNCHER, str(port), str(name_file)],
+        lambda port: [sys.executable, "-c", LAUNCHER, str(port), str(name_file), LEAKY_ENGINE],
         dict(os.environ),
         tmp_path / "server.log",
     )
