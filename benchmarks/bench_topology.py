@@ -611,14 +611,17 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
         "heal_pull_mode": pull["mode"],
         "heal_pull_buckets": pull["num_buckets"],
         "bucket_size_bytes": pull["bucket_size_bytes"],
-        # the pull's phases on the receiving rank (UpdateMetrics): engine connect, P2P reads (p2p mode;
-        # broadcast_s in the metrics), waiting for the engine's acks, status exchanges, Done -> post_hook
+        # the pull's phases on the receiving rank (UpdateMetrics): buffers and link, engine connect, P2P
+        # reads (p2p mode; broadcast_s in the metrics), waiting for the engine's acks, status exchanges,
+        # Done -> post_hook, link closed and buffers released
         "heal_pull_phases": {
+            "open_s": round(pull["open_s"], 4),
             "setup_s": round(pull["setup_s"], 4),
             "read_s": round(read_s, 4),
             "engine_wait_s": round(pull["engine_wait_s"], 4),
             "agree_s": round(pull["agree_s"], 4),
             "finish_s": round(pull["finish_s"], 4),
+            "close_s": round(pull["close_s"], 4),
         },
         "recovery_s": record["recovery_s"],
         "kill_to_serving_s": round(since["serving"] - killed_at, 3),

@@ -275,7 +275,16 @@ def main() -> int:
             result[f"{last[mode].mode}_all_s"] = [round(x, 4) for x in ts]
             result[f"{last[mode].mode}_stages_s"] = {
                 k: round(getattr(last[mode], k), 4)
-                for k in ("setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s")
+                for k in (
+                    "open_s",
+                    "setup_s",
+                    "copy_in_s",
+                    "broadcast_s",
+                    "engine_wait_s",
+                    "agree_s",
+                    "finish_s",
+                    "close_s",
+                )
             }
         result.update(
             {

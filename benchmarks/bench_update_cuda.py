@@ -28,7 +28,7 @@ import time
 from _common import BenchEngine, EngineRequest, ask, decoder_specs, serve, start_engine, timed_updates
 
 GIB = 2**30
-PHASES = ("setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s", "total_s")
+PHASES = ("open_s", "setup_s", "copy_in_s", "broadcast_s", "engine_wait_s", "agree_s", "finish_s", "close_s", "total_s")
 
 
 def parse_args(argv=None):

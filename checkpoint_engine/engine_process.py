@@ -18,7 +18,14 @@ from collections.abc import Callable
 
 from checkpoint_engine.engine_config import EngineConfig, engine_env, free_port, render_cmd
 from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE, check_transition
-from checkpoint_engine.procs import die_with_parent, group_shm_segments, unlink_segments
+from checkpoint_engine.procs import (
+    die_with_parent,
+    group_pids,
+    group_shm_segments,
+    shm_segments,
+    unlink_segments,
+    wait_noting_segments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +225,7 @@ class ManagedEngine:
                     with self._lock:
                         self.healthy = True
                         # what the engine's processes share by name: removed if they die without doing it
-                        self._segments = group_shm_segments(self._proc.pid) if self._proc is not None else set()
+                        self._segments |= group_shm_segments(self._proc.pid) if self._proc is not None else set()
                         self._emit()
                     return
             except OSError:
@@ -244,6 +251,7 @@ class ManagedEngine:
                 return None
             # what it left in its process group (an inference server's engine processes) starts stopping
             # now; the next start() makes sure it is gone before a new engine takes the device
+            self._segments |= group_shm_segments(self._proc.pid)
             _killpg(self._proc.pid, signal.SIGTERM)
             self._fail(f"engine process {self._proc.pid} exited with code {code} ({self._log_tail()})", code)
             return code
@@ -270,19 +278,26 @@ class ManagedEngine:
         if proc is None:
             return
         grace_s = self.config.stop_grace_s
+
+        def running() -> list[int]:
+            proc.poll()  # reaps the engine once it exits
+            return group_pids(proc.pid)
+
+        # noted until the group has ended: a stop during the start comes before wait_healthy() noted any
+        self._segments |= shm_segments(running())
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
+            exited, noted = wait_noting_segments(running, grace_s, done=lambda: proc.poll() is not None)
+            self._segments |= noted
+            if not exited:
                 logger.warning("rank %d: engine %d ignored SIGTERM for %.1f s: SIGKILL", self.rank, proc.pid, grace_s)
                 _killpg(proc.pid, signal.SIGKILL)
                 proc.wait(grace_s)
         # children the engine left in its process group (e.g. a launcher's servers): TERM, then KILL
         if _killpg(proc.pid, signal.SIGTERM):
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and _killpg(proc.pid, 0):
-                time.sleep(0.05)
+            # until the group is gone, zombies included (their parents still exiting)
+            _, noted = wait_noting_segments(running, grace_s, done=lambda: not _killpg(proc.pid, 0))
+            self._segments |= noted
             _killpg(proc.pid, signal.SIGKILL)
         removed = unlink_segments(self._segments)  # a killed engine's (vLLM's message queues)
         if removed:

@@ -23,12 +23,14 @@ class UpdateMetrics:
     num_tensors: int = 0
     bucket_size_bytes: int = 0
     total_bytes: int = 0
-    setup_s: float = 0.0  # shared buffer + engine connect
+    open_s: float = 0.0  # the mode's buffers (source.open) and the engine link
+    setup_s: float = 0.0  # engine connect: Hello -> Ready, then agree
     copy_in_s: float = 0.0
     broadcast_s: float = 0.0
     engine_wait_s: float = 0.0  # waiting for the engine's acks (load not hidden by the pipeline)
     agree_s: float = 0.0  # cross-rank status exchanges
     finish_s: float = 0.0  # post_hook + req_func join
+    close_s: float = 0.0  # link closed, the shared buffers released
     total_s: float = 0.0
     ok: bool = False
     error: str | None = None

@@ -262,6 +262,7 @@ def run_update(job: UpdateJob) -> UpdateMetrics:
     status = StatusExchange(job.rank, job.members, job.group)
     buffers = job.source.open(job)
     link = EngineLink(job.zmq_ctx, job.address)
+    m.open_s = time.perf_counter() - t_start
     req = _ReqThread(job.req_func, job.addresses)
     run = UpdateRun(job, buffers, link, req, status, m)
     try:
@@ -283,10 +284,12 @@ def run_update(job: UpdateJob) -> UpdateMetrics:
             raise
         raise RuntimeError(f"rank {job.rank}: weight update aborted: {_dead_ranks(job)}{type(e).__name__}: {e}") from e
     finally:
-        m.total_s = time.perf_counter() - t_start
+        t_close = time.perf_counter()
         link.close()
         if not job.cfg.keep_buffers:
             job.transport.release_shared()
+        m.close_s = time.perf_counter() - t_close
+        m.total_s = time.perf_counter() - t_start
 
 
 def _dead_ranks(job: UpdateJob, settle_s: float = 2.0) -> str:

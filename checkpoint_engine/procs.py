@@ -17,9 +17,10 @@ Three mechanisms:
     signal ──wakeup fd──▶ watchdog thread ──deadline_s later, still alive──▶ stacks, os._exit(128 + signum)
     signal ──asyncio handler──▶ force_exit_after(deadline_s, signum) ──same ending──
 
-A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`).
-Whoever stops a vLLM process tree notes the segments it maps once it is up (``shm_segments``,
-``group_shm_segments``) and removes what is left after the stop (``unlink_segments``).
+A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
+its workers' named semaphores: `/dev/shm/sem.mp-*`). Whoever stops a vLLM process tree notes the
+segments it maps (``shm_segments``, ``group_shm_segments``) once it is up and again right before the
+stop, and removes what is left after the stop (``unlink_segments``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,22 @@ def _wait_gone(procs: list, timeout_s: float, poll_s: float = 0.05) -> list:
         time.sleep(poll_s)
 
 
+def live_pids(recorded: dict[int, float]) -> list[int]:
+    """The recorded processes (``descendants()``) that still run as themselves: not exited, not a
+    zombie, not a reused pid."""
+    import psutil
+
+    alive = []
+    for pid, created in recorded.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == created and not _gone(proc):
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
 def end_processes(recorded: dict[int, float], grace_s: float) -> list[str]:
     """SIGTERM the recorded processes (``descendants()``) still alive, SIGKILL what is left after
     ``grace_s``; the names of those that were alive."""
@@ -181,37 +198,84 @@ def end_processes(recorded: dict[int, float], grace_s: float) -> list[str]:
 
 
 SHM_DIR = "/dev/shm"
+# Python's multiprocessing names them so: shared_memory.SharedMemory (vLLM's message queues) and the
+# named semaphores of its locks under the spawn start method (vLLM's workers)
+SHM_PREFIXES = ("psm_", "sem.mp-")
 
 
-def group_shm_segments(pgid: int, prefix: str = "psm_") -> set[str]:
-    """The POSIX shared-memory segments (`SHM_DIR/<prefix>*`: Python's `multiprocessing.shared_memory`,
-    which vLLM's message queues use) that the processes of group `pgid` have mapped now."""
+def group_pids(pgid: int) -> list[int]:
+    """The processes of group `pgid` still running (zombies left out)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.getpgid(int(entry)) == pgid:
+                if os.getpgid(int(entry)) != pgid:
+                    continue
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
                     pids.append(int(entry))
-            except (OSError, ProcessLookupError):
+            except (OSError, IndexError):
                 continue  # ended meanwhile
-    return shm_segments(pids, prefix)
+    return pids
 
 
-def shm_segments(pids: Iterable[int], prefix: str = "psm_") -> set[str]:
-    """The shared-memory segments `SHM_DIR/<prefix>*` that the processes `pids` have mapped now (their
-    /proc/PID/maps; a process that ended meanwhile, or is not ours to read, adds nothing)."""
-    found: set[str] = set()
-    head = f"{SHM_DIR}/{prefix}"
+def group_shm_segments(pgid: int, prefixes: tuple[str, ...] = SHM_PREFIXES) -> set[str]:
+    """The POSIX shared-memory segments (`SHM_DIR/<prefix>*`) that the processes of group `pgid` have
+    mapped now."""
+    return shm_segments(group_pids(pgid), prefixes)
+
+
+def shm_segments(pids: Iterable[int], prefixes: tuple[str, ...] = SHM_PREFIXES) -> set[str]:
+    """The files `SHM_DIR/<prefix>*` that the processes `pids` have mapped now (a process that ended
+    meanwhile, or is not ours to read, adds nothing).
+
+    Matched by inode, not by the path in /proc/PID/maps: glibc's sem_open maps a temporary file and
+    then links it under the semaphore's name, so the mapping shows the temporary name, "(deleted)".
+    """
+    inodes: set[int] = set()
+    head = f"{SHM_DIR}/"
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith(head) and not parts[5].rstrip().endswith("(deleted)"):
-                        found.add(parts[5].rstrip())
+                    if len(parts) == 6 and parts[5].startswith(head):
+                        inodes.add(int(parts[4]))
         except OSError:
             continue
+    if not inodes:
+        return set()
+    found: set[str] = set()
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            try:
+                if entry.name.startswith(prefixes) and entry.inode() in inodes and entry.is_file(follow_symlinks=False):
+                    found.add(entry.path)
+            except OSError:
+                continue  # removed meanwhile
     return found
+
+
+def wait_noting_segments(
+    alive: Callable[[], list[int]],
+    timeout_s: float,
+    done: Callable[[], bool] | None = None,
+    poll_s: float = 0.05,
+) -> tuple[bool, set[str]]:
+    """Wait up to `timeout_s` until `done()` (default: until `alive()`, the pids still running, is
+    empty), noting every `poll_s` the segments those processes map: one stopped during its start may
+    make a segment after the stop began and die without removing it. Returns (done, segments noted)."""
+    noted: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = alive()
+        if done() if done is not None else not pids:
+            return True, noted
+        noted |= shm_segments(pids)
+        if time.monotonic() >= deadline:
+            return False, noted
+        time.sleep(poll_s)  # polling the processes' end, bounded by the deadline
 
 
 def unlink_segments(paths: set[str]) -> list[str]:

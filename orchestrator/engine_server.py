@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from checkpoint_engine.procs import die_with_parent, shm_segments, unlink_segments
+from checkpoint_engine.procs import die_with_parent, shm_segments, unlink_segments, wait_noting_segments
 from orchestrator.config import EngineConfig
 from orchestrator.pool_members import STARTING, WAITING, Member
 
@@ -149,13 +149,15 @@ class EngineServer:
             stop.wait(0.5)  # readiness poll, bounded by the deadline above
 
     def _remember_tree(self) -> None:
+        """Note the launcher's descendants now and the shared memory they map (added to those noted)."""
         import psutil
 
         try:
-            self._tree = psutil.Process(self.proc.pid).children(recursive=True)
+            now = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.Error:
-            self._tree = []
-        self._segments = shm_segments([self.proc.pid, *(p.pid for p in self._tree)])
+            now = []
+        self._tree = list(dict.fromkeys([*self._tree, *now]))
+        self._segments |= shm_segments([self.proc.pid, *(p.pid for p in now)])
 
     def answers(self, timeout_s: float = 5.0) -> bool:
         """Does vLLM behind the gate answer (GET /v1/models; the gate says 502 when vLLM is gone)?"""
@@ -178,12 +180,18 @@ class EngineServer:
         import psutil
 
         if not self.exited():
+
+            def running() -> list[int]:
+                self._remember_tree()  # a stop during the start comes before wait_ready() noted the tree
+                return [self.proc.pid, *(p.pid for p in self._tree)]
+
+            running()
             self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+            exited, noted = wait_noting_segments(running, grace_s, done=self.exited)
+            self._segments |= noted
+            if not exited:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
         for p in self._tree:  # a vLLM worker whose engine core is gone ignores SIGTERM
             try:
                 if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoint_engine.httpjson import status_json
-from checkpoint_engine.procs import die_with_parent
+from checkpoint_engine.procs import die_with_parent, group_pids, shm_segments, unlink_segments, wait_noting_segments
 from vllm_ext.launch_config import EXTENSION, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,13 +117,22 @@ class ServerProcess:
             time.sleep(0.05)  # readiness polling interval, bounded by the deadline
 
     def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then SIGKILL to the whole session after `timeout_s`; the shared memory its
+        processes mapped and a SIGKILL left behind is removed. Returns the exit code."""
         if self.alive():
+            pgid = self.proc.pid  # the session we created: vLLM's children too
+
+            def running() -> list[int]:
+                self.proc.poll()  # reaps the leader once it exits
+                return group_pids(pgid)
+
+            segments = shm_segments(running())
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the session we created: vLLM's children too
+            ended, noted = wait_noting_segments(running, timeout_s)
+            if not ended:
+                os.killpg(pgid, signal.SIGKILL)
                 self.proc.wait(10)
+            unlink_segments(segments | noted)  # only those still there: a clean stop removed its own
         self._log.close()
         return self.proc.returncode
 

@@ -31,7 +31,15 @@ import threading
 import time
 
 from checkpoint_engine.cli_config import ConfigArgs, add_config_args
-from checkpoint_engine.procs import descendants, die_with_parent, end_processes, shm_segments, unlink_segments
+from checkpoint_engine.procs import (
+    descendants,
+    die_with_parent,
+    end_processes,
+    live_pids,
+    shm_segments,
+    unlink_segments,
+    wait_noting_segments,
+)
 
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
 from vllm_ext.launch_config import EXTENSION as EXTENSION
@@ -300,14 +308,23 @@ class Launcher:
     def close(self, grace_s: float = 30.0) -> None:
         """Stop vLLM: SIGTERM, SIGKILL after `grace_s`; then end its engine processes still alive."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self._engine_tree.update(descendants(self.proc.pid))
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
+            proc = self.proc
+
+            def running() -> list[int]:
+                if proc.poll() is not None:
+                    return live_pids(self._engine_tree)
+                self._engine_tree.update(descendants(proc.pid))
+                return [proc.pid, *live_pids(self._engine_tree)]
+
+            # noted until vLLM has exited as well: a stop during its start comes before _supervise() noted any
+            self._segments |= shm_segments(running())
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                exited, noted = wait_noting_segments(running, grace_s, done=lambda: proc.poll() is not None)
+                self._segments |= noted
+                if not exited:
+                    proc.kill()
+                    proc.wait(10)
             left = end_processes(self._engine_tree, grace_s=10.0)
             if left:
                 logger.warning("vLLM left %d process(es) running; ended: %s", len(left), ", ".join(left))

@@ -138,6 +138,7 @@ def test_killing_the_launchers_process_group_ends_vllm_at_once(tmp_path):
     and holds the device (or a compile-cache lock) while a restarted engine starts."""
     import os
 
+    from checkpoint_engine.procs import shm_segments, unlink_segments
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import CPU_ENGINE_ARGS, child_env
     from vllm_ext.launch import free_port
@@ -154,6 +155,7 @@ def test_killing_the_launchers_process_group_ends_vllm_at_once(tmp_path):
         start_new_session=True,  # as the daemon starts an engine
     )
     seen: set[psutil.Process] = set()
+    segments: set[str] = set()
     try:
         root = psutil.Process(launcher.pid)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -162,6 +164,12 @@ def test_killing_the_launchers_process_group_ends_vllm_at_once(tmp_path):
             assert time.monotonic() < deadline, f"no vLLM engine process within {START_TIMEOUT_S:.0f} s"
             time.sleep(0.2)  # polling the process tree, bounded by the deadline
             seen |= _descendants(root)
+        while not segments:  # vLLM's message queue: the kill leaves it, removed below (nobody else will)
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"vLLM mapped no shared memory within {START_TIMEOUT_S:.0f} s"
+            seen |= _descendants(root)
+            segments = shm_segments([launcher.pid, *(p.pid for p in seen)])
+            time.sleep(0.1)  # polling the process tree, bounded by the deadline
         outside = []
         for p in seen:
             try:
@@ -188,4 +196,5 @@ def test_killing_the_launchers_process_group_ends_vllm_at_once(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(30)
+        unlink_segments(segments)
         log.close()

@@ -335,3 +335,26 @@ def test_a_killed_engine_s_named_shared_memory_is_removed_at_its_restart(tmp_pat
         assert not second.exists()  # a stop removes what the engine did not
     finally:
         engine.stop()
+
+
+def test_an_engine_stopped_before_it_was_healthy_leaves_no_named_shared_memory(tmp_path):
+    """A stop during the start (an operation cancelled, the daemon shutting down) comes before
+    wait_healthy() noted the group's segments: the stop notes them itself before it signals."""
+    from pathlib import Path
+
+    engine, _ = make_engine(tmp_path, trap=LEAKY, start_timeout_s=30)
+    name_file = tmp_path / "server.py.seg"
+    try:
+        engine.start()
+        deadline = time.monotonic() + 30
+        while not name_file.exists() or not name_file.read_text():
+            assert time.monotonic() < deadline and engine.poll() is None
+            time.sleep(0.05)  # polling for the segment's name, bounded by the deadline
+        seg = Path("/dev/shm") / name_file.read_text()
+        assert seg.exists() and not engine.healthy and not engine._segments
+        engine.stop()  # SIGTERM: the stand-in dies without removing its segment
+        assert engine.poll() is not None and not seg.exists()
+    finally:
+        engine.stop()
+        if name_file.exists():
+            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)

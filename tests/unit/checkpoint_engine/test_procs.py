@@ -170,3 +170,76 @@ def test_an_asyncio_server_stuck_in_its_shutdown_exits_at_the_deadline():
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert FORCED_EXIT_MARKER in err and "SIGTERM" in err, err
     assert 1.0 <= stop_s < 10, stop_s
+
+
+def test_shm_segments_finds_shared_memory_and_named_semaphores_mapped_by_a_process():
+    """What vLLM's processes leave when SIGKILLed: a `multiprocessing.shared_memory` segment (its
+    message queues) and the named semaphore of a lock made under the spawn start method (its workers)."""
+    import multiprocessing
+    import os
+    from multiprocessing import resource_tracker, shared_memory
+
+    from checkpoint_engine.procs import shm_segments, unlink_segments
+
+    before = shm_segments([os.getpid()])
+    seg = shared_memory.SharedMemory(create=True, size=4096)
+    lock = multiprocessing.get_context("spawn").Lock()
+    try:
+        found = shm_segments([os.getpid()]) - before
+        assert f"/dev/shm/{seg.name.lstrip('/')}" in found
+        sems = [path for path in found if path.startswith("/dev/shm/sem.mp-")]
+        assert len(sems) == 1 and len(found) == 2, found
+        psm = found - set(sems)
+        assert shm_segments([os.getpid()], prefixes=("psm_",)) - before == psm
+        assert unlink_segments(psm) == sorted(psm) and not any(os.path.exists(p) for p in psm)
+        resource_tracker.unregister(seg._name, "shared_memory")  # removed above, not by its owner
+        assert unlink_segments(psm) == []  # gone already: nothing to remove, no error
+    finally:
+        seg.close()
+        del lock  # its finalizer removes the semaphore
+
+
+# makes a segment only after a while (as vLLM's engine core does during its start), then ends
+# without removing it
+LATE_LEAK = (
+    "import os, sys, time\n"
+    "from multiprocessing import resource_tracker, shared_memory\n"
+    "time.sleep(0.5)\n"
+    "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
+    "resource_tracker.unregister(seg._name, 'shared_memory')\n"
+    "open(sys.argv[1], 'w').write(seg.name)\n"
+    "time.sleep(0.5)\n"
+    "os._exit(0)\n"
+)
+
+
+def test_wait_noting_segments_notes_a_segment_made_after_the_wait_began(tmp_path):
+    import os
+    from pathlib import Path
+
+    from checkpoint_engine.procs import group_pids, shm_segments, unlink_segments, wait_noting_segments
+
+    name_file = tmp_path / "seg"
+    child = subprocess.Popen([sys.executable, "-c", LATE_LEAK, str(name_file)], start_new_session=True)
+    try:
+
+        def running() -> list[int]:
+            child.poll()
+            return group_pids(child.pid)
+
+        assert running() == [child.pid] and shm_segments(running()) == set()  # nothing yet
+        ended, noted = wait_noting_segments(running, timeout_s=30)
+        assert ended and child.returncode == 0 and running() == []
+        seg = str(Path("/dev/shm") / name_file.read_text())
+        assert noted == {seg} and os.path.exists(seg)  # left behind by its maker
+        assert unlink_segments(noted) == [seg]
+        # `done` ends the wait; a deadline that passes ends it too and says so
+        t0 = time.monotonic()
+        assert wait_noting_segments(lambda: [os.getpid()], timeout_s=5, done=lambda: True) == (True, set())
+        assert wait_noting_segments(lambda: [os.getpid()], timeout_s=0.2)[0] is False
+        assert time.monotonic() - t0 < 3
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if name_file.exists() and name_file.read_text():
+            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)

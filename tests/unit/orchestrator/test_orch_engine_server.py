@@ -62,3 +62,27 @@ def test_a_stop_removes_the_shared_memory_a_killed_engine_left(tmp_path):
         server.stop(grace_s=1.0)
         if name_file.exists():
             Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
+
+
+def test_a_stop_during_the_start_removes_the_shared_memory_the_engine_left(tmp_path):
+    """The pool stops a server that never became ready (the job ends, a start deadline passes): the
+    stop notes the tree's segments itself, since wait_ready() never did."""
+    name_file = tmp_path / "seg"
+    server = EngineServer(
+        lambda port: [sys.executable, "-c", LAUNCHER, str(port), str(name_file), LEAKY_ENGINE],
+        dict(os.environ),
+        tmp_path / "server.log",
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not name_file.exists() or not name_file.read_text():
+            assert time.monotonic() < deadline and not server.exited()
+            time.sleep(0.05)  # polling for the segment's name, bounded by the deadline
+        seg = Path("/dev/shm") / name_file.read_text()
+        assert seg.exists() and not server.processes()  # not ready yet: nothing noted
+        server.stop(grace_s=5.0)
+        assert server.exited() and not seg.exists()
+    finally:
+        server.stop(grace_s=1.0)
+        if name_file.exists():
+            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
