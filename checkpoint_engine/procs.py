@@ -19,8 +19,8 @@ Three mechanisms:
 
 A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
 its workers' named semaphores: `/dev/shm/sem.mp-*`). Whoever stops a vLLM process tree notes the
-segments it maps (``shm_segments``, ``group_shm_segments``) once it is up and again right before the
-stop, and removes what is left after the stop (``unlink_segments``).
+segments it maps (``shm_segments``, ``group_shm_segments``) once it is up and while it stops
+(``wait_noting_segments``), and removes what is left after the stop (``unlink_segments``).
 """
 
 from __future__ import annotations
