@@ -22,7 +22,7 @@ from checkpoint_engine.procs import (
     die_with_parent,
     group_pids,
     group_shm_segments,
-    shm_segments,
+    terminate_noting_segments,
     unlink_segments,
     wait_noting_segments,
 )
@@ -284,15 +284,12 @@ class ManagedEngine:
             return group_pids(proc.pid)
 
         # noted until the group has ended: a stop during the start comes before wait_healthy() noted any
-        self._segments |= shm_segments(running())
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            exited, noted = wait_noting_segments(running, grace_s, done=lambda: proc.poll() is not None)
-            self._segments |= noted
-            if not exited:
-                logger.warning("rank %d: engine %d ignored SIGTERM for %.1f s: SIGKILL", self.rank, proc.pid, grace_s)
-                _killpg(proc.pid, signal.SIGKILL)
-                proc.wait(grace_s)
+        exited, noted = terminate_noting_segments(proc, running, grace_s)
+        self._segments |= noted
+        if not exited:
+            logger.warning("rank %d: engine %d ignored SIGTERM for %.1f s: SIGKILL", self.rank, proc.pid, grace_s)
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait(grace_s)
         # children the engine left in its process group (e.g. a launcher's servers): TERM, then KILL
         if _killpg(proc.pid, signal.SIGTERM):
             # until the group is gone, zombies included (their parents still exiting)

@@ -278,6 +278,17 @@ def wait_noting_segments(
         time.sleep(poll_s)  # polling the processes' end, bounded by the deadline
 
 
+def terminate_noting_segments(proc, running: Callable[[], list[int]], grace_s: float) -> tuple[bool, set[str]]:
+    """SIGTERM `proc` (a ``subprocess.Popen``) and wait up to `grace_s` for it to exit, noting the
+    segments that `running()` (its processes) map before and meanwhile. Returns (exited, noted)."""
+    noted = shm_segments(running())
+    if proc.poll() is not None:
+        return True, noted
+    proc.send_signal(signal.SIGTERM)
+    exited, more = wait_noting_segments(running, grace_s, done=lambda: proc.poll() is not None)
+    return exited, noted | more
+
+
 def unlink_segments(paths: set[str]) -> list[str]:
     """Remove the named segments that still exist (what a killed process group could not remove);
     the memory goes once the last mapping of it is gone. Returns those removed."""

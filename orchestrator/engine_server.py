@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from checkpoint_engine.procs import die_with_parent, shm_segments, unlink_segments, wait_noting_segments
+from checkpoint_engine.procs import die_with_parent, shm_segments, terminate_noting_segments, unlink_segments
 from orchestrator.config import EngineConfig
 from orchestrator.pool_members import STARTING, WAITING, Member
 
@@ -185,9 +184,7 @@ class EngineServer:
                 self._remember_tree()  # a stop during the start comes before wait_ready() noted the tree
                 return [self.proc.pid, *(p.pid for p in self._tree)]
 
-            running()
-            self.proc.send_signal(signal.SIGTERM)
-            exited, noted = wait_noting_segments(running, grace_s, done=self.exited)
+            exited, noted = terminate_noting_segments(self.proc, running, grace_s)
             self._segments |= noted
             if not exited:
                 self.proc.kill()

@@ -37,8 +37,8 @@ from checkpoint_engine.procs import (
     end_processes,
     live_pids,
     shm_segments,
+    terminate_noting_segments,
     unlink_segments,
-    wait_noting_segments,
 )
 
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
@@ -317,14 +317,11 @@ class Launcher:
                 return [proc.pid, *live_pids(self._engine_tree)]
 
             # noted until vLLM has exited as well: a stop during its start comes before _supervise() noted any
-            self._segments |= shm_segments(running())
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                exited, noted = wait_noting_segments(running, grace_s, done=lambda: proc.poll() is not None)
-                self._segments |= noted
-                if not exited:
-                    proc.kill()
-                    proc.wait(10)
+            exited, noted = terminate_noting_segments(proc, running, grace_s)
+            self._segments |= noted
+            if not exited:
+                proc.kill()
+                proc.wait(10)
             left = end_processes(self._engine_tree, grace_s=10.0)
             if left:
                 logger.warning("vLLM left %d process(es) running; ended: %s", len(left), ", ".join(left))

@@ -409,18 +409,14 @@ def test_push_shards_partition_the_checkpoint(tmp_path):
 
 
 def test_launcher_close_removes_the_shared_memory_a_killed_vllm_left(tmp_path):
-    from tests.leaky_shm import LEAKY_ENGINE
+    from tests.leaky_shm import LEAKY_ENGINE, remove_segment, wait_for_segment
     from vllm_ext.launch import Launcher
 
     launcher = Launcher(LaunchConfig(model=str(tmp_path)))
     name_file = tmp_path / "seg"
     launcher.proc = subprocess.Popen([sys.executable, "-c", LEAKY_ENGINE, str(name_file)])
     try:
-        deadline = time.monotonic() + 30
-        while not name_file.exists() or not name_file.read_text():
-            assert time.monotonic() < deadline and launcher.proc.poll() is None
-            time.sleep(0.05)
-        seg = Path("/dev/shm") / name_file.read_text()
+        seg = wait_for_segment(name_file, lambda: launcher.proc.poll() is None)
         launcher._stop.set()
         assert launcher._supervise() == 0  # healthy: notes the segments, then sees the stop
         assert launcher._segments == {str(seg)}
@@ -432,30 +428,24 @@ def test_launcher_close_removes_the_shared_memory_a_killed_vllm_left(tmp_path):
     finally:
         if launcher.proc.poll() is None:
             launcher.proc.kill()
-        if name_file.exists():
-            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
+        remove_segment(name_file)
 
 
 def test_launcher_stopped_during_the_start_removes_the_shared_memory_vllm_left(tmp_path):
     """A SIGTERM while vLLM starts unwinds before _supervise() noted the segments: close() notes
     what vLLM's processes map before it stops them."""
-    from tests.leaky_shm import LEAKY_ENGINE
+    from tests.leaky_shm import LEAKY_ENGINE, remove_segment, wait_for_segment
     from vllm_ext.launch import Launcher
 
     launcher = Launcher(LaunchConfig(model=str(tmp_path)))
     name_file = tmp_path / "seg"
     launcher.proc = subprocess.Popen([sys.executable, "-c", LEAKY_ENGINE, str(name_file)])
     try:
-        deadline = time.monotonic() + 30
-        while not name_file.exists() or not name_file.read_text():
-            assert time.monotonic() < deadline and launcher.proc.poll() is None
-            time.sleep(0.05)  # polling for the segment's name, bounded by the deadline
-        seg = Path("/dev/shm") / name_file.read_text()
+        seg = wait_for_segment(name_file, lambda: launcher.proc.poll() is None)
         assert seg.exists() and not launcher._segments
         launcher.close(grace_s=5)  # SIGTERM: the stand-in dies without removing its segment
         assert launcher.proc.poll() is not None and not seg.exists()
     finally:
         if launcher.proc.poll() is None:
             launcher.proc.kill()
-        if name_file.exists():
-            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
+        remove_segment(name_file)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from orchestrator.engine_server import EngineServer
-from tests.leaky_shm import LEAKY_ENGINE
+from tests.leaky_shm import LEAKY_ENGINE, remove_segment, wait_for_segment
 
 # the "launcher": serves /launcher/status on the given port; its child (tests.leaky_shm) plays vLLM,
 # which maps a segment and (killed with SIGKILL) never removes it
@@ -38,13 +38,17 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 """
 
 
-def test_a_stop_removes_the_shared_memory_a_killed_engine_left(tmp_path):
-    name_file = tmp_path / "seg"
-    server = EngineServer(
+def _server(tmp_path: Path, name_file: Path) -> EngineServer:
+    return EngineServer(
         lambda port: [sys.executable, "-c", LAUNCHER, str(port), str(name_file), LEAKY_ENGINE],
         dict(os.environ),
         tmp_path / "server.log",
     )
+
+
+def test_a_stop_removes_the_shared_memory_a_killed_engine_left(tmp_path):
+    name_file = tmp_path / "seg"
+    server = _server(tmp_path, name_file)
     try:
         server.wait_ready(30.0, threading.Event())
         seg = Path("/dev/shm") / name_file.read_text()
@@ -60,29 +64,19 @@ def test_a_stop_removes_the_shared_memory_a_killed_engine_left(tmp_path):
         assert not seg.exists()
     finally:
         server.stop(grace_s=1.0)
-        if name_file.exists():
-            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
+        remove_segment(name_file)
 
 
 def test_a_stop_during_the_start_removes_the_shared_memory_the_engine_left(tmp_path):
     """The pool stops a server that never became ready (the job ends, a start deadline passes): the
     stop notes the tree's segments itself, since wait_ready() never did."""
     name_file = tmp_path / "seg"
-    server = EngineServer(
-        lambda port: [sys.executable, "-c", LAUNCHER, str(port), str(name_file), LEAKY_ENGINE],
-        dict(os.environ),
-        tmp_path / "server.log",
-    )
+    server = _server(tmp_path, name_file)
     try:
-        deadline = time.monotonic() + 30
-        while not name_file.exists() or not name_file.read_text():
-            assert time.monotonic() < deadline and not server.exited()
-            time.sleep(0.05)  # polling for the segment's name, bounded by the deadline
-        seg = Path("/dev/shm") / name_file.read_text()
+        seg = wait_for_segment(name_file, lambda: not server.exited())
         assert seg.exists() and not server.processes()  # not ready yet: nothing noted
         server.stop(grace_s=5.0)
         assert server.exited() and not seg.exists()
     finally:
         server.stop(grace_s=1.0)
-        if name_file.exists():
-            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
+        remove_segment(name_file)
