@@ -238,12 +238,16 @@ def shm_segments(pids: Iterable[int], prefixes: tuple[str, ...] = SHM_PREFIXES) 
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith(head):
-                        inodes.add(int(parts[4]))
+                maps = f.read()  # thousands of lines for a vLLM process: one search, then its few lines
         except OSError:
             continue
+        if head not in maps:
+            continue
+        for line in maps.splitlines():
+            if head in line:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(head):
+                    inodes.add(int(parts[4]))
     if not inodes:
         return set()
     found: set[str] = set()

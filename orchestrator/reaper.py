@@ -24,7 +24,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from checkpoint_engine.procs import descendants, end_processes, live_pids, shm_segments, unlink_segments
+from checkpoint_engine.procs import descendants, end_processes, shm_segments, unlink_segments
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ def watch(
     me = os.getpid()
     while True:
         before = (len(recorded), len(segments))
-        recorded.update({p: t for p, t in descendants(parent_pid).items() if p != me})
-        segments |= shm_segments(live_pids(recorded))
+        now = {p: t for p, t in descendants(parent_pid).items() if p != me}
+        recorded.update(now)
+        segments |= shm_segments(now)  # the tree of now: a long job records many short-lived processes
         changed = (len(recorded), len(segments)) != before
         if record_path is not None and (changed or not os.path.exists(record_path)):
             _write_record(record_path, list(recorded), segments)
