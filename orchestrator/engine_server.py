@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from checkpoint_engine.procs import die_with_parent, shm_segments, terminate_noting_segments, unlink_segments
+from checkpoint_engine.procs import die_with_parent, shm_segments, unlink_segments, wait_noting_segments
 from orchestrator.config import EngineConfig
 from orchestrator.pool_members import STARTING, WAITING, Member
 
@@ -147,14 +148,17 @@ class EngineServer:
                 )
             stop.wait(0.5)  # readiness poll, bounded by the deadline above
 
-    def _remember_tree(self) -> None:
-        """Note the launcher's descendants now and the shared memory they map (added to those noted)."""
+    def _descendants(self) -> list[Any]:
         import psutil
 
         try:
-            now = psutil.Process(self.proc.pid).children(recursive=True)
+            return psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.Error:
-            now = []
+            return []
+
+    def _remember_tree(self) -> None:
+        """Note the launcher's descendants now and the shared memory they map (added to those noted)."""
+        now = self._descendants()
         self._tree = list(dict.fromkeys([*self._tree, *now]))
         self._segments |= shm_segments([self.proc.pid, *(p.pid for p in now)])
 
@@ -179,12 +183,15 @@ class EngineServer:
         import psutil
 
         if not self.exited():
+            # at once, as the pool's close() signalled every launcher just before: vLLM needs seconds
+            # to stop, so its tree and segments are still there to note below
+            self.proc.send_signal(signal.SIGTERM)
+            self._remember_tree()  # a stop during the start comes before wait_ready() noted the tree
 
-            def running() -> list[int]:
-                self._remember_tree()  # a stop during the start comes before wait_ready() noted the tree
-                return [self.proc.pid, *(p.pid for p in self._tree)]
+            def running() -> list[int]:  # for the segments only: the processes to end are those noted
+                return [self.proc.pid, *(p.pid for p in self._descendants())]
 
-            exited, noted = terminate_noting_segments(self.proc, running, grace_s)
+            exited, noted = wait_noting_segments(running, grace_s, done=self.exited)
             self._segments |= noted
             if not exited:
                 self.proc.kill()
