@@ -282,15 +282,20 @@ def wait_noting_segments(
         time.sleep(poll_s)  # polling the processes' end, bounded by the deadline
 
 
-def terminate_noting_segments(proc, running: Callable[[], list[int]], grace_s: float) -> tuple[bool, set[str]]:
-    """SIGTERM `proc` (a ``subprocess.Popen``) and wait up to `grace_s` for it to exit, noting the
-    segments that `running()` (its processes) map before and meanwhile. Returns (exited, noted)."""
+def terminate_noting_segments(
+    proc, running: Callable[[], list[int]], grace_s: float, done: Callable[[], bool] | None = None
+) -> tuple[bool, set[str]]:
+    """SIGTERM `proc` (a ``subprocess.Popen``) and wait up to `grace_s` until `done()` (default: until
+    it exited), noting the segments that `running()` (its processes) map before and meanwhile.
+    Returns (done, noted)."""
+    done = done or (lambda: proc.poll() is not None)
     noted = shm_segments(running())
-    if proc.poll() is not None:
+    if proc.poll() is not None and done():
         return True, noted
-    proc.send_signal(signal.SIGTERM)
-    exited, more = wait_noting_segments(running, grace_s, done=lambda: proc.poll() is not None)
-    return exited, noted | more
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    finished, more = wait_noting_segments(running, grace_s, done=done)
+    return finished, noted | more
 
 
 def unlink_segments(paths: set[str]) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoint_engine.httpjson import status_json
-from checkpoint_engine.procs import die_with_parent, group_pids, shm_segments, unlink_segments, wait_noting_segments
+from checkpoint_engine.procs import die_with_parent, group_pids, terminate_noting_segments, unlink_segments
 from vllm_ext.launch_config import EXTENSION, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,13 +126,12 @@ class ServerProcess:
                 self.proc.poll()  # reaps the leader once it exits
                 return group_pids(pgid)
 
-            segments = shm_segments(running())
-            self.proc.send_signal(signal.SIGTERM)
-            ended, noted = wait_noting_segments(running, timeout_s)
+            # until the whole session has ended, not only its leader
+            ended, noted = terminate_noting_segments(self.proc, running, timeout_s, done=lambda: not running())
             if not ended:
                 os.killpg(pgid, signal.SIGKILL)
                 self.proc.wait(10)
-            unlink_segments(segments | noted)  # only those still there: a clean stop removed its own
+            unlink_segments(noted)  # only those still there: a clean stop removed its own
         self._log.close()
         return self.proc.returncode
 
