@@ -32,7 +32,6 @@ import dataclasses
 import logging
 import os
 import pathlib
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -343,8 +342,7 @@ class EnginePool(PoolMembers, RolloutEngine):
                 m.engine.close()
         servers = [m.server for m in members if m.server is not None]
         for s in servers:  # SIGTERM every launcher first: they stop their vLLM in parallel
-            if not s.exited():
-                s.proc.send_signal(signal.SIGTERM)
+            s.signal_stop()
         for s in servers:
             code = s.stop(grace_s=15.0)
             logger.info("engine server on port %d ended with code %s", s.port, code)

@@ -105,6 +105,7 @@ class EngineServer:
         self.log_path = log_path
         self._tree: list[Any] = []  # psutil.Process of the launcher's descendants (vLLM), once healthy
         self._segments: set[str] = set()  # the shared memory that tree mapped then (removed after a stop)
+        self._signalled = False  # SIGTERM sent (signal_stop)
         with open(log_path, "a") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting on port {self.port}\n")
             log.flush()
@@ -178,18 +179,24 @@ class EngineServer:
         """The vLLM processes under the launcher (``psutil.Process``, recorded when it became ready)."""
         return list(self._tree)
 
+    def signal_stop(self) -> None:
+        """Note the tree and its shared memory, then SIGTERM the launcher, once: a second SIGTERM while
+        vLLM shuts down can crash the launcher, and a tree noted after the signal can be gone already."""
+        if self._signalled or self.exited():
+            return
+        self._remember_tree()  # a stop during the start comes before wait_ready() noted the tree
+        self.proc.send_signal(signal.SIGTERM)
+        self._signalled = True
+
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the launcher (it stops vLLM), then SIGKILL whatever of the tree is left; its exit code."""
         import psutil
 
         if not self.exited():
-            # at once, as the pool's close() signalled every launcher just before: vLLM needs seconds
-            # to stop, so its tree and segments are still there to note below
-            self.proc.send_signal(signal.SIGTERM)
-            self._remember_tree()  # a stop during the start comes before wait_ready() noted the tree
+            self.signal_stop()  # no-op when the pool's close() signalled every launcher just before
 
             def running() -> list[int]:  # for the segments only: the processes to end are those noted
-                return [self.proc.pid, *(p.pid for p in self._descendants())]
+                return [self.proc.pid, *(p.pid for p in self._tree), *(p.pid for p in self._descendants())]
 
             exited, noted = wait_noting_segments(running, grace_s, done=self.exited)
             self._segments |= noted
