@@ -68,6 +68,7 @@ class Launcher:
         self._ps_lock = threading.Lock()
         self._ps_error: BaseException | None = None
         self._supervising = False
+        self._closing = False  # close() began: a signal no longer unwinds
         self._rendezvous_dir: str | None = None
         self.rendezvous: str | None = None
         self._load_metrics: dict | None = None
@@ -300,13 +301,19 @@ class Launcher:
         return 0
 
     def stop(self, signum: int, _frame=None) -> None:
-        """Signal handler: end supervision; during start-up, unwind at once (close() stops vLLM)."""
+        """Signal handler: end supervision; during start-up, unwind at once (close() stops vLLM).
+        Only the first signal unwinds: a second one (a supervisor that repeats its SIGTERM, a Ctrl-C
+        after it) must not break off close() while it stops vLLM and notes its shared memory."""
+        first = not self._stop.is_set()
         self._stop.set()
-        if not self._supervising:
+        if first and not self._supervising and not self._closing:
             raise SystemExit(128 + signum)
+        if not first:
+            logger.info("signal %d while stopping: already stopping", signum)
 
     def close(self, grace_s: float = 30.0) -> None:
         """Stop vLLM: SIGTERM, SIGKILL after `grace_s`; then end its engine processes still alive."""
+        self._closing = True
         if self.proc is not None:
             proc = self.proc
 

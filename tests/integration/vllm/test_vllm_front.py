@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -449,3 +450,21 @@ def test_launcher_stopped_during_the_start_removes_the_shared_memory_vllm_left(t
         if launcher.proc.poll() is None:
             launcher.proc.kill()
         remove_segment(name_file)
+
+
+def test_only_the_first_signal_unwinds_the_launchers_start(tmp_path):
+    """A SIGTERM during the start unwinds run() (close() then stops vLLM); a second SIGTERM, or
+    one that arrives once close() began, must not break off that close()."""
+    from vllm_ext.launch import Launcher
+
+    launcher = Launcher(LaunchConfig(model=str(tmp_path)))
+    with pytest.raises(SystemExit) as e:
+        launcher.stop(signal.SIGTERM)
+    assert e.value.code == 128 + signal.SIGTERM and launcher._stop.is_set()
+    launcher.stop(signal.SIGTERM)  # the repeat returns
+    launcher.stop(signal.SIGINT)
+
+    closing = Launcher(LaunchConfig(model=str(tmp_path)))
+    closing.close(grace_s=1)  # no vLLM started: only marks the close
+    closing.stop(signal.SIGTERM)  # returns: close() is under way (or done)
+    assert closing._stop.is_set()
