@@ -267,6 +267,9 @@ def test_the_pool_notices_a_dead_server_without_requests(pools):
         def exited(self):
             return True
 
+        def signal_stop(self):
+            pass
+
         def stop(self, grace_s):
             return -9
 
