@@ -158,6 +158,9 @@ def main(argv=None) -> int:
             return 2
     rank = int(os.environ["RANK"])
     setup_logging(args.log_level, rank)
+    from checkpoint_engine.procs import signal_when_orphaned
+
+    signal_when_orphaned()  # a SIGKILLed torchrun: stop as on its SIGTERM (engines included)
     bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
     from checkpoint_engine.p2p import P2PConfig
 

@@ -11,11 +11,15 @@ Three mechanisms:
 - ``die_with_parent`` (``preexec_fn`` of ``subprocess.Popen``): the kernel sends the child SIGTERM
   when the thread that started it dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``). Start such
   children from the main thread (or one that lives as long as they should).
+- ``signal_when_orphaned()`` (entry points whose parent they do not start: torchrun's ranks, in a
+  session of their own): a thread sends the process SIGTERM once its parent is gone, so a SIGKILLed
+  torchrun does not leave its ranks, and the engines they manage, running unowned.
 
     parent ──SIGTERM/SIGINT──▶ SystemExit ──▶ finally: child.terminate()
     parent ──SIGKILL──▶ kernel ──SIGTERM──▶ child (its own handler stops its children)
     signal ──wakeup fd──▶ watchdog thread ──deadline_s later, still alive──▶ stacks, os._exit(128 + signum)
     signal ──asyncio handler──▶ force_exit_after(deadline_s, signum) ──same ending──
+    parent gone (reparented) ──orphan watch──▶ SIGTERM to itself ──the same stop as above──
 
 A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
 its workers' named semaphores: `/dev/shm/sem.mp-*`). Whoever stops a vLLM process tree notes the
@@ -60,6 +64,27 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
 
     for sig in signals:
         signal.signal(sig, handler)
+
+
+def signal_when_orphaned(sig: int = signal.SIGTERM, poll_s: float = 1.0) -> threading.Thread:
+    """Send this process `sig` once its parent has gone (it was reparented: `os.getppid()` changed).
+
+    For processes started by a supervisor that neither signals them when it dies nor sets
+    PR_SET_PDEATHSIG (torchrun starts its ranks in sessions of their own). A poll, not
+    PR_SET_PDEATHSIG set here: that fires when the parent's *thread* that forked us ends, which
+    need not be the parent's end. The parent at the call is the one watched (pid 1 as well: then
+    nothing ever changes)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.error("parent process %d is gone: stopping (signal %d)", parent, sig)
+        os.kill(os.getpid(), sig)
+
+    t = threading.Thread(target=watch, daemon=True, name="orphan-watch")
+    t.start()
+    return t
 
 
 FORCED_EXIT_MARKER = "forcing the exit"

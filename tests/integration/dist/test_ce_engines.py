@@ -323,6 +323,35 @@ def test_sigterm_to_torchrun_stops_every_rank_and_engine_within_the_deadline(tmp
         daemon.stop()
 
 
+def test_sigkill_to_torchrun_stops_every_rank_and_engine(tmp_path):
+    """torchrun starts its ranks in sessions of their own and, SIGKILLed, signals nobody: each rank
+    notices it was orphaned and stops as on SIGTERM, its engine with it."""
+    import psutil
+
+    daemon = start_daemon(tmp_path, "--stop-timeout-s", "20")
+    rank_pids, engine_pids = [], []
+    try:
+        code, res = call("POST", daemon.url + "/engines/start", {})
+        assert code == 200 and res["ok"], res
+        engine_pids = [e["pid"] for e in engines(daemon.url)]
+        rank_pids = [p.pid for p in psutil.Process(daemon.proc.pid).children()]
+        assert len(rank_pids) == 2 and all(alive(p) for p in [*rank_pids, *engine_pids]), (rank_pids, engine_pids)
+        daemon.proc.kill()  # torchrun alone
+        assert daemon.proc.wait(10) == -signal.SIGKILL
+        wait_for(
+            lambda: not any(alive(p) for p in [*rank_pids, *engine_pids]),
+            "the ranks and their engines end once torchrun is gone",
+            timeout_s=30,
+        )
+        log = daemon.log.read_text(errors="replace")
+        assert "is gone: stopping" in log and "forcing the exit" not in log, log[-4000:]
+    finally:
+        daemon.stop()
+        for pid in [*rank_pids, *engine_pids]:  # left by a failure above (not in torchrun's group)
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_engines_sleep_and_wake_at_both_levels(tmp_path):
     """vLLM's sleep mode through the daemon (plain engines answer its routes the same way): level 1
     keeps the weights, level 2 drops them and the wake updates them (weights woken first, KV cache
