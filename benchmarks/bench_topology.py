@@ -71,6 +71,9 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                     raw_read_all_idle_s  every byte the pull delivers into the engine, rank 1's own half
                                  too (over TCP from rank 1's transfer engine, where the pull reads it in
                                  place: more work than the pull's) -> ratio_heal_vs_raw_read_all_idle
+                    raw_read_before_heals_*  (--read-before-heals N) the same raw read, N times before
+                                 the first heal with A idle: the owners' transfer engines have then served
+                                 a read before the heal's pull
                     memcpy_s     the version's safetensors files from /dev/shm (mmapped) copied into a
                                  warm buffer, best of --raw-repeats; ratio_heal_vs_memcpy
                   throughput_during_heal_ratio = A's tokens/s over its rounds that ran wholly between
@@ -178,12 +181,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="after the heals during engine A's rollouts, this many with A idle, each followed by "
         "--paired-repeats raw reads (heal_pull_idle_s vs raw_read_idle_s; 0: none)",
     )
+    p.add_argument(
+        "--read-before-heals",
+        type=int,
+        default=0,
+        help="raw reads of the pull's bytes from the owners right before the first heal, engine A idle "
+        "(raw_read_before_heals_*): the owners' transfer engines then serve a read before the heal's (0: none)",
+    )
     p.add_argument("--a-rounds", type=int, default=3, help="engine A's rounds before the heal (after a warm-up)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
     p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, metrics)")
     args = p.parse_args(argv)
     positive = ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats", "paired_repeats", "a_rounds")
+    if args.read_before_heals < 0:
+        p.error(f"--read-before-heals={args.read_before_heals} must be >= 0")
     for name in (*positive, "heals"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -563,6 +575,13 @@ def rate(rounds: list[tuple[float, float, int]]) -> dict:
     }
 
 
+def last_broadcast(work: pathlib.Path, rank: int) -> dict:
+    """The checkpoint and bucket size of `rank`'s last successful update (`raw_read_args`'s `healed`)."""
+    lines = (work / "updates.jsonl").read_text().splitlines()
+    last = [m for m in map(json.loads, lines) if m.get("rank") == rank and m.get("ok")][-1]
+    return {"checkpoint": last["checkpoint"], "bucket_size_bytes": last["bucket_size_bytes"]}
+
+
 def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
     """SIGKILL rank 1's engine; the daemon's heal, phase by phase."""
     victim = client.engines()["engines"][1]
@@ -778,6 +797,10 @@ def main(argv=None) -> dict:
             while len(before.rounds) < args.a_rounds:
                 time.sleep(POLL_S)
             a_before = rate(before.stop())
+            warm = {}
+            if reader and args.read_before_heals:
+                raw = raw_read_args(pool.daemon, last_broadcast(work, 1), args.read_before_heals)
+                warm = reader.read(*raw, key="raw_read_before_heals") if raw else {}
             if args.pin_healed_engine:  # read by the engine command at the restart
                 (work / "taskset-r1").write_text((work / "bind-r1").read_text())
             during = Generator(a_pool, tokenizer, args, "a-during").start()
@@ -801,6 +824,7 @@ def main(argv=None) -> dict:
             healed["heal_pull_s"] = round(statistics.median(healed["heal_pull_each_s"]), 4)
             healed["heal_pull_read_s"] = round(statistics.median(healed["heal_pull_read_each_s"]), 4)
             healed.update(paired_ratios(heals, paired, "paired"))
+            healed.update(warm)
             a_during = rate(inside)
             after = Generator(a_pool, tokenizer, args, "a-after").start()
             while len(after.rounds) < args.a_rounds:
