@@ -1,6 +1,6 @@
 """Child processes end with their parent.
 
-Three mechanisms:
+Four mechanisms:
 - ``exit_on_signals()`` (entry points only): SIGTERM (and SIGINT) raise ``SystemExit`` in the main
   thread, so ``finally`` blocks that stop servers run, as they do for Ctrl-C.
 - ``stop_deadline()`` (entry points only): once such a signal arrived, the process ends within a
