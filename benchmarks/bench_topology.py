@@ -575,11 +575,14 @@ def rate(rounds: list[tuple[float, float, int]]) -> dict:
     }
 
 
-def last_broadcast(work: pathlib.Path, rank: int) -> dict:
-    """The checkpoint and bucket size of `rank`'s last successful update (`raw_read_args`'s `healed`)."""
+def last_update(work: pathlib.Path, rank: int, checkpoint: str | None = None) -> dict:
+    """`rank`'s last successful update (of `checkpoint`, when given) in the daemon's metrics file."""
     lines = (work / "updates.jsonl").read_text().splitlines()
-    last = [m for m in map(json.loads, lines) if m.get("rank") == rank and m.get("ok")][-1]
-    return {"checkpoint": last["checkpoint"], "bucket_size_bytes": last["bucket_size_bytes"]}
+    return [
+        m
+        for m in map(json.loads, lines)
+        if m.get("rank") == rank and m.get("ok") and checkpoint in (None, m.get("checkpoint"))
+    ][-1]
 
 
 def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
@@ -599,12 +602,7 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank 1's engine was not healed within {timeout_s:.0f} s (last record: {record})")
         time.sleep(POLL_S)
-    pulls = [
-        m
-        for m in map(json.loads, (work / "updates.jsonl").read_text().splitlines())
-        if m.get("rank") == 1 and m.get("checkpoint") == current and m.get("ok")
-    ]
-    pull = pulls[-1]  # the heal's update on the receiving rank
+    pull = last_update(work, 1, current)  # the heal's update on the receiving rank
     failed_at = (record.get("last_failure") or {}).get("at", since.get("failed"))
     # starting -> updating: process start until the load step (load) or until healthy (dummy);
     # updating -> serving: the pull, then (load) vLLM's packing, compile, cache and gate. When the poll
@@ -799,7 +797,7 @@ def main(argv=None) -> dict:
             a_before = rate(before.stop())
             warm = {}
             if reader and args.read_before_heals:
-                raw = raw_read_args(pool.daemon, last_broadcast(work, 1), args.read_before_heals)
+                raw = raw_read_args(pool.daemon, last_update(work, 1), args.read_before_heals)
                 warm = reader.read(*raw, key="raw_read_before_heals") if raw else {}
             if args.pin_healed_engine:  # read by the engine command at the restart
                 (work / "taskset-r1").write_text((work / "bind-r1").read_text())
