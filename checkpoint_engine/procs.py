@@ -23,8 +23,9 @@ Four mechanisms:
 
 A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
 its workers' named semaphores: `/dev/shm/sem.mp-*`). Whoever stops a vLLM process tree notes the
-segments it maps (``shm_segments``, ``group_shm_segments``) once it is up and while it stops
-(``wait_noting_segments``), and removes what is left after the stop (``unlink_segments``).
+segments it maps (``shm_segments``, ``group_shm_segments``) once it is up, right before the signal
+(``signal_noting_segments``) and while it stops (``wait_noting_segments``; both:
+``terminate_noting_segments``), and removes what is left after the stop (``unlink_segments``).
 """
 
 from __future__ import annotations
@@ -307,6 +308,16 @@ def wait_noting_segments(
         time.sleep(poll_s)  # polling the processes' end, bounded by the deadline
 
 
+def signal_noting_segments(proc, running: Callable[[], list[int]], sig: int = signal.SIGTERM) -> set[str]:
+    """Note the segments that `running()` (`proc`'s processes) map, then send `sig` to `proc` (a
+    ``subprocess.Popen``) if it still runs: noted after the signal, a tree that ends at once would be
+    gone with its segments unnoted. Returns the segments noted."""
+    noted = shm_segments(running())
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return noted
+
+
 def terminate_noting_segments(
     proc, running: Callable[[], list[int]], grace_s: float, done: Callable[[], bool] | None = None
 ) -> tuple[bool, set[str]]:
@@ -314,11 +325,9 @@ def terminate_noting_segments(
     it exited), noting the segments that `running()` (its processes) map before and meanwhile.
     Returns (done, noted)."""
     done = done or (lambda: proc.poll() is not None)
-    noted = shm_segments(running())
     if proc.poll() is not None and done():
-        return True, noted
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        return True, shm_segments(running())
+    noted = signal_noting_segments(proc, running)
     finished, more = wait_noting_segments(running, grace_s, done=done)
     return finished, noted | more
 

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from checkpoint_engine.procs import die_with_parent, shm_segments, unlink_segments, wait_noting_segments
+from checkpoint_engine.procs import (
+    die_with_parent,
+    shm_segments,
+    signal_noting_segments,
+    unlink_segments,
+    wait_noting_segments,
+)
 from orchestrator.config import EngineConfig
 from orchestrator.pool_members import STARTING, WAITING, Member
 
@@ -184,8 +189,9 @@ class EngineServer:
         vLLM shuts down can crash the launcher, and a tree noted after the signal can be gone already."""
         if self._signalled or self.exited():
             return
-        self._remember_tree()  # a stop during the start comes before wait_ready() noted the tree
-        self.proc.send_signal(signal.SIGTERM)
+        # a stop during the start comes before wait_ready() noted the tree
+        self._tree = list(dict.fromkeys([*self._tree, *self._descendants()]))
+        self._segments |= signal_noting_segments(self.proc, lambda: [self.proc.pid, *(p.pid for p in self._tree)])
         self._signalled = True
 
     def stop(self, grace_s: float = 10.0) -> int | None:

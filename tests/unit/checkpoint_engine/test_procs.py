@@ -243,3 +243,42 @@ def test_wait_noting_segments_notes_a_segment_made_after_the_wait_began(tmp_path
             child.kill()
         if name_file.exists() and name_file.read_text():
             Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
+
+
+# makes a segment at once, then on SIGTERM ends at once without removing it (as a launcher whose tree
+# goes down with it)
+QUICK_LEAK = (
+    "import os, signal, sys, time\n"
+    "from multiprocessing import resource_tracker, shared_memory\n"
+    "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
+    "resource_tracker.unregister(seg._name, 'shared_memory')\n"
+    "signal.signal(signal.SIGTERM, lambda *_: os._exit(0))\n"
+    "open(sys.argv[1], 'w').write(seg.name)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_signal_noting_segments_notes_before_the_signal_a_process_that_ends_at_once(tmp_path):
+    import os
+    from pathlib import Path
+
+    from checkpoint_engine.procs import group_pids, signal_noting_segments, unlink_segments
+
+    name_file = tmp_path / "seg"
+    child = subprocess.Popen([sys.executable, "-c", QUICK_LEAK, str(name_file)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (name_file.exists() and name_file.read_text()):
+            assert child.poll() is None and time.monotonic() < deadline, "the child did not make its segment"
+            time.sleep(0.05)
+        seg = str(Path("/dev/shm") / name_file.read_text())
+        noted = signal_noting_segments(child, lambda: group_pids(child.pid))
+        assert child.wait(timeout=30) == 0  # ended by the signal, its segment left behind
+        assert noted == {seg} and os.path.exists(seg)
+        assert signal_noting_segments(child, lambda: group_pids(child.pid)) == set()  # ended: no signal, no error
+        assert unlink_segments(noted) == [seg]
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if name_file.exists() and name_file.read_text():
+            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
