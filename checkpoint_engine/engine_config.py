@@ -100,6 +100,9 @@ class EngineConfig:
     auto_heal: bool = True
     max_heal_attempts: int = 3  # consecutive failed heals of one engine before the healer gives up
     log_dir: str | None = None  # engine logs (engine-r<rank>.log); None: a fresh temporary folder
+    # where each rank keeps the shared-memory segments its engine maps (`segment_ledger`); None: the
+    # per-user default, which every daemon, pool and launcher of this user sweeps at an engine's start
+    segment_ledger_dir: str | None = None
 
     @property
     def loads_from_ps(self) -> bool:

@@ -31,6 +31,8 @@ from checkpoint_engine.procs import (
     unlink_segments,
     wait_noting_segments,
 )
+from checkpoint_engine.segment_ledger import SegmentLedger
+from checkpoint_engine.segment_ledger import sweep as sweep_segments
 from orchestrator.config import EngineConfig
 from orchestrator.pool_members import STARTING, WAITING, Member
 
@@ -104,13 +106,21 @@ def _free_port() -> int:
 class EngineServer:
     """One launcher child (gate + vLLM) on 127.0.0.1; ends with the thread that started it (PDEATHSIG)."""
 
-    def __init__(self, command: Callable[[int], list[str]], env: Mapping[str, str], log_path: pathlib.Path) -> None:
+    def __init__(
+        self,
+        command: Callable[[int], list[str]],
+        env: Mapping[str, str],
+        log_path: pathlib.Path,
+        segment_ledger_dir: str | None = None,
+    ) -> None:
+        sweep_segments(segment_ledger_dir)  # what servers killed along with their job left
         self.port = _free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._tree: list[Any] = []  # psutil.Process of the launcher's descendants (vLLM), once healthy
         self._segments: set[str] = set()  # the shared memory that tree mapped then (removed after a stop)
         self._signalled = False  # SIGTERM sent (signal_stop)
+        self._ledger = SegmentLedger(f"server-{self.port}", segment_ledger_dir)  # _segments, on disk
         with open(log_path, "a") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting on port {self.port}\n")
             log.flush()
@@ -166,7 +176,14 @@ class EngineServer:
         """Note the launcher's descendants now and the shared memory they map (added to those noted)."""
         now = self._descendants()
         self._tree = list(dict.fromkeys([*self._tree, *now]))
-        self._segments |= shm_segments([self.proc.pid, *(p.pid for p in now)])
+        self._note_segments(shm_segments([self.proc.pid, *(p.pid for p in now)]))
+
+    def _note_segments(self, segments: set[str]) -> None:
+        """Add to the segments to remove at the stop, and keep them on disk: if the job is killed with
+        its servers, the next server's start removes them (`segment_ledger.sweep`)."""
+        if segments - self._segments:
+            self._segments |= segments
+            self._ledger.record(self._segments)
 
     def answers(self, timeout_s: float = 5.0) -> bool:
         """Does vLLM behind the gate answer (GET /v1/models; the gate says 502 when vLLM is gone)?"""
@@ -191,7 +208,7 @@ class EngineServer:
             return
         # a stop during the start comes before wait_ready() noted the tree
         self._tree = list(dict.fromkeys([*self._tree, *self._descendants()]))
-        self._segments |= signal_noting_segments(self.proc, lambda: [self.proc.pid, *(p.pid for p in self._tree)])
+        self._note_segments(signal_noting_segments(self.proc, lambda: [self.proc.pid, *(p.pid for p in self._tree)]))
         self._signalled = True
 
     def stop(self, grace_s: float = 10.0) -> int | None:
@@ -205,7 +222,7 @@ class EngineServer:
                 return [self.proc.pid, *(p.pid for p in self._tree), *(p.pid for p in self._descendants())]
 
             exited, noted = wait_noting_segments(running, grace_s, done=self.exited)
-            self._segments |= noted
+            self._note_segments(noted)
             if not exited:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
@@ -217,6 +234,8 @@ class EngineServer:
                 pass
         psutil.wait_procs([p for p in self._tree if p.is_running()], timeout=5)
         unlink_segments(self._segments)  # those a killed launcher or vLLM process could not remove
+        self._segments = set()
+        self._ledger.record(self._segments)
         return self.proc.returncode
 
 

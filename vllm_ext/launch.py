@@ -40,6 +40,8 @@ from checkpoint_engine.procs import (
     terminate_noting_segments,
     unlink_segments,
 )
+from checkpoint_engine.segment_ledger import SegmentLedger
+from checkpoint_engine.segment_ledger import sweep as sweep_segments
 
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
 from vllm_ext.launch_config import EXTENSION as EXTENSION
@@ -76,6 +78,7 @@ class Launcher:
         self._load_error: BaseException | None = None
         self._engine_tree: dict[int, float] = {}  # vLLM's processes seen so far ({pid: create_time})
         self._segments: set[str] = set()  # the shared memory vLLM mapped once healthy (removed at close)
+        self._ledger = SegmentLedger("launcher")  # _segments, on disk: for a start after a SIGKILL of us all
 
     # -- pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -120,6 +123,7 @@ class Launcher:
             self._rendezvous_dir = tempfile.mkdtemp(prefix="ckpt-engine-")  # 0700: only this user reaches it
             self.rendezvous = f"ipc://{self._rendezvous_dir}/load.sock"
         cmd = vllm_command(self.cfg, self.engine_port, self.rendezvous)
+        sweep_segments()  # what engines killed along with their launcher or daemon left
         logger.info("starting: %s", " ".join(cmd))
         # vLLM stays in this launcher's process group: whoever stops the group (the daemon, a Ctrl-C)
         # reaches vLLM's engine core and workers too, even after this launcher was SIGKILLed. If the
@@ -287,6 +291,7 @@ class Launcher:
         """Wait for vLLM to exit or for a stop signal; poll the gate while it is closed."""
         self._supervising = True
         self._segments = shm_segments([self.proc.pid, *descendants(self.proc.pid)])
+        self._ledger.record(self._segments)
         while not self._stop.is_set():
             code = self.proc.poll()
             if code is not None:
@@ -326,6 +331,7 @@ class Launcher:
             # noted until vLLM has exited as well: a stop during its start comes before _supervise() noted any
             exited, noted = terminate_noting_segments(proc, running, grace_s)
             self._segments |= noted
+            self._ledger.record(self._segments)
             if not exited:
                 proc.kill()
                 proc.wait(10)
@@ -335,6 +341,7 @@ class Launcher:
             removed = unlink_segments(self._segments)  # what a killed vLLM process could not remove
             if removed:
                 logger.info("removed %d shared-memory segment(s) vLLM left: %s", len(removed), ", ".join(removed))
+            self._ledger.record(set())
         if self._server is not None:
             self._server.should_exit = True
         self.release_ps()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import time
 
@@ -358,3 +359,61 @@ def test_an_engine_stopped_before_it_was_healthy_leaves_no_named_shared_memory(t
         engine.stop()
         if name_file.exists():
             Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
+
+
+# a daemon rank in miniature: one managed engine, healthy, then it waits to be killed
+HOLDER = (
+    "import sys, time\n"
+    "from checkpoint_engine.engine_config import EngineConfig\n"
+    "from checkpoint_engine.engine_process import ManagedEngine\n"
+    "cfg = EngineConfig(cmd=(sys.executable, sys.argv[1], '{port}'), log_dir=sys.argv[2],\n"
+    "                   segment_ledger_dir=sys.argv[3], start_timeout_s=30)\n"
+    "engine = ManagedEngine(0, cfg)\n"
+    "engine.start(); engine.wait_healthy()\n"
+    "print(engine.pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_segments_of_an_engine_killed_with_its_daemon_are_removed_at_the_next_start(tmp_path):
+    """SIGKILL the daemon and its engine's whole group at once: nothing of theirs can remove the
+    engine's segment; the next engine start of any daemon sweeps it (segment_ledger)."""
+    import os
+    from pathlib import Path
+
+    from checkpoint_engine.engine_process import _killpg
+
+    script, ledgers = tmp_path / "server.py", tmp_path / "ledgers"
+    script.write_text(SERVER.replace("{trap}", LEAKY))
+    repo = Path(__file__).resolve().parents[3]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(script), str(tmp_path), str(ledgers)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    seg = None
+    try:
+        engine_pid = int(holder.stdout.readline())
+        seg = Path("/dev/shm") / (tmp_path / "server.py.seg").read_text()
+        _killpg(engine_pid, signal.SIGKILL)
+        holder.kill()
+        assert holder.wait(30) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while _killpg(engine_pid, 0):
+            assert time.monotonic() < deadline, "the engine's group did not end"
+            time.sleep(0.05)
+        assert seg.exists() and [p.name for p in ledgers.iterdir()] == [f"{holder.pid}-engine-r0.json"]
+
+        config = EngineConfig(cmd=("true", "{port}"), log_dir=str(tmp_path), segment_ledger_dir=str(ledgers))
+        engine = ManagedEngine(0, config)
+        engine.start()  # the sweep comes before the process starts
+        assert not seg.exists() and list(ledgers.iterdir()) == []
+        engine.stop()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(30)
+        if seg is not None:
+            seg.unlink(missing_ok=True)
