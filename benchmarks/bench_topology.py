@@ -449,7 +449,7 @@ def paired_ratios(heals: list[dict], raws: list[float], key: str) -> dict:
     return {
         f"raw_read_{key}_each_s": raws,
         f"ratio_heal_vs_raw_read_{key}_each": each,
-        f"ratio_heal_vs_raw_read_{key}": statistics.median(each),
+        f"ratio_heal_vs_raw_read_{key}": round(statistics.median(each), 3),
     }
 
 
