@@ -3,6 +3,7 @@ clean-up does."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -199,18 +200,36 @@ def test_shm_segments_finds_shared_memory_and_named_semaphores_mapped_by_a_proce
         del lock  # its finalizer removes the semaphore
 
 
-# makes a segment only after a while (as vLLM's engine core does during its start), then ends
-# without removing it
-LATE_LEAK = (
-    "import os, sys, time\n"
+# a segment made and left to the test to remove (its maker ends without removing it)
+_MAKE_SEGMENT = (
+    "import os, signal, sys, time\n"
     "from multiprocessing import resource_tracker, shared_memory\n"
-    "time.sleep(0.5)\n"
     "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
     "resource_tracker.unregister(seg._name, 'shared_memory')\n"
     "open(sys.argv[1], 'w').write(seg.name)\n"
-    "time.sleep(0.5)\n"
-    "os._exit(0)\n"
 )
+# makes the segment only after a while (as vLLM's engine core does during its start), then ends
+LATE_LEAK = "import time; time.sleep(0.5)\n" + _MAKE_SEGMENT + "time.sleep(0.5)\nos._exit(0)\n"
+# makes it at once; on SIGTERM ends at once (as a launcher whose tree goes down with it)
+QUICK_LEAK = _MAKE_SEGMENT + "signal.signal(signal.SIGTERM, lambda *_: os._exit(0))\ntime.sleep(60)\n"
+
+
+@contextlib.contextmanager
+def _leaking_child(tmp_path, script: str):
+    """`script` in a session of its own, given the file to write its segment's name to; killed if
+    still running at the end, and its segment removed."""
+    from pathlib import Path
+
+    name_file = tmp_path / "seg"
+    child = subprocess.Popen([sys.executable, "-c", script, str(name_file)], start_new_session=True)
+    try:
+        yield child, name_file
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(30)
+        if name_file.exists() and name_file.read_text():
+            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
 
 
 def test_wait_noting_segments_notes_a_segment_made_after_the_wait_began(tmp_path):
@@ -219,9 +238,7 @@ def test_wait_noting_segments_notes_a_segment_made_after_the_wait_began(tmp_path
 
     from checkpoint_engine.procs import group_pids, shm_segments, unlink_segments, wait_noting_segments
 
-    name_file = tmp_path / "seg"
-    child = subprocess.Popen([sys.executable, "-c", LATE_LEAK, str(name_file)], start_new_session=True)
-    try:
+    with _leaking_child(tmp_path, LATE_LEAK) as (child, name_file):
 
         def running() -> list[int]:
             child.poll()
@@ -238,24 +255,6 @@ def test_wait_noting_segments_notes_a_segment_made_after_the_wait_began(tmp_path
         assert wait_noting_segments(lambda: [os.getpid()], timeout_s=5, done=lambda: True) == (True, set())
         assert wait_noting_segments(lambda: [os.getpid()], timeout_s=0.2)[0] is False
         assert time.monotonic() - t0 < 3
-    finally:
-        if child.poll() is None:
-            child.kill()
-        if name_file.exists() and name_file.read_text():
-            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
-
-
-# makes a segment at once, then on SIGTERM ends at once without removing it (as a launcher whose tree
-# goes down with it)
-QUICK_LEAK = (
-    "import os, signal, sys, time\n"
-    "from multiprocessing import resource_tracker, shared_memory\n"
-    "seg = shared_memory.SharedMemory(create=True, size=4096)\n"
-    "resource_tracker.unregister(seg._name, 'shared_memory')\n"
-    "signal.signal(signal.SIGTERM, lambda *_: os._exit(0))\n"
-    "open(sys.argv[1], 'w').write(seg.name)\n"
-    "time.sleep(60)\n"
-)
 
 
 def test_signal_noting_segments_notes_before_the_signal_a_process_that_ends_at_once(tmp_path):
@@ -264,9 +263,7 @@ def test_signal_noting_segments_notes_before_the_signal_a_process_that_ends_at_o
 
     from checkpoint_engine.procs import group_pids, signal_noting_segments, unlink_segments
 
-    name_file = tmp_path / "seg"
-    child = subprocess.Popen([sys.executable, "-c", QUICK_LEAK, str(name_file)], start_new_session=True)
-    try:
+    with _leaking_child(tmp_path, QUICK_LEAK) as (child, name_file):
         deadline = time.monotonic() + 30
         while not (name_file.exists() and name_file.read_text()):
             assert child.poll() is None and time.monotonic() < deadline, "the child did not make its segment"
@@ -277,8 +274,3 @@ def test_signal_noting_segments_notes_before_the_signal_a_process_that_ends_at_o
         assert noted == {seg} and os.path.exists(seg)
         assert signal_noting_segments(child, lambda: group_pids(child.pid)) == set()  # ended: no signal, no error
         assert unlink_segments(noted) == [seg]
-    finally:
-        if child.poll() is None:
-            child.kill()
-        if name_file.exists() and name_file.read_text():
-            Path("/dev/shm", name_file.read_text()).unlink(missing_ok=True)
