@@ -23,7 +23,6 @@ from checkpoint_engine.procs import (
     group_pids,
     group_shm_segments,
     terminate_noting_segments,
-    unlink_segments,
     wait_noting_segments,
 )
 from checkpoint_engine.segment_ledger import SegmentLedger
@@ -62,8 +61,9 @@ class ManagedEngine:
         self._served_before: str | None = None  # the checkpoint served when the running update began
         self.healthy = False
         self._rendezvous_dir: str | None = None  # private folder of the load-step socket ({rendezvous})
-        self._segments: set[str] = set()  # named shared memory its processes mapped once healthy
-        self._ledger = SegmentLedger(f"engine-r{rank}", config.segment_ledger_dir)  # those segments, on disk
+        # named shared memory its processes mapped once healthy, kept on disk too: if this daemon is
+        # killed with its engine, the next start removes them (`segment_ledger.sweep`)
+        self._ledger = SegmentLedger(f"engine-r{rank}", config.segment_ledger_dir)
         self.rendezvous: str | None = None  # where the running engine's load step listens
         self.sleep_level: int | None = None  # while sleeping: 1 (weights kept in host memory) or 2 (dropped)
         self._emit()
@@ -229,7 +229,7 @@ class ManagedEngine:
                     with self._lock:
                         self.healthy = True
                         # what the engine's processes share by name: removed if they die without doing it
-                        self._note_segments(group_shm_segments(self._proc.pid) if self._proc is not None else set())
+                        self._ledger.note(group_shm_segments(self._proc.pid) if self._proc is not None else set())
                         self._emit()
                     return
             except OSError:
@@ -255,7 +255,7 @@ class ManagedEngine:
                 return None
             # what it left in its process group (an inference server's engine processes) starts stopping
             # now; the next start() makes sure it is gone before a new engine takes the device
-            self._note_segments(group_shm_segments(self._proc.pid))
+            self._ledger.note(group_shm_segments(self._proc.pid))
             _killpg(self._proc.pid, signal.SIGTERM)
             self._fail(f"engine process {self._proc.pid} exited with code {code} ({self._log_tail()})", code)
             return code
@@ -289,7 +289,7 @@ class ManagedEngine:
 
         # noted until the group has ended: a stop during the start comes before wait_healthy() noted any
         exited, noted = terminate_noting_segments(proc, running, grace_s)
-        self._note_segments(noted)
+        self._ledger.note(noted)
         if not exited:
             logger.warning("rank %d: engine %d ignored SIGTERM for %.1f s: SIGKILL", self.rank, proc.pid, grace_s)
             _killpg(proc.pid, signal.SIGKILL)
@@ -298,20 +298,11 @@ class ManagedEngine:
         if _killpg(proc.pid, signal.SIGTERM):
             # until the group is gone, zombies included (their parents still exiting)
             _, noted = wait_noting_segments(running, grace_s, done=lambda: not _killpg(proc.pid, 0))
-            self._note_segments(noted)
+            self._ledger.note(noted)
             _killpg(proc.pid, signal.SIGKILL)
-        removed = unlink_segments(self._segments)  # a killed engine's (vLLM's message queues)
+        removed = self._ledger.unlink()  # a killed engine's (vLLM's message queues)
         if removed:
             logger.info("rank %d: removed %d shared-memory segments the engine left", self.rank, len(removed))
-        self._segments = set()
-        self._ledger.record(self._segments)
-
-    def _note_segments(self, segments: set[str]) -> None:
-        """Add to the segments to remove at the stop, and keep them on disk: if this daemon is killed
-        with its engine, the next start removes them (`segment_ledger.sweep`)."""
-        if segments - self._segments:
-            self._segments |= segments
-            self._ledger.record(self._segments)
 
     def _close_log(self) -> None:
         if self._log is not None:

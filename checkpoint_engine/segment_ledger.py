@@ -9,8 +9,8 @@ file of its own (``SegmentLedger``), and a holder's start first sweeps the files
 gone (``sweep``): each segment listed there that still exists and that no live process maps is
 removed.
 
-    holder notes segments ──record(noted)──▶ <dir>/<pid>-<name>.json {"pid", "created", "segments"}
-    holder removed them (clean stop) ──record(set())──▶ file removed
+    holder notes segments ──note(noted)──▶ <dir>/<pid>-<name>.json {"pid", "created", "segments"}
+    holder's stop ──unlink()──▶ what is left of them removed, the file too
     holder SIGKILLed ──the file stays──▶ a later holder's start: sweep() ──owner gone, nobody maps
                                          the segment──▶ unlink; segments still mapped stay listed
 
@@ -27,7 +27,7 @@ import os
 import tempfile
 from collections.abc import Iterable
 
-from checkpoint_engine.procs import SHM_DIR, SHM_PREFIXES, live_pids, shm_segments
+from checkpoint_engine.procs import SHM_DIR, SHM_PREFIXES, live_pids, shm_segments, unlink_segments
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def _removable(path: str) -> bool:
 
 
 class SegmentLedger:
-    """One holder's file (`name` tells holders of one process apart, e.g. "engine-r0")."""
+    """The segments one holder noted and has not removed yet, mirrored in a file of its own (`name`
+    tells holders of one process apart, e.g. "engine-r0")."""
 
     def __init__(self, name: str, directory: str | None = None):
         if not name or "/" in name:
@@ -63,14 +64,33 @@ class SegmentLedger:
         self.directory = directory or default_dir()
         self.path = os.path.join(self.directory, f"{os.getpid()}-{name}.json")
         self._owner = {"pid": os.getpid(), "created": psutil.Process().create_time()}
+        self._segments: set[str] = set()
         self._warned = False
 
-    def record(self, segments: Iterable[str]) -> None:
-        """Keep `segments` (every one noted and not yet removed) as this holder's; none: no file.
-        A file that cannot be written is logged once: the holder's own stop still removes them."""
-        segments = sorted(segments)
+    @property
+    def segments(self) -> frozenset[str]:
+        return frozenset(self._segments)
+
+    def note(self, segments: Iterable[str]) -> None:
+        """Add `segments`; the file is rewritten only when one of them is new."""
+        new = set(segments) - self._segments
+        if new:
+            self._segments |= new
+            self._write()
+
+    def unlink(self) -> list[str]:
+        """Remove the noted segments that still exist (`procs.unlink_segments`: what killed processes
+        could not), forget them all and remove the file. Returns those removed."""
+        removed = unlink_segments(self._segments)
+        self._segments = set()
+        self._write()
+        return removed
+
+    def _write(self) -> None:
+        """The file holds the noted segments; none: no file. A file that cannot be written is logged
+        once: the holder's own stop still removes the segments."""
         try:
-            if not segments:
+            if not self._segments:
                 try:
                     os.unlink(self.path)
                 except FileNotFoundError:
@@ -79,7 +99,7 @@ class SegmentLedger:
             _private_dir(self.directory)
             tmp = f"{self.path}.tmp"
             with open(tmp, "w") as f:
-                json.dump({**self._owner, "segments": segments}, f)
+                json.dump({**self._owner, "segments": sorted(self._segments)}, f)
             os.replace(tmp, self.path)
         except OSError as e:
             if not self._warned:

@@ -28,7 +28,6 @@ from checkpoint_engine.procs import (
     die_with_parent,
     shm_segments,
     signal_noting_segments,
-    unlink_segments,
     wait_noting_segments,
 )
 from checkpoint_engine.segment_ledger import SegmentLedger
@@ -118,9 +117,10 @@ class EngineServer:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._tree: list[Any] = []  # psutil.Process of the launcher's descendants (vLLM), once healthy
-        self._segments: set[str] = set()  # the shared memory that tree mapped then (removed after a stop)
         self._signalled = False  # SIGTERM sent (signal_stop)
-        self._ledger = SegmentLedger(f"server-{self.port}", segment_ledger_dir)  # _segments, on disk
+        # the shared memory that tree mapped (removed after a stop), kept on disk too: if the job is
+        # killed with its servers, the next server's start removes them (`segment_ledger.sweep`)
+        self._ledger = SegmentLedger(f"server-{self.port}", segment_ledger_dir)
         with open(log_path, "a") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting on port {self.port}\n")
             log.flush()
@@ -176,14 +176,7 @@ class EngineServer:
         """Note the launcher's descendants now and the shared memory they map (added to those noted)."""
         now = self._descendants()
         self._tree = list(dict.fromkeys([*self._tree, *now]))
-        self._note_segments(shm_segments([self.proc.pid, *(p.pid for p in now)]))
-
-    def _note_segments(self, segments: set[str]) -> None:
-        """Add to the segments to remove at the stop, and keep them on disk: if the job is killed with
-        its servers, the next server's start removes them (`segment_ledger.sweep`)."""
-        if segments - self._segments:
-            self._segments |= segments
-            self._ledger.record(self._segments)
+        self._ledger.note(shm_segments([self.proc.pid, *(p.pid for p in now)]))
 
     def answers(self, timeout_s: float = 5.0) -> bool:
         """Does vLLM behind the gate answer (GET /v1/models; the gate says 502 when vLLM is gone)?"""
@@ -208,7 +201,7 @@ class EngineServer:
             return
         # a stop during the start comes before wait_ready() noted the tree
         self._tree = list(dict.fromkeys([*self._tree, *self._descendants()]))
-        self._note_segments(signal_noting_segments(self.proc, lambda: [self.proc.pid, *(p.pid for p in self._tree)]))
+        self._ledger.note(signal_noting_segments(self.proc, lambda: [self.proc.pid, *(p.pid for p in self._tree)]))
         self._signalled = True
 
     def stop(self, grace_s: float = 10.0) -> int | None:
@@ -222,7 +215,7 @@ class EngineServer:
                 return [self.proc.pid, *(p.pid for p in self._tree), *(p.pid for p in self._descendants())]
 
             exited, noted = wait_noting_segments(running, grace_s, done=self.exited)
-            self._note_segments(noted)
+            self._ledger.note(noted)
             if not exited:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
@@ -233,9 +226,7 @@ class EngineServer:
             except psutil.Error:
                 pass
         psutil.wait_procs([p for p in self._tree if p.is_running()], timeout=5)
-        unlink_segments(self._segments)  # those a killed launcher or vLLM process could not remove
-        self._segments = set()
-        self._ledger.record(self._segments)
+        self._ledger.unlink()  # those a killed launcher or vLLM process could not remove
         return self.proc.returncode
 
 

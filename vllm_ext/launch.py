@@ -38,7 +38,6 @@ from checkpoint_engine.procs import (
     live_pids,
     shm_segments,
     terminate_noting_segments,
-    unlink_segments,
 )
 from checkpoint_engine.segment_ledger import SegmentLedger
 from checkpoint_engine.segment_ledger import sweep as sweep_segments
@@ -77,8 +76,9 @@ class Launcher:
         self._load_report: dict = {}  # the engine's report at the end of its load step
         self._load_error: BaseException | None = None
         self._engine_tree: dict[int, float] = {}  # vLLM's processes seen so far ({pid: create_time})
-        self._segments: set[str] = set()  # the shared memory vLLM mapped once healthy (removed at close)
-        self._ledger = SegmentLedger("launcher")  # _segments, on disk: for a start after a SIGKILL of us all
+        # the shared memory vLLM mapped once healthy (removed at close), kept on disk too: for the next
+        # start after a SIGKILL of us all (`segment_ledger.sweep`)
+        self._ledger = SegmentLedger("launcher")
 
     # -- pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -290,8 +290,7 @@ class Launcher:
     def _supervise(self) -> int:
         """Wait for vLLM to exit or for a stop signal; poll the gate while it is closed."""
         self._supervising = True
-        self._segments = shm_segments([self.proc.pid, *descendants(self.proc.pid)])
-        self._ledger.record(self._segments)
+        self._ledger.note(shm_segments([self.proc.pid, *descendants(self.proc.pid)]))
         while not self._stop.is_set():
             code = self.proc.poll()
             if code is not None:
@@ -330,18 +329,16 @@ class Launcher:
 
             # noted until vLLM has exited as well: a stop during its start comes before _supervise() noted any
             exited, noted = terminate_noting_segments(proc, running, grace_s)
-            self._segments |= noted
-            self._ledger.record(self._segments)
+            self._ledger.note(noted)
             if not exited:
                 proc.kill()
                 proc.wait(10)
             left = end_processes(self._engine_tree, grace_s=10.0)
             if left:
                 logger.warning("vLLM left %d process(es) running; ended: %s", len(left), ", ".join(left))
-            removed = unlink_segments(self._segments)  # what a killed vLLM process could not remove
+            removed = self._ledger.unlink()  # what a killed vLLM process could not remove
             if removed:
                 logger.info("removed %d shared-memory segment(s) vLLM left: %s", len(removed), ", ".join(removed))
-            self._ledger.record(set())
         if self._server is not None:
             self._server.should_exit = True
         self.release_ps()

@@ -420,7 +420,7 @@ def test_launcher_close_removes_the_shared_memory_a_killed_vllm_left(tmp_path):
         seg = wait_for_segment(name_file, lambda: launcher.proc.poll() is None)
         launcher._stop.set()
         assert launcher._supervise() == 0  # healthy: notes the segments, then sees the stop
-        assert launcher._segments == {str(seg)}
+        assert launcher._ledger.segments == {str(seg)}
         launcher.proc.kill()
         launcher.proc.wait(10)
         assert seg.exists()  # left behind by the killed process
@@ -443,7 +443,7 @@ def test_launcher_stopped_during_the_start_removes_the_shared_memory_vllm_left(t
     launcher.proc = subprocess.Popen([sys.executable, "-c", LEAKY_ENGINE, str(name_file)])
     try:
         seg = wait_for_segment(name_file, lambda: launcher.proc.poll() is None)
-        assert seg.exists() and not launcher._segments
+        assert seg.exists() and not launcher._ledger.segments
         launcher.close(grace_s=5)  # SIGTERM: the stand-in dies without removing its segment
         assert launcher.proc.poll() is not None and not seg.exists()
     finally:

@@ -323,7 +323,7 @@ def test_a_killed_engine_s_named_shared_memory_is_removed_at_its_restart(tmp_pat
         engine.start()
         engine.wait_healthy()
         seg = Path("/dev/shm") / (tmp_path / "server.py.seg").read_text()
-        assert seg.exists() and engine._segments == {str(seg)}
+        assert seg.exists() and engine._ledger.segments == {str(seg)}
         engine._proc.send_signal(signal.SIGKILL)
         engine._proc.wait(10)
         assert engine.check_alive() == -9 and seg.exists()  # left behind
@@ -352,7 +352,7 @@ def test_an_engine_stopped_before_it_was_healthy_leaves_no_named_shared_memory(t
             assert time.monotonic() < deadline and engine.poll() is None
             time.sleep(0.05)  # polling for the segment's name, bounded by the deadline
         seg = Path("/dev/shm") / name_file.read_text()
-        assert seg.exists() and not engine.healthy and not engine._segments
+        assert seg.exists() and not engine.healthy and not engine._ledger.segments
         engine.stop()  # SIGTERM: the stand-in dies without removing its segment
         assert engine.poll() is not None and not seg.exists()
     finally:

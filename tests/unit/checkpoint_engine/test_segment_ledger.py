@@ -31,15 +31,15 @@ def _gone_owner() -> dict:
     return {"pid": child.pid, "created": created}
 
 
-def test_record_keeps_the_segments_until_none_are_left(tmp_path):
+def test_the_file_keeps_the_noted_segments_until_they_are_removed(tmp_path):
     ledger = SegmentLedger("engine-r0", str(tmp_path / "ledgers"))
-    ledger.record({"/dev/shm/psm_b", "/dev/shm/psm_a"})
+    ledger.note({"/dev/shm/psm_b", "/dev/shm/psm_a"})
     record = json.loads(open(ledger.path).read())
     assert record["segments"] == ["/dev/shm/psm_a", "/dev/shm/psm_b"] and record["pid"] == os.getpid()
     assert oct(os.stat(tmp_path / "ledgers").st_mode & 0o777) == "0o700"
-    ledger.record(set())
-    assert not os.path.exists(ledger.path)
-    ledger.record(set())  # nothing to remove: no error
+    assert ledger.unlink() == []  # none of them exists
+    assert not os.path.exists(ledger.path) and not ledger.segments
+    assert ledger.unlink() == []  # nothing to remove: no error
     with pytest.raises(ValueError, match="file name"):
         SegmentLedger("a/b", str(tmp_path))
 
@@ -56,7 +56,7 @@ def test_sweep_removes_what_gone_holders_left_and_nobody_maps(tmp_path):
         listed = [left_path, mapped_path, str(other_file), "/dev/shm/psm_never_made", "/etc/passwd"]
         (ledgers / "1-engine-r0.json").write_text(json.dumps({**gone, "segments": listed}))
         live = SegmentLedger("engine-r1", str(ledgers))  # this process's: its holder runs
-        live.record({"/dev/shm/psm_of_a_live_holder"})
+        live.note({"/dev/shm/psm_of_a_live_holder"})
         (ledgers / "2-broken.json").write_text("{not json")
 
         assert sweep(str(ledgers)) == [left_path]
