@@ -105,6 +105,9 @@ from checkpoint_engine.procs import die_with_parent, exit_on_signals  # after th
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 POLL_S = 0.05
+# --cpu-trace: processes whose threads are reported one by one (vLLM's engine core, where the load
+# step reads the pull; the daemon's ranks, whose transfer engines serve it; the raw reader)
+THREADS_TRACED = ("VLLM::EngineCor", "checkpoint_engine", "raw reader")
 
 # The engine command: the rank's CPU binding is read from <work>/bind-r<rank> at each start, so the
 # N=1 run can give one engine every CPU without a second daemon.
@@ -192,6 +195,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="deadline of every engine start")
     p.add_argument("--work-dir", default=None, help="default: a fresh folder in /dev/shm (shared memory)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, metrics)")
+    p.add_argument(
+        "--cpu-trace",
+        action="store_true",
+        help="sample every process's CPU time (benchmarks/cpu_trace.py): the cores each used during the "
+        "heals' pulls and during the raw reads beside them (cpu_*; ~1-2%% of a core)",
+    )
     args = p.parse_args(argv)
     positive = ("iterations", "prompts", "max_tokens", "train_steps", "raw_repeats", "paired_repeats", "a_rounds")
     if args.read_before_heals < 0:
@@ -624,6 +633,7 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
         "start_before_pull_s": round(before, 3),
         "start_after_pull_s": round(after, 3),
         "heal_pull_s": round(pull["total_s"], 4),
+        "pull_window": (pull["started_at_s"], pull["started_at_s"] + pull["total_s"]),  # for --cpu-trace
         "heal_pull_bytes": pull["total_bytes"],
         "heal_pull_mode": pull["mode"],
         "heal_pull_buckets": pull["num_buckets"],
@@ -784,6 +794,20 @@ def main(argv=None) -> dict:
             pool.daemon.update(name, None)
         records = pool.daemon.engines()["engines"]
         reader = RawReader() if args.heal_mode == "p2p" else None  # started before A generates
+        trace = None
+        if args.cpu_trace:
+            from cpu_trace import CpuTrace  # benchmarks/ is first on sys.path when run as a script
+
+            names = {os.getpid(): "bench", **({reader.proc.pid: "raw reader"} if reader else {})}
+            trace = CpuTrace(os.getpid(), names=names, threads_of=THREADS_TRACED).start()
+        raw_windows: dict[str, list[tuple[float, float]]] = {"paired": [], "idle_paired": []}
+
+        def paired_read(raw: tuple, key: str) -> float:
+            t0 = time.time()
+            got = reader.read(*raw, key="paired")["paired_s"]
+            raw_windows[key].append((t0, time.time()))
+            return got
+
         a_pool = EnginePool(
             [Member(0, engine=_http_engine(engine_config, records[0]["url"]), state=SERVING)],
             max_inflight_per_engine=256,
@@ -809,7 +833,7 @@ def main(argv=None) -> dict:
                     # right after each heal, while A still generates: the raw read beside this pull
                     raw = reader and raw_read_args(pool.daemon, heals[-1], args.paired_repeats)
                     if raw:
-                        paired.append(reader.read(*raw, key="paired")["paired_s"])
+                        paired.append(paired_read(raw, "paired"))
             finally:
                 rounds = during.stop()
                 (work / "taskset-r1").unlink(missing_ok=True)
@@ -853,7 +877,7 @@ def main(argv=None) -> dict:
                     (work / "taskset-r1").unlink(missing_ok=True)
                 raw = reader and raw_read_args(pool.daemon, idle_heals[-1], args.paired_repeats)
                 if raw:  # right after this pull, still with nothing else running
-                    idle_paired.append(reader.read(*raw, key="paired")["paired_s"])
+                    idle_paired.append(paired_read(raw, "idle_paired"))
             if idle_heals:
                 idle = idle_heals[-1]
                 healed["heal_pull_idle_each_s"] = [h["heal_pull_s"] for h in idle_heals]
@@ -861,11 +885,18 @@ def main(argv=None) -> dict:
                 healed["heal_pull_idle_phases"] = idle["heal_pull_phases"]
                 healed["engine_reload_idle"] = engine_reload_report(idle["url"])
             healed.update(paired_ratios(idle_heals, idle_paired, "idle_paired"))
+            if trace is not None:  # the cores each process used during the pulls, and during the raw reads
+                for key, pulls in (("heal_pulls", heals), ("idle_heal_pulls", idle_heals)):
+                    healed[f"cpu_{key}"] = CpuTrace.merge([trace.window(*h["pull_window"]) for h in pulls])
+                for key, windows in raw_windows.items():
+                    healed[f"cpu_{key}_raw_reads"] = CpuTrace.merge([trace.window(*w) for w in windows])
         finally:
+            if trace is not None:
+                trace.stop()
             a_pool.close()
             if reader is not None:
                 reader.close()
-        del healed["killed_at"], healed["serving_at"]
+        del healed["killed_at"], healed["serving_at"], healed["pull_window"]
         if "raw_read_s" in healed:
             healed["raw_read"] = (
                 "Mooncake transfer engine (TCP, a process of its own) reading the pull's buckets of the other owners "

@@ -1,0 +1,64 @@
+"""benchmarks/cpu_trace.py: the cores each process under a root used during a window, labelled by
+its daemon rank (its own or an ancestor's LOCAL_RANK) and role."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("psutil")
+
+_PATH = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "cpu_trace.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("cpu_trace", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUSY_CHILD = """
+import subprocess, sys, time
+# a child without LOCAL_RANK (as an engine started by a daemon rank): labelled with its parent's rank
+child = subprocess.Popen([sys.executable, "-c", "import time\\nt = time.time()\\nwhile time.time() - t < 2.0: pass"],
+                         env={"PATH": ""})
+sys.exit(child.wait())
+"""
+
+
+def test_a_busy_grandchild_is_counted_under_its_ancestors_rank_and_an_idle_window_is_not():
+    cpu_trace = _module()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", BUSY_CHILD], env=dict(os.environ, LOCAL_RANK="3"), stdout=subprocess.DEVNULL
+    )
+    trace = cpu_trace.CpuTrace(os.getpid(), names={os.getpid(): "test"}, interval_s=0.05, refresh_every=2).start()
+    try:
+        time.sleep(0.6)  # the grandchild has started and is found by a refresh
+        t0 = time.time()
+        time.sleep(1.0)
+        t1 = time.time()
+        assert parent.wait(10) == 0
+        time.sleep(0.3)
+        t2 = time.time()
+        time.sleep(0.5)
+        t3 = time.time()
+    finally:
+        trace.stop()
+        parent.kill()
+    busy = trace.window(t0, t1)
+    assert 0.9 <= busy["span_s"] <= 1.2
+    assert busy["cores"]["r3:-c"] > 0.5  # both the idle parent and the busy child are "r3:-c"
+    assert busy["machine_busy_cores"] >= busy["cores"]["r3:-c"] - 0.1
+    idle = trace.window(t2, t3)
+    assert idle["cores"].get("r3:-c", 0.0) == 0.0  # exited: no sample of them spans the window
+    merged = cpu_trace.CpuTrace.merge([busy, idle])
+    assert merged["windows"] == 2 and merged["span_s"] == pytest.approx(busy["span_s"] + idle["span_s"], abs=0.01)
+    share = busy["span_s"] / merged["span_s"]
+    assert merged["cores"]["r3:-c"] == pytest.approx(busy["cores"]["r3:-c"] * share, abs=0.02)
+    assert "test" not in merged["cores"] or merged["cores"]["test"] < 0.5
+    assert cpu_trace.CpuTrace.merge([]) == {}
