@@ -3,7 +3,7 @@
     python benchmarks/bench_topology.py [--iterations 2] [--prompts 32] [--max-tokens 32] [--train-steps 2]
         [--model-size-mib 256] [--heal-mode p2p|local] [--engine-start load|dummy] [--pin-healed-engine]
         [--daemon-p2p-cpus all|healed] [--bucket-size-mib N] [--heals 3] [--raw-repeats 20]
-        [--paired-repeats 5] [--idle-heals 1] [--a-rounds 3] [--work-dir DIR] [--keep]
+        [--paired-repeats 5] [--idle-heals 1] [--a-rounds 3] [--work-dir DIR] [--keep] [--cpu-trace]
     python benchmarks/bench_topology.py --model-size-mib 0 --prompts 64 --max-tokens 64   # the demo's shape
 
 One checkpoint-engine daemon (`torchrun --nproc-per-node 2 -m checkpoint_engine --engine-cmd ...`),
@@ -76,6 +76,10 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                                  a read before the heal's pull
                     memcpy_s     the version's safetensors files from /dev/shm (mmapped) copied into a
                                  warm buffer, best of --raw-repeats; ratio_heal_vs_memcpy
+                    cpu_*        (--cpu-trace) the cores each process (and each thread of the healed
+                                 engine's, rank 1's, rank 0's daemon and the raw reader) used during
+                                 the heals' pulls (cpu_heal_pulls, cpu_idle_heal_pulls) and during the
+                                 raw reads (cpu_paired_raw_read, cpu_raw_read, ...): who else ran
                   throughput_during_heal_ratio = A's tokens/s over its rounds that ran wholly between
                   the kill and B serving again / a_before (a_after: after the heal)
   (c) N=1         every engine stopped; rank 0's engine started alone bound to all CPUs
@@ -105,9 +109,9 @@ from checkpoint_engine.procs import die_with_parent, exit_on_signals  # after th
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 POLL_S = 0.05
-# --cpu-trace: processes whose threads are reported one by one (vLLM's engine core, where the load
-# step reads the pull; the daemon's ranks, whose transfer engines serve it; the raw reader)
-THREADS_TRACED = ("VLLM::EngineCor", "checkpoint_engine", "raw reader")
+# --cpu-trace: processes whose threads are reported one by one (the healed engine's and rank 1's,
+# which read the pull; rank 0's, whose transfer engine serves it; the raw reader)
+THREADS_TRACED = ("r1:", "r0:checkpoint_engine", "raw reader")
 
 # The engine command: the rank's CPU binding is read from <work>/bind-r<rank> at each start, so the
 # N=1 run can give one engine every CPU without a second daemon.
@@ -420,14 +424,15 @@ def mooncake_raw_read(
     def remote(b) -> int:
         return g.chunk_ptrs[b.owner_rank][b.chunk] + b.start_bytes
 
-    per_bucket, batch = [], []
+    per_bucket, batch, windows = [], [], []
     try:
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             for b in buckets:
                 local = double.data_ptr() + (b.index % 2) * stride
                 store.read(g.p2p_addrs[b.owner_rank], local, remote(b), b.size_bytes)
             per_bucket.append(time.perf_counter() - t0)
+            windows.append((wall0, time.time()))
         for _ in range(repeats):
             t0, offset = time.perf_counter(), 0
             for owner in sorted({b.owner_rank for b in buckets}):
@@ -447,6 +452,7 @@ def mooncake_raw_read(
         f"{key}_batch_s": round(statistics.median(batch), 5),
         f"{key}_bytes": total,
         f"{key}_buckets": len(buckets),
+        f"{key}_windows": windows,  # each bucket-by-bucket read's wall-clock span (RawReader keeps them)
     }
 
 
@@ -480,6 +486,7 @@ class RawReader:
     """
 
     def __init__(self, timeout_s: float = 120.0):
+        self.windows: dict[str, list[tuple[float, float]]] = {}  # key -> the reads' wall-clock spans
         here = str(REPO / "benchmarks")
         code = f"import sys; sys.path.insert(0, {here!r}); import bench_topology as b; b.serve_raw_reads()"
         self.proc = subprocess.Popen(
@@ -489,7 +496,9 @@ class RawReader:
 
     def read(self, metas: dict, bucket_size_bytes: int, receiver: int, repeats: int, key: str, timeout_s=600.0):
         req = {"metas": metas, "bucket_size_bytes": bucket_size_bytes, "receiver": receiver, "repeats": repeats}
-        return self._ask({"op": "read", **req, "key": key}, timeout_s)
+        answer = self._ask({"op": "read", **req, "key": key}, timeout_s)
+        self.windows.setdefault(key, []).extend(map(tuple, answer.pop(f"{key}_windows", [])))
+        return answer
 
     def _ask(self, req: dict, timeout_s: float) -> dict:
         import selectors
@@ -800,13 +809,6 @@ def main(argv=None) -> dict:
 
             names = {os.getpid(): "bench", **({reader.proc.pid: "raw reader"} if reader else {})}
             trace = CpuTrace(os.getpid(), names=names, threads_of=THREADS_TRACED).start()
-        raw_windows: dict[str, list[tuple[float, float]]] = {"paired": [], "idle_paired": []}
-
-        def paired_read(raw: tuple, key: str) -> float:
-            t0 = time.time()
-            got = reader.read(*raw, key="paired")["paired_s"]
-            raw_windows[key].append((t0, time.time()))
-            return got
 
         a_pool = EnginePool(
             [Member(0, engine=_http_engine(engine_config, records[0]["url"]), state=SERVING)],
@@ -833,7 +835,7 @@ def main(argv=None) -> dict:
                     # right after each heal, while A still generates: the raw read beside this pull
                     raw = reader and raw_read_args(pool.daemon, heals[-1], args.paired_repeats)
                     if raw:
-                        paired.append(paired_read(raw, "paired"))
+                        paired.append(reader.read(*raw, key="paired")["paired_s"])
             finally:
                 rounds = during.stop()
                 (work / "taskset-r1").unlink(missing_ok=True)
@@ -877,7 +879,7 @@ def main(argv=None) -> dict:
                     (work / "taskset-r1").unlink(missing_ok=True)
                 raw = reader and raw_read_args(pool.daemon, idle_heals[-1], args.paired_repeats)
                 if raw:  # right after this pull, still with nothing else running
-                    idle_paired.append(paired_read(raw, "idle_paired"))
+                    idle_paired.append(reader.read(*raw, key="idle_paired")["idle_paired_s"])
             if idle_heals:
                 idle = idle_heals[-1]
                 healed["heal_pull_idle_each_s"] = [h["heal_pull_s"] for h in idle_heals]
@@ -888,8 +890,9 @@ def main(argv=None) -> dict:
             if trace is not None:  # the cores each process used during the pulls, and during the raw reads
                 for key, pulls in (("heal_pulls", heals), ("idle_heal_pulls", idle_heals)):
                     healed[f"cpu_{key}"] = CpuTrace.merge([trace.window(*h["pull_window"]) for h in pulls])
-                for key, windows in raw_windows.items():
-                    healed[f"cpu_{key}_raw_reads"] = CpuTrace.merge([trace.window(*w) for w in windows])
+                for key, windows in reader.windows.items() if reader else ():
+                    name = key if key.startswith("raw_read") else f"{key}_raw_read"
+                    healed[f"cpu_{name}"] = CpuTrace.merge([trace.window(*w) for w in windows])
         finally:
             if trace is not None:
                 trace.stop()

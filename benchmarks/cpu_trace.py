@@ -70,9 +70,11 @@ class CpuTrace:
     ):
         self.root, self.names = root, dict(names or {})
         self.threads_of, self.interval_s, self.refresh_every = threads_of, interval_s, refresh_every
-        self._procs: dict[int, tuple[object, str]] = {}
+        self._procs: dict[int, object] = {}
+        self._labels: dict[int, str] = {}  # relabelled at each refresh: a new process gets its title late
+        self._thread_labels: dict[str, str] = {}  # "pid.tid" -> its process's label and the thread's name
         self._times: list[float] = []
-        self._samples: list[tuple[float, dict[str, float]]] = []  # (machine busy s, {key: cpu s})
+        self._samples: list[tuple[float, dict[str, float]]] = []  # (machine busy s, {pid or "pid.tid": cpu s})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-trace", daemon=True)
 
@@ -87,7 +89,6 @@ class CpuTrace:
     def name(self, pid: int, label: str) -> None:
         """Label `pid` (and forget how it was labelled before: pids of dead processes are reused)."""
         self.names[pid] = label
-        self._procs.pop(pid, None)
 
     def _refresh(self) -> None:
         import psutil
@@ -97,22 +98,20 @@ class CpuTrace:
             found = {p.pid: p for p in [root, *root.children(recursive=True)]}
         except psutil.Error:
             return
-        for pid in list(self._procs):
-            if pid not in found:
-                del self._procs[pid]
-        for pid, p in found.items():
-            if pid not in self._procs:
-                self._procs[pid] = (p, label_of(p, self.names))
+        self._procs = found
+        for pid, p in found.items():  # a process forked, then exec'ed or titled, is labelled anew
+            self._labels[pid] = label_of(p, self.names)
 
     def _sample(self) -> dict[str, float]:
         import psutil
 
         out: dict[str, float] = {}
-        for pid, (p, label) in list(self._procs.items()):
+        for pid, p in list(self._procs.items()):
+            label = self._labels.get(pid, f"pid {pid}")
             try:
                 t = p.cpu_times()
-                # keyed by pid too: a process that exits must not take its time out of its label's sum
-                out[f"{pid}\0{label}"] = t.user + t.system
+                # keyed by pid: a process that exits must not take its time out of its label's sum
+                out[str(pid)] = t.user + t.system
                 if any(k in label for k in self.threads_of):
                     for th in p.threads():
                         try:
@@ -120,7 +119,8 @@ class CpuTrace:
                                 comm = f.read().strip()
                         except OSError:
                             continue
-                        key = f"{pid}.{th.id}\0{label} / thread {comm}"
+                        key = f"{pid}.{th.id}"
+                        self._thread_labels[key] = f"{label} / thread {comm}"
                         out[key] = th.user_time + th.system_time
             except (psutil.Error, OSError):
                 continue
@@ -150,7 +150,7 @@ class CpuTrace:
         cores: dict[str, float] = {}
         for key, cpu in b.items():
             if key in a:
-                label = key.split("\0", 1)[1]
+                label = self._thread_labels.get(key) or self._labels.get(int(key), f"pid {key}")
                 cores[label] = cores.get(label, 0.0) + (cpu - a[key]) / span
         return {"span_s": round(span, 3), "machine_busy_cores": round((busy1 - busy0) / span, 2), "cores": cores}
 
