@@ -81,21 +81,6 @@ class Launcher:
         self._ledger = SegmentLedger("launcher")
 
     # -- pieces ---------------------------------------------------------------------------
-    @staticmethod
-    def import_gate_modules(timeout_s: float = 60.0) -> None:
-        """Import the gate's server modules in a thread that only gets CPU time vLLM's start leaves
-        idle (their import would otherwise slow vLLM's own start); the gate itself runs at normal priority."""
-
-        def work() -> None:
-            lower_thread_priority(19)
-            import httpx  # noqa: F401
-            import starlette.applications  # noqa: F401
-            import uvicorn  # noqa: F401
-
-        t = threading.Thread(target=work, daemon=True, name="gate-imports")
-        t.start()
-        t.join(timeout_s)  # bounded: past it, the imports finish at normal priority in start_gate
-
     def start_gate(self) -> None:
         import uvicorn
 
@@ -232,7 +217,9 @@ class Launcher:
             registering.start()
             if self.rendezvous is not None:
                 loading.start()
-        self.import_gate_modules()
+        # The gate starts now, at normal priority, while vLLM starts in its own processes (~0.3 s of
+        # imports). At idle priority it would run in the first idle gaps of the engine's cores, which
+        # under load are the load step's pull (the engine waiting on its reads): it then slowed that.
         self.start_gate()
         if self.cfg.load_rendezvous is not None:
             return self._run_external_load()
