@@ -109,6 +109,11 @@ from checkpoint_engine.procs import die_with_parent, exit_on_signals  # after th
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 POLL_S = 0.05
+# How often a heal asks the daemon for the engines' records. The phases come from the records' own
+# clock, so only seeing `updating` (the pull and vLLM's finish, seconds) needs a poll within it; a
+# faster poll kept the daemon's rank 0, whose transfer engine serves the pull, and this process
+# busy during the pull and not during the raw reads it is compared with.
+HEAL_POLL_S = 0.5
 # --cpu-trace: processes whose threads are reported one by one (the healed engine's and rank 1's,
 # which read the pull; rank 0's, whose transfer engine serves it; the raw reader)
 THREADS_TRACED = ("r1:", "r0:checkpoint_engine", "raw reader")
@@ -619,7 +624,7 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
             break
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank 1's engine was not healed within {timeout_s:.0f} s (last record: {record})")
-        time.sleep(POLL_S)
+        time.sleep(HEAL_POLL_S)
     pull = last_update(work, 1, current)  # the heal's update on the receiving rank
     failed_at = (record.get("last_failure") or {}).get("at", since.get("failed"))
     # starting -> updating: process start until the load step (load) or until healthy (dummy);
