@@ -86,10 +86,6 @@ class CpuTrace:
         self._stop.set()
         self._thread.join(5.0)
 
-    def name(self, pid: int, label: str) -> None:
-        """Label `pid` (and forget how it was labelled before: pids of dead processes are reused)."""
-        self.names[pid] = label
-
     def _refresh(self) -> None:
         import psutil
 

@@ -218,8 +218,8 @@ class Launcher:
             if self.rendezvous is not None:
                 loading.start()
         # The gate starts now, at normal priority, while vLLM starts in its own processes (~0.3 s of
-        # imports). At idle priority it would run in the first idle gaps of the engine's cores, which
-        # under load are the load step's pull (the engine waiting on its reads): it then slowed that.
+        # imports). At idle priority, on the core vLLM's start keeps busy, it ran in the first idle
+        # gaps instead: the load step's pull (the engine waiting on its reads), which it then slowed.
         self.start_gate()
         if self.cfg.load_rendezvous is not None:
             return self._run_external_load()
