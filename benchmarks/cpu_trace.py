@@ -40,13 +40,16 @@ def label_of(proc, names: dict[int, str]) -> str:
         return names[proc.pid]
     try:
         name, cmd = proc.name(), proc.cmdline()
-        rank = None
+    except (psutil.Error, OSError):
+        return f"pid {proc.pid}"
+    rank = None
+    try:
         for p in (proc, *proc.parents()):  # engines run without torchrun's variables: their rank's
             rank = p.environ().get("LOCAL_RANK")
             if rank is not None:
                 break
-    except (psutil.Error, OSError):
-        return f"pid {proc.pid}"
+    except (psutil.Error, OSError):  # an ancestor that exited meanwhile: labelled without a rank
+        pass
     role = name
     if name.startswith("python") and len(cmd) > 1:
         if "-m" in cmd[:-1]:
