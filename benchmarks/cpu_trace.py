@@ -20,6 +20,7 @@ import bisect
 import os
 import threading
 import time
+from array import array
 
 MIN_CORES = 0.02  # labels using less are left out of a window's report
 
@@ -76,8 +77,9 @@ class CpuTrace:
         self._procs: dict[int, object] = {}
         self._labels: dict[int, str] = {}  # relabelled at each refresh: a new process gets its title late
         self._thread_labels: dict[str, str] = {}  # "pid.tid" -> its process's label and the thread's name
-        self._times: list[float] = []
-        self._samples: list[tuple[float, dict[str, float]]] = []  # (machine busy s, {pid or "pid.tid": cpu s})
+        # (wall time, machine busy s, keys, cpu s of each key): a key is a pid or "pid.tid"; the tuple of
+        # keys is shared by the samples between two changes of the process set (~1.6 KB a sample)
+        self._samples: list[tuple[float, float, tuple[str, ...], array]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-trace", daemon=True)
 
@@ -102,6 +104,7 @@ class CpuTrace:
             self._labels[pid] = label_of(p, self.names)
 
     def _sample(self) -> dict[str, float]:
+        """{pid or "pid.tid": CPU seconds so far} of every process (and every thread looked inside)."""
         import psutil
 
         out: dict[str, float] = {}
@@ -126,26 +129,29 @@ class CpuTrace:
         return out
 
     def _run(self) -> None:
-        n = 0
+        n, keys = 0, ()
         while not self._stop.is_set():
             if n % self.refresh_every == 0:
                 self._refresh()
             n += 1
             t, busy, sample = time.time(), _machine_busy_s(), self._sample()
-            self._times.append(t)
-            self._samples.append((busy, sample))
+            if tuple(sample) != keys:
+                keys = tuple(sample)
+            self._samples.append((t, busy, keys, array("d", sample.values())))
             self._stop.wait(self.interval_s)
 
     def window(self, t0: float, t1: float) -> dict:
         """CPU use (cores) of each label from the last sample at or before `t0` to the first at or
         after `t1` (wall clock, time.time())."""
-        times = list(self._times)
+        samples = self._samples[:]  # the sampler may append meanwhile
+        times = [s[0] for s in samples]
         i0 = max(bisect.bisect_right(times, t0) - 1, 0)
         i1 = min(bisect.bisect_left(times, t1), len(times) - 1)
         if i1 <= i0:
             return {"span_s": 0.0, "machine_busy_cores": None, "cores": {}}
         span = times[i1] - times[i0]
-        (busy0, a), (busy1, b) = self._samples[i0], self._samples[i1]
+        (_, busy0, keys0, values0), (_, busy1, keys1, values1) = samples[i0], samples[i1]
+        a, b = dict(zip(keys0, values0, strict=True)), dict(zip(keys1, values1, strict=True))
         cores: dict[str, float] = {}
         for key, cpu in b.items():
             if key in a:
