@@ -54,7 +54,9 @@ SCRATCH_ALIGN_BYTES = 64
 
 @dataclass
 class EngineReadStats:
-    start_s: float = 0.0  # transfer engine start and the connections to the owners
+    start_s: float = 0.0  # transfer engine start and the connections to the owners (all of `begin`)
+    te_start_s: float = 0.0  # of it: waiting for the transfer engine to be up (started ahead, or now)
+    connect_s: float = 0.0  # the slowest connection to an owner (opened in parallel with `destination`)
     read_s: float = 0.0  # time this engine spent submitting reads and waiting for them (not overlapped)
     destination_s: float = 0.0  # asking `destination` where each tensor goes (at `begin`, during the connects)
     placed_tensors: int = 0  # read straight into their destination
@@ -149,14 +151,17 @@ class EngineReads:
             self._starting = None
         if self._store is None:
             self._store = self._store_factory(self._config(p2p_host or "127.0.0.1"))
+        self.stats.te_start_s = time.perf_counter() - t0
         peers = {h.peer: h.ptr for h in handles if h.kind == "remote"}
         errors: list[str] = []
 
         def connect(peer: str, ptr: int) -> None:
+            t1 = time.perf_counter()
             try:
                 self._store.connect(peer, ptr)
             except Exception as e:  # noqa: BLE001 - reported below, naming the peer
                 errors.append(f"{peer}: {type(e).__name__}: {e}")
+            self.stats.connect_s = max(self.stats.connect_s, time.perf_counter() - t1)
 
         threads = [
             threading.Thread(target=connect, args=kv, daemon=True, name="engine-p2p-connect") for kv in peers.items()

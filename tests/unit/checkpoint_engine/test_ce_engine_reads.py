@@ -138,6 +138,29 @@ def test_a_transfer_engine_started_ahead_is_the_one_the_pull_uses():
     assert made == [("10.0.0.2", (0, 1))]  # its threads placed on the CPUs asked for
 
 
+def test_begin_reports_the_wait_for_the_transfer_engine_apart_from_the_connections():
+    class SlowConnect(FakeStore):
+        def connect(self, peer, ptr):
+            if peer not in self.connected:  # as Mooncake's: once per peer
+                time.sleep(0.03)
+            super().connect(peer, ptr)
+
+    def factory(cfg):
+        time.sleep(0.1)  # the transfer engine still starting when the pull begins
+        return SlowConnect(owners())
+
+    reads = EngineReads(store_factory=factory)
+    reads.prestart("10.0.0.2")
+    reads.begin(HANDLES, "10.0.0.2")
+    s = reads.stats
+    assert 0.05 <= s.te_start_s <= s.start_s
+    assert 0.03 <= s.connect_s <= s.start_s - s.te_start_s + 0.01  # both owners in parallel, after the start
+    assert s.connect_s < 0.06
+    reads.end()
+    reads.begin(HANDLES, "10.0.0.2")  # up and connected: nothing to wait for
+    assert reads.stats.te_start_s < 0.02 and reads.stats.connect_s < 0.02
+
+
 def test_an_engine_without_a_transfer_engine_names_why():
     from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
 
