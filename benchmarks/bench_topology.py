@@ -630,7 +630,7 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
     # starting -> updating: process start until the load step (load) or until healthy (dummy);
     # updating -> serving: the pull, then (load) vLLM's packing, compile, cache and gate. When the poll
     # missed `updating` (a dummy start's pull shorter than a poll), all of the rest is before the pull.
-    read_s = pull["broadcast_s"]
+    read_s, reads = pull["broadcast_s"], {}
     if pull["mode"] == "p2p_engine":  # the engine read the pull: its own account of the reads
         reads = (engine_reload_report(record["url"]) or {}).get("engine_reads") or {}
         read_s = reads.get("read_s") or 0.0
@@ -664,6 +664,9 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
             "finish_s": round(pull["finish_s"], 4),
             "close_s": round(pull["close_s"], 4),
         },
+        # the engine's own Hello -> Ready (p2p_engine): waiting for its transfer engine, the slowest
+        # connection to an owner, placing the tensors (beside the connections)
+        "engine_begin": {k: reads[k] for k in ("start_s", "te_start_s", "connect_s", "destination_s") if k in reads},
         "recovery_s": record["recovery_s"],
         "kill_to_serving_s": round(since["serving"] - killed_at, 3),
     }
@@ -850,6 +853,8 @@ def main(argv=None) -> dict:
             healed["heals"] = len(heals)
             healed["heal_pull_each_s"] = [h["heal_pull_s"] for h in heals]
             healed["heal_pull_read_each_s"] = [h["heal_pull_phases"]["read_s"] for h in heals]
+            healed["heal_pull_begin_each"] = [h["engine_begin"] for h in heals]
+            del healed["engine_begin"]
             healed["heal_pull_s"] = round(statistics.median(healed["heal_pull_each_s"]), 4)
             healed["heal_pull_read_s"] = round(statistics.median(healed["heal_pull_read_each_s"]), 4)
             healed.update(paired_ratios(heals, paired, "paired"))
@@ -888,6 +893,7 @@ def main(argv=None) -> dict:
             if idle_heals:
                 idle = idle_heals[-1]
                 healed["heal_pull_idle_each_s"] = [h["heal_pull_s"] for h in idle_heals]
+                healed["heal_pull_idle_begin_each"] = [h["engine_begin"] for h in idle_heals]
                 healed["heal_pull_idle_s"] = round(statistics.median(healed["heal_pull_idle_each_s"]), 4)
                 healed["heal_pull_idle_phases"] = idle["heal_pull_phases"]
                 healed["engine_reload_idle"] = engine_reload_report(idle["url"])
