@@ -154,6 +154,7 @@ class EngineReads:
         self.stats.te_start_s = time.perf_counter() - t0
         peers = {h.peer: h.ptr for h in handles if h.kind == "remote"}
         errors: list[str] = []
+        connect_s: list[float] = []  # one per owner (list.append is atomic)
 
         def connect(peer: str, ptr: int) -> None:
             t1 = time.perf_counter()
@@ -161,7 +162,7 @@ class EngineReads:
                 self._store.connect(peer, ptr)
             except Exception as e:  # noqa: BLE001 - reported below, naming the peer
                 errors.append(f"{peer}: {type(e).__name__}: {e}")
-            self.stats.connect_s = max(self.stats.connect_s, time.perf_counter() - t1)
+            connect_s.append(time.perf_counter() - t1)
 
         threads = [
             threading.Thread(target=connect, args=kv, daemon=True, name="engine-p2p-connect") for kv in peers.items()
@@ -178,6 +179,7 @@ class EngineReads:
             t.join(self._read_timeout_s)
         if errors or any(t.is_alive() for t in threads):
             raise RuntimeError(f"the engine could not reach the owners of the weights: {errors or 'timed out'}")
+        self.stats.connect_s = max(connect_s, default=0.0)
         self.stats.start_s = time.perf_counter() - t0
         self._read_placed_ahead(handles, remote)
 

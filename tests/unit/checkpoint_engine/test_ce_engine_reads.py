@@ -153,12 +153,11 @@ def test_begin_reports_the_wait_for_the_transfer_engine_apart_from_the_connectio
     reads.prestart("10.0.0.2")
     reads.begin(HANDLES, "10.0.0.2")
     s = reads.stats
-    assert 0.05 <= s.te_start_s <= s.start_s
-    assert 0.03 <= s.connect_s <= s.start_s - s.te_start_s + 0.01  # both owners in parallel, after the start
-    assert s.connect_s < 0.06
+    assert s.te_start_s >= 0.05 and s.connect_s >= 0.03
+    assert s.te_start_s + s.connect_s <= s.start_s  # the connections open once the transfer engine is up
     reads.end()
     reads.begin(HANDLES, "10.0.0.2")  # up and connected: nothing to wait for
-    assert reads.stats.te_start_s < 0.02 and reads.stats.connect_s < 0.02
+    assert reads.stats.te_start_s < 0.03 and reads.stats.connect_s < 0.03
 
 
 def test_an_engine_without_a_transfer_engine_names_why():
