@@ -50,6 +50,7 @@ from vllm_ext.launch_config import engine_settings as engine_settings
 from vllm_ext.launch_config import tensor_parallel_size as tensor_parallel_size
 
 logger = logging.getLogger(__name__)
+GATE_STOP_S = 6.0  # close(): how long the gate's server may take to end (its open streams cut at half)
 
 
 class Launcher:
@@ -64,6 +65,7 @@ class Launcher:
         self.gate = Gate()
         self.proc: subprocess.Popen | None = None
         self._server = None
+        self._gate_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ps = None
         self._ps_lock = threading.Lock()
@@ -87,10 +89,17 @@ class Launcher:
         from vllm_ext.gate import make_app
 
         app = make_app(self.gate, self.engine_url, wait_s=self.cfg.gate_wait_s)
-        self._server = uvicorn.Server(
-            uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            app,
+            host=self.cfg.host,
+            port=self.cfg.port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=GATE_STOP_S / 2,  # streams still open at close are cut after this
         )
-        threading.Thread(target=self._server.run, daemon=True, name="gate").start()
+        self._server = uvicorn.Server(config)
+        self._gate_thread = threading.Thread(target=self._server.run, daemon=True, name="gate")
+        self._gate_thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
             if time.monotonic() > deadline:
@@ -328,6 +337,10 @@ class Launcher:
                 logger.info("removed %d shared-memory segment(s) vLLM left: %s", len(removed), ", ".join(removed))
         if self._server is not None:
             self._server.should_exit = True
+        if self._gate_thread is not None:
+            # the gate's loop ends before the interpreter does: a thread still running during the
+            # interpreter's shutdown can crash it, and the launcher would exit on SIGSEGV, not 0
+            self._gate_thread.join(GATE_STOP_S)
         self.release_ps()
         if self._rendezvous_dir is not None:
             import shutil

@@ -51,12 +51,12 @@ OVERRIDES = [
 ]
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
+def _wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.01) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.01)  # polling the job's in-process state, under a deadline
+        time.sleep(poll_s)  # polling the job's in-process state, under a deadline
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +81,15 @@ def healed_run(tmp_path_factory):
             _wait_for(lambda: isinstance(job.engine, EnginePool), 900, "the engine pool")
             _wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= KILL_IN_ITERATION - 1, 900, "iteration 1")
             member = job.engine.members[1]
-            _wait_for(lambda: member.outstanding > 0, 300, "requests in flight on engine1")
-            # ... and streaming: their first tokens arrived (a request's segment is 16 tokens), so they
-            # go back to the queue with tokens to keep
-            streamed = member.engine.tokens_streamed
-            _wait_for(lambda: member.engine.tokens_streamed >= streamed + 8, 300, "tokens streamed from engine1")
             launcher = psutil.Process(member.server.proc.pid)
             server = next(p for p in launcher.children() if "vllm" in " ".join(p.cmdline()))  # vLLM's API server
-            killed["tree"] = [server, *server.children(recursive=True)]
+            killed["tree"] = [server, *server.children(recursive=True)]  # looked up before: the kill is at once
+            _wait_for(lambda: member.outstanding > 0, 300, "requests in flight on engine1")
+            # ... and streaming: their first tokens arrived (a request's segment is 16 tokens, streamed 8 at
+            # a time), so they go back to the queue with tokens to keep. The tiny model's decode steps take
+            # a few ms: the kill must follow the first event within the same 8 steps, so the poll is 1 ms.
+            streamed = member.engine.tokens_streamed
+            _wait_for(lambda: member.engine.tokens_streamed >= streamed + 8, 300, "tokens from engine1", poll_s=0.001)
             killed["in_flight"] = member.outstanding
             os.kill(server.pid, signal.SIGKILL)
         except BaseException as e:  # noqa: BLE001 - reported by the test through `killed`
