@@ -88,6 +88,7 @@ class HttpVllmEngine(RolloutEngine):
         self.batch_size = batch_size
         self.stream = stream
         self.tokens_streamed = 0  # tokens received by streams so far (progress of requests in flight)
+        self.tokens_unfinished = 0  # of those, the tokens of requests whose streams are still open and unfinished
         self._count_lock = threading.Lock()
         self.endpoint = str(config.endpoint).rstrip("/")
         status, body = get_json(self.endpoint + "/v1/models", timeout_s=30.0)
@@ -126,16 +127,24 @@ class HttpVllmEngine(RolloutEngine):
                     i = int(choice.get("index", 0))
                     new = [int(t) for t in choice.get("token_ids") or ()]
                     tokens[i] += new
+                    ends = choice.get("finish_reason") is not None
+                    if ends:
+                        reasons[i], done[i] = choice["finish_reason"], True
                     with self._count_lock:
                         self.tokens_streamed += len(new)
-                    if choice.get("finish_reason") is not None:
-                        reasons[i], done[i] = choice["finish_reason"], True
+                        if ends:  # its earlier tokens are no longer unfinished
+                            self.tokens_unfinished -= len(tokens[i]) - len(new)
+                        else:
+                            self.tokens_unfinished += len(new)
         except HTTPError:
             raise  # the engine answered before generating: nothing to keep
         except Exception as e:  # broke off mid-stream: keep what arrived
             finished = [self._result(r, tokens[i], reasons[i], repeat) for i, r in enumerate(requests) if done[i]]
             partial = {r.request_id: tuple(tokens[i]) for i, r in enumerate(requests) if not done[i]}
             raise PartialGeneration(e, finished, partial) from e
+        finally:  # the unfinished requests' tokens leave this stream (to the caller or with the error)
+            with self._count_lock:
+                self.tokens_unfinished -= sum(len(t) for t, d in zip(tokens, done) if not d)
         if not all(done):
             missing = [r.request_id for r, d in zip(requests, done) if not d]
             raise RuntimeError(f"the completion stream ended without finishing requests {missing[:5]}")

@@ -37,6 +37,7 @@ DEMO = REPO / "configs" / "demo.json"
 SFT_CACHE = REPO / ".cache" / "sft"
 NUM_ITERATIONS = 5
 KILL_IN_ITERATION = 2  # 1-based: the rollout during which engine1's vLLM server is killed
+QUIET_S = 0.3  # engine1's server stopped: the client has read what it sent once nothing arrives for this long
 OVERRIDES = [
     f"sft_cache_dir={SFT_CACHE}",
     "engine.num_engines=2",
@@ -57,6 +58,18 @@ def _wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.01) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(poll_s)  # polling the job's in-process state, under a deadline
+
+
+def _wait_quiet(value, quiet_s: float, timeout_s: float = 60.0) -> None:
+    """Until ``value()`` has not changed for ``quiet_s``."""
+    deadline = time.monotonic() + timeout_s
+    last, since = value(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still changing after {timeout_s:.0f} s")
+        time.sleep(0.01)
+        if (now := value()) != last:
+            last, since = now, time.monotonic()
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +97,24 @@ def healed_run(tmp_path_factory):
             launcher = psutil.Process(member.server.proc.pid)
             server = next(p for p in launcher.children() if "vllm" in " ".join(p.cmdline()))  # vLLM's API server
             killed["tree"] = [server, *server.children(recursive=True)]  # looked up before: the kill is at once
-            _wait_for(lambda: member.outstanding > 0, 300, "requests in flight on engine1")
-            # ... and streaming: their first tokens arrived (a request's segment is 16 tokens, streamed 8 at
-            # a time), so they go back to the queue with tokens to keep. The tiny model's decode steps take
-            # a few ms: the kill must follow the first event within the same 8 steps, so the poll is 1 ms.
-            streamed = member.engine.tokens_streamed
-            _wait_for(lambda: member.engine.tokens_streamed >= streamed + 8, 300, "tokens from engine1", poll_s=0.001)
+            # The kill must find requests that streamed tokens but have not finished, so they go back
+            # to the queue with tokens to keep. The demo model's decode steps take a few ms, so instead
+            # of racing them: stop the server (SIGSTOP, it sends nothing more), let the client read what
+            # was sent, and kill it only if such tokens are there; otherwise let it go on and try again.
+            engine = member.engine
+            deadline, stops = time.monotonic() + 300, 0
+            while True:
+                stops += 1
+                _wait_for(lambda: engine.tokens_unfinished > 0, 300, "streamed tokens on engine1", poll_s=0.001)
+                server.suspend()
+                _wait_quiet(lambda: engine.tokens_streamed, QUIET_S)
+                if engine.tokens_unfinished > 0:
+                    break
+                server.resume()
+                assert time.monotonic() < deadline, "no stop of engine1 found a request with streamed tokens"
             killed["in_flight"] = member.outstanding
+            killed["tokens_unfinished"] = engine.tokens_unfinished
+            killed["stops"] = stops
             os.kill(server.pid, signal.SIGKILL)
         except BaseException as e:  # noqa: BLE001 - reported by the test through `killed`
             killed["error"] = e
@@ -146,13 +170,14 @@ def test_a_killed_engine_is_healed_while_the_other_generates(healed_run):
     from orchestrator.engine import GenRequest, SamplingSettings
 
     job, pool, summary, killed, _ = healed_run
-    assert killed["in_flight"] > 0
+    assert killed["in_flight"] > 0 and killed["tokens_unfinished"] > 0, killed
     assert pool.wait_serving(300), pool.metrics()
     metrics = pool.metrics()
     assert metrics["engine_failures"] == 1, metrics
     assert metrics["engine_recoveries"] == 1 and 0 < metrics["recovery_s"][0] < 300, metrics
     assert metrics["requests_requeued"] >= 1, metrics
-    assert metrics["tokens_kept_on_requeue"] >= 1, metrics  # partial rollouts kept their tokens
+    # partial rollouts kept their tokens: every token streamed for an unfinished request at the kill
+    assert metrics["tokens_kept_on_requeue"] >= killed["tokens_unfinished"], (metrics, killed)
     records = read_jsonl(job.out / "metrics.jsonl")
     killed_in = records[KILL_IN_ITERATION - 1]
     assert killed_in["engine_failures"] == 1 and killed_in["requests_requeued"] >= 1, killed_in
@@ -167,3 +192,4 @@ def test_a_killed_engine_is_healed_while_the_other_generates(healed_run):
         ]
     assert answers["engine0"] == answers["engine1"]
     assert all(answers["engine0"])
+    print(f"killed on stop {killed['stops']} with {killed['tokens_unfinished']} unfinished tokens in flight")

@@ -105,6 +105,8 @@ def test_http_engine_generates_calls_back_and_cuts_repeats(server, stream, batch
     assert sorted(r.request_id for r in seen) == ["a", "b", "c"]
     assert {b["temperature"] for b in FakeVllm.bodies} == {0.7}
     assert {bool(b.get("stream")) for b in FakeVllm.bodies} == {stream}
+    if stream:  # every token arrived, and none belongs to an unfinished request
+        assert engine.tokens_streamed == 4 + 5 + 40 and engine.tokens_unfinished == 0
 
 
 def test_a_stream_that_breaks_off_raises_the_tokens_so_far(server, monkeypatch):
@@ -119,6 +121,30 @@ def test_a_stream_that_breaks_off_raises_the_tokens_so_far(server, monkeypatch):
     assert info.value.partial == {"a": (11, 12, 13)}
     assert [(r.request_id, r.token_ids, r.finish_reason) for r in info.value.finished] == [("b", (49, 50), "stop")]
     assert isinstance(info.value.cause, ConnectionError)
+    assert engine.tokens_streamed == 5 and engine.tokens_unfinished == 0  # a's 3 left with the error
+
+
+def test_tokens_of_unfinished_requests_are_counted_while_their_stream_is_open(server, monkeypatch):
+    monkeypatch.setattr(FakeVllm, "break_after", 3)
+    engine = HttpVllmEngine(EngineConfig(type="vllm_http", endpoint=server), stream=True)
+    seen = []
+    original = engine._count_lock
+
+    class Spy:  # records the gauge after every event, while the stream is still open
+        def __enter__(self):
+            return original.__enter__()
+
+        def __exit__(self, *exc):
+            seen.append(engine.tokens_unfinished)
+            return original.__exit__(*exc)
+
+    engine._count_lock = Spy()
+    try:
+        with pytest.raises(PartialGeneration):
+            engine.generate([GenRequest("a", (1, 10), 8), GenRequest("b", (1, 48), 8)], SamplingSettings())
+    finally:
+        engine.close()
+    assert max(seen) >= 1 and seen[-1] == 0, seen
 
 
 def test_a_stream_answered_with_an_http_error_raises_it(server):
