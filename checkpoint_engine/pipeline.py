@@ -2,7 +2,8 @@
 
     Hello(buffers the source chose) -> Ready               # engine maps them (or reuses its mappings)
     for bucket i (double buffer half h, plan.double_buffer_schedule):
-        wait for the Ack that frees half h  # the last bucket filling h; in place: Ack(i-2)
+        wait for the Ack that frees half h  # the last bucket filling h; in place: Ack(i-2), none
+                                            # when the engine reads remote buffers itself
         agree: all ranks exchange status    # every agree_every_buckets buckets; any failure -> all abort
         source.fill(bucket i, half h)       # collective: copy-in + broadcast; local: nothing; p2p: read
         send Bucket(i, offsets) to engine   # engine loads bucket i while we fill bucket i+1
@@ -176,7 +177,10 @@ class UpdateRun:
             bar = tqdm(total=m.total_bytes, unit="B", unit_scale=True, desc=f"update {job.checkpoint}")
         acked = 0
         in_place = [not self.buffers.double_buffer or self.buffers.reads_in_place(b.owner_rank) for b in job.buckets]
-        schedule = double_buffer_schedule(in_place)
+        # An engine that reads remote buffers itself began every placed read at Hello: holding its
+        # Buckets back would only add a round trip per bucket, so they all go out at once.
+        lag = len(job.buckets) if self.buffers.engine_reads else 2
+        schedule = double_buffer_schedule(in_place, max(lag, 1))
         try:
             for i, bucket in enumerate(job.buckets):
                 which, acks_needed = schedule[i]

@@ -178,24 +178,26 @@ def plan_buckets(rank_metas: Mapping[int, Sequence[TensorMeta]], bucket_size_byt
     return buckets
 
 
-def double_buffer_schedule(in_place: Sequence[bool]) -> list[tuple[int | None, int]]:
+def double_buffer_schedule(in_place: Sequence[bool], in_place_lag: int = 2) -> list[tuple[int | None, int]]:
     """For each bucket of an update, in order: the double-buffer half it fills (None: the engine
     reads it in place, e.g. a rank's own chunk) and how many buckets the engine must have acked
     before it is filled.
 
     A bucket that fills a half waits for the ack of the last bucket that filled the same half; a
-    bucket read in place waits for the ack of the bucket two before it (the engine stays at most
-    two buckets behind). With every bucket in a half this is the usual "ack i-2 before bucket i".
-    When buckets read in place sit between them (a pull whose rank owns part of the checkpoint),
-    the next read only waits for the half it reuses, so it overlaps the engine's load of the bucket
-    just read instead of following it.
+    bucket read in place waits for the ack of the bucket `in_place_lag` before it (the engine stays
+    at most that many buckets behind, so an abort reaches it soon). With every bucket in a half this
+    is the usual "ack i-2 before bucket i". When buckets read in place sit between them (a pull
+    whose rank owns part of the checkpoint), the next read only waits for the half it reuses, so it
+    overlaps the engine's load of the bucket just read instead of following it.
     """
+    if in_place_lag < 1:
+        raise ValueError(f"in_place_lag={in_place_lag!r} must be >= 1")
     out: list[tuple[int | None, int]] = []
     last_filled: list[int] = [-1, -1]  # per half: the last bucket that filled it
     halves_used = 0
     for i, direct in enumerate(in_place):
         if direct:
-            out.append((None, max(i - 1, 0)))
+            out.append((None, max(i - in_place_lag + 1, 0)))
         else:
             half = halves_used % 2
             halves_used += 1

@@ -61,6 +61,11 @@ class EngineBuffers:
     def reads_in_place(self, owner_rank: int) -> bool:
         return owner_rank in self.base
 
+    @property
+    def engine_reads(self) -> bool:
+        """Some buffers are remote: the engine reads their tensors itself (P2P)."""
+        return any(h.kind == "remote" for h in self.handles)
+
     def stable_buffers(self) -> tuple[int, ...]:
         """Registered chunks keep their bytes for the whole update; the double buffer is overwritten
         two buckets later. Remote chunks are not mapped at all (the engine reads them)."""
@@ -70,7 +75,7 @@ class EngineBuffers:
     def remote_plan(self, buckets: list[Bucket]) -> tuple[P.WireTensor, ...]:
         """With remote buffers: every tensor the engine will read itself, buckets in order (Hello's
         `tensors`: the engine finds where each lands before the first bucket). Else nothing."""
-        if not any(h.kind == "remote" for h in self.handles):
+        if not self.engine_reads:
             return ()
         return tuple(t for b in buckets for t in self.wire(b, 0, None) if self.handles[t.buffer].kind == "remote")
 

@@ -179,3 +179,22 @@ def test_tensor_meta_wire_roundtrip_and_validation():
 )
 def test_double_buffer_schedule(in_place, expected):
     assert double_buffer_schedule(in_place) == expected
+
+
+@pytest.mark.parametrize(
+    "in_place, lag, expected",
+    [
+        # the engine reads every bucket itself, all begun at Hello: Buckets go out without waiting
+        ([True] * 4, 4, [(None, 0)] * 4),
+        ([True] * 5, 3, [(None, 0), (None, 0), (None, 0), (None, 1), (None, 2)]),
+        # halves keep their own rule whatever the lag
+        ([False, True, False, True], 4, [(0, 0), (None, 0), (1, 0), (None, 0)]),
+    ],
+)
+def test_double_buffer_schedule_with_a_longer_lag_for_buckets_read_in_place(in_place, lag, expected):
+    assert double_buffer_schedule(in_place, lag) == expected
+
+
+def test_double_buffer_schedule_refuses_a_lag_below_one():
+    with pytest.raises(ValueError, match="in_place_lag"):
+        double_buffer_schedule([True], 0)
