@@ -849,12 +849,11 @@ def main(argv=None) -> dict:
                 (work / "taskset-r1").unlink(missing_ok=True)
             inside = [r for r in rounds if any(h["killed_at"] <= r[0] and r[1] <= h["serving_at"] for h in heals)]
             # the last heal's details; the pull's time and read phase as the median over the heals
-            healed = dict(heals[-1])
+            healed = {k: v for k, v in heals[-1].items() if k != "engine_begin"}  # each heal's: the list below
             healed["heals"] = len(heals)
             healed["heal_pull_each_s"] = [h["heal_pull_s"] for h in heals]
             healed["heal_pull_read_each_s"] = [h["heal_pull_phases"]["read_s"] for h in heals]
             healed["heal_pull_begin_each"] = [h["engine_begin"] for h in heals]
-            del healed["engine_begin"]
             healed["heal_pull_s"] = round(statistics.median(healed["heal_pull_each_s"]), 4)
             healed["heal_pull_read_s"] = round(statistics.median(healed["heal_pull_read_each_s"]), 4)
             healed.update(paired_ratios(heals, paired, "paired"))

@@ -65,6 +65,9 @@ class ManagedEngine:
         # killed with its engine, the next start removes them (`segment_ledger.sweep`)
         self._ledger = SegmentLedger(f"engine-r{rank}", config.segment_ledger_dir)
         self.rendezvous: str | None = None  # where the running engine's load step listens
+        # the owners of the version its load step will pull, left beside the rendezvous at start: an
+        # engine that reads them itself connects while it starts (`load_rendezvous.write_peers_hint`)
+        self.load_peers: list[tuple[str, int]] = []
         self.sleep_level: int | None = None  # while sleeping: 1 (weights kept in host memory) or 2 (dropped)
         self._emit()
 
@@ -138,6 +141,10 @@ class ManagedEngine:
             sweep_segments(self.config.segment_ledger_dir)  # what engines killed along with their daemon left
             port = free_port(self.config.host)
             self.rendezvous = self._new_rendezvous() if self.config.loads_from_ps else None
+            if self.rendezvous is not None:
+                from checkpoint_engine.load_rendezvous import write_peers_hint
+
+                write_peers_hint(self.rendezvous, self.load_peers)
             argv = render_cmd(
                 self.config.cmd, port=port, rank=self.rank, device=self.device, rendezvous=self.rendezvous
             )

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +120,14 @@ class EngineReads:
     def _config(self, p2p_host: str) -> P2PConfig:
         return P2PConfig(host=p2p_host, read_timeout_s=self._read_timeout_s, cpus=self._cpus)
 
-    def prestart(self, p2p_host: str, cpus: tuple[int, ...] | None = None) -> None:
+    def prestart(
+        self, p2p_host: str, cpus: tuple[int, ...] | None = None, peers: Sequence[tuple[str, int]] = ()
+    ) -> None:
         """Start the transfer engine on a thread now (an engine waiting for its first pull); `begin`
-        waits for it. `cpus`: where its threads run (`P2PConfig.cpus`), for this and later starts."""
+        waits for it. `cpus`: where its threads run (`P2PConfig.cpus`), for this and later starts.
+        `peers` ((address, registered pointer) of the owners the pull will likely read): connect to
+        them too, in the background; `begin` waits for a connection still opening rather than open
+        it twice, and a peer that cannot be reached is only logged (the pull's own connect reports it)."""
         self._cpus = cpus
         if self._store is not None or self._starting is not None:
             return
@@ -132,6 +137,9 @@ class EngineReads:
                 self._store = self._store_factory(self._config(p2p_host))
             except Exception as e:  # noqa: BLE001 - begin() starts one itself and reports its error
                 logger.warning("could not start the transfer engine ahead of the pull: %s", e)
+                return
+            if peers:
+                self._store.connect_in_background(list(peers))
 
         self._starting = threading.Thread(target=start, daemon=True, name="engine-p2p-start")
         self._starting.start()

@@ -205,6 +205,9 @@ def _start_loading(host: EngineHost, ps, cmd: dict, ranks: list[int]) -> dict:
     if not name:
         raise RuntimeError("engine_start: these engines load their first weights from the PS: 'name' is required")
     mine = host.rank in ranks
+    pull_ranks = None if len(set(ranks)) == host.world_size else sorted(set(ranks))
+    if mine:  # a pull: the owners it will read, for an engine that reads them itself to connect ahead
+        host.engine.load_peers = ps.p2p_owners(name) if pull_ranks is not None else []
     # an engine in its load step whose peers failed waits for a load that will not come: stopped
     skipped = _start_and_agree(host, ranks, host.engine.wait_load_step, "did not reach their load step", abandon=True)
     if skipped is not None:
@@ -215,7 +218,6 @@ def _start_loading(host: EngineHost, ps, cmd: dict, ranks: list[int]) -> dict:
         host.engine.begin_load(name)
         alive = lambda: host.engine.poll() is None
         req_func = loader_req_func(host.engine.rendezvous, timeout_s=timeout_s, is_alive=alive, rank=host.rank)
-    pull_ranks = None if len(set(ranks)) == host.world_size else sorted(set(ranks))
     try:
         metrics = ps.update(name, req_func, timeout=timeout_s, ranks=pull_ranks)
     except Exception as e:

@@ -9,12 +9,17 @@ The engine binds a REP socket (`serve_initial_load`); the PS sends JSON over one
 message (nothing is unpickled). Every wait has a deadline; the PS's waits stop early when
 `is_alive()` says the engine exited. No vLLM import: the daemon starts engines
 that load from its ranks (`{rendezvous}` in `--engine-cmd`) without importing any engine.
+
+Beside an ipc:// socket, in the daemon's private folder, the daemon may leave `p2p_peers.json`
+before it starts the engine: the owners of the version it will pull, so that an engine reading the
+owners itself opens those connections while vLLM starts rather than in its pull.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,6 +27,50 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 20
 POLL_S = 0.5  # how often a wait re-checks that the engine is alive
+
+
+PEERS_FILE = "p2p_peers.json"  # [[Mooncake address, registered chunk address], ...]
+
+
+def peers_hint_path(address: str) -> str | None:
+    """Where the peers file of the load step at `address` lies (beside its ipc:// socket), or None."""
+    if not address.startswith("ipc://"):
+        return None
+    return os.path.join(os.path.dirname(address[len("ipc://") :]), PEERS_FILE)
+
+
+def write_peers_hint(address: str, peers: Sequence[tuple[str, int]]) -> None:
+    """Daemon side, before the engine starts: leave `peers` for its load step (none: remove the file)."""
+    path = peers_hint_path(address)
+    if path is None:
+        return
+    if not peers:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump([[a, int(p)] for a, p in peers], f)
+    os.replace(tmp, path)
+
+
+def read_peers_hint(address: str) -> list[tuple[str, int]]:
+    """Engine side: the peers the daemon left for this load step; [] when none, or when the file is
+    malformed (logged: it only saves the connections' set-up time)."""
+    path = peers_hint_path(address)
+    if path is None or not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        if not isinstance(raw, list) or not all(
+            isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and type(x[1]) is int for x in raw
+        ):
+            raise ValueError(f"expected [[address, pointer], ...], got {str(raw)[:200]}")
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring the load step's peers file %s: %s", path, e)
+        return []
+    return [(a, p) for a, p in raw]
 
 
 def parse_request(raw: bytes) -> dict:

@@ -279,12 +279,16 @@ class ParameterServer:
         a peer otherwise pays the transfer engine's handshake (0.1-0.2 s on loaded CPUs, more than
         reading 8 MB once connected), and a heal comes long after the metas were gathered."""
         if self._p2p is not None:
-            peers = [
-                (g.p2p_addrs[r], ptrs[0])
-                for r, ptrs in sorted(g.chunk_ptrs.items())
-                if ptrs and g.p2p_addrs.get(r) not in (None, self._p2p.addr)
-            ]
-            self._p2p.connect_in_background(peers)
+            self._p2p.connect_in_background(_owner_peers(g, exclude=self._p2p.addr))
+
+    def p2p_owners(self, checkpoint_name: str) -> list[tuple[str, int]]:
+        """(Mooncake address, a registered chunk address) of every owner of `checkpoint_name` but this
+        rank: what an engine that reads the owners itself may connect to before its pull. [] when
+        its metas are not gathered here or its owners have no transfer engine."""
+        g = self._global.get(checkpoint_name)
+        if g is None:
+            return []
+        return _owner_peers(g, exclude=self._p2p.addr if self._p2p is not None else None)
 
     def get_metas(self, checkpoint_name: str | None = None) -> dict:
         """The global metas (JSON-ready) of `checkpoint_name` or of the last gathered checkpoint."""
@@ -464,3 +468,12 @@ class ParameterServer:
     def __repr__(self) -> str:
         names = sorted(self._checkpoints)
         return f"ParameterServer(rank={self._rank}, world_size={self._world_size}, checkpoints={names})"
+
+
+def _owner_peers(g: GlobalMetas, exclude: str | None) -> list[tuple[str, int]]:
+    """(P2P address, first chunk address) per owner rank of `g` with an address other than `exclude`."""
+    return [
+        (g.p2p_addrs[r], ptrs[0])
+        for r, ptrs in sorted(g.chunk_ptrs.items())
+        if ptrs and g.p2p_addrs.get(r) not in (None, exclude)
+    ]

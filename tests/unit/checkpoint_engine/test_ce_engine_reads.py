@@ -2,6 +2,7 @@
 memory (the real Mooncake path runs in tests/integration/dist/test_ce_broadcast.py)."""
 
 import ctypes
+import threading
 import time
 
 import pytest
@@ -158,6 +159,25 @@ def test_begin_reports_the_wait_for_the_transfer_engine_apart_from_the_connectio
     reads.end()
     reads.begin(HANDLES, "10.0.0.2")  # up and connected: nothing to wait for
     assert reads.stats.te_start_s < 0.03 and reads.stats.connect_s < 0.03
+
+
+def test_owners_named_at_prestart_are_connected_before_the_pull_begins():
+    class Opening(FakeStore):
+        opened_on: list = []  # the thread that opened each connection
+
+        def connect(self, peer, ptr):
+            if peer not in self.connected:  # as Mooncake's: once per peer
+                self.opened_on.append((peer, threading.current_thread().name))
+            super().connect(peer, ptr)
+
+        def connect_in_background(self, peers):
+            for peer, ptr in peers:
+                self.connect(peer, ptr)
+
+    reads = EngineReads(store_factory=lambda cfg: Opening(owners()))
+    reads.prestart("10.0.0.2", peers=list(BASE.items()))
+    reads.begin(HANDLES, "10.0.0.2")
+    assert Opening.opened_on == [(peer, "engine-p2p-start") for peer in BASE]  # none opened by the pull
 
 
 def test_an_engine_without_a_transfer_engine_names_why():

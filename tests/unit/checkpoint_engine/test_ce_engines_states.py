@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import signal
 import subprocess
 import sys
@@ -226,6 +227,28 @@ def test_published_url_names_the_url_host_while_the_daemon_uses_its_own(tmp_path
     finally:
         engine.stop()
     assert engine.record()["url"] == f"{prefix}{port}"  # the last address, as before
+
+
+def test_a_loading_engine_finds_the_owners_it_will_pull_beside_its_rendezvous(tmp_path):
+    """The engine starts with the owners' addresses in its private folder (it connects while it
+    starts); a start without a pull leaves none there."""
+    show = (
+        "import os, sys; p = os.path.join(os.path.dirname(sys.argv[1][len('ipc://'):]), 'p2p_peers.json'); "
+        "print('HINT', open(p).read() if os.path.exists(p) else None, flush=True)"
+    )
+    config = EngineConfig(cmd=(sys.executable, "-c", show, "{rendezvous}", "{port}"), log_dir=str(tmp_path))
+    engine = ManagedEngine(0, config)
+    engine.load_peers = [("10.0.0.1:15001", 4096), ("10.0.0.3:15001", 8192)]
+    engine.start()
+    engine._proc.wait(30)
+    log = pathlib.Path(engine.log_path).read_text()
+    assert 'HINT [["10.0.0.1:15001", 4096], ["10.0.0.3:15001", 8192]]' in log, log
+    engine.stop()
+    engine.load_peers = []
+    engine.start()
+    engine._proc.wait(30)
+    assert pathlib.Path(engine.log_path).read_text().rstrip().endswith("HINT None")
+    engine.stop()
 
 
 def test_stop_kills_an_engine_that_ignores_sigterm(tmp_path):
