@@ -179,8 +179,8 @@ class UpdateRun:
         in_place = [not self.buffers.double_buffer or self.buffers.reads_in_place(b.owner_rank) for b in job.buckets]
         # An engine that reads remote buffers itself began every placed read at Hello: holding its
         # Buckets back would only add a round trip per bucket, so they all go out at once.
-        lag = len(job.buckets) if self.buffers.engine_reads else 2
-        schedule = double_buffer_schedule(in_place, max(lag, 1))
+        lag = max(len(job.buckets), 1) if self.buffers.engine_reads else 2
+        schedule = double_buffer_schedule(in_place, lag)
         try:
             for i, bucket in enumerate(job.buckets):
                 which, acks_needed = schedule[i]
