@@ -1,6 +1,8 @@
 """The HTTP rollout engine against a stand-in of vLLM's OpenAI server (token-id prompts and outputs)."""
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -16,10 +18,12 @@ class FakeVllm(JsonRequestHandler):
     """Echoes max_tokens tokens: prompt[-1]+1, +2, ...; prompts ending in 7 loop on one token.
 
     ``stream``: one SSE event per token and prompt, as vLLM sends them; ``break_after`` tokens per
-    prompt, the connection then closes without ``[DONE]`` (a server that died mid-stream)."""
+    prompt, the connection then closes without ``[DONE]`` (a server that died mid-stream); with
+    ``hold`` set, it first waits (at most 30 s) for that event with the events so far sent."""
 
     bodies: list = []
     break_after: int | None = None
+    hold: threading.Event | None = None
 
     def do_GET(self):
         if self.path == "/v1/models":
@@ -51,6 +55,8 @@ class FakeVllm(JsonRequestHandler):
         for step in range(max(len(t) for t, _ in answers)):
             if FakeVllm.break_after is not None and step >= FakeVllm.break_after:
                 self.wfile.flush()
+                if FakeVllm.hold is not None:
+                    FakeVllm.hold.wait(30)
                 return  # HTTP/1.0: the connection closes here, before [DONE]
             for i, (tokens, finish) in enumerate(answers):
                 if step < len(tokens):
@@ -125,26 +131,32 @@ def test_a_stream_that_breaks_off_raises_the_tokens_so_far(server, monkeypatch):
 
 
 def test_tokens_of_unfinished_requests_are_counted_while_their_stream_is_open(server, monkeypatch):
+    release = threading.Event()
     monkeypatch.setattr(FakeVllm, "break_after", 3)
+    monkeypatch.setattr(FakeVllm, "hold", release)  # the stream stays open after its third events
     engine = HttpVllmEngine(EngineConfig(type="vllm_http", endpoint=server), stream=True)
-    seen = []
-    original = engine._count_lock
+    errors = []
 
-    class Spy:  # records the gauge after every event, while the stream is still open
-        def __enter__(self):
-            return original.__enter__()
-
-        def __exit__(self, *exc):
-            seen.append(engine.tokens_unfinished)
-            return original.__exit__(*exc)
-
-    engine._count_lock = Spy()
-    try:
-        with pytest.raises(PartialGeneration):
+    def generate():
+        try:
             engine.generate([GenRequest("a", (1, 10), 8), GenRequest("b", (1, 48), 8)], SamplingSettings())
+        except PartialGeneration as e:
+            errors.append(e)
+
+    t = threading.Thread(target=generate)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while engine.tokens_unfinished < 3 and time.monotonic() < deadline:  # a's 3 tokens (b finished)
+            time.sleep(0.01)
+        open_count = engine.tokens_unfinished
     finally:
+        release.set()
+        t.join(60)
         engine.close()
-    assert max(seen) >= 1 and seen[-1] == 0, seen
+    assert not t.is_alive()
+    assert open_count == 3 and engine.tokens_streamed == 5
+    assert len(errors) == 1 and engine.tokens_unfinished == 0  # a's tokens left with the error
 
 
 def test_a_stream_answered_with_an_http_error_raises_it(server):
