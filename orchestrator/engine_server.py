@@ -49,9 +49,10 @@ def cpu_binds(cpus: Sequence[int], num_engines: int) -> list[str]:
     vLLM's "auto" binding puts every single-worker server on the same first core (and keeps the last
     one for its scheduler), so N servers would share one core; with fewer CPUs than engines, engines
     share cores round-robin.
-    Only vLLM's worker (the model's compute) is bound; the gate, vLLM's API server and engine core
-    float over all CPUs: binding each server's whole process tree to its share measured 2-3x lower
-    pool throughput here (the HTTP work then competes with the worker on its one core)."""
+    vLLM binds its worker (the model's compute) there, and the launcher its engine core, which spins
+    while the worker computes (vllm_ext.engine_core_cpus); the gate and vLLM's API server float over
+    all CPUs: binding each server's whole process tree to its share measured 2-3x lower pool
+    throughput here (the HTTP work then competes with the worker on its one core)."""
     if num_engines < 1 or not cpus:
         raise ValueError(f"need >= 1 engine and >= 1 CPU, got {num_engines} engines and CPUs {list(cpus)}")
     cpus = sorted(cpus)

@@ -45,7 +45,14 @@ from checkpoint_engine.segment_ledger import sweep as sweep_segments
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
 from vllm_ext.launch_config import EXTENSION as EXTENSION
 from vllm_ext.launch_config import RESERVED_VLLM_FLAGS as RESERVED_VLLM_FLAGS
-from vllm_ext.launch_config import LaunchConfig, free_port, lower_thread_priority, model_safetensors_files, vllm_command
+from vllm_ext.launch_config import (
+    LaunchConfig,
+    free_port,
+    lower_thread_priority,
+    model_safetensors_files,
+    vllm_command,
+    vllm_env,
+)
 from vllm_ext.launch_config import engine_settings as engine_settings
 from vllm_ext.launch_config import tensor_parallel_size as tensor_parallel_size
 
@@ -108,7 +115,7 @@ class Launcher:
         logger.info("gate listening on http://%s:%d (engine on %s)", self.cfg.host, self.cfg.port, self.engine_url)
 
     def start_engine(self) -> None:
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env = vllm_env(self.cfg, dict(os.environ))
         if self.cfg.load_rendezvous is not None:
             self.rendezvous = self.cfg.load_rendezvous
         elif self.cfg.initial_push and self.cfg.initial_mode == "load":

@@ -18,6 +18,7 @@ from typing import Literal
 from checkpoint_engine.cli_config import meta
 from checkpoint_engine.p2p import parse_cpu_list
 from checkpoint_engine.validate import check_literals
+from vllm_ext.engine_core_cpus import ENV as ENGINE_CORE_CPUS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,14 @@ class LaunchConfig:
         metadata=meta(
             "CPU niceness of the checkpoint registration running beside vLLM's start (0..19; "
             "19: SCHED_IDLE, only CPU time vLLM leaves idle)"
+        ),
+    )
+    engine_core_cpus: Literal["worker", "any"] = field(
+        default="worker",
+        metadata=meta(
+            "on a CPU platform, where vLLM's engine core runs: on its worker's CPUs "
+            "(VLLM_CPU_OMP_THREADS_BIND; its waits spin and yield to the worker there instead of taking "
+            "another core's time), or anywhere, as vLLM leaves it (vllm_ext.engine_core_cpus)"
         ),
     )
     vllm_args: tuple[str, ...] = field(default_factory=tuple)  # after `--` on the command line
@@ -206,6 +215,12 @@ def engine_settings(cfg: LaunchConfig) -> dict:
         "reload_impl": cfg.reload_impl,
     }
     return {k: v for k, v in wanted.items() if v != getattr(defaults, k)}
+
+
+def vllm_env(cfg: LaunchConfig, base: dict[str, str]) -> dict[str, str]:
+    """`vllm serve`'s environment: `base`, the dev-mode endpoints the gate calls (the worker
+    extension's RPCs) and where vLLM's engine core runs (`engine_core_cpus`)."""
+    return {**base, "VLLM_SERVER_DEV_MODE": "1", ENGINE_CORE_CPUS_ENV: cfg.engine_core_cpus}
 
 
 def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = None) -> list[str]:

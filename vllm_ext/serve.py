@@ -5,11 +5,16 @@ vLLM's CLI asks `importlib.metadata.version("vllm")`, which fails when vLLM was 
 the installed distribution, then runs vLLM's own CLI unchanged:
 
     python -m vllm_ext.serve serve MODEL --port 8001 ...
+
+With `VLLM_EXT_ENGINE_CORE_CPUS` set (the launcher sets it), vLLM's engine core is placed as
+vllm_ext/engine_core_cpus.py says. vLLM on CPU spawns its engine core and workers, and spawn runs
+this module again in each of them as `__mp_main__`: the setting is applied there, at the bottom.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
 import sys
 
 
@@ -44,3 +49,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__" and os.environ.get("VLLM_EXT_ENGINE_CORE_CPUS"):  # in vLLM's spawned processes
+    import multiprocessing
+
+    from checkpoint_engine.logs import setup_logging
+    from vllm_ext.engine_core_cpus import apply_in_vllm_process
+
+    setup_logging("INFO")  # this project's loggers in vLLM's processes (vLLM configures its own later)
+    apply_in_vllm_process(os.environ, multiprocessing.current_process().name)  # named by spawn before this import

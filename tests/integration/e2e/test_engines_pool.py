@@ -166,6 +166,24 @@ def test_two_engines_take_rollouts_and_every_version(healed_run):
 
 @pytest.mark.e2e
 @pytest.mark.vllm
+def test_each_engine_core_runs_on_its_workers_cpus(healed_run):
+    """vLLM leaves its engine core, which spins while its worker computes, free to run on any core;
+    the launcher binds it to the worker's (vllm_ext.engine_core_cpus), the restarted engine's too."""
+    _, pool, _, _, _ = healed_run
+    assert pool.wait_serving(300), pool.metrics()
+    placed = {}
+    for member in pool.members:
+        procs = {p.name(): p for p in member.server.processes() if p.is_running()}
+        core = next(p for name, p in procs.items() if "EngineCor" in name)  # comm names are cut at 15
+        worker = next(p for name, p in procs.items() if "Worker" in name)
+        placed[member.name] = (core.cpu_affinity(), worker.cpu_affinity())
+    for core_cpus, worker_cpus in placed.values():
+        assert core_cpus == worker_cpus, placed
+        assert len(core_cpus) < len(os.sched_getaffinity(0)) or len(os.sched_getaffinity(0)) == 1, placed
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
 def test_a_killed_engine_is_healed_while_the_other_generates(healed_run):
     from orchestrator.engine import GenRequest, SamplingSettings
 

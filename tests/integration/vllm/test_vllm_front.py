@@ -240,6 +240,21 @@ def test_vllm_command_starts_dummy_with_extension(tmp_path):
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[-2:] == ["--dtype", "float32"]
 
 
+def test_vllm_env_places_the_engine_core_as_configured(tmp_path, capsys):
+    from vllm_ext import launch
+    from vllm_ext.engine_core_cpus import ENV
+    from vllm_ext.launch_config import vllm_env
+
+    env = vllm_env(LaunchConfig(model=str(tmp_path)), {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "VLLM_SERVER_DEV_MODE": "1", ENV: "worker"}  # the default: its worker's CPUs
+    parser, spec = launch._parser()
+    cfg = spec.build(parser.parse_args(["--model", str(tmp_path), "--engine-core-cpus", "any"]))
+    assert vllm_env(cfg, {})[ENV] == "any"
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--model", str(tmp_path), "--engine-core-cpus", "everywhere"])
+    assert e.value.code == 2 and "--engine-core-cpus" in capsys.readouterr().err
+
+
 def test_vllm_command_loads_from_the_rendezvous(tmp_path):
     cfg = LaunchConfig(model=str(tmp_path), startup_timeout_s=123)
     cmd = vllm_command(cfg, 1234, rendezvous="ipc:///tmp/x/load.sock")
