@@ -32,7 +32,6 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 COMPETITOR = """
 import os, sys, time
@@ -63,41 +62,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Engine:
-    """`python -m vllm_ext.serve serve MODEL` with the engine core's placement, its worker on `bind`."""
+    """`python -m vllm_ext.serve serve MODEL` (no extension) with the engine core's placement, its
+    worker on `bind`; `testing.vllm_servers.ServerProcess` runs it."""
 
     def __init__(self, model: pathlib.Path, engine_core_cpus: str, bind: str, log: pathlib.Path, timeout_s: float):
-        from checkpoint_engine.procs import die_with_parent
+        from testing.vllm_servers import ServerProcess, child_env, vllm_serve_command
         from vllm_ext.engine_core_cpus import ENV
         from vllm_ext.launch_config import free_port
 
-        self.model, self.port = model, free_port()
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE="1", **{ENV: engine_core_cpus})
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "vllm_ext.serve", "serve", str(model), "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--dtype", "float32", "--max-model-len", "256", "--block-size", "32"]
-        cmd += ["--seed", "0", "--disable-log-stats"]
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        self.model, port = model, free_port()
+        args = (
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--block-size",
+            "32",
+            "--seed",
+            "0",
+            "--disable-log-stats",
         )
-        self._wait_healthy(timeout_s)
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        from vllm_ext.req import get_json
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                tail = "\n".join(pathlib.Path(self.log.name).read_text().splitlines()[-80:])
-                raise RuntimeError(f"the engine exited with code {self.proc.returncode}; its log's end:\n{tail}")
-            try:
-                if get_json(f"http://127.0.0.1:{self.port}/health", timeout_s=5.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine did not answer /health within {timeout_s:g} s (log: {self.log.name})")
-            time.sleep(0.5)
+        cmd = vllm_serve_command(model, port, vllm_args=args, extension=False)
+        env = child_env(VLLM_CPU_OMP_THREADS_BIND=bind, **{ENV: engine_core_cpus})
+        self.server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log, env=env)
+        self.server.wait_for("/health", timeout_s=timeout_s)
 
     def generate(self, prompts: int, max_tokens: int) -> int:
         from checkpoint_engine.api import post_json
@@ -109,7 +97,7 @@ class Engine:
             "ignore_eos": True,
             "temperature": 1.0,
         }
-        answer = post_json(f"http://127.0.0.1:{self.port}/v1/completions", body, timeout_s=120.0)
+        answer = post_json(self.server.url + "/v1/completions", body, timeout_s=120.0)
         return int(answer["usage"]["completion_tokens"])
 
     def processes(self) -> dict[str, object]:
@@ -117,29 +105,18 @@ class Engine:
         import psutil
 
         out = {}
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
+        for p in psutil.Process(self.server.proc.pid).children(recursive=True):
             try:
                 name = p.name()
             except psutil.Error:
                 continue
-            for title in ("EngineCore", "Worker"):
+            for title in ("EngineCor", "Worker"):  # comm names are cut at 15 characters
                 if title in name:
                     out[title] = p
         return out
 
     def close(self) -> None:
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(30)
-        self.log.close()
+        self.server.stop()
 
 
 def cpu_s(procs: dict) -> dict[str, float]:
@@ -206,8 +183,8 @@ def measure(mode: str, model: pathlib.Path, work: pathlib.Path, args, cpus: list
         "engine_core_cpus": mode,
         "tokens_per_s_alone": med([w["tokens_per_s"] for w in alone]),
         "tokens_per_s_beside": med([w["tokens_per_s"] for w in beside]),
-        "engine_core_cores_alone": med([w["cores"].get("EngineCore", 0.0) for w in alone]),
-        "engine_core_cores_beside": med([w["cores"].get("EngineCore", 0.0) for w in beside]),
+        "engine_core_cores_alone": med([w["cores"].get("EngineCor", 0.0) for w in alone]),
+        "engine_core_cores_beside": med([w["cores"].get("EngineCor", 0.0) for w in beside]),
         "worker_cores_alone": med([w["cores"].get("Worker", 0.0) for w in alone]),
         "competitor_copies_per_s_idle": idle["copies_per_s"],
         "competitor_copies_per_s_beside": med([w["copies_per_s"] for w in beside]),
@@ -247,13 +224,9 @@ def main(argv=None) -> None:
 
 
 def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    from trainer.cpu import cpu_info
+
+    return cpu_info()[0] or "unknown"
 
 
 if __name__ == "__main__":

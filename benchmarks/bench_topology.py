@@ -984,13 +984,9 @@ def main(argv=None) -> dict:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    from trainer.cpu import cpu_info
+
+    return cpu_info()[0] or "unknown"
 
 
 if __name__ == "__main__":
