@@ -6,14 +6,15 @@ shm_broadcast`). A reader that read within the last second does not block: it lo
 calls `sched_yield()` in a loop. The engine core therefore spins through each forward pass of its
 worker. vLLM binds the worker's threads to `VLLM_CPU_OMP_THREADS_BIND`, but not the engine core,
 so the kernel runs it on another core: about one core per generating engine, and with every core
-busy the spinner still took 0.5-0.6 of the core beside it from a memory-bound process there (a heal's
-reads, another engine, the trainer).
+busy the spinner still took 0.4-0.6 of the core beside it from whatever ran there (a heal's reads,
+another engine, the trainer).
 
-Bound to its worker's CPUs (`bind_engine_core`), the spinning engine core yields to its own worker,
-which is what it waits for: it used ~0.05 of a core, the engine kept its tokens/s beside a busy core,
-and the process on that core kept ~0.8 of its rate instead of ~0.4-0.5. A sleep between looks
-instead of the spin (tried first) freed the other core too but cost the engine 7-27% of its tokens/s:
-every hand-over waited for a timer and for a core. Figures: benchmarks/RESULTS.md, bench_engine_core_cpus.py.
+Bound to its worker's CPUs (`apply_in_vllm_process`), the spinning engine core yields to its own
+worker, which is what it waits for: it used ~0.05 of a core, the engine gave up ~5% of its tokens/s
+(5-11% beside a busy core), and a memory-bound process on the other core kept 0.70-0.74 of its rate
+instead of 0.50-0.58. A sleep between looks instead of the spin frees the other core too but costs
+the engine more (7-27% of its tokens/s: every hand-over waits for a timer and for a core). Figures:
+benchmarks/RESULTS.md, bench_engine_core_cpus.py.
 
 The launcher (`--engine-core-cpus`) hands the setting to `vllm serve` in `ENV`. vLLM on CPU spawns
 its engine core and workers, and spawn runs `vllm_ext.serve`, the parent's main module, again in each
@@ -25,14 +26,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Literal
 
 from checkpoint_engine.p2p import parse_cpu_list
 
 logger = logging.getLogger(__name__)
 
 ENV = "VLLM_EXT_ENGINE_CORE_CPUS"
-EngineCoreCpus = Literal["worker", "any"]
 CHOICES: tuple[str, ...] = ("worker", "any")
 ENGINE_CORE_PREFIX = "EngineCore"  # vLLM's name of the engine core's process (multiprocessing)
 
