@@ -15,7 +15,7 @@ back to back:
 
 Per mode: tokens/s alone and beside, the cores the engine core and the worker used, the competitor's
 rate beside the engine over its rate beside the idle engine. Ratios worker / any of each; the last
-line is one JSON object. Needs 2 or more CPUs; ~3 minutes at the defaults.
+line is one JSON object. Needs 2 or more CPUs; ~4 minutes at the defaults.
 """
 
 from __future__ import annotations
