@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import select
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 
+COMPETITOR_GRACE_S = 30.0  # past its window, how long the competitor may take to print its count
 COMPETITOR = """
 import os, sys, time
 os.sched_setaffinity(0, {cpus})
@@ -55,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-size-mib", type=int, default=256, help="model size (float32)")
     p.add_argument("--start-timeout-s", type=float, default=600.0, help="deadline of each engine start")
     args = p.parse_args(argv)
-    for name in ("seconds", "rounds", "prompts", "max_tokens", "model_size_mib"):
+    for name in ("seconds", "rounds", "prompts", "max_tokens", "model_size_mib", "start_timeout_s"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
     return args
@@ -150,8 +152,14 @@ def window(engine: Engine, competitor, seconds: float, args, generate: bool) -> 
         "tokens_per_s": round(tokens / elapsed, 1),
         "cores": {k: round((after[k] - before[k]) / elapsed, 3) for k in after},
     }
-    if competitor is not None:
-        out["copies_per_s"] = round(int(competitor.stdout.readline()) / seconds, 2)
+    if competitor is not None:  # its count comes at the end of its own window of `seconds`
+        ready, _, _ = select.select([competitor.stdout], [], [], seconds + COMPETITOR_GRACE_S)
+        if not ready:
+            raise TimeoutError(f"the competitor did not report within {seconds + COMPETITOR_GRACE_S:g} s")
+        line = competitor.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the competitor exited (code {competitor.poll()})")
+        out["copies_per_s"] = round(int(line) / seconds, 2)
     return out
 
 
