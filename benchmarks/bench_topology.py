@@ -630,9 +630,10 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
     # starting -> updating: process start until the load step (load) or until healthy (dummy);
     # updating -> serving: the pull, then (load) vLLM's packing, compile, cache and gate. When the poll
     # missed `updating` (a dummy start's pull shorter than a poll), all of the rest is before the pull.
-    read_s, reads = pull["broadcast_s"], {}
+    read_s, reads, engine = pull["broadcast_s"], {}, {}
     if pull["mode"] == "p2p_engine":  # the engine read the pull: its own account of the reads
-        reads = (engine_reload_report(record["url"]) or {}).get("engine_reads") or {}
+        engine = engine_reload_report(record["url"]) or {}
+        reads = engine.get("engine_reads") or {}
         read_s = reads.get("read_s") or 0.0
     start_s = since["serving"] - since["starting"] - pull["total_s"]
     before = (since["updating"] - since["starting"]) if "updating" in since else start_s
@@ -665,8 +666,12 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
             "close_s": round(pull["close_s"], 4),
         },
         # the engine's own Hello -> Ready (p2p_engine): waiting for its transfer engine, the slowest
-        # connection to an owner, placing the tensors (beside the connections)
-        "engine_begin": {k: reads[k] for k in ("start_s", "te_start_s", "connect_s", "destination_s") if k in reads},
+        # connection to an owner, placing the tensors (beside the connections; probed_in_update 0 when
+        # every slot was found while vLLM started)
+        "engine_begin": {
+            **{k: reads[k] for k in ("start_s", "te_start_s", "connect_s", "destination_s", "ahead_s") if k in reads},
+            **{k: engine[k] for k in ("probed_ahead", "probed_in_update") if engine.get(k) is not None},
+        },
         "recovery_s": record["recovery_s"],
         "kill_to_serving_s": round(since["serving"] - killed_at, 3),
     }
@@ -694,6 +699,8 @@ def engine_reload_report(url: str) -> dict | None:
                 "engine_reads",
                 "loaders_s",
                 "num_loaded_by_read",
+                "probed_ahead",
+                "probed_in_update",
             )
         },
         "reload_impl": report.get("reload_impl"),

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from checkpoint_engine.engine_config import EngineConfig, engine_env, free_port, render_cmd
 from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE, check_transition
+from checkpoint_engine.load_rendezvous import PullHint, write_pull_hint
 from checkpoint_engine.procs import (
     die_with_parent,
     group_pids,
@@ -65,9 +66,9 @@ class ManagedEngine:
         # killed with its engine, the next start removes them (`segment_ledger.sweep`)
         self._ledger = SegmentLedger(f"engine-r{rank}", config.segment_ledger_dir)
         self.rendezvous: str | None = None  # where the running engine's load step listens
-        # the owners of the version its load step will pull, left beside the rendezvous at start: an
-        # engine that reads them itself connects while it starts (`load_rendezvous.write_peers_hint`)
-        self.load_peers: list[tuple[str, int]] = []
+        # what its load step will pull (owners, tensors), left beside the rendezvous at start: an engine
+        # that reads the owners itself connects and places the tensors while it starts (`PullHint`)
+        self.load_hint = PullHint()
         self.sleep_level: int | None = None  # while sleeping: 1 (weights kept in host memory) or 2 (dropped)
         self._emit()
 
@@ -142,9 +143,7 @@ class ManagedEngine:
             port = free_port(self.config.host)
             self.rendezvous = self._new_rendezvous() if self.config.loads_from_ps else None
             if self.rendezvous is not None:
-                from checkpoint_engine.load_rendezvous import write_peers_hint
-
-                write_peers_hint(self.rendezvous, self.load_peers)
+                write_pull_hint(self.rendezvous, self.load_hint)
             argv = render_cmd(
                 self.config.cmd, port=port, rank=self.rank, device=self.device, rendezvous=self.rendezvous
             )

@@ -59,6 +59,7 @@ class EngineReadStats:
     connect_s: float = 0.0  # the slowest connection to an owner (opened in parallel with `destination`)
     read_s: float = 0.0  # time this engine spent submitting reads and waiting for them (not overlapped)
     destination_s: float = 0.0  # asking `destination` where each tensor goes (at `begin`, during the connects)
+    ahead_s: float = 0.0  # of read_s: registering the destinations and submitting their reads at `begin`
     placed_tensors: int = 0  # read straight into their destination
     placed_bytes: int = 0
     scratch_tensors: int = 0  # read into scratch, then loaded
@@ -208,7 +209,8 @@ class EngineReads:
             self._ahead[t.name] = (t, dst, read)
             self.stats.placed_tensors += 1
             self.stats.placed_bytes += nbytes
-        self.stats.read_s += time.perf_counter() - t0
+        self.stats.ahead_s = time.perf_counter() - t0
+        self.stats.read_s += self.stats.ahead_s
 
     def knows(self, tensors) -> bool:
         """Every one of `tensors` (WireTensors) was placed at `begin`: starting its reads runs no loader."""

@@ -199,15 +199,15 @@ def _start_loading(host: EngineHost, ps, cmd: dict, ranks: list[int]) -> dict:
     """Start the engines of `ranks`, wait until each sits in its load step, update `name` through it
     (a P2P pull when only some ranks start), then wait until healthy: the engine never holds dummy
     weights and packs its weights once. An engine whose load did not happen is stopped (failed)."""
-    from checkpoint_engine.load_rendezvous import loader_req_func
+    from checkpoint_engine.load_rendezvous import PullHint, loader_req_func
 
     name = cmd.get("name")
     if not name:
         raise RuntimeError("engine_start: these engines load their first weights from the PS: 'name' is required")
     mine = host.rank in ranks
     pull_ranks = None if len(set(ranks)) == host.world_size else sorted(set(ranks))
-    if mine:  # a pull: the owners it will read, for an engine that reads them itself to connect ahead
-        host.engine.load_peers = ps.p2p_owners(name) if pull_ranks is not None else []
+    if mine:  # a pull: what it will read, for an engine that reads the owners itself to prepare ahead
+        host.engine.load_hint = ps.pull_hint(name) if pull_ranks is not None else PullHint()
     # an engine in its load step whose peers failed waits for a load that will not come: stopped
     skipped = _start_and_agree(host, ranks, host.engine.wait_load_step, "did not reach their load step", abandon=True)
     if skipped is not None:

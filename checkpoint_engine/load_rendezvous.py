@@ -10,9 +10,10 @@ message (nothing is unpickled). Every wait has a deadline; the PS's waits stop e
 `is_alive()` says the engine exited. No vLLM import: the daemon starts engines
 that load from its ranks (`{rendezvous}` in `--engine-cmd`) without importing any engine.
 
-Beside an ipc:// socket, in the daemon's private folder, the daemon may leave `p2p_peers.json`
-before it starts the engine: the owners of the version it will pull, so that an engine reading the
-owners itself opens those connections while vLLM starts rather than in its pull.
+Beside an ipc:// socket, in the daemon's private folder, the daemon may leave `pull_hint.json`
+before it starts the engine (`PullHint`): the owners of the version it will pull and that version's
+tensors, so that an engine reading the owners itself opens those connections, and finds where each
+tensor lands in its parameters, while vLLM starts rather than in its pull.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -29,48 +31,83 @@ MAX_MESSAGE_BYTES = 1 << 20
 POLL_S = 0.5  # how often a wait re-checks that the engine is alive
 
 
-PEERS_FILE = "p2p_peers.json"  # [[Mooncake address, registered chunk address], ...]
+HINT_FILE = "pull_hint.json"  # PullHint.to_json()
 
 
-def peers_hint_path(address: str) -> str | None:
-    """Where the peers file of the load step at `address` lies (beside its ipc:// socket), or None."""
+@dataclass(frozen=True)
+class PullHint:
+    """What the daemon expects an engine's load step to pull: `peers`, (Mooncake address, registered
+    chunk address) of each owner to connect to; `tensors`, (name, dtype name, shape) of every tensor
+    of the version (each name once). A hint only saves set-up time: the pull itself decides."""
+
+    peers: tuple[tuple[str, int], ...] = ()
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.peers or self.tensors)
+
+    def to_json(self) -> dict:
+        return {"peers": [[a, p] for a, p in self.peers], "tensors": [[n, d, list(s)] for n, d, s in self.tensors]}
+
+    @classmethod
+    def from_json(cls, raw) -> PullHint:
+        """Raises ValueError naming what is malformed."""
+        if not isinstance(raw, dict) or set(raw) - {"peers", "tensors"}:
+            raise ValueError(f"expected {{'peers': [...], 'tensors': [...]}}, got {str(raw)[:200]}")
+        peers, tensors = raw.get("peers", []), raw.get("tensors", [])
+        if not isinstance(peers, list) or not all(
+            isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and type(x[1]) is int for x in peers
+        ):
+            raise ValueError(f"peers: expected [[address, pointer], ...], got {str(peers)[:200]}")
+        if not isinstance(tensors, list) or not all(
+            isinstance(x, list)
+            and len(x) == 3
+            and isinstance(x[0], str)
+            and isinstance(x[1], str)
+            and isinstance(x[2], list)
+            and all(type(d) is int and d >= 0 for d in x[2])
+            for x in tensors
+        ):
+            raise ValueError(f"tensors: expected [[name, dtype, [dims]], ...], got {str(tensors)[:200]}")
+        if len({x[0] for x in tensors}) != len(tensors):
+            raise ValueError("tensors: a name is listed twice")
+        return cls(tuple((a, p) for a, p in peers), tuple((n, d, tuple(s)) for n, d, s in tensors))
+
+
+def hint_path(address: str) -> str | None:
+    """Where the pull hint of the load step at `address` lies (beside its ipc:// socket), or None."""
     if not address.startswith("ipc://"):
         return None
-    return os.path.join(os.path.dirname(address[len("ipc://") :]), PEERS_FILE)
+    return os.path.join(os.path.dirname(address[len("ipc://") :]), HINT_FILE)
 
 
-def write_peers_hint(address: str, peers: Sequence[tuple[str, int]]) -> None:
-    """Daemon side, before the engine starts: leave `peers` for its load step (none: remove the file)."""
-    path = peers_hint_path(address)
+def write_pull_hint(address: str, hint: PullHint) -> None:
+    """Daemon side, before the engine starts: leave `hint` for its load step (an empty one: remove the file)."""
+    path = hint_path(address)
     if path is None:
         return
-    if not peers:
+    if not hint:
         if os.path.exists(path):
             os.unlink(path)
         return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump([[a, int(p)] for a, p in peers], f)
+        json.dump(hint.to_json(), f)
     os.replace(tmp, path)
 
 
-def read_peers_hint(address: str) -> list[tuple[str, int]]:
-    """Engine side: the peers the daemon left for this load step; [] when none, or when the file is
-    malformed (logged: it only saves the connections' set-up time)."""
-    path = peers_hint_path(address)
+def read_pull_hint(address: str) -> PullHint:
+    """Engine side: the hint the daemon left for this load step; an empty one when none, or when the
+    file is malformed (logged: it only saves set-up time)."""
+    path = hint_path(address)
     if path is None or not os.path.exists(path):
-        return []
+        return PullHint()
     try:
         with open(path) as f:
-            raw = json.load(f)
-        if not isinstance(raw, list) or not all(
-            isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and type(x[1]) is int for x in raw
-        ):
-            raise ValueError(f"expected [[address, pointer], ...], got {str(raw)[:200]}")
+            return PullHint.from_json(json.load(f))
     except (OSError, ValueError) as e:
-        logger.warning("ignoring the load step's peers file %s: %s", path, e)
-        return []
-    return [(a, p) for a, p in raw]
+        logger.warning("ignoring the load step's pull hint %s: %s", path, e)
+        return PullHint()
 
 
 def parse_request(raw: bytes) -> dict:

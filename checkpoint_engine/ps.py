@@ -32,6 +32,7 @@ from checkpoint_engine.host_memory import (
     register_tensors,
 )
 from checkpoint_engine.jobs import GlobalMetas, make_job, memory_budget_bytes
+from checkpoint_engine.load_rendezvous import PullHint
 from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
 from checkpoint_engine.p2p import P2PStore
@@ -281,14 +282,22 @@ class ParameterServer:
         if self._p2p is not None:
             self._p2p.connect_in_background(_owner_peers(g, exclude=self._p2p.addr))
 
-    def p2p_owners(self, checkpoint_name: str) -> list[tuple[str, int]]:
-        """(Mooncake address, a registered chunk address) of every owner of `checkpoint_name` but this
-        rank: what an engine that reads the owners itself may connect to before its pull. [] when
-        its metas are not gathered here or its owners have no transfer engine."""
+    def pull_hint(self, checkpoint_name: str) -> PullHint:
+        """What a pull of `checkpoint_name` into this rank's engine will read, for an engine that reads
+        the owners itself to prepare while it starts (`load_rendezvous.PullHint`): the (Mooncake
+        address, a registered chunk address) of every owner but this rank, and, with
+        `p2p_reader="engine"`, every tensor of the checkpoint. Empty when its metas are not gathered
+        here; no peers when its owners have no transfer engine."""
         g = self._global.get(checkpoint_name)
         if g is None:
-            return []
-        return _owner_peers(g, exclude=self._p2p.addr if self._p2p is not None else None)
+            return PullHint()
+        peers = _owner_peers(g, exclude=self._p2p.addr if self._p2p is not None else None)
+        tensors: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+        if self.config.update.p2p_reader == "engine":
+            for _, metas in sorted(g.rank_metas.items()):
+                for m in metas:
+                    tensors.setdefault(m.name, (m.name, m.dtype, tuple(m.shape)))
+        return PullHint(tuple(peers), tuple(tensors.values()))
 
     def get_metas(self, checkpoint_name: str | None = None) -> dict:
         """The global metas (JSON-ready) of `checkpoint_name` or of the last gathered checkpoint."""

@@ -41,7 +41,7 @@ from checkpoint_engine.load_rendezvous import MAX_MESSAGE_BYTES as MAX_MESSAGE_B
 from checkpoint_engine.load_rendezvous import LoaderRendezvousError as LoaderRendezvousError
 from checkpoint_engine.load_rendezvous import loader_req_func as loader_req_func
 from checkpoint_engine.load_rendezvous import parse_request as parse_request
-from checkpoint_engine.load_rendezvous import read_peers_hint, serve_initial_load
+from checkpoint_engine.load_rendezvous import read_pull_hint, serve_initial_load
 from checkpoint_engine.load_rendezvous import wait_for_loader as wait_for_loader
 from checkpoint_engine.p2p import is_cpu_set
 
@@ -170,10 +170,13 @@ def _loader_class():
             # is filled by the first update (until then: no checksum, no fill-in after an abort).
             # Each bucket is loaded before its Ack: double-buffer tensors need no copy either.
             receiver = WeightReceiver(load, config=replace(config, weight_cache=False), load_per_bucket=True)
-            if self.settings.p2p_host:  # ready before the PS arrives, as its own ranks' are, and
-                # connected to the owners the daemon expects this load to read (a heal's pull)
-                peers = read_peers_hint(address)
-                receiver.remote_reads.prestart(self.settings.p2p_host, self.settings.p2p_cpus, peers)
+            if self.settings.p2p_host:  # ready before the PS arrives, as its own ranks' are: connected
+                # to the owners the daemon expects this load to read (a heal's pull), and each tensor's
+                # slot in the parameters found
+                hint = read_pull_hint(address)
+                receiver.remote_reads.prestart(self.settings.p2p_host, self.settings.p2p_cpus, hint.peers)
+                if hint.tensors:
+                    receiver.probe_ahead(hint.tensors)
             is_cuda = device.type == "cuda"
 
             # The parameters are fresh memory: map their pages in bulk now (one call each) rather than

@@ -8,8 +8,10 @@ slice of the same dtype and shape, which no other op of the load touches and no 
 Anything else (a cast, a transpose, a narrowed source under tensor parallelism, several copies, tied
 weights copied into the same bytes, a scale computed from the weight) gets None and is loaded from
 scratch memory as usual. Each name is probed once per probe object. The engine probes a whole
-update at once (Hello lists its tensors), so "no other op" covers every bucket's loaders: the reads
-into slots may then land in any order relative to the loads of other tensors.
+update at once (Hello lists its tensors), or, in a load step the daemon told what to expect, the
+whole version before the update begins (`WeightReceiver.probe_ahead`), so "no other op" covers every
+bucket's loaders: the reads into slots may then land in any order relative to the loads of other
+tensors.
 
 The probe is the loaders' one run for the tensors that got slots: every other op of their load (a
 padding row zeroed beside the slot, the names vLLM's load step counts) ran during the probe, and
@@ -138,6 +140,7 @@ class SlotProbe:
     def __init__(self, load_fn: LoadFn):
         self._load_fn = load_fn
         self._slots: dict[str, torch.Tensor | None] = {}
+        self.num_probed = 0  # names probed so far (each once)
 
     def __call__(self, items: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor | None]:
         """For each (name, dtype, shape): its slot, or None."""
@@ -153,6 +156,7 @@ class SlotProbe:
 
     def _probe(self, items: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         stand_ins = [(n, torch.empty(s, dtype=d)) for n, d, s in items]  # never written, never read
+        self.num_probed += len(stand_ins)
         by_ptr = {t.data_ptr(): n for n, t in stand_ins if t.numel()}
         for n, _ in stand_ins:
             self._slots[n] = None

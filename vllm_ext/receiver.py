@@ -34,13 +34,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 import zmq
 
+from checkpoint_engine.dtypes import dtype_from_name
 from checkpoint_engine.engine_reads import EngineReads
 from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
@@ -172,6 +173,7 @@ class WeightReceiver:
         # the first such update; in the load step each tensor is read straight into its parameter slot.
         self.remote_reads = EngineReads(read_timeout_s=self.config.timeout_s)
         self._slot_probe: SlotProbe | None = None
+        self._owed: set[str] = set()  # names probed ahead: the next update must bring every one
 
     def rebind(
         self,
@@ -189,6 +191,30 @@ class WeightReceiver:
             self._cache_slots_fn = cache_slots_fn
             if config is not None:
                 self.config = config
+
+    def probe_ahead(self, tensors: Sequence[tuple[str, str, Sequence[int]]]) -> None:
+        """Find now, before the first update, where each of `tensors` ((name, dtype name, shape): the
+        version the daemon expects the load step to pull) lands in the parameters, so that the pull
+        does not probe. The probe is their loaders' run (`placement`), so the next update must bring
+        every one of these names: its end refuses an update that left one out. Load step only; a
+        hint that cannot be read is logged and ignored."""
+        if not self.load_per_bucket:
+            raise RuntimeError("probe_ahead: only an engine's load step probes ahead")
+        try:
+            items = [(str(n), dtype_from_name(d), tuple(int(x) for x in shape)) for n, d, shape in tensors]
+        except (TypeError, ValueError) as e:
+            logger.warning("ignoring the pull hint's tensors: %s", e)
+            return
+        t0 = time.perf_counter()
+        self._slot_probe = self._slot_probe or SlotProbe(lambda weights: self._reload_fn(weights))
+        slots = self._slot_probe(items)
+        self._owed = {n for n, _, _ in items}
+        logger.info(
+            "probed %d tensors ahead of the pull in %.3f s (%d with a slot)",
+            len(items),
+            time.perf_counter() - t0,
+            sum(s is not None for s in slots),
+        )
 
     def arm_fault(self, spec: FaultSpec | Mapping) -> dict:
         self._fault = spec if isinstance(spec, FaultSpec) else FaultSpec.from_dict(spec)
@@ -313,6 +339,9 @@ class _UpdateSession:
         self.t_end: float | None = None
         self.remote = False  # the engine reads this update itself (remote buffers)
         self.num_loaded_by_read = 0  # bucket mode: tensors read into their slots, no loader run after
+        probe = receiver._slot_probe
+        self.probed_ahead = len(receiver._owed)  # bucket mode: names whose slots were found before the update
+        self._probed_before = probe.num_probed if probe is not None else 0
         self.loaders_s = 0.0  # bucket mode: time in the load function, per bucket, summed
 
     def on_hello(self, hello, buffers: list[torch.Tensor | None]) -> None:
@@ -377,6 +406,12 @@ class _UpdateSession:
     def finish(self) -> None:
         """post_hook: every bucket arrived; complete the reload."""
         self.t_done = time.perf_counter()
+        owed, self.r._owed = self.r._owed - self.received, set()
+        if owed:  # their loaders ran in the probe ahead: the engine would count them as loaded
+            raise RuntimeError(
+                f"the update left out {len(owed)} tensor(s) of the version the engine was told to expect "
+                f"and probed ahead, e.g. {sorted(owed)[:5]}"
+            )
         cache = self.r.cache
         if self.stream is None and self.order and self.mode == "end":  # the whole reload happens now
             self.stream = ReloadStream(self.r._reload_fn)
@@ -442,6 +477,11 @@ class _UpdateSession:
         logger.warning("injected stall of %.1f s in bucket %d", f.stall_s, index)
         time.sleep(f.stall_s)
 
+    def _probed_in_update(self) -> int:
+        """Names whose slots this update had to find (0 when all were found ahead, or no probe ran)."""
+        probe = self.r._slot_probe
+        return probe.num_probed - self._probed_before if probe is not None else 0
+
     def summary(self) -> dict:
         def span(a, b):
             return None if a is None or b is None else round(b - a, 4)
@@ -457,7 +497,12 @@ class _UpdateSession:
             "total_s": span(self.t_first, self.t_end),
             "engine_reads": self.r.remote_reads.stats.report() if self.remote else None,
             **(
-                {"loaders_s": round(self.loaders_s, 4), "num_loaded_by_read": self.num_loaded_by_read}
+                {
+                    "loaders_s": round(self.loaders_s, 4),
+                    "num_loaded_by_read": self.num_loaded_by_read,
+                    "probed_ahead": self.probed_ahead,
+                    "probed_in_update": self._probed_in_update(),
+                }
                 if self.mode == "bucket"
                 else {}
             ),

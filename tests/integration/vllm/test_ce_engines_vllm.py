@@ -33,7 +33,9 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
     model = make_tiny_model(tmp_path / "A", TinyModelConfig.tiny(init_std=0.1), seed=11)
     engine_cmd = [
         *(sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--load-rendezvous", "{rendezvous}"),
-        *("--port", "{port}", "--engine-timeout-s", "120", "--", *CPU_ENGINE_ARGS),
+        # the load step starts its transfer engine, connects to the owners and places the tensors
+        # the daemon left beside the rendezvous while vLLM starts
+        *("--p2p-host", "127.0.0.1", "--port", "{port}", "--engine-timeout-s", "120", "--", *CPU_ENGINE_ARGS),
     ]
     daemon = start_daemon(
         *("--collective-timeout-s", "300", "--engine-log-dir", str(tmp_path)),
@@ -88,6 +90,10 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         assert reads["placed_bytes"] > 0 and reads["scratch_bytes"] == 0, reads
         # ... and loaded by those reads: their loaders ran once, in the slot probe, and not again after
         assert healed_state["last_update"]["num_loaded_by_read"] == reads["placed_tensors"], healed_state
+        # ... whose slots were found while vLLM started, from the tensors the daemon left beside the
+        # rendezvous: the pull itself probed none
+        last = healed_state["last_update"]
+        assert (last["probed_ahead"], last["probed_in_update"]) == (last["num_tensors"], 0), last
 
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res

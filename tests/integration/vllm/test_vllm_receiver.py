@@ -6,10 +6,13 @@ function writes into a dict "model", so streaming, aborts and fallbacks are chec
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+from checkpoint_engine.dtypes import dtype_name
 from checkpoint_engine.pipeline import UpdateFailed
 from checkpoint_engine.ps import ParameterServer
 from vllm_ext.receiver import FaultSpec, ReceiverConfig, WeightReceiver
@@ -454,3 +457,63 @@ def test_load_per_bucket_failure_aborts_with_the_reason(ps):
     with pytest.raises(UpdateFailed, match="reload path failed: KeyError"):
         push(ps, r, "A", make_ckpt(1))
     assert r.report()["status"] == "incomplete"
+
+
+class SlotModel:
+    """A fake engine model with real parameters: its loader copies each tensor into its own slot
+    (what `SlotProbe` recognises). Records each load call's names."""
+
+    def __init__(self, ckpt: dict[str, torch.Tensor]):
+        self.params = {n: torch.empty_like(t) for n, t in ckpt.items()}
+        self.calls: list[list[str]] = []
+
+    def reload(self, pairs) -> None:
+        pairs = list(pairs)
+        self.calls.append([n for n, _ in pairs])
+        for name, t in pairs:
+            self.params[name].copy_(t)
+
+
+def hint_of(ckpt: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
+    return [(n, dtype_name(t.dtype), list(t.shape)) for n, t in ckpt.items()]
+
+
+def load_step_receiver(model: SlotModel) -> WeightReceiver:
+    config = ReceiverConfig(timeout_s=20, reload_timeout_s=20, weight_cache=False)
+    return WeightReceiver(model.reload, config=config, load_per_bucket=True)
+
+
+def test_a_probe_ahead_finds_every_slot_before_the_update_which_then_probes_nothing(ps):
+    ckpt = make_ckpt(4)
+    model = SlotModel(ckpt)
+    r = load_step_receiver(model)
+    r.probe_ahead(hint_of(ckpt))
+    assert model.calls == [list(ckpt)]  # the probe: one run of the loaders, its copies left out
+    assert all(r._slot_probe.holds(n, p) for n, p in model.params.items())
+    push(ps, r, "v1", ckpt)
+    assert_same(model.params, ckpt)
+    last = r.report()["last_update"]
+    assert (last["probed_ahead"], last["probed_in_update"]) == (len(ckpt), 0), last
+
+
+def test_an_update_that_leaves_out_a_tensor_probed_ahead_is_refused_naming_it(ps):
+    """The probe ran that tensor's loaders: loading on would count a parameter whose bytes never came."""
+    ckpt = make_ckpt(5)
+    extra = {"layers.99.w": torch.zeros(3, 4)}
+    model = SlotModel({**ckpt, **extra})
+    r = load_step_receiver(model)
+    r.probe_ahead(hint_of({**ckpt, **extra}))
+    with pytest.raises(UpdateFailed, match=r"left out 1 tensor\(s\) of the version.*'layers\.99\.w'"):
+        push(ps, r, "v1", ckpt)
+    assert r.report()["status"] == "incomplete"
+
+
+def test_a_hint_with_an_unknown_dtype_is_ignored_with_a_warning(caplog):
+    model = SlotModel({"w": torch.zeros(2)})
+    r = load_step_receiver(model)
+    with caplog.at_level(logging.WARNING, logger="vllm_ext.receiver"):
+        r.probe_ahead([("w", "float33", [2])])
+    assert "ignoring the pull hint's tensors" in caplog.text and "float33" in caplog.text
+    assert model.calls == [] and r._owed == set()
+    with pytest.raises(RuntimeError, match="only an engine's load step probes ahead"):
+        WeightReceiver(model.reload).probe_ahead(hint_of({"w": torch.zeros(2)}))

@@ -22,6 +22,7 @@ from checkpoint_engine.engines import (
     parse_engine_cmd,
     render_cmd,
 )
+from checkpoint_engine.load_rendezvous import PullHint
 
 ALLOWED = [
     ("stopped", "starting"),
@@ -229,22 +230,25 @@ def test_published_url_names_the_url_host_while_the_daemon_uses_its_own(tmp_path
     assert engine.record()["url"] == f"{prefix}{port}"  # the last address, as before
 
 
-def test_a_loading_engine_finds_the_owners_it_will_pull_beside_its_rendezvous(tmp_path):
-    """The engine starts with the owners' addresses in its private folder (it connects while it
-    starts); a start without a pull leaves none there."""
+def test_a_loading_engine_finds_what_it_will_pull_beside_its_rendezvous(tmp_path):
+    """The engine starts with the owners' addresses and the version's tensors in its private folder
+    (it connects and places them while it starts); a start without a pull leaves nothing there."""
     show = (
-        "import os, sys; p = os.path.join(os.path.dirname(sys.argv[1][len('ipc://'):]), 'p2p_peers.json'); "
+        "import os, sys; p = os.path.join(os.path.dirname(sys.argv[1][len('ipc://'):]), 'pull_hint.json'); "
         "print('HINT', open(p).read() if os.path.exists(p) else None, flush=True)"
     )
     config = EngineConfig(cmd=(sys.executable, "-c", show, "{rendezvous}", "{port}"), log_dir=str(tmp_path))
     engine = ManagedEngine(0, config)
-    engine.load_peers = [("10.0.0.1:15001", 4096), ("10.0.0.3:15001", 8192)]
+    engine.load_hint = PullHint(
+        peers=(("10.0.0.1:15001", 4096), ("10.0.0.3:15001", 8192)), tensors=(("w", "float32", (2, 3)),)
+    )
     engine.start()
     engine._proc.wait(30)
     log = pathlib.Path(engine.log_path).read_text()
-    assert 'HINT [["10.0.0.1:15001", 4096], ["10.0.0.3:15001", 8192]]' in log, log
+    line = next(x for x in log.splitlines() if x.startswith("HINT "))
+    assert PullHint.from_json(json.loads(line[len("HINT ") :])) == engine.load_hint, log
     engine.stop()
-    engine.load_peers = []
+    engine.load_hint = PullHint()
     engine.start()
     engine._proc.wait(30)
     assert pathlib.Path(engine.log_path).read_text().rstrip().endswith("HINT None")

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint_engine.config import ParameterServerConfig
+from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.host_memory import read_safetensors_index
+from checkpoint_engine.load_rendezvous import PullHint
 from checkpoint_engine.ps import ParameterServer
 
 
@@ -151,5 +152,22 @@ def test_reuse_host_memory_hands_freed_chunks_to_the_next_registration(reuse):
         ps.unregister_checkpoint("v2")
         ps.register_checkpoint("other", named_tensors={"z": torch.ones(7)})  # other sizes: nothing to reuse
         assert ps._host_pool.free_bytes == 0  # the registration freed what it did not reuse
+    finally:
+        ps.close()
+
+
+@pytest.mark.parametrize("reader", ["rank", "engine"])
+def test_pull_hint_lists_the_checkpoint_tensors_for_engines_that_read_the_owners(reader):
+    """Owners on this rank only: no peers to connect to; the tensors only when the engine reads."""
+    cfg = ParameterServerConfig(transport="cpu", update=UpdateConfig(p2p_reader=reader))
+    ps = ParameterServer(rank=0, world_size=1, config=cfg)
+    try:
+        assert ps.pull_hint("c") == PullHint()  # no metas gathered
+        ps.register_checkpoint("c", named_tensors={"w": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(4)})
+        ps.gather_metas("c")
+        hint = ps.pull_hint("c")
+        assert hint.peers == ()
+        expected = {("w", "bfloat16", (3, 4)), ("b", "float32", (4,))} if reader == "engine" else set()
+        assert set(hint.tensors) == expected and len(hint.tensors) == len(expected)
     finally:
         ps.close()
