@@ -6,9 +6,11 @@ engine reads the owner's chunk into the shared double buffer, then the engine's 
 the parameters. Here the engine runs its own transfer engine and the PS rank only sends the plan
 (`protocol.BufferHandle(kind="remote")`: each owner chunk's peer and address; Hello lists every
 tensor). At `begin` the engine asks `destination` where each tensor lives in its memory, while the
-connections to the owners open; a contiguous tensor of that dtype and shape (a parameter, or a slice
-of a fused one) is read into in place, and the loaders then find the bytes already there. Tensors
-without a destination land in a registered scratch buffer and go through the loaders as usual.
+connections to the owners open (a heal's load step asked already, while vLLM started, about the
+tensors the daemon left beside its rendezvous, so the answers are at hand); a contiguous tensor of
+that dtype and shape (a parameter, or a slice of a fused one) is read into in place, and the
+loaders then find the bytes already there. Tensors without a destination land in a registered
+scratch buffer and go through the loaders as usual.
 
     Hello(remote buffers, p2p_host, tensors) ─▶ start a transfer engine on p2p_host (first update
                                                 only), connect to every owner, place every tensor,
