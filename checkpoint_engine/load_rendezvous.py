@@ -38,7 +38,9 @@ HINT_FILE = "pull_hint.json"  # PullHint.to_json()
 class PullHint:
     """What the daemon expects an engine's load step to pull: `peers`, (Mooncake address, registered
     chunk address) of each owner to connect to; `tensors`, (name, dtype name, shape) of every tensor
-    of the version (each name once). A hint only saves set-up time: the pull itself decides."""
+    of the version (each name once). A hint only saves set-up time: the pull itself decides what
+    moves, but an engine that probed the tensors ahead refuses an update that leaves one out
+    (`vllm_ext.receiver.WeightReceiver.probe_ahead`)."""
 
     peers: tuple[tuple[str, int], ...] = ()
     tensors: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
