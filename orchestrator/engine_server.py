@@ -94,6 +94,7 @@ def launch_command(model_dir: str, config: EngineConfig, port: int) -> list[str]
         str(config.seed),
         "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
         "--disable-log-stats",
+        *(["--enforce-eager"] if config.enforce_eager else []),
     ]
 
 

@@ -95,10 +95,10 @@ Commands = dict[str, tuple[argparse.ArgumentParser, dict[str, ConfigArgs]]]
 
 
 def _add_engine(p: argparse.ArgumentParser, specs: dict[str, ConfigArgs]) -> None:
-    """Flags of the commands that run vLLM: its context length (EngineConfig) and the log level."""
+    """Flags of the commands that run vLLM: its context length and eager mode (EngineConfig), the log level."""
     from orchestrator.config import EngineConfig  # light: dataclasses only
 
-    specs["engine"] = add_config_args(p, EngineConfig, only=("max_model_len",))
+    specs["engine"] = add_config_args(p, EngineConfig, only=("max_model_len", "enforce_eager"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 

@@ -20,7 +20,14 @@ from checkpoint_engine.procs import die_with_parent, group_pids, terminate_notin
 from vllm_ext.launch_config import EXTENSION, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0")
+# Eager: vLLM keys its compile cache by the model's folder, and each test's model lives in a fresh tmp
+# folder, so a compiled engine compiles at every start (about 45 s of a 60-110 s start on a 2-core
+# CPU). The compiled path has its own tests: test_vllm_compile_cache.py, and test_megatron_vllm.py
+# (weights pushed into a compiled engine).
+CPU_ENGINE_ARGS = (
+    *("--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0"),
+    "--enforce-eager",
+)
 
 
 def child_env(**extra: str) -> dict:
@@ -32,11 +39,12 @@ def child_env(**extra: str) -> dict:
 
 
 def cpu_llm(model_dir: str | Path, **overrides):
-    """vLLM's in-process `LLM` on CPU as the engines here run (CPU_ENGINE_ARGS' settings) with the
-    repo's worker extension, on dummy weights (a push fills them) unless `load_format` says otherwise."""
+    """vLLM's in-process `LLM` on CPU as the engines here run (CPU_ENGINE_ARGS' settings, eager unless
+    `enforce_eager=False`) with the repo's worker extension, on dummy weights (a push fills them) unless
+    `load_format` says otherwise."""
     from vllm import LLM
 
-    kwargs = dict(load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0)
+    kwargs = dict(load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True)
     return LLM(model=str(model_dir), **(kwargs | {"worker_extension_cls": EXTENSION} | overrides))
 
 

@@ -28,6 +28,8 @@ from tests.integration.dist.harness import REPO, _env, run_python, start_daemon
 from tests.integration.dist.test_ce_engines import alive, engines, shutdown
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(1800)]
+# the orchestrator's default SFT, configs/demo.json's: trained in the background (tests/conftest.py)
+SFT_WARMUP = ("tests.integration.e2e.test_rl_demo:demo_sft_config",)
 
 NUM_ITERATIONS = 2
 
@@ -40,7 +42,8 @@ def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
     daemon = start_daemon(
         *("--collective-timeout-s", "900", "--engine-health-path", "/version"),
         *("--engine-start-timeout-s", "1200", "--engine-log-dir", str(tmp_path)),
-        engine_cmd=[*engine_cmd, "--no-initial-push", "--", "--dtype", "float32"],  # as engine.dtype
+        # float32 as engine.dtype; eager: a compile per test's fresh model folder (testing.vllm_servers)
+        engine_cmd=[*engine_cmd, "--no-initial-push", "--", "--dtype", "float32", "--enforce-eager"],
         env=env,
         log=tmp_path / "daemon.log",
         ready_timeout_s=120,

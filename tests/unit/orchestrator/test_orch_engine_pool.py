@@ -131,6 +131,14 @@ def test_launch_command_is_the_gated_launcher_with_the_engine_settings(tmp_path)
     vllm_args = args.vllm_args[1:]
     assert vllm_args[vllm_args.index("--max-model-len") + 1] == "192"
     assert "--no-enable-prefix-caching" in vllm_args
+    assert "--enforce-eager" not in vllm_args  # compiled unless asked
+    eager = build_parser().parse_args(launch_command(str(tmp_path), EngineConfig(enforce_eager=True), 1)[3:])
+    assert "--enforce-eager" in eager.vllm_args
+
+
+def test_config_validates_enforce_eager():
+    with pytest.raises(ValueError, match=r"engine.enforce_eager='yes' must be true or false"):
+        EngineConfig(enforce_eager="yes")
 
 
 def test_config_validates_num_engines():
