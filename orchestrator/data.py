@@ -33,8 +33,11 @@ def train_pool(config: DataConfig) -> list[task.Problem]:
             levels=config.train_levels,
             weights=config.train_level_weights,
         )
+        before = len(pool)
         for problem in drawn:
             pool.setdefault(problem.id, problem)
+        if len(pool) == before:  # a whole draw of `missing` problems found nothing new: the levels ran out
+            break
     if len(pool) < config.num_train_problems:
         raise ValueError(
             f"data.num_train_problems={config.num_train_problems} is more than the distinct "
