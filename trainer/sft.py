@@ -19,7 +19,9 @@ on the harder RL levels, so RL has headroom to show.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +38,7 @@ from typing import Any
 from checkpoint_engine.cli_config import add_config_args, meta
 from checkpoint_engine.validate import check_int
 from demo import task
-from trainer.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
+from trainer.cpu import AUTOCAST_DTYPES, DtypeChoice, num_threads_for, resolve_autocast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -330,11 +332,39 @@ def _plot_loss(work_dir: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def run_sft(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
+@contextlib.contextmanager
+def _training_lock(path: pathlib.Path, wait_s: float) -> Iterator[None]:
+    """One trainer per cache entry: an exclusive ``flock`` on ``path``, polled until ``wait_s``. The
+    kernel drops it when its holder exits, however it exits, so a killed trainer never blocks a later one."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + wait_s
+        logged = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not logged:
+                    logger.info("another process is training this SFT (%s held): waiting up to %.0f s", path, wait_s)
+                    logged = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{path} is still held after {wait_s:.0f} s: another process is training this SFT"
+                    ) from None
+                time.sleep(1.0)  # the other trainer's minutes, polled under the deadline
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_sft(config: SFTConfig, out_dir: str | pathlib.Path, *, wait_s: float = 4 * 3600.0) -> pathlib.Path:
     """Train (or reuse the cached result) and return the model directory.
 
     Results live in ``<out_dir>/sft-<config hash>/``: ``model/`` (HF dir, vLLM-loadable),
     ``metrics.jsonl``, ``loss.png``, ``sft_done.json`` (config, timings, held-out accuracy).
+    Processes asking for the same config at once train it once: the others wait for it (up to
+    ``wait_s``, then TimeoutError) and return the cached result.
     """
     choice = resolve_autocast_dtype(config.autocast_dtype)
     config = config.resolved()
@@ -344,6 +374,17 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
         logger.info("SFT cache hit: %s", final)
         return final / "model"
     root.mkdir(parents=True, exist_ok=True)
+    with _training_lock(root / f"sft-{config.cache_key()}.lock", wait_s):
+        if (final / DONE_FILE).exists():
+            logger.info("SFT cache hit once the other trainer finished: %s", final)
+            return final / "model"
+        _train_into(config, choice, root, final)
+    return final / "model"
+
+
+def _train_into(config: SFTConfig, choice: DtypeChoice, root: pathlib.Path, final: pathlib.Path) -> None:
+    """Train in a temporary folder under ``root``, then rename it to ``final`` (atomic: a cache entry
+    is complete or absent)."""
     work_dir = pathlib.Path(tempfile.mkdtemp(prefix=".sft-tmp-", dir=root))
     try:
         summary = _train(config, work_dir)
@@ -365,7 +406,6 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
             logger.info("another process finished the same SFT first; using %s", final)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return final / "model"
 
 
 def sft_summary(model_dir: str | pathlib.Path) -> dict[str, Any]:

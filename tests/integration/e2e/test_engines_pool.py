@@ -31,6 +31,8 @@ from orchestrator.metrics import read_jsonl
 
 # Two vLLM servers start at once (~45 s on an idle 2-core machine, 11 min seen under a load of 20+).
 pytestmark = pytest.mark.timeout(1800)
+# the orchestrator's default SFT, configs/demo.json's: trained in the background (tests/conftest.py)
+SFT_WARMUP = ("tests.integration.e2e.test_rl_demo:demo_sft_config",)
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 DEMO = REPO / "configs" / "demo.json"

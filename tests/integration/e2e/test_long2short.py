@@ -63,6 +63,7 @@ LONG_SFT = sft.SFTConfig(
     num_threads=1,
     eval_levels=(),  # the test evaluates with vLLM below
 )
+SFT_WARMUP = ("tests.integration.e2e.test_long2short:LONG_SFT",)  # trained in the background: tests/conftest.py
 # The short-CoT fine-tune of LONG: NUM_SHORT_RECORDS training problems (levels 1-2), short solution text.
 NUM_SHORT_RECORDS = 4096
 SHORT_TRAIN = long2short.TrainConfig(lr=5e-4, num_epochs=2, batch_size=16, seed=0, num_threads=1)

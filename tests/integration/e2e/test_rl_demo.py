@@ -101,14 +101,22 @@ def _job(out_dir: pathlib.Path, extra: list[str]) -> list[str]:
     ]
 
 
+def demo_sft_config():
+    """configs/demo.json's SFT (the orchestrator's default too: test_daemon_rl and test_engines_pool use it)."""
+    from orchestrator.config import load_config
+
+    return load_config(DEMO).sft
+
+
+SFT_WARMUP = ("tests.integration.e2e.test_rl_demo:demo_sft_config",)  # trained in the background: tests/conftest.py
+
+
 @pytest.fixture(scope="session")
 def sft_model_dir() -> pathlib.Path:
     """The demo's SFT model, trained once (minutes) or taken from the shared cache."""
-    from orchestrator.config import load_config
     from trainer.sft import run_sft
 
-    config = load_config(DEMO)
-    return run_sft(config.sft, SFT_CACHE)
+    return run_sft(demo_sft_config(), SFT_CACHE)
 
 
 def _wait_for(

@@ -238,13 +238,44 @@ def test_run_sft_writes_a_model_and_then_hits_the_cache(tmp_path, monkeypatch):
     assert set(summary["heldout_accuracy_by_level"]) == {"1", "2"}
     assert summary["config"]["num_steps"] == 3
     AutoModelForCausalLM.from_pretrained(model_dir)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [model_dir.parent.name]  # no temp dirs left
+    entry = model_dir.parent.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry, f"{entry}.lock"]  # no temp dirs left
 
     def must_not_train(*args, **kwargs):
         raise AssertionError("cache miss")
 
     monkeypatch.setattr(sft, "_train", must_not_train)
     assert sft.run_sft(TOY_SFT, tmp_path) == model_dir
+
+
+def test_concurrent_run_sft_trains_once_and_waits_under_a_deadline(tmp_path, monkeypatch):
+    import threading
+
+    real_train, calls = sft._train, []
+    training, go = threading.Event(), threading.Event()
+
+    def gated_train(*args, **kwargs):
+        calls.append(1)
+        training.set()
+        assert go.wait(60)
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "_train", gated_train)
+    results: dict[str, pathlib.Path] = {}
+    first = threading.Thread(target=lambda: results.update(first=sft.run_sft(TOY_SFT, tmp_path)))
+    first.start()
+    assert training.wait(60)
+    with pytest.raises(TimeoutError, match=r"\.lock is still held after 0 s: another process is training this SFT"):
+        sft.run_sft(TOY_SFT, tmp_path, wait_s=0.2)
+    second = threading.Thread(target=lambda: results.update(second=sft.run_sft(TOY_SFT, tmp_path, wait_s=60)))
+    second.start()
+    second.join(1.5)
+    assert second.is_alive()  # waiting for the first trainer, not training its own copy
+    go.set()
+    first.join(120)
+    second.join(60)
+    assert results["first"] == results["second"] and (results["first"].parent / sft.DONE_FILE).exists()
+    assert len(calls) == 1
 
 
 def test_sft_help_is_instant():

@@ -1,0 +1,84 @@
+"""Suite-wide scheduling: the e2e tests' SFT models train in the background while the rest runs.
+
+An e2e module names the SFT models it needs as ``SFT_WARMUP = ("module:ATTR", ...)`` (an SFTConfig, or
+a function returning one). When such modules are selected, one background process
+(``python -m testing.sft_warm``) trains those models into ``.cache/sft``, one thread each, and the e2e
+modules run last, so the SFT's minutes overlap the tests that need no model. A fixture that asks for a
+model still in training waits on ``trainer.sft.run_sft``'s lock rather than training a copy, and if
+the background process failed it trains the model itself. ``--no-sft-warmup`` turns this off.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SFT_CACHE = REPO / ".cache" / "sft"
+WARMUP_LOG = SFT_CACHE / "warmup.log"
+STOP_TIMEOUT_S = 30.0
+
+_warmer: subprocess.Popen | None = None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-sft-warmup",
+        action="store_true",
+        help="do not train the e2e tests' SFT models in the background (they train when first needed)",
+    )
+
+
+def _warmups(item: pytest.Item) -> tuple[str, ...]:
+    return tuple(getattr(getattr(item, "module", None), "SFT_WARMUP", ()))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that need an SFT model go last (a stable sort: every module keeps its own order)."""
+    if not config.getoption("--no-sft-warmup"):
+        items.sort(key=lambda item: bool(_warmups(item)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the background training for what the selected tests (after -k/-m) need."""
+    global _warmer
+    config = session.config
+    if config.getoption("--no-sft-warmup") or config.getoption("collectonly"):
+        return
+    specs: list[str] = []
+    for item in session.items:
+        specs += [s for s in _warmups(item) if s not in specs]
+    if not specs:
+        return
+    from checkpoint_engine.procs import die_with_parent
+    from testing.vllm_servers import child_env
+
+    SFT_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(WARMUP_LOG, "a") as log:
+        _warmer = subprocess.Popen(
+            [sys.executable, "-m", "testing.sft_warm", "--cache-dir", str(SFT_CACHE), *specs],
+            cwd=REPO,
+            env=child_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+    print(f"\nSFT warm-up in the background (pid {_warmer.pid}, log {WARMUP_LOG}): {', '.join(specs)}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop a warm-up still running (a partial run that needed no model); report one that failed."""
+    if _warmer is None:
+        return
+    if _warmer.poll() is None:
+        _warmer.terminate()
+        try:
+            _warmer.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _warmer.kill()
+            _warmer.wait(STOP_TIMEOUT_S)
+    elif _warmer.returncode != 0:
+        print(f"\nSFT warm-up exited with {_warmer.returncode} (the tests trained what they needed); see {WARMUP_LOG}")
