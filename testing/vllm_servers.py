@@ -22,8 +22,8 @@ from vllm_ext.launch_config import EXTENSION, free_port
 REPO = Path(__file__).resolve().parents[1]
 # Eager: vLLM keys its compile cache by the model's folder, and each test's model lives in a fresh tmp
 # folder, so a compiled engine compiles at every start (about 45 s of a 60-110 s start on a 2-core
-# CPU). The compiled path has its own tests: test_vllm_compile_cache.py, and test_megatron_vllm.py
-# (weights pushed into a compiled engine).
+# CPU). test_vllm_compile_cache.py runs the compiled path: an engine that loads vLLM's compiled model,
+# then takes a checkpoint-engine update and answers exactly as the engine that compiled it.
 CPU_ENGINE_ARGS = (
     *("--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0"),
     "--enforce-eager",

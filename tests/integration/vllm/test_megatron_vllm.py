@@ -1,8 +1,7 @@
 """A weight sync from the Megatron trainer into a real vLLM (CPU) engine; one vLLM start.
 
 A child process (vLLM's LLM must be created under ``__main__``) runs, in order:
-  1. LLM(tiny model dir, load_format="dummy") with the repo's worker extension, compiled (the
-     suite's other engines run eager): random weights;
+  1. LLM(tiny model dir, load_format="dummy") with the repo's worker extension: random weights;
   2. MegatronTrainer (TP=1, in process) from the same HF dir, one training step (weights now differ
      from the directory's and from vLLM's dummy ones);
   3. orchestrator.weight_sync.WeightSync (in-process ParameterServer, as the RL loop does) pushes
@@ -50,8 +49,7 @@ def _child(model_dir: str, out_json: str) -> None:
     from trainer.torch_trainer import TrainerConfig, make_trainer
     from vllm_ext.req import llm_req_func
 
-    # dummy weights; compiled, as engines run by default: the push must reach the compiled graph's parameters
-    llm = cpu_llm(model_dir, enforce_eager=False)
+    llm = cpu_llm(model_dir)  # dummy weights
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate() -> list[list[int]]:

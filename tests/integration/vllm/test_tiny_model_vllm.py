@@ -19,7 +19,7 @@ def _run_vllm(model_dir: str, out_json: str) -> None:
     from vllm import LLM, SamplingParams
 
     start = time.monotonic()
-    # eager (see testing.vllm_servers); test_megatron_vllm.py compares a compiled engine with HF
+    # eager, as the suite's engines run (testing.vllm_servers.CPU_ENGINE_ARGS)
     llm = LLM(model=model_dir, load_format="auto", dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
     start_s = time.monotonic() - start
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
