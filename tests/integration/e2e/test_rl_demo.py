@@ -6,8 +6,9 @@ repository's cache (``.cache/sft/sft-<config hash>``, the same cache ``scripts/m
 
 1. a short RL run raises held-out accuracy (learning.py) (and vLLM's greedy accuracy of the SFT model, on dummy
    weights plus the first sync, matches what transformers measured: the sync is real);
-2. a run SIGKILLed mid-way resumes from its last checkpoint with the stored trajectories of its
-   replay buffer and finishes; the killed run's vLLM processes do not outlive it.
+2. one run stopped by Ctrl-C, resumed, SIGKILLed, resumed again: it stops within seconds, resumes
+   from its last checkpoint with the stored trajectories of its replay buffer and finishes; the
+   stopped runs' vLLM processes do not outlive them.
 """
 
 from __future__ import annotations
@@ -193,66 +194,10 @@ def test_short_rl_run_raises_heldout_accuracy(short_run, sft_model_dir):
     )
 
 
-@pytest.mark.e2e
-@pytest.mark.vllm
-def test_killed_run_resumes_with_its_stored_trajectories(sft_model_dir, tmp_path):
-    out = tmp_path / "run"
-    cmd = _job(out, RESUME_RUN)
-    log = tmp_path / "stderr.txt"
-    with open(log, "w") as stderr:  # a file, not a pipe: nothing drains a pipe while the job runs
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-    try:
-        _wait_for(
-            lambda: len(read_jsonl(out / "metrics.jsonl")) >= 1 and (out / "state" / "LATEST").exists(),
-            900,
-            "the first iteration's metrics and checkpoint",
-            proc,
-            log,
-        )
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert any("VLLM" in " ".join(c.cmdline()) or "EngineCore" in c.name() for c in children if c.is_running()), [
-            c.name() for c in children
-        ]
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
-    # the reaper ends vLLM's engine and worker processes of the killed job
-    _wait_for(
-        lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
-        60,
-        "the killed job's child processes to end",
-    )
-
-    latest = out / "state" / (out / "state" / "LATEST").read_text().strip()
-    saved_iteration = json.loads((latest / "progress.json").read_text())["iteration"]
-    saved = json.loads((latest / "replay.json").read_text())["trajectories"]
-    unfinished = [t["trajectory_id"] for t in saved if not t["finished"]]
-    assert 1 <= saved_iteration < RESUME_ITERATIONS and unfinished, "the kill should leave partial rollouts"
-
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    resume = [json.loads(line) for line in (out / "resume.jsonl").read_text().splitlines()]
-    assert resume[0]["iteration"] == saved_iteration
-    assert resume[0]["num_trajectories"] == len(saved)
-    assert sorted(resume[0]["unfinished_trajectory_ids"]) == sorted(unfinished)
-    records = _check_metrics(out, RESUME_ITERATIONS)
-    assert records[saved_iteration]["num_continued"] >= 1  # the first resumed iteration continued them
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["num_iterations"] == RESUME_ITERATIONS
-
-
-@pytest.mark.e2e
-@pytest.mark.vllm
-def test_ctrl_c_stops_within_seconds_and_resumes(sft_model_dir, tmp_path):
-    """Ctrl-C as a terminal sends it: SIGINT to the job's whole process group (vLLM's processes too)."""
-    out = tmp_path / "run"
-    cmd = _job(out, [*RESUME_RUN, "--set", "rl.num_iterations=2"])
-    stderr_path = tmp_path / "stderr.txt"
+def _start_job(cmd: list[str], stderr_path: pathlib.Path) -> subprocess.Popen:
+    """The job in a process group of its own, SIGINT at its default (as a shell starts it)."""
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd,
             cwd=REPO,
             env=_env(),
@@ -261,7 +206,42 @@ def test_ctrl_c_stops_within_seconds_and_resumes(sft_model_dir, tmp_path):
             text=True,
             start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )  # as in a shell
+        )
+
+
+def _saved_iteration(out: pathlib.Path) -> int:
+    latest = out / "state" / (out / "state" / "LATEST").read_text().strip()
+    return json.loads((latest / "progress.json").read_text())["iteration"]
+
+
+def _saved_after(out: pathlib.Path, iteration: int) -> bool:
+    """Whether the run (resumed: resume.jsonl written) saved a checkpoint after ``iteration``; False
+    while nothing newer is there to read."""
+    try:
+        return (out / "resume.jsonl").exists() and _saved_iteration(out) > iteration
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _wait_children_gone(children: list[psutil.Process], timeout_s: float, what: str) -> None:
+    _wait_for(
+        lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], timeout_s, what
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_trajectories(sft_model_dir, tmp_path):
+    """One run stopped twice, then finished: Ctrl-C as a terminal sends it (SIGINT to the job's whole
+    process group, vLLM's processes too) after its first checkpoint; resumed, SIGKILL to the job alone
+    after its next one (the reaper ends vLLM's processes); resumed again, it continues the partial
+    rollouts its replay buffer stored and finishes."""
+    out = tmp_path / "run"
+    cmd = _job(out, RESUME_RUN)
+
+    # 1. Ctrl-C after the first checkpoint: the job stops within seconds
+    stderr_path = tmp_path / "stderr-1.txt"
+    proc = _start_job(cmd, stderr_path)
     try:
         _wait_for(
             lambda: (out / "state" / "LATEST").exists(), 900, "the first iteration's checkpoint", proc, stderr_path
@@ -284,17 +264,46 @@ def test_ctrl_c_stops_within_seconds_and_resumes(sft_model_dir, tmp_path):
         warnings.warn(f"the job's clean-up hung and its stop deadline ended it:\n{err[-8000:]}", stacklevel=1)
     # a few seconds here (engine close + reaper grace); the bound leaves room for a slow, busy CI machine
     assert stop_s < 30, f"Ctrl-C took {stop_s:.1f} s to stop the job"
-    _wait_for(
-        lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
-        30,
-        "the interrupted job's child processes to end",
-    )
-    saved_iteration = json.loads(
-        (out / "state" / (out / "state" / "LATEST").read_text().strip() / "progress.json").read_text()
-    )["iteration"]
-    assert saved_iteration >= 1
+    _wait_children_gone(children, 30, "the interrupted job's child processes to end")
+    first_saved = _saved_iteration(out)
+    assert 1 <= first_saved < RESUME_ITERATIONS - 1
+
+    # 2. resumed, then SIGKILLed after its next checkpoint, with rollouts unfinished
+    stderr_path = tmp_path / "stderr-2.txt"
+    proc = _start_job(cmd, stderr_path)
+    try:
+        _wait_for(
+            lambda: _saved_after(out, first_saved),
+            900,
+            "the resumed run's next checkpoint",
+            proc,
+            stderr_path,
+        )
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("VLLM" in " ".join(c.cmdline()) or "EngineCore" in c.name() for c in children if c.is_running()), [
+            c.name() for c in children
+        ]
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    _wait_children_gone(children, 60, "the killed job's child processes to end")  # the reaper's work
+    latest = out / "state" / (out / "state" / "LATEST").read_text().strip()
+    saved_iteration = _saved_iteration(out)
+    saved = json.loads((latest / "replay.json").read_text())["trajectories"]
+    unfinished = [t["trajectory_id"] for t in saved if not t["finished"]]
+    assert first_saved < saved_iteration < RESUME_ITERATIONS and unfinished, "the kill should leave partial rollouts"
+
+    # 3. resumed again: it continues them and finishes
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]
     resume = [json.loads(line) for line in (out / "resume.jsonl").read_text().splitlines()]
-    assert resume[0]["iteration"] == saved_iteration
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["num_iterations"] == 2
+    assert [r["iteration"] for r in resume] == [first_saved, saved_iteration]
+    assert resume[-1]["num_trajectories"] == len(saved)
+    assert sorted(resume[-1]["unfinished_trajectory_ids"]) == sorted(unfinished)
+    records = _check_metrics(out, RESUME_ITERATIONS)
+    assert records[saved_iteration]["num_continued"] >= 1  # the first resumed iteration continued them
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["num_iterations"] == RESUME_ITERATIONS
