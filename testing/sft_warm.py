@@ -16,9 +16,13 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.sft import SFTConfig
 
 
-def resolve(spec: str):
+def resolve(spec: str) -> SFTConfig:
     """The ``SFTConfig`` that ``MODULE:ATTR`` names (ATTR a config, or a function returning one)."""
     from trainer.sft import SFTConfig
 

@@ -374,18 +374,18 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path, *, wait_s: float = 4
         logger.info("SFT cache hit: %s", final)
         return final / "model"
     root.mkdir(parents=True, exist_ok=True)
-    with _training_lock(root / f"sft-{config.cache_key()}.lock", wait_s):
+    with _training_lock(final.with_name(final.name + ".lock"), wait_s):
         if (final / DONE_FILE).exists():
             logger.info("SFT cache hit once the other trainer finished: %s", final)
             return final / "model"
-        _train_into(config, choice, root, final)
+        _train_into(config, choice, final)
     return final / "model"
 
 
-def _train_into(config: SFTConfig, choice: DtypeChoice, root: pathlib.Path, final: pathlib.Path) -> None:
-    """Train in a temporary folder under ``root``, then rename it to ``final`` (atomic: a cache entry
+def _train_into(config: SFTConfig, choice: DtypeChoice, final: pathlib.Path) -> None:
+    """Train in a temporary folder beside ``final``, then rename it to ``final`` (atomic: a cache entry
     is complete or absent)."""
-    work_dir = pathlib.Path(tempfile.mkdtemp(prefix=".sft-tmp-", dir=root))
+    work_dir = pathlib.Path(tempfile.mkdtemp(prefix=".sft-tmp-", dir=final.parent))
     try:
         summary = _train(config, work_dir)
         _plot_loss(work_dir)
