@@ -22,9 +22,9 @@ Four mechanisms:
     parent gone (reparented) ──orphan watch──▶ SIGTERM to itself ──the same stop as above──
 
 A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
-its workers' named semaphores: `/dev/shm/sem.mp-*`). Whoever stops a vLLM process tree notes the
-segments it maps (``shm_segments``, ``group_shm_segments``) once it is up, right before the signal
-(``signal_noting_segments``) and while it stops (``wait_noting_segments``; both:
+its workers' named semaphores: `/dev/shm/sem.mp-*`, `sem.loky-*` once joblib is imported). Whoever
+stops a vLLM process tree notes the segments it maps (``shm_segments``, ``group_shm_segments``) once
+it is up, right before the signal (``signal_noting_segments``) and while it stops (``wait_noting_segments``; both:
 ``terminate_noting_segments``), and removes what is left after the stop (``unlink_segments``).
 """
 
@@ -225,8 +225,9 @@ def end_processes(recorded: dict[int, float], grace_s: float) -> list[str]:
 
 SHM_DIR = "/dev/shm"
 # Python's multiprocessing names them so: shared_memory.SharedMemory (vLLM's message queues) and the
-# named semaphores of its locks under the spawn start method (vLLM's workers)
-SHM_PREFIXES = ("psm_", "sem.mp-")
+# named semaphores of its locks under the spawn start method (vLLM's workers). A process that has
+# imported joblib gets its semaphores named by joblib's loky instead (it renames multiprocessing's).
+SHM_PREFIXES = ("psm_", "sem.mp-", "sem.loky-")
 
 
 def group_pids(pgid: int) -> list[int]:

@@ -173,23 +173,38 @@ def test_an_asyncio_server_stuck_in_its_shutdown_exits_at_the_deadline():
     assert 1.0 <= stop_s < 10, stop_s
 
 
-def test_shm_segments_finds_shared_memory_and_named_semaphores_mapped_by_a_process():
+def _loky_make_name() -> str:
+    """The semaphore names that joblib's loky gives multiprocessing's locks once imported."""
+    import os
+    from multiprocessing import synchronize
+
+    return f"/loky-{os.getpid()}-{next(synchronize.SemLock._rand)}"
+
+
+@pytest.mark.parametrize("naming", ["multiprocessing", "loky"])
+def test_shm_segments_finds_shared_memory_and_named_semaphores_mapped_by_a_process(monkeypatch, naming):
     """What vLLM's processes leave when SIGKILLed: a `multiprocessing.shared_memory` segment (its
-    message queues) and the named semaphore of a lock made under the spawn start method (its workers)."""
+    message queues) and the named semaphore of a lock made under the spawn start method (its workers),
+    named `mp-...` by multiprocessing or `loky-...` in a process that has imported joblib (the GPU
+    machine's pytest process does)."""
     import multiprocessing
     import os
-    from multiprocessing import resource_tracker, shared_memory
+    from multiprocessing import resource_tracker, shared_memory, synchronize
 
     from checkpoint_engine.procs import shm_segments, unlink_segments
 
+    if naming == "loky":
+        monkeypatch.setattr(synchronize.SemLock, "_make_name", staticmethod(_loky_make_name))
     before = shm_segments([os.getpid()])
     seg = shared_memory.SharedMemory(create=True, size=4096)
     lock = multiprocessing.get_context("spawn").Lock()
     try:
         found = shm_segments([os.getpid()]) - before
         assert f"/dev/shm/{seg.name.lstrip('/')}" in found
-        sems = [path for path in found if path.startswith("/dev/shm/sem.mp-")]
-        assert len(sems) == 1 and len(found) == 2, found
+        sems = [path for path in found if path.startswith("/dev/shm/sem.")]
+        assert sems == [f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}"] and len(found) == 2, found
+        if naming == "loky":
+            assert sems[0].startswith(f"/dev/shm/sem.loky-{os.getpid()}-"), sems
         psm = found - set(sems)
         assert shm_segments([os.getpid()], prefixes=("psm_",)) - before == psm
         assert unlink_segments(psm) == sorted(psm) and not any(os.path.exists(p) for p in psm)
