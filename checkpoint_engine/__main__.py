@@ -7,7 +7,8 @@ Rank 0 serves the HTTP API; every rank holds its shard of each registered checkp
   GET  /metas/NAME, POST /metas                  export / import global metas (JSON) for P2P recovery
   GET  /checkpoints                              what is registered, the last update's metrics
   DELETE /checkpoints/NAME, GET /health, POST /shutdown
-Managed engines (--engine-cmd 'python -m ENGINE ... --port {port}'; {rank} {device} also filled in):
+Managed engines (--engine-cmd 'python -m ENGINE ... --port {port}'; {rank} {device} {rendezvous} {p2p_host}
+also filled in):
   POST /engines/start {"ranks": null | [...], "name": null | NAME}  start (dummy weights), then push NAME
                                                  (default: the current checkpoint) before reporting serving
   POST /engines/stop  {"ranks": null | [...]}     SIGTERM, SIGKILL after a grace period
@@ -69,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--engine-cmd",
         default=None,
         help="the engine each rank manages: a JSON list or a shell-style string with {port} (and {rank}, "
-        "{device}), e.g. 'python -m checkpoint_engine.plain_engine --port {port}'",
+        "{device}, {rendezvous}: the address of its load step, {p2p_host}: this daemon's --p2p-host), e.g. "
+        "'python -m checkpoint_engine.plain_engine --port {port}'",
     )
     p.add_argument(
         "--auto-heal",
@@ -122,6 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 auto_heal=args.auto_heal,
                 log_dir=args.engine_log_dir,
                 update_timeout_s=args.collective_timeout_s,
+                p2p_host=args.p2p_host,
             )
         except ValueError as e:
             p.error(str(e))

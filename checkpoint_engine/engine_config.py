@@ -1,11 +1,15 @@
 """What each rank's managed engine runs: the `--engine-cmd` template (`{port}`, `{rank}`, `{device}`,
-`{rendezvous}` filled in), its environment (torchrun's variables removed, one GPU visible) and
-`EngineConfig`.
+`{rendezvous}`, `{p2p_host}` filled in), its environment (torchrun's variables removed, one GPU
+visible) and `EngineConfig`.
 
 `{rendezvous}` marks an engine that takes its first weights in its own load step from this rank's
 parameter server (`vllm_ext.launch --load-rendezvous {rendezvous}`, the `checkpoint_engine` load
 format): the daemon fills in a private ipc:// address per start and updates the engine through it
 before waiting for its health, instead of waiting for a dummy-weight engine and pushing into it.
+
+`{p2p_host}` is the daemon's own `--p2p-host`: an engine that reads its P2P pulls itself starts its
+transfer engine there while it starts (`vllm_ext.launch --load-rendezvous {rendezvous} --p2p-host
+{p2p_host}`), so the daemon's one address setting reaches its engines too.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PLACEHOLDERS = ("{port}", "{rank}", "{device}", "{rendezvous}")
+PLACEHOLDERS = ("{port}", "{rank}", "{device}", "{rendezvous}", "{p2p_host}")
 
 
 def parse_engine_cmd(text: str) -> tuple[str, ...]:
@@ -34,15 +38,42 @@ def parse_engine_cmd(text: str) -> tuple[str, ...]:
     else:
         argv = shlex.split(text)
     cmd = tuple(argv)
-    EngineConfig(cmd=cmd)  # validates the template
+    check_cmd(cmd)
     return cmd
 
 
-def render_cmd(cmd: Sequence[str], *, port: int, rank: int, device: str, rendezvous: str | None = None) -> list[str]:
+def check_cmd(cmd: object) -> None:
+    """A command template: a non-empty tuple of non-empty strings with a `{port}` placeholder."""
+    if not isinstance(cmd, tuple) or not cmd or not all(isinstance(a, str) and a for a in cmd):
+        raise ValueError(f"EngineConfig.cmd={cmd!r} must be a non-empty tuple of non-empty strings")
+    if not any("{port}" in a for a in cmd):
+        raise ValueError(
+            f"EngineConfig.cmd={list(cmd)!r} has no {{port}} placeholder: the daemon picks a free port "
+            "per engine and must pass it, e.g. '... --port {port}'"
+        )
+
+
+def render_cmd(
+    cmd: Sequence[str],
+    *,
+    port: int,
+    rank: int,
+    device: str,
+    rendezvous: str | None = None,
+    p2p_host: str | None = None,
+) -> list[str]:
     """The argv of one engine: each placeholder replaced (other braces, e.g. JSON args, stay as they are)."""
     if rendezvous is None and loads_from_ps(cmd):
         raise ValueError(f"the engine command {list(cmd)!r} has a {{rendezvous}} placeholder: give its address")
-    values = {"{port}": str(port), "{rank}": str(rank), "{device}": device, "{rendezvous}": rendezvous or ""}
+    if p2p_host is None and uses_p2p_host(cmd):
+        raise ValueError(f"the engine command {list(cmd)!r} has a {{p2p_host}} placeholder: give the address")
+    values = {
+        "{port}": str(port),
+        "{rank}": str(rank),
+        "{device}": device,
+        "{rendezvous}": rendezvous or "",
+        "{p2p_host}": p2p_host or "",
+    }
     out = []
     for arg in cmd:
         for key, value in values.items():
@@ -54,6 +85,11 @@ def render_cmd(cmd: Sequence[str], *, port: int, rank: int, device: str, rendezv
 def loads_from_ps(cmd: Sequence[str]) -> bool:
     """The engine takes its first weights in its load step from the PS (a `{rendezvous}` placeholder)."""
     return any("{rendezvous}" in a for a in cmd)
+
+
+def uses_p2p_host(cmd: Sequence[str]) -> bool:
+    """The engine's command takes the daemon's P2P address (a `{p2p_host}` placeholder)."""
+    return any("{p2p_host}" in a for a in cmd)
 
 
 # torchrun's variables describe the daemon's process group, which the engine is no member of (an
@@ -86,7 +122,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}, {rendezvous}
+    cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}, {rendezvous}, {p2p_host}
     health_path: str = "/health"  # GET answers 200 once the engine can take updates (or, loading: serve)
     host: str = "127.0.0.1"  # where the daemon reaches its engine (health, sleep, updates' requests)
     # the host in the engine URLs the daemon publishes (GET /engines, etcd), which rollout clients on
@@ -103,6 +139,8 @@ class EngineConfig:
     # where each rank keeps the shared-memory segments its engine maps (`segment_ledger`); None: the
     # per-user default, which every daemon, pool and launcher of this user sweeps at an engine's start
     segment_ledger_dir: str | None = None
+    # what `{p2p_host}` in `cmd` stands for: the daemon's --p2p-host (a template that uses it needs one)
+    p2p_host: str | None = None
 
     @property
     def loads_from_ps(self) -> bool:
@@ -111,12 +149,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from checkpoint_engine.validate import check_int, check_number
 
-        if not isinstance(self.cmd, tuple) or not self.cmd or not all(isinstance(a, str) and a for a in self.cmd):
-            raise ValueError(f"EngineConfig.cmd={self.cmd!r} must be a non-empty tuple of non-empty strings")
-        if not any("{port}" in a for a in self.cmd):
+        check_cmd(self.cmd)
+        if uses_p2p_host(self.cmd) and not (isinstance(self.p2p_host, str) and self.p2p_host):
             raise ValueError(
-                f"EngineConfig.cmd={list(self.cmd)!r} has no {{port}} placeholder: the daemon picks a free port "
-                "per engine and must pass it, e.g. '... --port {port}'"
+                f"EngineConfig.cmd={list(self.cmd)!r} has a {{p2p_host}} placeholder but p2p_host={self.p2p_host!r}: "
+                "start the daemon with --p2p-host ADDR (the address its engines' transfer engines use too)"
             )
         if self.url_host is not None and (
             not isinstance(self.url_host, str) or not self.url_host or any(c in self.url_host for c in "/ ?#@")

@@ -145,7 +145,12 @@ class ManagedEngine:
             if self.rendezvous is not None:
                 write_pull_hint(self.rendezvous, self.load_hint)
             argv = render_cmd(
-                self.config.cmd, port=port, rank=self.rank, device=self.device, rendezvous=self.rendezvous
+                self.config.cmd,
+                port=port,
+                rank=self.rank,
+                device=self.device,
+                rendezvous=self.rendezvous,
+                p2p_host=self.config.p2p_host,
             )
             self._close_log()
             self._log = open(self.log_path, "a")  # open for the process's lifetime

@@ -35,7 +35,8 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         *(sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--load-rendezvous", "{rendezvous}"),
         # the load step starts its transfer engine, connects to the owners and places the tensors
         # the daemon left beside the rendezvous while vLLM starts
-        *("--p2p-host", "127.0.0.1", "--port", "{port}", "--engine-timeout-s", "120", "--", *CPU_ENGINE_ARGS),
+        # (at the daemon's own --p2p-host, filled in for {p2p_host})
+        *("--p2p-host", "{p2p_host}", "--port", "{port}", "--engine-timeout-s", "120", "--", *CPU_ENGINE_ARGS),
     ]
     daemon = start_daemon(
         *("--collective-timeout-s", "300", "--engine-log-dir", str(tmp_path)),

@@ -121,6 +121,44 @@ def test_render_cmd_fills_the_rendezvous_of_engines_that_load_from_the_ps():
         render_cmd(cmd, port=9, rank=0, device="cpu")
 
 
+def test_render_cmd_fills_the_daemons_p2p_host():
+    cmd = ("e", "--port", "{port}", "--p2p-host", "{p2p_host}")
+    assert render_cmd(cmd, port=9, rank=0, device="cpu", p2p_host="10.0.0.2")[-2:] == ["--p2p-host", "10.0.0.2"]
+    with pytest.raises(ValueError, match="has a {p2p_host} placeholder: give the address"):
+        render_cmd(cmd, port=9, rank=0, device="cpu")
+    assert EngineConfig(cmd=cmd, p2p_host="10.0.0.2").p2p_host == "10.0.0.2"
+    for missing in (None, ""):
+        with pytest.raises(ValueError, match=r"has a \{p2p_host\} placeholder but p2p_host=.*--p2p-host ADDR"):
+            EngineConfig(cmd=cmd, p2p_host=missing)
+
+
+def test_the_daemon_fills_p2p_host_from_its_own_flag_and_refuses_the_placeholder_without_it(capsys):
+    from checkpoint_engine.__main__ import parse_args
+
+    cmd = "python -m vllm_ext.launch --load-rendezvous {rendezvous} --p2p-host {p2p_host} --port {port}"
+    args = parse_args(["--p2p-host", "10.0.0.2", "--engine-cmd", cmd])
+    assert args.engine_config.p2p_host == "10.0.0.2"
+    assert parse_args(["--engine-cmd", "e --port {port}"]).engine_config.p2p_host is None
+    with pytest.raises(SystemExit):
+        parse_args(["--engine-cmd", cmd])
+    assert "has a {p2p_host} placeholder" in capsys.readouterr().err
+
+
+def test_a_managed_engine_starts_with_the_daemons_p2p_host(tmp_path):
+    show = "import sys; print('ARGV', sys.argv[1:], flush=True)"
+    config = EngineConfig(
+        cmd=(sys.executable, "-c", show, "--p2p-host", "{p2p_host}", "{port}"),
+        log_dir=str(tmp_path),
+        p2p_host="10.9.8.7",
+    )
+    engine = ManagedEngine(0, config)
+    engine.start()
+    engine._proc.wait(30)
+    log = pathlib.Path(engine.log_path).read_text()
+    assert "ARGV ['--p2p-host', '10.9.8.7'," in log, log
+    engine.stop()
+
+
 def test_engine_env_drops_torchrun_variables():
     env = engine_env(
         {"RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin", "OMP_NUM_THREADS": "1"}
