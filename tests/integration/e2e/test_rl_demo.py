@@ -209,16 +209,20 @@ def _start_job(cmd: list[str], stderr_path: pathlib.Path) -> subprocess.Popen:
         )
 
 
-def _saved_iteration(out: pathlib.Path) -> int:
-    latest = out / "state" / (out / "state" / "LATEST").read_text().strip()
-    return json.loads((latest / "progress.json").read_text())["iteration"]
+def _latest_state(out: pathlib.Path) -> pathlib.Path:
+    """The run's last saved checkpoint (the folder its ``state/LATEST`` names)."""
+    return out / "state" / (out / "state" / "LATEST").read_text().strip()
+
+
+def _iteration_of(state: pathlib.Path) -> int:
+    return json.loads((state / "progress.json").read_text())["iteration"]
 
 
 def _saved_after(out: pathlib.Path, iteration: int) -> bool:
     """Whether the run (resumed: resume.jsonl written) saved a checkpoint after ``iteration``; False
     while nothing newer is there to read."""
     try:
-        return (out / "resume.jsonl").exists() and _saved_iteration(out) > iteration
+        return (out / "resume.jsonl").exists() and _iteration_of(_latest_state(out)) > iteration
     except (OSError, ValueError, KeyError):
         return False
 
@@ -265,7 +269,7 @@ def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_tra
     # a few seconds here (engine close + reaper grace); the bound leaves room for a slow, busy CI machine
     assert stop_s < 30, f"Ctrl-C took {stop_s:.1f} s to stop the job"
     _wait_children_gone(children, 30, "the interrupted job's child processes to end")
-    first_saved = _saved_iteration(out)
+    first_saved = _iteration_of(_latest_state(out))
     assert 1 <= first_saved < RESUME_ITERATIONS - 1
 
     # 2. resumed, then SIGKILLed after its next checkpoint, with rollouts unfinished
@@ -290,8 +294,8 @@ def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_tra
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
     _wait_children_gone(children, 60, "the killed job's child processes to end")  # the reaper's work
-    latest = out / "state" / (out / "state" / "LATEST").read_text().strip()
-    saved_iteration = _saved_iteration(out)
+    latest = _latest_state(out)
+    saved_iteration = _iteration_of(latest)
     saved = json.loads((latest / "replay.json").read_text())["trajectories"]
     unfinished = [t["trajectory_id"] for t in saved if not t["finished"]]
     assert first_saved < saved_iteration < RESUME_ITERATIONS and unfinished, "the kill should leave partial rollouts"
