@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import types
 import typing
@@ -25,6 +26,23 @@ def check_number(name: str, value: Any, *, allow_zero: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name}={value!r} must be a number {'>=' if allow_zero else '>'} 0")
+
+
+def check_qualname(name: str, value: Any) -> tuple[str, str]:
+    """ValueError unless `value` is a ``"module:attr"`` string; returns ``(module, attr)``."""
+    module_name, sep, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if not (sep and module_name and attr):
+        raise ValueError(f"{name}={value!r} must look like 'module:attr'")
+    return module_name, attr
+
+
+def import_qualname(name: str, value: Any) -> Any:
+    """The object a ``"module:attr"`` string names (imported now); ValueError naming `name` if it cannot."""
+    module_name, attr = check_qualname(name, value)
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{name}={value!r} cannot be loaded: {e}") from None
 
 
 def _literal_choices(hint: Any) -> tuple | None:

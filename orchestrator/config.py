@@ -27,7 +27,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from checkpoint_engine.validate import check_int, check_literals, check_number
+from checkpoint_engine.validate import check_int, check_literals, check_number, check_qualname
 from demo import task
 from orchestrator.dictconfig import apply_overrides, from_dict, merge, to_dict
 from orchestrator.length_penalty import LengthPenaltyConfig
@@ -204,8 +204,8 @@ class RewardConfig:
             raise ValueError(f"reward.correct_threshold={self.correct_threshold!r} must be finite")
         if self.type == "code_sandbox" and not self.sandbox_url:
             raise ValueError("reward.sandbox_url must be set when reward.type='code_sandbox'")
-        if self.reward_model is not None and ":" not in self.reward_model:
-            raise ValueError(f"reward.reward_model={self.reward_model!r} must look like 'module:factory'")
+        if self.reward_model is not None:
+            check_qualname("reward.reward_model", self.reward_model)
         if not math.isfinite(self.reward_model_weight):
             raise ValueError(f"reward.reward_model_weight={self.reward_model_weight!r} must be finite")
 

@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from collections.abc import Sequence
 from typing import Any
 
+from checkpoint_engine.validate import import_qualname
 from orchestrator.config import RewardConfig
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
@@ -49,15 +49,6 @@ def group_rewards(
     return length_penalty.apply(rewards, list(lengths), [s.correct for s in scores], iteration)
 
 
-def _load_factory(spec: str):
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.reward_model={spec!r} cannot be loaded: {e}") from None
-    return factory()
-
-
 def make_reward_fn(config: RewardConfig) -> RewardFn:
     """The reward ``config`` describes (the code sandbox is imported only when chosen)."""
     if config.type == "math_verify":
@@ -70,7 +61,7 @@ def make_reward_fn(config: RewardConfig) -> RewardFn:
         raise ValueError(f"reward.type={config.type!r} is not supported")
     if config.reward_model is None:
         return base
-    hook = RewardModelHook(_load_factory(config.reward_model), name=config.reward_model)
+    hook = RewardModelHook(import_qualname("reward.reward_model", config.reward_model)(), name=config.reward_model)
     return CombinedReward([(base, 1.0), (hook, config.reward_model_weight)])
 
 

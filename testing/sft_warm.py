@@ -12,7 +12,6 @@ training waits on ``run_sft``'s lock instead of training a second copy. SIGTERM 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -24,12 +23,10 @@ if TYPE_CHECKING:
 
 def resolve(spec: str) -> SFTConfig:
     """The ``SFTConfig`` that ``MODULE:ATTR`` names (ATTR a config, or a function returning one)."""
+    from checkpoint_engine.validate import import_qualname
     from trainer.sft import SFTConfig
 
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{spec!r} must look like 'module:ATTR'")
-    obj = getattr(importlib.import_module(module_name), attr)
+    obj = import_qualname("SFT config", spec)
     config = obj if isinstance(obj, SFTConfig) else obj()
     if not isinstance(config, SFTConfig):
         raise TypeError(f"{spec} gave {type(config).__name__}, not an SFTConfig")

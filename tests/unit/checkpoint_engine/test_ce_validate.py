@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 
 from checkpoint_engine.config import ParameterServerConfig
-from checkpoint_engine.validate import check_literals, choices_text
+from checkpoint_engine.validate import check_literals, check_qualname, choices_text, import_qualname
 
 Mode = Literal["fast", "slow"]
 
@@ -51,3 +51,17 @@ def test_choices_text():
 def test_a_package_config_uses_it():
     with pytest.raises(ValueError, match=r"^transport='tpu' must be 'auto', 'cpu' or 'cuda'$"):
         ParameterServerConfig(transport="tpu")
+
+
+@pytest.mark.parametrize("value", ["nomodule", ":attr", "module:", "", None, 3])
+def test_a_qualname_without_module_and_attr_names_the_field(value):
+    with pytest.raises(ValueError, match=r"reward\.reward_model=.* must look like 'module:attr'"):
+        check_qualname("reward.reward_model", value)
+
+
+def test_import_qualname_gives_the_object_or_names_what_cannot_be_loaded():
+    assert import_qualname("x", "checkpoint_engine.validate:check_qualname") is check_qualname
+    with pytest.raises(ValueError, match=r"x='no_such_module_here:f' cannot be loaded: No module named"):
+        import_qualname("x", "no_such_module_here:f")
+    with pytest.raises(ValueError, match=r"x='checkpoint_engine.validate:nothing' cannot be loaded: .*nothing"):
+        import_qualname("x", "checkpoint_engine.validate:nothing")
