@@ -1,6 +1,6 @@
 """Child processes end with their parent.
 
-Four mechanisms:
+Four mechanisms, and one ending:
 - ``exit_on_signals()`` (entry points only): SIGTERM (and SIGINT) raise ``SystemExit`` in the main
   thread, so ``finally`` blocks that stop servers run, as they do for Ctrl-C.
 - ``stop_deadline()`` (entry points only): once such a signal arrived, the process ends within a
@@ -21,6 +21,10 @@ Four mechanisms:
     signal ──asyncio handler──▶ force_exit_after(deadline_s, signum) ──same ending──
     parent gone (reparented) ──orphan watch──▶ SIGTERM to itself ──the same stop as above──
 
+- ``exit_after_cleanup()`` (entry points, once their own clean-up after a stop signal has run): ends
+  the process without the interpreter's finalization, which threads left mid-call by native code can
+  crash or hang.
+
 A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
 its workers' named semaphores: `/dev/shm/sem.mp-*`, `sem.loky-*` once joblib is imported). Whoever
 stops a vLLM process tree notes the segments it maps (``shm_segments``, ``group_shm_segments``) once
@@ -40,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +156,25 @@ def _exit_after(deadline_s: float, signum: int) -> None:
     )
     faulthandler.dump_traceback(file=2, all_threads=True)
     os._exit(128 + signum)
+
+
+def exit_after_cleanup(code: int) -> NoReturn:
+    """End the process now with ``code``: flush logging and stdio, then ``os._exit``.
+
+    For an entry point stopped by a signal, after its own clean-up ran (engines closed, children
+    ended). The interpreter's finalization would come next, and what the signal interrupted can break
+    it: a C extension whose initialization it cut short (matplotlib's ft2font, imported at the RL job's
+    first plot) aborts it ("PyThreadState_Get: ... the GIL is released", SIGABRT), and so can a
+    thread of native code left mid-call; a non-daemon thread left running blocks it. Skipped with
+    finalization: ``atexit`` handlers and the joining of threads, which is the point.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more can reach it
+            pass
+    os._exit(code)
 
 
 def descendants(pid: int) -> dict[int, float]:

@@ -62,6 +62,24 @@ def _environment(kv_cache_gib: int, log_level: str) -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
 
+def _stop_code(exc: BaseException) -> int | None:
+    """The exit code of a stop by signal that ``exc`` comes from, else None.
+
+    Ctrl-C is ``KeyboardInterrupt`` (130) and SIGTERM ``SystemExit(143)`` (``exit_on_signals``), or
+    an error that one of them caused: a Ctrl-C inside a C extension's import (matplotlib's, at the
+    first plot) surfaces as ``ImportError: initialization failed`` with the interrupt as its cause.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, KeyboardInterrupt):
+            return 128 + signal.SIGINT
+        if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
+            return exc.code
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from orchestrator.config import load_config, to_dict
@@ -80,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level == "INFO":  # one line per update from the checkpoint engine drowns the progress bar
         logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
     _environment(config.engine.kv_cache_gib, args.log_level)
-    from checkpoint_engine.procs import exit_on_signals, stop_deadline
+    from checkpoint_engine.procs import exit_after_cleanup, exit_on_signals, stop_deadline
 
     # SIGTERM unwinds like Ctrl-C, so the engine is shut down; the reaper covers SIGKILL; the
     # deadline covers a clean-up that hangs.
@@ -90,19 +108,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     from orchestrator.reaper import start_reaper, stop_reaper
 
     reaper = start_reaper()
+    stop_code = None
     try:
         summary = run_job(config, args.output_dir, progress_bar=not args.no_progress)
-    except KeyboardInterrupt:
-        print(
-            f"interrupted: the state of the last finished iteration is in {os.path.join(args.output_dir, 'state')}; "
-            "run the same command to resume",
-            file=sys.stderr,
-        )
-        return 128 + signal.SIGINT
+    except BaseException as e:
+        stop_code = _stop_code(e)
+        if stop_code is None:
+            raise
     finally:
         start = time.monotonic()
         stop_reaper(reaper)
         logging.getLogger("orchestrator").info("reaper done in %.2f s", time.monotonic() - start)
+    if stop_code is not None:
+        print(
+            f"interrupted: the state of the last finished iteration is in "
+            f"{os.path.join(args.output_dir, 'state')}; run the same command to resume",
+            file=sys.stderr,
+        )
+        # The engine is closed and its processes ended. The interpreter's finalization is skipped: a C
+        # extension whose import the signal cut short (matplotlib's, at the first plot) or a thread
+        # left mid-call can abort it.
+        exit_after_cleanup(stop_code)
     print(summary.pop("summary_line"))
     print(
         f"metrics: {os.path.join(args.output_dir, 'metrics.jsonl')}  plot: "

@@ -1,5 +1,5 @@
 """procs.stop_deadline and force_exit_after: a stop signal ends the process within the deadline, whatever its
-clean-up does."""
+clean-up does; exit_after_cleanup ends it at once after its own clean-up."""
 
 from __future__ import annotations
 
@@ -60,6 +60,22 @@ p.join(10)
 time.sleep(2.0)  # twice the deadline
 print("survived", flush=True)
 """,
+    # after its clean-up, the entry point ends with exit_after_cleanup while a thread a library started
+    # is still running: finalization (which would join it, then run atexit) is skipped
+    "exit_after_cleanup": """
+import atexit, logging, threading
+from checkpoint_engine.procs import exit_after_cleanup
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+atexit.register(lambda: print("finalized", flush=True))
+threading.Thread(target=time.sleep, args=(600,), name="library-thread").start()  # not a daemon
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    code = 130
+logging.getLogger("entry").info("cleaned up")
+print("summary")  # buffered: stdout is a pipe
+exit_after_cleanup(code)
+""",
     # a clean-up that finishes: the watchdog must not interfere
     "clean": """
 try:
@@ -116,6 +132,16 @@ def test_a_clean_stop_is_left_alone():
     assert "most recent call first" in err, err  # the SIGUSR1 dump
     assert rc == -signal.SIGINT, err  # the uncaught KeyboardInterrupt, as without the watchdog
     assert stop_s < 10
+
+
+def test_exit_after_cleanup_ends_the_process_with_its_code_and_its_output_without_finalizing():
+    proc = _start("exit_after_cleanup", deadline_s=30.0)
+    rc, stop_s, out, err = _stop(proc, signal.SIGINT)
+    assert rc == 130, err
+    assert out.split() == ["summary"], out  # flushed; the atexit handler did not run
+    assert "cleaned up" in err
+    assert FORCED_EXIT_MARKER not in err
+    assert stop_s < 10  # not waiting for the thread
 
 
 def test_a_signal_to_a_forked_child_does_not_trip_the_parent():
