@@ -22,8 +22,8 @@ Four mechanisms, and one ending:
     parent gone (reparented) ──orphan watch──▶ SIGTERM to itself ──the same stop as above──
 
 - ``exit_after_cleanup()`` (entry points, once their own clean-up after a stop signal has run): ends
-  the process without the interpreter's finalization, which threads left mid-call by native code can
-  crash or hang.
+  the process without the interpreter's finalization, which what the signal cut short (a C
+  extension's import, a thread of native code mid-call) can crash or hang.
 
 A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
 its workers' named semaphores: `/dev/shm/sem.mp-*`, `sem.loky-*` once joblib is imported). Whoever
