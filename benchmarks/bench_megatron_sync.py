@@ -310,13 +310,12 @@ def handoff_side_by_side(args) -> dict:
     """Start the follower ranks, run rank 0 here; their exit codes are checked."""
     import os
     import pathlib
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from checkpoint_engine.ports import free_port
+
+    port = free_port()
     repo = str(pathlib.Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     argv = sys.argv[1:] if args.argv is None else args.argv

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,12 +74,6 @@ def measure_starts(num_starts: int, python: str) -> dict[str, list[float]]:
         warm.close()
         cold.close()
     return series
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_service(port: int, workers: int) -> subprocess.Popen:
@@ -152,6 +145,8 @@ def measure_throughput(cores: int, concurrency: int, duration_s: float) -> dict:
     import resource
 
     import psutil
+
+    from checkpoint_engine.ports import free_port
 
     port = free_port()
     proc = start_service(port, workers=cores)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,12 +111,6 @@ def engine_env(environ: dict[str, str] | None = None, device: str = "cpu") -> di
             raise ValueError(f"device {device} is not among CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
         env["CUDA_VISIBLE_DEVICES"] = visible[index].strip() if visible else str(index)
     return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from checkpoint_engine.engine_config import EngineConfig, engine_env, free_port, render_cmd
+from checkpoint_engine.engine_config import EngineConfig, engine_env, render_cmd
 from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE, check_transition
 from checkpoint_engine.load_rendezvous import PullHint, write_pull_hint
+from checkpoint_engine.ports import free_port
 from checkpoint_engine.procs import (
     die_with_parent,
     group_pids,

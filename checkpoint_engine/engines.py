@@ -60,7 +60,6 @@ from checkpoint_engine.engine_config import (
     TORCHRUN_VARS,
     EngineConfig,
     engine_env,
-    free_port,
     parse_engine_cmd,
     render_cmd,
 )
@@ -77,6 +76,7 @@ from checkpoint_engine.engine_states import (
     TransitionError,
     check_transition,
 )
+from checkpoint_engine.ports import free_port
 from checkpoint_engine.store_wait import wait_for_keys
 
 __all__ = [

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from checkpoint_engine.ports import free_port
 from checkpoint_engine.procs import (
     die_with_parent,
     shm_segments,
@@ -98,12 +99,6 @@ def launch_command(model_dir: str, config: EngineConfig, port: int) -> list[str]
     ]
 
 
-def _free_port() -> int:
-    from vllm_ext.launch import free_port
-
-    return free_port()
-
-
 class EngineServer:
     """One launcher child (gate + vLLM) on 127.0.0.1; ends with the thread that started it (PDEATHSIG)."""
 
@@ -115,7 +110,7 @@ class EngineServer:
         segment_ledger_dir: str | None = None,
     ) -> None:
         sweep_segments(segment_ledger_dir)  # what servers killed along with their job left
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._tree: list[Any] = []  # psutil.Process of the launcher's descendants (vLLM), once healthy

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Literal
 
 from checkpoint_engine.cli_config import meta
 from checkpoint_engine.p2p import parse_cpu_list
+from checkpoint_engine.ports import free_port as free_port
 from checkpoint_engine.validate import check_literals
 from vllm_ext.engine_core_cpus import ENV as ENGINE_CORE_CPUS_ENV
 
@@ -184,12 +184,6 @@ def tensor_parallel_size(vllm_args: tuple[str, ...]) -> int:
             except ValueError:
                 raise ValueError(f"{name} needs an integer, got {raw!r}") from None
     return 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_safetensors_files(model_dir: str) -> list[str]:

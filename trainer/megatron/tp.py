@@ -35,24 +35,18 @@ import json
 import logging
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from checkpoint_engine.ports import free_port
 from trainer.torch_trainer import TrainerConfig, save_hf_dir
 
 logger = logging.getLogger(__name__)
 
 _TIMEOUT = datetime.timedelta(hours=6)  # followers wait in a broadcast while the loop does rollouts
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _broadcast(obj=None):
@@ -87,7 +81,7 @@ class TPMegatronTrainer:
             from trainer.cpu import usable_cpus
 
             config = dataclasses.replace(config, num_threads=max(1, usable_cpus() // tp_size))
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ, **(follower_env or {}))
         repo = str(pathlib.Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])

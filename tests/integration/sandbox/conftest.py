@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint_engine.ports import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 SECRET_ENV_NAME = "SANDBOX_TEST_HOST_SECRET"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
