@@ -16,9 +16,10 @@ instead of 0.50-0.58. A sleep between looks instead of the spin frees the other 
 the engine more (7-27% of its tokens/s: every hand-over waits for a timer and for a core). Figures:
 benchmarks/RESULTS.md, bench_engine_core_cpus.py.
 
-The launcher (`--engine-core-cpus`) hands the setting to `vllm serve` in `ENV`. vLLM on CPU spawns
-its engine core and workers, and spawn runs `vllm_ext.serve`, the parent's main module, again in each
-of them, which calls `apply_in_vllm_process`.
+The launcher (`--engine-core-cpus`) hands the setting to `vllm serve` in `ENV`. `apply_in_vllm_process`
+runs in each of vLLM's processes as it starts: after the fork (vllm_ext/start_method.py, the launcher's
+default), or, where vLLM spawns them, from `vllm_ext.serve`, the parent's main module, which spawn runs
+again in each of them.
 """
 
 from __future__ import annotations

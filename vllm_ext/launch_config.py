@@ -19,6 +19,7 @@ from checkpoint_engine.p2p import parse_cpu_list
 from checkpoint_engine.ports import free_port as free_port
 from checkpoint_engine.validate import check_literals
 from vllm_ext.engine_core_cpus import ENV as ENGINE_CORE_CPUS_ENV
+from vllm_ext.start_method import ENV as START_METHOD_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,14 @@ class LaunchConfig:
             "another core's time), or anywhere, as vLLM leaves it (vllm_ext.engine_core_cpus)"
         ),
     )
+    vllm_start_method: Literal["fork", "spawn"] = field(
+        default="fork",
+        metadata=meta(
+            "on a CPU platform, how vLLM starts its engine core and worker: forked from its API server "
+            "(they inherit its imports: about half of a start on 2 cores) or spawned, as vLLM does "
+            "(each imports vLLM again) (vllm_ext.start_method)"
+        ),
+    )
     vllm_args: tuple[str, ...] = field(default_factory=tuple)  # after `--` on the command line
 
     def __post_init__(self) -> None:
@@ -213,8 +222,14 @@ def engine_settings(cfg: LaunchConfig) -> dict:
 
 def vllm_env(cfg: LaunchConfig, base: dict[str, str]) -> dict[str, str]:
     """`vllm serve`'s environment: `base`, the dev-mode endpoints the gate calls (the worker
-    extension's RPCs) and where vLLM's engine core runs (`engine_core_cpus`)."""
-    return {**base, "VLLM_SERVER_DEV_MODE": "1", ENGINE_CORE_CPUS_ENV: cfg.engine_core_cpus}
+    extension's RPCs), where vLLM's engine core runs (`engine_core_cpus`) and how vLLM starts its
+    processes (`vllm_start_method`)."""
+    return {
+        **base,
+        "VLLM_SERVER_DEV_MODE": "1",
+        ENGINE_CORE_CPUS_ENV: cfg.engine_core_cpus,
+        START_METHOD_ENV: cfg.vllm_start_method,
+    }
 
 
 def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = None) -> list[str]:

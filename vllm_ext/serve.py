@@ -6,9 +6,10 @@ the installed distribution, then runs vLLM's own CLI unchanged:
 
     python -m vllm_ext.serve serve MODEL --port 8001 ...
 
-With `VLLM_EXT_ENGINE_CORE_CPUS` set (the launcher sets it), vLLM's engine core is placed as
-vllm_ext/engine_core_cpus.py says. vLLM on CPU spawns its engine core and workers, and spawn runs
-this module again in each of them as `__mp_main__`: the setting is applied there, at the bottom.
+With `VLLM_EXT_START_METHOD=fork` (the launcher's default) vLLM's engine core and workers are
+forked on a CPU host instead of spawned (vllm_ext/start_method.py). With `VLLM_EXT_ENGINE_CORE_CPUS`
+set (the launcher sets it), vLLM's engine core is placed as vllm_ext/engine_core_cpus.py says: after
+the fork, or, spawned, where spawn runs this module again as `__mp_main__` (at the bottom).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def main() -> None:
             return vllm_version if name == "vllm" else real_version(name)
 
         metadata.version = version
+    from vllm_ext import start_method
+
+    method = os.environ.get(start_method.ENV, "spawn")  # unset: as vLLM does
+    if method not in start_method.CHOICES:
+        raise SystemExit(f"{start_method.ENV}={method!r} must be one of {list(start_method.CHOICES)}")
+    if method == "fork":
+        start_method.install(os.environ)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *sys.argv[1:]]

@@ -170,7 +170,8 @@ def test_two_engines_take_rollouts_and_every_version(healed_run):
 @pytest.mark.vllm
 def test_each_engine_core_runs_on_its_workers_cpus(healed_run):
     """vLLM leaves its engine core, which spins while its worker computes, free to run on any core;
-    the launcher binds it to the worker's (vllm_ext.engine_core_cpus), the restarted engine's too."""
+    the launcher binds it to the worker's (vllm_ext.engine_core_cpus), the restarted engine's too, after
+    forking both (vllm_ext.start_method)."""
     _, pool, _, _, _ = healed_run
     assert pool.wait_serving(300), pool.metrics()
     placed = {}
@@ -179,6 +180,10 @@ def test_each_engine_core_runs_on_its_workers_cpus(healed_run):
         core = next(p for name, p in procs.items() if "EngineCor" in name)  # comm names are cut at 15
         worker = next(p for name, p in procs.items() if "Worker" in name)
         placed[member.name] = (core.cpu_affinity(), worker.cpu_affinity())
+        # forked from vLLM's API server (vllm_ext.start_method), not spawned: no re-import of vLLM; the
+        # forked worker bound its own threads, as spawn's fresh process did through its environment
+        forked = f"forked worker VllmWorker-0: threads on CPUs {tuple(worker.cpu_affinity())} (pid {worker.pid})"
+        assert forked in member.server.log_path.read_text(errors="replace"), (forked, member.server.log_path)
     for core_cpus, worker_cpus in placed.values():
         assert core_cpus == worker_cpus, placed
         assert len(core_cpus) < len(os.sched_getaffinity(0)) or len(os.sched_getaffinity(0)) == 1, placed

@@ -244,15 +244,19 @@ def test_vllm_env_places_the_engine_core_as_configured(tmp_path, capsys):
     from vllm_ext import launch
     from vllm_ext.engine_core_cpus import ENV
     from vllm_ext.launch_config import vllm_env
+    from vllm_ext.start_method import ENV as START_ENV
 
     env = vllm_env(LaunchConfig(model=str(tmp_path)), {"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "VLLM_SERVER_DEV_MODE": "1", ENV: "worker"}  # the default: its worker's CPUs
+    # the defaults: the engine core on its worker's CPUs, vLLM's processes forked
+    assert env == {"PATH": "/bin", "VLLM_SERVER_DEV_MODE": "1", ENV: "worker", START_ENV: "fork"}
     parser, spec = launch._parser()
-    cfg = spec.build(parser.parse_args(["--model", str(tmp_path), "--engine-core-cpus", "any"]))
-    assert vllm_env(cfg, {})[ENV] == "any"
-    with pytest.raises(SystemExit) as e:
-        launch.main(["--model", str(tmp_path), "--engine-core-cpus", "everywhere"])
-    assert e.value.code == 2 and "--engine-core-cpus" in capsys.readouterr().err
+    args = ["--model", str(tmp_path), "--engine-core-cpus", "any", "--vllm-start-method", "spawn"]
+    cfg = spec.build(parser.parse_args(args))
+    assert (vllm_env(cfg, {})[ENV], vllm_env(cfg, {})[START_ENV]) == ("any", "spawn")
+    for flag, bad in (("--engine-core-cpus", "everywhere"), ("--vllm-start-method", "forkserver")):
+        with pytest.raises(SystemExit) as e:
+            launch.main(["--model", str(tmp_path), flag, bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_vllm_command_loads_from_the_rendezvous(tmp_path):
