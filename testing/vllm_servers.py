@@ -140,6 +140,8 @@ class ServerProcess:
                 os.killpg(pgid, signal.SIGKILL)
                 self.proc.wait(10)
             unlink_segments(noted)  # only those still there: a clean stop removed its own
+        # the group can be gone while its leader is an unreaped zombie (group_pids leaves those out)
+        self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
 
