@@ -8,10 +8,11 @@ and spawned engine processes inherit it). Nothing heavy is imported at module le
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 
 def decoder_specs(
@@ -118,3 +119,17 @@ def timed_updates(ps, name: str, req: Callable, times: int, **kwargs) -> tuple[l
         dist.barrier()
         seconds.append(time.perf_counter() - t0)
     return seconds, result
+
+
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Iterable[str]) -> None:
+    """parser.error (exit 2, naming the flag) for any of `names` that is not > 0."""
+    for name in names:
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name, for the benchmarks' JSON."""
+    from trainer.cpu import cpu_info
+
+    return cpu_info()[0] or "unknown"

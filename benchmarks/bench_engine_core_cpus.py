@@ -33,6 +33,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
+from _common import cpu_model, require_positive  # benchmarks/ is first on sys.path
 
 COMPETITOR_GRACE_S = 30.0  # past its window, how long the competitor may take to print its count
 COMPETITOR = """
@@ -57,9 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-size-mib", type=int, default=256, help="model size (float32)")
     p.add_argument("--start-timeout-s", type=float, default=600.0, help="deadline of each engine start")
     args = p.parse_args(argv)
-    for name in ("seconds", "rounds", "prompts", "max_tokens", "model_size_mib", "start_timeout_s"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
+    require_positive(p, args, ("seconds", "rounds", "prompts", "max_tokens", "model_size_mib", "start_timeout_s"))
     return args
 
 
@@ -229,12 +228,6 @@ def main(argv=None) -> None:
         ),
     }
     print(json.dumps(result))
-
-
-def cpu_model() -> str:
-    from trainer.cpu import cpu_info
-
-    return cpu_info()[0] or "unknown"
 
 
 if __name__ == "__main__":

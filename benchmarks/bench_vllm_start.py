@@ -27,6 +27,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
+from _common import cpu_model, require_positive  # benchmarks/ is first on sys.path
+
 METHODS = ("fork", "spawn")
 CHECK_PROMPTS = ["12+34=", "Hello world\n", "The quick brown fox"]
 
@@ -40,9 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-size-mib", type=int, default=256, help="model size (float32)")
     p.add_argument("--start-timeout-s", type=float, default=600.0, help="deadline of each engine start")
     args = p.parse_args(argv)
-    for name in ("pairs", "rounds", "prompts", "max_tokens", "model_size_mib", "start_timeout_s"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
+    require_positive(p, args, ("pairs", "rounds", "prompts", "max_tokens", "model_size_mib", "start_timeout_s"))
     return args
 
 
@@ -109,12 +109,6 @@ def main(argv=None) -> None:
     result["ratio_start_fork_vs_spawn"] = round(result["fork_start_s"] / result["spawn_start_s"], 3)
     result["ratio_tokens_per_s_fork_vs_spawn"] = round(result["fork_tokens_per_s"] / result["spawn_tokens_per_s"], 3)
     print(json.dumps(result))
-
-
-def cpu_model() -> str:
-    from trainer.cpu import cpu_info
-
-    return cpu_info()[0] or "unknown"
 
 
 if __name__ == "__main__":
