@@ -81,9 +81,19 @@ def main(argv: list[str] | None = None) -> int:
         queue_timeout_s=args.queue_timeout_s,
         sandbox=sandbox_cfg,
     )
-    sandbox = Sandbox(sandbox_cfg)
     try:
-        check = sandbox.run(RunRequest(language="python", code="print(6 * 7)"))
+        sandbox = Sandbox(sandbox_cfg)
+    except ValueError as exc:
+        logger.error("cannot start the sandbox service: %s", exc)
+        return 2
+    try:
+        # the first program also proves the bound python packages are importable inside
+        imports = "".join(f"import {name.split('.')[0]}\n" for _, name in packages)
+        try:
+            check = sandbox.run(RunRequest(language="python", code=imports + "print(6 * 7)"))
+        except RuntimeError as exc:
+            logger.error("sandbox self-check failed: %s", exc)
+            return 3
         if check.status != "ok" or check.stdout != "42\n":
             logger.error("sandbox self-check failed: %s", check)
             return 3

@@ -47,9 +47,12 @@ def system_mount_args(
     return args
 
 
-def sandbox_argv(config: SandboxConfig, mount_args: Sequence[str], runner_dir: str | None = None) -> list[str]:
+def sandbox_argv(
+    config: SandboxConfig, mount_args: Sequence[str], runner_dir: str | None = None, lib_dir: str | None = None
+) -> list[str]:
     """The bwrap command up to (not including) the program to run inside; `runner_dir` (the
-    supervisor and its bytecode) appears read-only at /sandbox/runner."""
+    supervisor and its bytecode) appears read-only at /sandbox/runner and `lib_dir` (the staged
+    copies of config.python_lib_binds, see staging.py) at /sandbox/lib."""
     argv = [
         config.bwrap_path,
         "--unshare-all",
@@ -74,8 +77,8 @@ def sandbox_argv(config: SandboxConfig, mount_args: Sequence[str], runner_dir: s
     ]
     for src, dest in config.extra_ro_binds:
         argv += ["--ro-bind", src, dest]
-    for host_dir, name in config.python_lib_binds:
-        argv += ["--ro-bind", host_dir, f"{SANDBOX_LIB_DIR}/{name}"]
+    if lib_dir is not None:
+        argv += ["--ro-bind", lib_dir, SANDBOX_LIB_DIR]
     if runner_dir is not None:
         argv += ["--ro-bind", runner_dir, RUNNER_DIR]
     argv += [
@@ -111,7 +114,8 @@ def visible_inside(path: str, config: SandboxConfig) -> bool:
 
 
 def python_package_binds(names: Sequence[str], *, required: bool) -> tuple[tuple[str, str], ...]:
-    """(host path, name under /sandbox/lib) of each package importable by this interpreter.
+    """(host path, name under /sandbox/lib) of each package importable by this interpreter (the
+    service copies them at start into a folder the sandbox's user can read: see staging.py).
 
     Missing packages raise ValueError when `required`, else are skipped with a warning."""
     import importlib.util

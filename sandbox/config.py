@@ -16,9 +16,12 @@ MIB = 1 << 20
 class SandboxConfig:
     """How sandboxes are built and which limits apply to every run.
 
-    `python_lib_binds` lists (host_dir, name) pairs: each host package directory appears read-only
-    as /sandbox/lib/<name> inside, and /sandbox/lib is first on the program's sys.path (this is how
-    test-case generators get `cyaron` without seeing the host's site-packages).
+    `python_lib_binds` lists (host_dir, name) pairs: each host package directory (or module file)
+    is copied once at start into a staging folder that the sandbox's user can read (the checkout
+    may sit in a private folder it cannot traverse) and appears read-only as /sandbox/lib/<name>
+    inside; /sandbox/lib is first on the program's sys.path (this is how test-case generators get
+    `cyaron` without seeing the host's site-packages). `extra_ro_binds` are bound in place: their
+    sources must be reachable by the sandbox's user (checked at start).
     """
 
     bwrap_path: str = "/usr/bin/bwrap"
@@ -87,6 +90,9 @@ class SandboxConfig:
             raise ValueError(f"uid_base must be an integer >= 1000, got {self.uid_base!r}")
         if self.max_processes < 4:
             raise ValueError(f"max_processes must be >= 4 (bwrap, runner and program), got {self.max_processes}")
+        names = [name for _, name in self.python_lib_binds]
+        if len(set(names)) != len(names):
+            raise ValueError(f"python_lib_binds names must be unique, got {names}")
         for host_dir, name in self.python_lib_binds:
             if not name or "/" in name or name in (".", ".."):
                 raise ValueError(f"python_lib_binds name must be a plain directory name, got {name!r}")

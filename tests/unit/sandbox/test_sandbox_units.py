@@ -165,6 +165,7 @@ def test_run_request_validation_names_the_field(kwargs, field):
         ({"uid_base": 10}, "uid_base"),
         ({"max_binary_bytes": 64 * MIB, "tmpfs_size_mb": 64}, "max_binary_bytes"),
         ({"python_lib_binds": (("/x", "a/b"),)}, "python_lib_binds"),
+        ({"python_lib_binds": (("/x", "a"), ("/y", "a"))}, "unique"),
         ({"compile_timeout_s": -1.0}, "compile_timeout_s"),
     ],
 )
@@ -227,7 +228,7 @@ def test_system_mounts_keep_top_level_symlinks():
 
 def test_sandbox_argv_isolates_everything():
     cfg = SandboxConfig(python_lib_binds=(("/site/cyaron", "cyaron"),), tmpfs_size_mb=32)
-    argv = sandbox_argv(cfg, ["--ro-bind", "/usr", "/usr"])
+    argv = sandbox_argv(cfg, ["--ro-bind", "/usr", "/usr"], "/tmp/staged/runner", "/tmp/staged/lib")
     joined = " ".join(argv)
     for flag in (
         "--unshare-all",
@@ -240,11 +241,12 @@ def test_sandbox_argv_isolates_everything():
         "--remount-ro /",
         f"--size {32 * MIB} --perms 1777 --tmpfs /tmp",
         "--chdir /tmp",
-        "--ro-bind /site/cyaron /sandbox/lib/cyaron",
+        "--ro-bind /tmp/staged/lib /sandbox/lib",  # staged copies: the host path is never bound
+        "--ro-bind /tmp/staged/runner /sandbox/runner",
         "--remount-ro /dev",
     ):
         assert flag in joined, flag
-    assert "--share-net" not in argv and "--bind" not in argv
+    assert "--share-net" not in argv and "--bind" not in argv and "/site/cyaron" not in joined
     assert visible_inside("/usr/bin/python3", cfg)
     assert not visible_inside("/root/.pyenv/bin/python", cfg)
 
