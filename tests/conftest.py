@@ -6,6 +6,9 @@ a function returning one). When such modules are selected, one background proces
 modules run last, so the SFT's minutes overlap the tests that need no model. A fixture that asks for a
 model still in training waits on ``trainer.sft.run_sft``'s lock rather than training a copy, and if
 the background process failed it trains the model itself. ``--no-sft-warmup`` turns this off.
+
+Every run ends with its time per layer (unit, each integration area, e2e) against the layer's budget
+(``testing.suite_layers``), after pytest's 30 slowest tests; ``tests/README.md`` has the rules.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ WARMUP_LOG = SFT_CACHE / "warmup.log"
 STOP_TIMEOUT_S = 30.0
 
 _warmer: subprocess.Popen | None = None
+_clock = None  # testing.suite_layers.LayerClock, made at the session's start
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,6 +38,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _warmups(item: pytest.Item) -> tuple[str, ...]:
     return tuple(getattr(getattr(item, "module", None), "SFT_WARMUP", ()))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _clock
+    from testing.suite_layers import LayerClock
+
+    _clock = LayerClock()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _clock is not None:
+        _clock.add(report.nodeid, report.duration)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Minutes per layer, against each layer's budget (the slowest CPU's; see tests/README.md)."""
+    if _clock is None or not _clock.seconds:
+        return
+    terminalreporter.write_sep("=", "time per layer")
+    for line in _clock.lines():
+        terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
