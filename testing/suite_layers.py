@@ -60,5 +60,6 @@ class LayerClock:
             out.append(f"{layer:<22} {minutes:6.1f} min  {len(self.tests[layer]):5d} tests{tail}")
         total = sum(self.seconds.values()) / 60
         num_tests = sum(len(t) for t in self.tests.values())
-        out.append(f"{'all layers':<22} {total:6.1f} min  {num_tests:5d} tests  budget {sum(budgets_min.values()):4.1f} min")
+        budget = sum(budgets_min.values())
+        out.append(f"{'all layers':<22} {total:6.1f} min  {num_tests:5d} tests  budget {budget:4.1f} min")
         return out
