@@ -38,12 +38,30 @@ def child_env(**extra: str) -> dict:
     return env
 
 
-def cpu_llm(model_dir: str | Path, **overrides):
+_FORK_INSTALLED = False
+
+
+def cpu_llm(model_dir: str | Path, *, start_method: str = "fork", **overrides):
     """vLLM's in-process `LLM` on CPU as the engines here run (CPU_ENGINE_ARGS' settings, eager unless
     `enforce_eager=False`) with the repo's worker extension, on dummy weights (a push fills them) unless
-    `load_format` says otherwise."""
+    `load_format` says otherwise.
+
+    Its engine core and worker are forked from this process (vllm_ext.start_method, as the launcher
+    starts every engine of the project) unless `start_method="spawn"`: a spawned start imports vLLM
+    twice more (~30 s on a slow 2-core CPU). Call it before this process runs any torch work (a forked
+    child must not inherit a busy OpenMP pool)."""
+    global _FORK_INSTALLED
     from vllm import LLM
 
+    if start_method not in ("fork", "spawn"):
+        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+    if start_method == "fork" and not _FORK_INSTALLED:
+        from vllm_ext import start_method as vllm_start
+
+        vllm_start.install(os.environ)
+        _FORK_INSTALLED = True
+    elif start_method == "spawn" and _FORK_INSTALLED:
+        raise ValueError("this process already forks vLLM's processes: start a spawned LLM in another process")
     kwargs = dict(load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True)
     return LLM(model=str(model_dir), **(kwargs | {"worker_extension_cls": EXTENSION} | overrides))
 

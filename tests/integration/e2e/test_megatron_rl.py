@@ -1,6 +1,6 @@
-"""Short RL runs with the Megatron trainer (configs/megatron.json): real vLLM (CPU), real checkpoint
-engine, a megatron-core GPTModel initialized from the shared SFT model, at TP=1 (in the job's process)
-and TP=2 (the job's process is TP rank 0 and starts rank 1: trainer.megatron.tp).
+"""A short RL run with the Megatron trainer (configs/megatron.json): real vLLM (CPU), real checkpoint
+engine, a megatron-core GPTModel initialized from the shared SFT model at TP=2 (the job's process is
+TP rank 0 and starts rank 1: trainer.megatron.tp).
 
 Asserts what makes the backend real in the loop:
 - every iteration's metrics are written (the torch e2e test's checks), training steps were taken and
@@ -19,10 +19,10 @@ Asserts what makes the backend real in the loop:
   CPU trains (`ONEDNN_MAX_CPU_ISA=AVX2`, 9.4 % greedy, P(solution) 0.044 on the 128 held-out
   problems), seeds 0-2 (2026-11-25) gave greedy TP=1 +5.5, +4.7, +5.5 and TP=2 +4.7, +7.8, +0.0
   points, while P(solution) rose in every run (x1.22-x1.44; later runs of this test x1.36, x1.39 and
-  once x1.085 with greedy +3.1): hence 8 iterations and a bar of x1.05. The TP=1 run takes 1
-  iteration, for the checks above this one: TP=1 keeps the whole model in the job's process, so its
-  learning is the TP=2 run's without the shards, and each more iteration costs 35-55 s of CI on a
-  slow 2-core CPU.
+  once x1.085 with greedy +3.1): hence 8 iterations and a bar of x1.05.
+TP=1 keeps the whole model in the job's process: the job's TP=1 trainer (make_trainers on this config
+at trainer.tp_size=1) is checked in tests/unit/trainer/test_megatron_trainer.py, its sync into vLLM
+in tests/integration/vllm/test_megatron_vllm.py (a job run of its own cost ~2 min of CI).
 Runtime after the SFT fixture (vLLM start included): the TP=2 run 3.5 min on the AMD EPYC's 2 cores,
 5-7 min on a 2-core Xeon without bf16.
 """
@@ -47,7 +47,8 @@ from tests.integration.e2e.test_rl_demo import (  # noqa: F401 (fixture)
 )
 
 MEGATRON = REPO / "configs" / "megatron.json"
-ITERATIONS = {1: 1, 2: 8}  # by TP size; learning is checked on the TP=2 run
+TP_SIZE = 2
+ITERATIONS = 8
 SOLUTION_PROB_MIN_RATIO = 1.05
 GREEDY_MAX_DROP_Z = 3.0
 # The demo's settings (configs/megatron.json), at its peak lr held constant, on a 64-problem held-out
@@ -68,8 +69,8 @@ def start_model_dir(request) -> pathlib.Path:
     return pathlib.Path(given) if given else request.getfixturevalue("sft_model_dir")
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def megatron_run(request, start_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module")
+def megatron_run(start_model_dir, tmp_path_factory):
     pytest.importorskip("megatron.core")
     out = tmp_path_factory.mktemp("rl_megatron") / "run"
     cmd = [
@@ -85,14 +86,14 @@ def megatron_run(request, start_model_dir, tmp_path_factory):
         "--set",
         f"init_model_dir={start_model_dir}",
         *SHORT,
-        *("--set", f"rl.num_iterations={ITERATIONS[request.param]}"),
-        *("--set", f"eval.every_iterations={ITERATIONS[request.param]}"),
+        *("--set", f"rl.num_iterations={ITERATIONS}"),
+        *("--set", f"eval.every_iterations={ITERATIONS}"),
         "--set",
-        f"trainer.tp_size={request.param}",
+        f"trainer.tp_size={TP_SIZE}",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), out, start_model_dir, request.param
+    return json.loads(proc.stdout.strip().splitlines()[-1]), out, start_model_dir, TP_SIZE
 
 
 @pytest.mark.e2e
@@ -101,7 +102,7 @@ def test_megatron_rl_run_trains_syncs_and_reports(megatron_run):
     from demo.tiny_model import load_state_dict_from_dir
 
     summary, out, sft_dir, tp_size = megatron_run
-    records = _check_metrics(out, ITERATIONS[tp_size])
+    records = _check_metrics(out, ITERATIONS)
     assert summary["trainer"] == "megatron"
     assert json.loads((out / "config.json").read_text())["trainer"]["type"] == "megatron"
     assert summary["trainer_tp_size"] == tp_size
@@ -133,10 +134,6 @@ def test_megatron_rl_run_raises_heldout_accuracy(megatron_run):
     from tests.integration.e2e.learning import run_greedy_drop, run_solution_probabilities
 
     summary, out, sft_dir, tp_size = megatron_run
-    if tp_size != 2:
-        pytest.skip(
-            f"learning is checked on the TP=2 run; this TP={tp_size} run takes {ITERATIONS[tp_size]} iteration(s)"
-        )
     before, after = run_solution_probabilities(out, sft_dir)
     lost, gained, z = run_greedy_drop(out, sft_dir)
     gain = summary["heldout_gain_points"]

@@ -1,15 +1,19 @@
-"""A weight sync from the Megatron trainer into a real vLLM (CPU) engine; one vLLM start.
+"""vLLM (CPU) on the tiny model, then a weight sync from the Megatron trainer into it; one vLLM start.
 
 A child process (vLLM's LLM must be created under ``__main__``) runs, in order:
-  1. LLM(tiny model dir, load_format="dummy") with the repo's worker extension: random weights;
+  1. LLM(tiny model dir, load_format="auto") with the repo's worker extension, its engine core and
+     worker forked (testing.vllm_servers.cpu_llm); greedy text completions with logprobs, which the
+     parent compares with transformers' on the same directory (vLLM reads the tiny model's format
+     exactly: tokens, text and logprobs within 1e-3);
   2. MegatronTrainer (TP=1, in process) from the same HF dir, one training step (weights now differ
-     from the directory's and from vLLM's dummy ones);
+     from the directory's and from what vLLM serves);
   3. orchestrator.weight_sync.WeightSync (in-process ParameterServer, as the RL loop does) pushes
      ``trainer.named_tensors()`` (megatron_to_hf) into vLLM;
   4. greedy tokens from vLLM, from Megatron itself (full forward per token), and from transformers
      loaded with the trainer's saved HF directory.
 The parent asserts the three agree token for token on every prompt, and that the tokens changed
-after the sync (vLLM served dummy weights before it).
+after the sync. (The start on dummy weights that a push fills is the launcher engines' case:
+test_vllm_engines.py.)
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +29,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [[1, 20, 21, 11, 22, 23, 14], [1, 40, 41, 42, 43], [1, 70], [1, 50, 60, 70, 80, 90, 100]]
 MAX_TOKENS = 16
+TEXT_PROMPTS = ["12+34=", "Hello world\n", "a"]  # step 1: vLLM against transformers on the directory
+TEXT_MAX_TOKENS = 24
 
 pytestmark = pytest.mark.vllm
 
@@ -38,6 +45,58 @@ def _greedy(logits_fn, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
+def _text_completions(llm) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=TEXT_MAX_TOKENS, ignore_eos=True, logprobs=0)
+    out = []
+    for result in llm.generate(TEXT_PROMPTS, params, use_tqdm=False):
+        completion = result.outputs[0]
+        logprobs = [step[tid].logprob for step, tid in zip(completion.logprobs, completion.token_ids)]
+        out.append(
+            {
+                "prompt_token_ids": list(result.prompt_token_ids),
+                "token_ids": list(completion.token_ids),
+                "logprobs": logprobs,
+                "text": completion.text,
+            }
+        )
+    return out
+
+
+def _hf_text_completions(model_dir) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in TEXT_PROMPTS:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=TEXT_MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        new_ids = gen.sequences[0, ids.shape[1] :].tolist()
+        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, new_ids)]
+        outputs.append(
+            {
+                "prompt_token_ids": ids[0].tolist(),
+                "token_ids": new_ids,
+                "logprobs": logprobs,
+                "text": tokenizer.decode(new_ids, skip_special_tokens=True),
+            }
+        )
+    return outputs
+
+
 def _child(model_dir: str, out_json: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -49,7 +108,10 @@ def _child(model_dir: str, out_json: str) -> None:
     from trainer.torch_trainer import TrainerConfig, make_trainer
     from vllm_ext.req import llm_req_func
 
-    llm = cpu_llm(model_dir)  # dummy weights
+    start = time.monotonic()
+    llm = cpu_llm(model_dir, load_format="auto")
+    start_s = time.monotonic() - start
+    text = _text_completions(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate() -> list[list[int]]:
@@ -76,6 +138,8 @@ def _child(model_dir: str, out_json: str) -> None:
     Path(out_json).write_text(
         json.dumps(
             {
+                "start_s": start_s,
+                "text": text,
                 "before": before,
                 "after": after,
                 "megatron": megatron,
@@ -87,7 +151,7 @@ def _child(model_dir: str, out_json: str) -> None:
     )
 
 
-def test_vllm_greedy_after_megatron_sync_equals_megatron_and_hf(tmp_path):
+def test_vllm_matches_transformers_then_greedy_after_megatron_sync_equals_megatron_and_hf(tmp_path):
     pytest.importorskip("megatron.core")
     pytest.importorskip("vllm")
     from demo.tiny_model import TinyModelConfig, make_tiny_model
@@ -99,9 +163,17 @@ def test_vllm_greedy_after_megatron_sync_equals_megatron_and_hf(tmp_path):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "GLOG_minloglevel": "2"}
     run_python(__file__, str(model_dir), str(out), timeout_s=600, **env)
     got = json.loads(out.read_text())
-    print(f"sync {got['sync_bytes'] / 2**20:.1f} MiB in {got['sync_total_s']:.3f} s")
+    print(f"vLLM start {got['start_s']:.1f} s; sync {got['sync_bytes'] / 2**20:.1f} MiB in {got['sync_total_s']:.3f} s")
+    # 1. vLLM on the directory answers as transformers does (was test_tiny_model_vllm.py)
+    for vllm_out, hf_out in zip(got["text"], _hf_text_completions(model_dir), strict=True):
+        assert vllm_out["prompt_token_ids"] == hf_out["prompt_token_ids"]
+        assert vllm_out["token_ids"] == hf_out["token_ids"]
+        assert vllm_out["text"] == hf_out["text"]
+        assert vllm_out["logprobs"] == pytest.approx(hf_out["logprobs"], abs=1e-3)
+    assert len({tuple(o["token_ids"]) for o in got["text"]}) == len(TEXT_PROMPTS)
+    # 2-4. the Megatron sync
     assert got["after"] == got["megatron"] == got["hf"], got
-    assert got["before"] != got["after"]  # vLLM started on dummy weights: the sync changed what it serves
+    assert got["before"] != got["after"]  # the trained weights differ from the directory's: the sync changed them
     assert all(len(t) == MAX_TOKENS for t in got["after"])
 
 

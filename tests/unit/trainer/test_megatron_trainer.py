@@ -182,3 +182,29 @@ def test_trainer_config_section():
         load_config(None, ["trainer.tp_size=2"])
     with pytest.raises(ValueError, match="trainer.type"):
         load_config(None, ["trainer.type=deepspeed"])
+
+
+def test_the_rl_job_builds_an_in_process_megatron_trainer_at_tp1(model_dir, tmp_path):
+    """configs/megatron.json at trainer.tp_size=1: the job's own make_trainers gives an in-process
+    MegatronTrainer with the job's optimizer settings, which trains, and saves an HF directory the job
+    can load (the RL loop's TP=1 wiring; the loop itself runs Megatron at TP=2 in test_megatron_rl.py)."""
+    from orchestrator.config import load_config
+    from orchestrator.loop_setup import make_trainers
+    from trainer.megatron.trainer import MegatronTrainer
+
+    job = load_config(REPO / "configs" / "megatron.json", ["trainer.tp_size=1", "rl.autocast_dtype=float32"])
+    trainer, reference = make_trainers(job, model_dir)
+    try:
+        assert type(trainer) is MegatronTrainer
+        assert (trainer.config.lr, trainer.config.optimizer) == (job.rl.lr, job.rl.optimizer)
+        disk = load_state_dict_from_dir(model_dir)
+        before = trainer.named_tensors()
+        assert set(before) == set(disk) and all(torch.equal(before[n], disk[n]) for n in disk)
+        train = policy.TrainConfig(tau=job.rl.tau, lr=job.rl.lr, num_minibatches=1, num_epochs=1)
+        assert policy.train_iteration(trainer, _batch(5), train, random.Random(0))["num_steps"] == 1
+        saved = load_state_dict_from_dir(trainer.save(tmp_path / "saved"))
+        assert set(saved) == set(disk) and any(not torch.equal(saved[n], disk[n]) for n in disk)
+    finally:
+        trainer.close()
+        if reference is not None:
+            reference.close()
