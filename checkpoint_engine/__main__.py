@@ -7,6 +7,11 @@ Rank 0 serves the HTTP API; every rank holds its shard of each registered checkp
   GET  /metas/NAME, POST /metas                  export / import global metas (JSON) for P2P recovery
   GET  /checkpoints                              what is registered, the last update's metrics
   DELETE /checkpoints/NAME, GET /health, POST /shutdown
+  GET  /metrics                                  Prometheus text: updates, bytes, stage seconds, engines, heals
+Bound beyond loopback (--host other than 127.0.0.1/::1/localhost, no --uds) every route but /health and
+/v1/healthz needs "Authorization: Bearer TOKEN"; the token comes from --token-file PATH or the
+environment variable CKPT_ENGINE_TOKEN (enforced on loopback too when given). Status codes: 400 bad
+request, 401 token, 404 unknown checkpoint, 409 conflict or busy, 500 fault, 503 stopping (docs/daemon.md).
 Managed engines (--engine-cmd 'python -m ENGINE ... --port {port}'; {rank} {device} {rendezvous} {p2p_host}
 also filled in):
   POST /engines/start {"ranks": null | [...], "name": null | NAME}  start (dummy weights), then push NAME
@@ -38,9 +43,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m checkpoint_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="HTTP bind address (default: loopback only; any other address needs a bearer token)",
+    )
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--uds", default=None, help="serve on this unix socket instead of TCP")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help=f"a file holding the bearer token clients must send (Authorization: Bearer TOKEN) on every route "
+        f"but the health checks; else the environment variable {TOKEN_ENV}. Required when --host is not a "
+        "loopback address",
+    )
     p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bucket-size-mib", type=int, default=None)
     p.add_argument("--mode", choices=REQUESTED_MODES, default="auto")
@@ -100,6 +117,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.stop_timeout_s <= 0:
         p.error(f"--stop-timeout-s must be > 0, got {args.stop_timeout_s}")
+    try:
+        args.token = load_token(args.token_file, os.environ)
+    except ValueError as e:
+        p.error(str(e))
+    if args.token is None and not args.uds and not is_loopback(args.host):
+        p.error(
+            f"--host {args.host} is not a loopback address: the daemon needs a bearer token there; give "
+            f"--token-file PATH or set {TOKEN_ENV} (or bind 127.0.0.1, or serve on --uds PATH)"
+        )
     args.p2p_cpu_list = None
     if args.p2p_cpus is not None:
         from checkpoint_engine.p2p import rank_cpus
@@ -131,6 +157,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         args.engine_config = None
     return args
+
+
+TOKEN_ENV = "CKPT_ENGINE_TOKEN"
+
+
+def load_token(token_file: str | None, environ) -> str | None:
+    """The bearer token: the first line of `token_file`, else `environ[TOKEN_ENV]`, else None.
+
+    Surrounding whitespace (a Secret's trailing newline) is dropped; ValueError for a file that
+    cannot be read, an empty token, or one with characters an HTTP header cannot carry."""
+    if token_file is not None:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token, where = f.read().strip(), f"--token-file {token_file}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--token-file {token_file}: cannot read it: {type(e).__name__}: {e}") from None
+    elif environ.get(TOKEN_ENV) is not None:
+        token, where = environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}"
+    else:
+        return None
+    if not token:
+        raise ValueError(f"{where}: the bearer token is empty")
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError(f"{where}: the bearer token must be printable ASCII without spaces")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback bind address: localhost, 127.0.0.0/8 or ::1 (names other than
+    localhost are not: they may resolve anywhere)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv=None) -> int:
@@ -201,7 +265,8 @@ def main(argv=None) -> int:
                 store=dist.PrefixStore("ckpt-engines-agree/", store.clone()),
             )
         if rank == 0:
-            asyncio.run(serve_http(Driver(ps, relay, host, board), args.host, args.port, args.uds, args.stop_timeout_s))
+            driver = Driver(ps, relay, host, board)
+            asyncio.run(serve_http(driver, args.host, args.port, args.uds, args.stop_timeout_s, token=args.token))
         else:
             from checkpoint_engine.procs import exit_on_signals, stop_deadline
 

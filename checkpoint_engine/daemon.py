@@ -1,5 +1,6 @@
 """The checkpoint-engine daemon: every torchrun rank runs a ParameterServer; rank 0 also serves an
-HTTP API (127.0.0.1 or a unix socket by default) and relays each command to all ranks.
+HTTP API (127.0.0.1 or a unix socket by default; beyond loopback only with a bearer token) and relays
+each command to all ranks. docs/daemon.md: every route, status code, the token and the metrics.
 
     HTTP client ──POST /checkpoints, /update, ...──▶ rank 0 aiohttp handler (never blocks the loop)
                                                        │ asyncio future, executor thread
@@ -22,8 +23,10 @@ group's store (no command: it answers during a long update). With `--auto-heal`,
 on rank 0 notices a failed engine there and relays a restart + `update(current, ranks=[its rank])`.
 
     daemon_relay     Relay (commands and results through the store), EngineBoard (engine records)
-    daemon_commands  CommandError, validate, execute / run_command (every rank), serve_rank, Driver
-    daemon_routes    make_app (our routes), compat_routes (MoonshotAI's /v1 routes)
+    daemon_commands  CommandError, validate, phases, check/apply/undo/run, run_command (every rank), serve_rank
+    daemon_driver    Driver: rank 0 runs each command's phases on every rank, one command at a time
+    daemon_routes    make_app (our routes, the token, the status codes), compat_routes (MoonshotAI's /v1 routes)
+    daemon_metrics   DaemonMetrics (GET /metrics, Prometheus text), ObservedDriver (commands counted)
     daemon           serve_http (rank 0's server, its healer, the shutdown); the names above re-exported
 """
 
@@ -34,13 +37,14 @@ import logging
 
 from checkpoint_engine.daemon_commands import (
     CommandError,
-    Driver,
     execute,
     is_int_list,
     run_command,
     serve_rank,
     validate,
 )
+from checkpoint_engine.daemon_driver import Driver
+from checkpoint_engine.daemon_metrics import DaemonMetrics, ObservedDriver
 from checkpoint_engine.daemon_relay import IDLE_WAIT_S, EngineBoard, Relay
 from checkpoint_engine.daemon_routes import NO_ENGINES, compat_routes, make_app
 from checkpoint_engine.engine_heal import Healer
@@ -49,6 +53,7 @@ __all__ = [
     "IDLE_WAIT_S",
     "NO_ENGINES",
     "CommandError",
+    "DaemonMetrics",
     "Driver",
     "EngineBoard",
     "Healer",
@@ -86,22 +91,32 @@ def _clear_stale_socket(path: str) -> None:
     raise RuntimeError(f"--uds {path}: another server is listening there")
 
 
-async def serve_http(driver: Driver, host: str, port: int, uds: str | None, stop_timeout_s: float) -> None:
-    """Rank 0's HTTP server until SIGTERM/SIGINT; the shutdown (engines stopped, the other ranks told to
-    exit) then has `stop_timeout_s`, after which the process dumps its stacks and exits 128 + signum."""
+async def serve_http(
+    driver: Driver, host: str, port: int, uds: str | None, stop_timeout_s: float, *, token: str | None = None
+) -> None:
+    """Rank 0's HTTP server until SIGTERM/SIGINT or POST /shutdown (from then on every route but the
+    health checks answers 503); the shutdown (engines stopped, the other ranks told to exit) then has
+    `stop_timeout_s`, after which the process dumps its stacks and exits 128 + signum. `token`: the
+    bearer token every route but the health checks requires (`__main__` reads it; None: none)."""
     from aiohttp import web
 
     from checkpoint_engine.procs import force_exit_after
 
     stop = asyncio.Event()
-    runner = web.AppRunner(make_app(driver, stop))
+    metrics = DaemonMetrics(driver.ps.world_size)
+    runner = web.AppRunner(make_app(driver, stop, token=token, metrics=metrics))
     await runner.setup()
     if uds:
         _clear_stale_socket(uds)
     site = web.UnixSite(runner, uds) if uds else web.TCPSite(runner, host, port)
     await site.start()
     where = uds or f"http://{host}:{port}"
-    logger.info("checkpoint-engine daemon serving on %s (world size %d)", where, driver.ps.world_size)
+    logger.info(
+        "checkpoint-engine daemon serving on %s (world size %d; bearer token %s)",
+        where,
+        driver.ps.world_size,
+        "required" if token is not None else "not required",
+    )
     print(f"checkpoint-engine daemon ready on {where}", flush=True)
     loop = asyncio.get_running_loop()
     import signal
@@ -116,7 +131,7 @@ async def serve_http(driver: Driver, host: str, port: int, uds: str | None, stop
     healer = None
     if driver.host is not None and driver.host.config.auto_heal:
         cfg = driver.host.config
-        healer = Healer(driver, cfg.poll_interval_s, cfg.max_heal_attempts)
+        healer = Healer(ObservedDriver(driver, metrics), cfg.poll_interval_s, cfg.max_heal_attempts)
     try:
         await stop.wait()
     finally:

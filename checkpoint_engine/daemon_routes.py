@@ -1,62 +1,236 @@
 """Rank 0's HTTP API (aiohttp): our routes and MoonshotAI checkpoint-engine's `/v1` routes, both on
-the daemon's commands (`daemon_commands`).
+the daemon's commands (`daemon_commands`), and `GET /metrics` (`daemon_metrics`).
 
-Every route checks its request and answers 400 (ours) or 422 naming the field (theirs) before any
-rank sees it; a relayed command runs on an executor thread, never blocking the event loop. `GET
-/engines` reads the engine board (no command: it answers during a long update).
+Every route checks its request before any rank sees it; a relayed command runs on an executor
+thread, never blocking the event loop. `GET /engines` and `GET /metrics` read the engine board (no
+command: they answer during a long update). docs/daemon.md is the user's guide to all of it.
 
-Their answers: 200 with an empty body, 500 with the error text (a JSON string), 422 naming the
-field of a bad request. One server for the whole job (their daemon ran one per rank), so each of
-their routes is called once and acts on every rank; `files` are split across ranks as `POST
-/checkpoints` does.
+Our answers: 200 done; 400 a malformed request (a body that is not a JSON object or nests deeper
+than `MAX_JSON_DEPTH`, an unknown field, named, a bad value, named); 401 no or a wrong bearer token
+(when the daemon has one); 404 an unknown checkpoint, 409 a name already registered, an engine in
+the wrong state or the daemon busy with another command, 500 a fault of the daemon or its engines,
+503 a daemon that must be restarted, or is stopping (after POST /shutdown or a signal every route
+but the health checks answers 503 at once). The relayed codes come from the driver (`status`).
+
+Their answers (the `/v1` routes): 200 with an empty body, 500 with the error text (a JSON string),
+422 naming the field of a bad request (FastAPI's shape). One server for the whole job (their daemon
+ran one per rank), so each of their routes is called once and acts on every rank; `files` are
+split across ranks as `POST /checkpoints` does.
+
+    request ──▶ observe (http_requests_total) ──▶ auth (401) ──▶ stopping (503) ──▶ route
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
+import re
 
-from checkpoint_engine.daemon_commands import CommandError, Driver, is_int_list, validate
+from checkpoint_engine.daemon_commands import FAULT_FIELD, CommandError, is_int_list, validate
+from checkpoint_engine.daemon_driver import Driver
+from checkpoint_engine.daemon_metrics import CONTENT_TYPE, DaemonMetrics, ObservedDriver
 from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE
 
+logger = logging.getLogger(__name__)
 
-def make_app(driver: Driver, stop: asyncio.Event):
+HEALTH_PATHS = frozenset({"/health", "/v1/healthz"})  # answered without a token, and while stopping
+MAX_JSON_DEPTH = 64  # nesting of a request body (GET /metas/NAME's answer nests 5 deep)
+# what each route's JSON body may hold (anything else is refused, by name)
+REGISTER_FIELDS = ("name", "files", "owner_ranks", "split_files", "gather", "timeout_s")
+UPDATE_FIELDS = (
+    "name",
+    "endpoints",
+    "ranks_per_engine",
+    "ranks",
+    "timeout_s",
+    "update_url",
+    "inference_group_ranks",
+    "uds",
+)
+# POST /metas takes what GET /metas/NAME answered as its rank 0 result (jobs.GlobalMetas.to_dict)
+METAS_REQUIRED = ("checkpoint", "ranks", "device_ids", "pids", "hosts")
+METAS_FIELDS = (*METAS_REQUIRED, "chunk_handles", "p2p_addrs", "chunk_ptrs", "owner_pids", "owner_hosts", "checksums")
+# a JSON string (to its closing quote, or to the end of an unterminated one) or a bracket: one linear scan
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)|[\[\]{}]', re.S)
+
+
+class BodyError(ValueError):
+    """A request body that is not the JSON a route takes; the message says why."""
+
+
+def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH):
+    """`json.loads(raw)`, refusing (BodyError) a body nested deeper than `max_depth` before the parser
+    recurses into it, and a body that is not JSON."""
+    if raw.count(b"[") + raw.count(b"{") > max_depth:
+        depth = 0
+        for m in _JSON_TOKEN.finditer(raw):
+            c = m.group()
+            if c in (b"[", b"{"):
+                depth += 1
+                if depth > max_depth:
+                    raise BodyError(f"body must be JSON nested at most {max_depth} levels deep")
+            elif c in (b"]", b"}"):
+                depth -= 1
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BodyError(f"body must be JSON nested at most {max_depth} levels deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BodyError(f"body must be JSON: {e}") from None
+
+
+def _bad(msg: str, field: str | None = None, status: int = 400):
     from aiohttp import web
+
+    return web.json_response({"ok": False, "error": msg, **({"field": field} if field else {})}, status=status)
+
+
+def _fault(request, status: int, msg: str, headers: dict | None = None):
+    """An answer the middlewares give: our JSON object, or their error text (a JSON string) on /v1."""
+    from aiohttp import web
+
+    body = msg if request.path.startswith("/v1/") else {"ok": False, "error": msg}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _route_label(request) -> str:
+    """The route's template (`/checkpoints/{name}`): bounded label values whatever the paths asked."""
+    route = request.match_info.route
+    resource = getattr(route, "resource", None)
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, metrics: DaemonMetrics | None = None):
+    """Rank 0's aiohttp application. `token`: every route but the health checks needs `Authorization:
+    Bearer <token>`; `metrics`: the daemon's (one made here when None; the healer's commands reach it
+    through `ObservedDriver` in `serve_http`)."""
+    from aiohttp import web
+
+    metrics = metrics if metrics is not None else DaemonMetrics(driver.ps.world_size)
+    observed = ObservedDriver(driver, metrics)
+    expected = None if token is None else token.encode()
+
+    @web.middleware
+    async def observe(request, handler):
+        route = _route_label(request)
+        try:
+            resp = await handler(request)
+        except web.HTTPException as e:
+            metrics.observe_request(route, request.method, e.status)
+            raise
+        except Exception as e:  # a bug, not a bad request: a JSON 500 rather than aiohttp's bare one
+            logger.exception("%s %s failed", request.method, request.path)
+            resp = _fault(request, 500, f"daemon fault: {type(e).__name__}: {e}")
+        metrics.observe_request(route, request.method, resp.status)
+        return resp
+
+    @web.middleware
+    async def auth(request, handler):
+        if expected is None or request.path in HEALTH_PATHS:
+            return await handler(request)
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            msg = (
+                "this daemon needs 'Authorization: Bearer <token>' (the token of its --token-file or CKPT_ENGINE_TOKEN)"
+            )
+        elif not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), expected):
+            msg = "wrong bearer token"
+        else:
+            return await handler(request)
+        return _fault(request, 401, msg, headers={"WWW-Authenticate": 'Bearer realm="checkpoint-engine"'})
+
+    @web.middleware
+    async def stopping(request, handler):
+        if stop.is_set() and request.path not in HEALTH_PATHS:
+            return _fault(request, 503, "the daemon is stopping")
+        return await handler(request)
+
+    async def run(cmd: dict) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(None, observed.run, cmd)
 
     async def call(cmd: dict) -> web.Response:
         try:
             validate(cmd)
         except CommandError as e:
-            return web.json_response({"ok": False, "error": str(e)}, status=400)
-        result = await asyncio.get_running_loop().run_in_executor(None, driver.run, cmd)
-        return web.json_response(result, status=200 if result["ok"] else 500)
+            return _bad(str(e), e.field or None)
+        result = await run(cmd)
+        return web.json_response(result, status=result.get("status", 200 if result["ok"] else 500))
 
-    async def body(request) -> dict:
+    async def body(request, fields: tuple[str, ...], route: str) -> dict:
+        """The request's JSON object ({} when empty); 400 naming what is wrong, unknown fields by name."""
+        raw = await request.read()
         try:
-            data = await request.json()
-        except (json.JSONDecodeError, ValueError):
+            data = parse_json(raw) if raw.strip() else {}
+        except BodyError as e:
             raise web.HTTPBadRequest(
-                text=json.dumps({"ok": False, "error": "body must be JSON"}), content_type="application/json"
+                text=json.dumps({"ok": False, "error": str(e)}), content_type="application/json"
             ) from None
         if not isinstance(data, dict):
             raise web.HTTPBadRequest(
                 text=json.dumps({"ok": False, "error": "body must be a JSON object"}), content_type="application/json"
             )
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            error = f"unknown field(s) {unknown}; {route} takes {list(fields)}"
+            raise web.HTTPBadRequest(
+                text=json.dumps({"ok": False, "error": error, "field": unknown[0]}), content_type="application/json"
+            )
         return data
 
+    def bad_ranks(value, field: str, *, empty_ok: bool):
+        """A 400 naming `field` unless it is null or a list of distinct ranks of this world."""
+        n = driver.ps.world_size
+        if value is None or (
+            is_int_list(value)
+            and (value or empty_ok)
+            and len(set(value)) == len(value)
+            and all(0 <= r < n for r in value)
+        ):
+            return None
+        return _bad(
+            f"'{field}' must be a {'' if empty_ok else 'non-empty '}list of distinct ranks in [0, {n}) "
+            f"or null, got {value!r}",
+            field,
+        )
+
     async def register(request):
-        cmd = {"op": "register", **await body(request)}
-        owners = cmd.get("owner_ranks")
+        fields = REGISTER_FIELDS + ((FAULT_FIELD,) if driver.fault_injection else ())  # tests only
+        data = await body(request, fields, "POST /checkpoints")
+        owners = data.get("owner_ranks")
         if is_int_list(owners) and not all(0 <= r < driver.ps.world_size for r in owners):
             error = f"register: 'owner_ranks' must be ranks in [0, {driver.ps.world_size}), got {owners!r}"
-            return web.json_response({"ok": False, "error": error}, status=400)
-        return await call(cmd)
+            return _bad(error, "owner_ranks")
+        for flag in ("split_files", "gather"):
+            if flag in data and not isinstance(data[flag], bool):
+                return _bad(f"'{flag}' must be true or false, got {data[flag]!r}", flag)
+        return await call({"op": "register", **data})
 
     async def unregister(request):
         return await call({"op": "unregister", "name": request.match_info["name"]})
 
     async def update(request):
-        cmd = {"op": "update", **await body(request)}
+        data = await body(request, UPDATE_FIELDS, "POST /update")
+        n = driver.ps.world_size
+        bad = bad_ranks(data.get("ranks"), "ranks", empty_ok=True)
+        if bad is not None:
+            return bad
+        per = data.get("ranks_per_engine", 1)
+        if isinstance(per, bool) or not isinstance(per, int) or per < 1 or n % per:
+            return _bad(
+                f"'ranks_per_engine' must be an int >= 1 dividing the world size {n}, got {per!r}", "ranks_per_engine"
+            )
+        eps = data.get("endpoints")
+        if isinstance(eps, list) and eps and len(eps) < n // per:
+            return _bad(
+                f"'endpoints' must hold one URL per engine: {n // per} for {n} ranks at {per} per engine, "
+                f"got {len(eps)}",
+                "endpoints",
+            )
+        cmd = {"op": "update", **data}
+        if "update_url" in cmd:
+            cmd["world_size"] = n  # validate() checks a list of URLs against it
         if driver.host is not None and "endpoints" not in cmd and "update_url" not in cmd:
             cmd["managed"] = True  # no engine URLs: the engines this daemon manages
             refused = _engines_not_in(driver, cmd.get("ranks"), UPDATABLE, "cannot take an update")
@@ -65,7 +239,7 @@ def make_app(driver: Driver, stop: asyncio.Event):
         return await call(cmd)
 
     async def engines_start(request):
-        data = await body(request)
+        data = await body(request, ("ranks", "name", "timeout_s"), "POST /engines/start")
         bad = _check_engine_request(driver, data, ("ranks", "name", "timeout_s"))
         if bad is not None:
             return bad
@@ -74,41 +248,35 @@ def make_app(driver: Driver, stop: asyncio.Event):
             return busy
         name = data.get("name", driver.current)  # a started engine is brought to the current weights
         if name is None and driver.host.config.loads_from_ps:
-            return web.json_response(
-                {
-                    "ok": False,
-                    "error": "'name' is required: the engines take their first weights in their load step "
-                    "({rendezvous} in --engine-cmd) and no checkpoint has been served yet",
-                },
-                status=400,
+            return _bad(
+                "'name' is required: the engines take their first weights in their load step "
+                "({rendezvous} in --engine-cmd) and no checkpoint has been served yet",
+                "name",
             )
         return await call({"op": "engine_start", "ranks": data.get("ranks"), "name": name, **_timeout(data)})
 
     async def engines_stop(request):
-        data = await body(request)
+        data = await body(request, ("ranks",), "POST /engines/stop")
         bad = _check_engine_request(driver, data, ("ranks",))
         if bad is not None:
             return bad
         return await call({"op": "engine_stop", "ranks": data.get("ranks")})
 
     async def engines_sleep(request):
-        data = await body(request)
+        data = await body(request, ("ranks", "level", "timeout_s"), "POST /engines/sleep")
         bad = _check_engine_request(driver, data, ("ranks", "level", "timeout_s"))
         if bad is not None:
             return bad
         level = data.get("level", 1)
         if isinstance(level, bool) or level not in SLEEP_LEVELS:
-            return web.json_response(
-                {"ok": False, "error": f"'level' must be one of {list(SLEEP_LEVELS)} (vLLM's), got {level!r}"},
-                status=400,
-            )
+            return _bad(f"'level' must be one of {list(SLEEP_LEVELS)} (vLLM's), got {level!r}", "level")
         busy = _engines_not_in(driver, data.get("ranks"), SLEEPABLE, "is not serving; only a serving engine sleeps")
         if busy is not None:
             return busy
         return await call({"op": "engine_sleep", "ranks": data.get("ranks"), "level": level, **_timeout(data)})
 
     async def engines_wake(request):
-        data = await body(request)
+        data = await body(request, ("ranks", "name", "timeout_s"), "POST /engines/wake")
         bad = _check_engine_request(driver, data, ("ranks", "name", "timeout_s"))
         if bad is not None:
             return bad
@@ -122,13 +290,10 @@ def make_app(driver: Driver, stop: asyncio.Event):
         if dropped and name is None:
             name = driver.current
             if name is None:
-                return web.json_response(
-                    {
-                        "ok": False,
-                        "error": f"'name' is required: the engines of ranks {dropped} slept at level 2 and "
-                        "have no weights, and no checkpoint has been served yet",
-                    },
-                    status=400,
+                return _bad(
+                    f"'name' is required: the engines of ranks {dropped} slept at level 2 and "
+                    "have no weights, and no checkpoint has been served yet",
+                    "name",
                 )
         update_ranks = sorted(r["rank"] for r in records if r["rank"] in dropped or (name and r["checkpoint"] != name))
         cmd = {"op": "engine_wake", "ranks": data.get("ranks"), "name": name, "update_ranks": update_ranks}
@@ -136,7 +301,7 @@ def make_app(driver: Driver, stop: asyncio.Event):
 
     async def engines_list(request):
         if driver.board is None:
-            return web.json_response({"ok": False, "error": NO_ENGINES}, status=400)
+            return _bad(NO_ENGINES)
         records = await asyncio.get_running_loop().run_in_executor(None, driver.board.records)
         auto_heal = driver.host.config.auto_heal
         return web.json_response({"ok": True, "current": driver.current, "auto_heal": auto_heal, "engines": records})
@@ -148,20 +313,38 @@ def make_app(driver: Driver, stop: asyncio.Event):
         return await call({"op": "get_metas", "name": request.match_info["name"]})
 
     async def load_metas(request):
-        return await call({"op": "load_metas", "metas": await body(request)})
+        data = await body(request, METAS_FIELDS, "POST /metas (the metas GET /metas/NAME answered)")
+        missing = [f for f in METAS_REQUIRED if f not in data]
+        if missing:
+            return _bad(
+                f"missing field(s) {missing}: POST /metas takes the metas GET /metas/NAME answered "
+                "(its ranks[0].result)",
+                missing[0],
+            )
+        return await call({"op": "load_metas", "metas": data})
 
     async def health(request):
-        return web.json_response({"ok": True, "world_size": driver.ps.world_size})
+        return web.json_response({"ok": True, "world_size": driver.ps.world_size, "stopping": stop.is_set()})
 
     async def shutdown(request):
         stop.set()
         return web.json_response({"ok": True})
 
-    app = web.Application(client_max_size=4 * 2**20)
-    app.add_routes(compat_routes(driver))
+    async def prometheus(request):
+        records = None
+        if driver.board is not None:
+            try:
+                records = await asyncio.get_running_loop().run_in_executor(None, driver.board.records)
+            except Exception as e:  # noqa: BLE001 - the store unreachable: the other metrics still answer
+                logger.warning("GET /metrics: engine records unreadable: %s: %s", type(e).__name__, e)
+        return web.Response(body=metrics.render(records).encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application(client_max_size=4 * 2**20, middlewares=[observe, auth, stopping])
+    app.add_routes(compat_routes(driver, run))
     app.add_routes(
         [
             web.get("/health", health),
+            web.get("/metrics", prometheus),
             web.get("/checkpoints", inspect),
             web.post("/checkpoints", register),
             web.delete("/checkpoints/{name}", unregister),
@@ -230,11 +413,17 @@ def _engines_not_in(driver: Driver, ranks, allowed: frozenset, why: str):
     return web.json_response({"ok": False, "error": f"engine {why} ({detail})", "states": wrong}, status=409)
 
 
-def compat_routes(driver: Driver) -> list:
-    """MoonshotAI checkpoint-engine's `/v1` routes, on the same commands as ours."""
+def compat_routes(driver: Driver, run=None) -> list:
+    """MoonshotAI checkpoint-engine's `/v1` routes, on the same commands as ours. `run(cmd)`: an
+    awaitable of the driver's result (default: `driver.run` on an executor thread)."""
     import math
 
     from aiohttp import web
+
+    if run is None:
+
+        async def run(cmd: dict) -> dict:
+            return await asyncio.get_running_loop().run_in_executor(None, driver.run, cmd)
 
     def bad(field: str, msg: str) -> web.Response:  # FastAPI's answer to a request that fails validation
         return web.json_response(
@@ -246,8 +435,8 @@ def compat_routes(driver: Driver) -> list:
         if not raw.strip() and not required:
             return {}
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = parse_json(raw)
+        except BodyError:
             return None
         return data if isinstance(data, dict) else None
 
@@ -256,10 +445,11 @@ def compat_routes(driver: Driver) -> list:
             validate(cmd)
         except CommandError as e:
             return bad("timeout" if e.field == "timeout_s" else e.field, str(e))
-        result = await asyncio.get_running_loop().run_in_executor(None, driver.run, cmd)
+        result = await run(cmd)
         if result["ok"]:
             return web.Response(status=200)
-        text = "; ".join(f"rank {r}: {err}" for r, err in result["errors"].items())
+        errors = result.get("errors") or {"0": result.get("error", "failed")}
+        text = "; ".join(f"rank {r}: {err}" for r, err in errors.items())
         return web.json_response(text, status=500)
 
     async def files(request):

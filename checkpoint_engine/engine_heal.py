@@ -11,7 +11,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from checkpoint_engine.daemon_commands import Driver
+    from checkpoint_engine.daemon_driver import Driver
     from checkpoint_engine.engine_process import ManagedEngine
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,10 @@ class Healer:
             # an engine that died asleep (colocated training) goes back to sleep, at its level
             for level in sorted(set(asleep.values())):
                 ranks = sorted(r for r, lv in asleep.items() if lv == level)
-                back = self.driver.run({"op": "engine_sleep", "ranks": ranks, "level": level})
+                # right after the start: wait (bounded) for a request that took the driver meanwhile
+                back = self.driver.run(
+                    {"op": "engine_sleep", "ranks": ranks, "level": level}, wait_s=self.driver.relay.result_timeout_s
+                )
                 if not back["ok"]:
                     logger.error("ranks %s healed but not put back to sleep: %s", ranks, back.get("errors"))
         else:

@@ -10,7 +10,8 @@
                                        event, ConnectionError when the stream breaks off
     JsonRequestHandler             ──   server side: reply(status, body), read_json()
 
-URLs are ``http://host:port/path``; ``uds=PATH`` sends the request over a Unix socket instead.
+URLs are ``http://host:port/path``; ``uds=PATH`` sends the request over a Unix socket instead;
+``token=TOKEN`` sends ``Authorization: Bearer TOKEN`` (the checkpoint-engine daemon's credential).
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ def _connection(url: str, timeout_s: float, uds: str | None) -> tuple[http.clien
     return conn, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
-def _request(method: str, url: str, body: Any, timeout_s: float, uds: str | None) -> tuple[int, str]:
+def _request(
+    method: str, url: str, body: Any, timeout_s: float, uds: str | None, token: str | None = None
+) -> tuple[int, str]:
     """(status, body text) of one request; OSError (ConnectionError for protocol failures) when it fails."""
     conn, path = _connection(url, timeout_s, uds)
     data = None if body is None else json.dumps(body)
     headers = {} if body is None else {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     try:
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
@@ -69,22 +74,24 @@ def _request(method: str, url: str, body: Any, timeout_s: float, uds: str | None
 
 
 def status_json(
-    method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None
+    method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None, token: str | None = None
 ) -> tuple[int, dict]:
     """(HTTP status, decoded JSON answer) whatever the status: {} for an empty answer, {"raw": text}
     for one that is not JSON. An unreachable server raises OSError."""
-    status, text = _request(method, url, body, timeout_s, uds)
+    status, text = _request(method, url, body, timeout_s, uds, token)
     try:
         return status, json.loads(text) if text else {}
     except json.JSONDecodeError:
         return status, {"raw": text}
 
 
-def call_json(method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None) -> Any:
+def call_json(
+    method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None, token: str | None = None
+) -> Any:
     """The decoded JSON answer ({} when empty). HTTPError (with `.status`) for status >= 400;
     RuntimeError naming the URL when the server cannot be reached or answers non-JSON."""
     try:
-        status, text = _request(method, url, body, timeout_s, uds)
+        status, text = _request(method, url, body, timeout_s, uds, token)
     except OSError as e:
         raise RuntimeError(f"{method} {url} failed: {type(e).__name__}: {e}") from None
     if status >= 400:
@@ -95,9 +102,9 @@ def call_json(method: str, url: str, body: Any = None, *, timeout_s: float, uds:
         raise RuntimeError(f"{method} {url} answered non-JSON: {text[:500]!r}") from None
 
 
-def post_json(url: str, body: Any, *, timeout_s: float, uds: str | None = None) -> Any:
+def post_json(url: str, body: Any, *, timeout_s: float, uds: str | None = None, token: str | None = None) -> Any:
     """POST JSON, return the decoded JSON answer (see `call_json` for the errors)."""
-    return call_json("POST", url, body, timeout_s=timeout_s, uds=uds)
+    return call_json("POST", url, body, timeout_s=timeout_s, uds=uds, token=token)
 
 
 def post_sse(url: str, body: Any, *, timeout_s: float, uds: str | None = None) -> Iterator[Any]:

@@ -24,6 +24,7 @@ import zmq
 from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig
+from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound
 from checkpoint_engine.host_memory import (
     HostMemoryPool,
     RegisteredCheckpoint,
@@ -187,7 +188,7 @@ class ParameterServer:
         if not checkpoint_name or not isinstance(checkpoint_name, str):
             raise ValueError(f"checkpoint name must be a non-empty string, got {checkpoint_name!r}")
         if checkpoint_name in self._checkpoints:
-            raise ValueError(f"checkpoint {checkpoint_name!r} is already registered; unregister it first")
+            raise CheckpointExists(f"checkpoint {checkpoint_name!r} is already registered; unregister it first")
         pool = self._host_pool
         if use_shared_memory_pool:
             if self._shared_pool_user is not None:
@@ -223,7 +224,9 @@ class ParameterServer:
     def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
         """Free the checkpoint's host memory (with ``reuse_host_memory``: at the next registration)."""
         if checkpoint_name not in self._checkpoints:
-            raise ValueError(f"checkpoint {checkpoint_name!r} is not registered (have: {sorted(self._checkpoints)})")
+            raise CheckpointNotFound(
+                f"checkpoint {checkpoint_name!r} is not registered (have: {sorted(self._checkpoints)})"
+            )
         ckpt = self._checkpoints.pop(checkpoint_name)
         if self._shared_pool_user == checkpoint_name:
             self._shared_pool_user = None
@@ -303,7 +306,7 @@ class ParameterServer:
         """The global metas (JSON-ready) of `checkpoint_name` or of the last gathered checkpoint."""
         name = checkpoint_name or self._last_gathered
         if name is None or name not in self._global:
-            raise ValueError(f"no gathered metas for {name!r}; call gather_metas first")
+            raise CheckpointNotFound(f"no gathered metas for {name!r}; call gather_metas first")
         return self._global[name].to_dict()
 
     def load_metas_from_store(self, checkpoint_name: str) -> None:
@@ -376,21 +379,8 @@ class ParameterServer:
         """
         if req_func is None or not callable(req_func):
             raise ValueError("req_func must be a callable taking the list of (device_id, zmq_address) pairs")
-        members = self._check_ranks(ranks)
-        if checkpoint_name not in self._global:
-            known = sorted(self._checkpoints)
-            if checkpoint_name not in self._checkpoints and not known:
-                raise ValueError(f"unknown checkpoint {checkpoint_name!r}: nothing is registered")
-            raise ValueError(
-                f"no metas for checkpoint {checkpoint_name!r}: call gather_metas({checkpoint_name!r}) "
-                f"on every rank before update (registered here: {known})"
-            )
+        members = self.check_update(checkpoint_name, ranks)
         g = self._global[checkpoint_name]
-        if not g.rank_metas:
-            raise ValueError(
-                f"no rank owns {checkpoint_name!r}: it is registered nowhere in this job; load the "
-                "owners' metas (load_metas(metas from get_metas() where it is registered)) first"
-            )
         self._ensure_pg()
         if not g.job_local:
             g = self._with_job_info(g)
@@ -448,6 +438,39 @@ class ParameterServer:
         if cfg.metrics_path:
             append_jsonl(cfg.metrics_path, metrics.to_dict())
         return metrics
+
+    def check_update(self, checkpoint_name: str, ranks: list[int] | None = None) -> list[int]:
+        """What `update` checks on this rank before its first collective (local, no state change):
+        CheckpointNotFound for a name neither registered nor with metas here, ValueError when its
+        metas are not gathered or name no owner, or for bad `ranks`. Returns the update's members."""
+        members = self._check_ranks(ranks)
+        if checkpoint_name not in self._global:
+            known = sorted(self._checkpoints)
+            if checkpoint_name not in self._checkpoints and not known:
+                raise CheckpointNotFound(f"unknown checkpoint {checkpoint_name!r}: nothing is registered")
+            error = CheckpointNotFound if checkpoint_name not in self._checkpoints else ValueError
+            raise error(
+                f"no metas for checkpoint {checkpoint_name!r}: call gather_metas({checkpoint_name!r}) "
+                f"on every rank before update (registered here: {known})"
+            )
+        if not self._global[checkpoint_name].rank_metas:
+            raise ValueError(
+                f"no rank owns {checkpoint_name!r}: it is registered nowhere in this job; load the "
+                "owners' metas (load_metas(metas from get_metas() where it is registered)) first"
+            )
+        return members
+
+    def metas_state(self, checkpoint_name: str) -> tuple[GlobalMetas | None, str | None]:
+        """This rank's metas of `checkpoint_name` and the last gathered name, for `restore_metas_state`
+        (the daemon undoes a `load_metas` that failed on another rank)."""
+        return self._global.get(checkpoint_name), self._last_gathered
+
+    def restore_metas_state(self, checkpoint_name: str, state: tuple[GlobalMetas | None, str | None]) -> None:
+        g, self._last_gathered = state
+        if g is None:
+            self._global.pop(checkpoint_name, None)
+        else:
+            self._global[checkpoint_name] = g
 
     def _check_ranks(self, ranks: list[int] | None) -> list[int]:
         if not ranks:

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pathlib
 import threading
 import time
@@ -20,6 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from checkpoint_engine import hf_dir
+from checkpoint_engine.errors import HTTPError
 from checkpoint_engine.httpjson import call_json
 
 POLL_INTERVAL_S = 0.5
@@ -27,6 +30,15 @@ POLL_INTERVAL_S = 0.5
 
 class SwitchError(RuntimeError):
     """A colocated switch that failed; the message names the phase and every engine's state."""
+
+
+def _is_busy(text: str) -> bool:
+    """Whether a 409 answer of the daemon says it was busy (not a conflict such as a taken name)."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and answer.get("kind") == "busy"
 
 
 def describe_engines(records: list[dict]) -> str:
@@ -40,15 +52,36 @@ def describe_engines(records: list[dict]) -> str:
     return "; ".join(parts)
 
 
-class DaemonClient:
-    """The daemon's HTTP API (its rank 0); every call has a deadline and raises naming the route."""
+TOKEN_ENV = "CKPT_ENGINE_TOKEN"  # the daemon's bearer token (its --token-file or the same variable)
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+
+class DaemonClient:
+    """The daemon's HTTP API (its rank 0); every call has a deadline and raises naming the route.
+
+    ``token``: the daemon's bearer token, sent as ``Authorization: Bearer`` (a daemon bound beyond
+    loopback requires one); None takes ``$CKPT_ENGINE_TOKEN`` when set (the RL job's process
+    environment, e.g. from a Kubernetes Secret), else sends none."""
+
+    def __init__(self, endpoint: str, timeout_s: float, token: str | None = None) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
+        if token is None:
+            token = os.environ.get(TOKEN_ENV, "").strip() or None
+        self.token = token
 
     def _call(self, method: str, route: str, body=None, timeout_s: float | None = None):
-        return call_json(method, self.endpoint + route, body, timeout_s=timeout_s or self.timeout_s)
+        """One request; while the daemon is busy with another command (HTTP 409, kind "busy": a heal
+        its healer runs, say) it is asked again until the call's deadline, as the daemon no longer
+        queues commands."""
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return call_json(method, self.endpoint + route, body, timeout_s=timeout_s, token=self.token)
+            except HTTPError as e:
+                if not (e.status == 409 and _is_busy(e.text)) or time.monotonic() + POLL_INTERVAL_S > deadline:
+                    raise
+            time.sleep(POLL_INTERVAL_S)  # the command in flight runs on; bounded by the deadline
 
     def engines(self) -> dict:
         """``{"current": name | None, "engines": [per-rank record]}``."""

@@ -56,7 +56,11 @@ def test_relay_names_the_ranks_that_did_not_answer(store, capfd):
     relays[1].put_result({"ok": True, "result": {}})
     results = relays[0].gather_results()
     assert results[:2] == [{"ok": True, "result": {}}] * 2
-    assert results[2] == {"ok": False, "error": "rank 2 did not answer within 0 s"}
+    assert results[2] == {
+        "ok": False,
+        "error": "rank 2 did not answer within 0.3 s: it may have died; the daemon must be restarted",
+        "kind": "unavailable",
+    }
     stop.set()
     relays[2].done()
     assert relays[2].next_command(stop) is None  # stopped: no wait
@@ -72,7 +76,9 @@ def test_relay_stops_waiting_for_a_rank_that_left(store):
     t0 = time.monotonic()
     results = relays[0].gather_results()
     assert time.monotonic() - t0 < 2  # not the relay's 30 s
-    assert results == [{"ok": True, "result": {}}] * 2 + [{"ok": False, "error": "rank 2 has exited"}]
+    assert results == [{"ok": True, "result": {}}] * 2 + [
+        {"ok": False, "error": "rank 2 has exited; the daemon must be restarted", "kind": "unavailable"}
+    ]
     # a silent rank still costs the (per-call) deadline, and is named as such
     relays[0].done()
     relays[0].publish({"op": "inspect"})
@@ -80,5 +86,13 @@ def test_relay_stops_waiting_for_a_rank_that_left(store):
     t0 = time.monotonic()
     results = relays[0].gather_results(timeout_s=0.3)
     assert 0.3 <= time.monotonic() - t0 < 2
-    assert results[1] == {"ok": False, "error": "rank 1 did not answer within 0 s"}
-    assert results[2] == {"ok": False, "error": "rank 2 has exited"}
+    assert results[1] == {
+        "ok": False,
+        "error": "rank 1 did not answer within 0.3 s: it may have died; the daemon must be restarted",
+        "kind": "unavailable",
+    }
+    assert results[2] == {
+        "ok": False,
+        "error": "rank 2 has exited; the daemon must be restarted",
+        "kind": "unavailable",
+    }

@@ -6,6 +6,12 @@ their headless service). Every command a container runs (`python -m MODULE`, `to
 MODULE`, and the engine command the checkpoint-engine daemon starts) is run with `--help` here, and
 every flag the manifest passes must be one that command accepts; `--set` overrides and `--config`
 files of the RL job are resolved by the job itself (`--print-config`).
+
+Access: a checkpoint-engine daemon bound beyond loopback takes its bearer token from a Secret (a
+mounted file, `--token-file`, or `CKPT_ENGINE_TOKEN` from `secretKeyRef`) and every RL job calling
+it gets the same Secret; no token is written in a manifest; vLLM's dev-mode routes (`/collective_rpc`)
+have no Service port, a vLLM server started directly in dev mode binds 127.0.0.1, and an engine gate
+bound beyond loopback (it proxies those routes) is reachable only from this job's pods (NetworkPolicy).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ REPO = Path(__file__).resolve().parents[3]
 K8S = REPO / "deploy" / "k8s"
 IMAGE_APP_DIR = "/app"  # where the image holds this repository (deploy/k8s/README.md)
 WORKLOADS = {"Deployment", "StatefulSet", "Job", "Pod"}
-KNOWN_KINDS = WORKLOADS | {"Service", "ConfigMap", "PersistentVolumeClaim"}
+KNOWN_KINDS = WORKLOADS | {"Service", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"}
 STS_POD_NAME = "statefulset.kubernetes.io/pod-name"  # label the StatefulSet controller puts on each pod
 
 
@@ -92,8 +98,11 @@ def test_object_shape(name, doc):
             for p in c.get("ports", []):
                 assert isinstance(p["containerPort"], int) and 0 < p["containerPort"] < 65536
     if kind == "Service":
-        for p in doc["spec"]["ports"]:
+        for p in doc["spec"].get("ports", []):
             assert isinstance(p["port"], int)
+    if kind == "NetworkPolicy":
+        assert doc["apiVersion"] == "networking.k8s.io/v1"
+        assert "podSelector" in doc["spec"] and doc["spec"].get("policyTypes"), f"{name}: {doc['spec']}"
 
 
 def selects(selector: dict, workload: dict) -> bool:
@@ -212,3 +221,149 @@ def test_rl_job_config_resolves(name, workload, c, tmp_path):
         argv += ["--set", kv]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, f"{name}/{c['name']}: the job rejects its config:\n{r.stderr[-2000:]}"
+
+
+# ── access: the daemon's token, vLLM's dev-mode routes ────────────────────────────────────────────────
+TOKEN_ENV = "CKPT_ENGINE_TOKEN"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def workloads() -> list[tuple[str, dict]]:
+    return [(f, d) for f, d in documents() if d["kind"] in WORKLOADS]
+
+
+def is_daemon(c: dict) -> bool:
+    cmd = full_command(c)
+    return (
+        cmd[0] in ("python", "python3", "torchrun") and "-m" in cmd and module_and_args(cmd)[1] == "checkpoint_engine"
+    )
+
+
+def secret_env(c: dict, name: str) -> tuple[str, str] | None:
+    """(secret, key) of env `name` when it comes from a Secret; AssertionError for a literal value."""
+    for e in c.get("env", []):
+        if e["name"] == name:
+            assert "value" not in e, f"{c['name']}: {name} written in the manifest; take it from a Secret"
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            return (ref["name"], ref["key"]) if ref else None
+    return None
+
+
+def secret_file(spec: dict, c: dict, path: str) -> tuple[str, str] | None:
+    """(secret, key) of the file at `path` when a Secret volume mounted in `c` provides it."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        secret = volumes.get(m["name"], {}).get("secret")
+        prefix = m["mountPath"].rstrip("/") + "/"
+        if secret is None or not path.startswith(prefix):
+            continue
+        rel = path[len(prefix) :]
+        items = {i["path"]: i["key"] for i in secret.get("items", [])}
+        return secret["secretName"], items.get(rel, rel) if items else rel
+    return None
+
+
+def daemon_token(spec: dict, c: dict) -> tuple[str, str] | None:
+    _, _, args = module_and_args(full_command(c))
+    files = option_value(args, "--token-file")
+    if files:
+        found = secret_file(spec, c, files[-1])
+        assert found is not None, f"{c['name']}: --token-file {files[-1]} is not in a mounted Secret"
+        return found
+    return secret_env(c, TOKEN_ENV)
+
+
+def test_no_token_is_written_in_a_manifest():
+    for name, doc in documents():
+        assert doc["kind"] != "Secret", f"{name}: a Secret with a token belongs to the cluster, not the repository"
+    for name, _, c in containers():
+        secret_env(c, TOKEN_ENV)  # asserts: no literal value
+        assert not any("--token=" in a or a == "--token" for a in full_command(c)), f"{name}/{c['name']}"
+
+
+def test_a_daemon_beyond_loopback_takes_its_token_from_a_secret():
+    seen = 0
+    for name, doc in workloads():
+        spec = pod_spec(doc)
+        for c in spec["containers"]:
+            if not is_daemon(c):
+                continue
+            _, _, args = module_and_args(full_command(c))
+            host = (option_value(args, "--host") or ["127.0.0.1"])[-1]
+            if host in LOOPBACK or option_value(args, "--uds"):
+                continue
+            seen += 1
+            assert daemon_token(spec, c) is not None, f"{name}/{c['name']}: --host {host} without a token from a Secret"
+    assert seen, "disaggregated.yaml's daemon listens beyond loopback: it must be checked here"
+
+
+def test_rl_jobs_calling_a_remote_daemon_send_its_token():
+    daemons = {}
+    for _, doc in workloads():
+        spec = pod_spec(doc)
+        for c in spec["containers"]:
+            if is_daemon(c):
+                token = daemon_token(spec, c)
+                if token is not None:
+                    daemons[doc["metadata"]["name"]] = token
+    for name, doc in workloads():
+        for c in pod_spec(doc)["containers"]:
+            cmd = full_command(c)
+            if "orchestrator" not in cmd:
+                continue
+            sets = dict(kv.split("=", 1) for kv in option_value(module_and_args(cmd)[2], "--set"))
+            endpoint = sets.get("engine.endpoint", "")
+            host = endpoint.split("://", 1)[-1].split(":", 1)[0].split("/", 1)[0]
+            if sets.get("engine.type") != "daemon" or host in LOOPBACK:
+                continue
+            assert secret_env(c, TOKEN_ENV) in set(daemons.values()), (
+                f"{name}/{c['name']}: calls the daemon at {endpoint} without its token ({TOKEN_ENV} from the "
+                f"daemon's Secret {sorted(set(daemons.values()))})"
+            )
+
+
+def engine_commands(c: dict) -> list[list[str]]:
+    """The vLLM commands a container runs: itself, or the engine command of a daemon."""
+    cmd = full_command(c)
+    out = [cmd]
+    if is_daemon(c):
+        out += [shlex.split(e.replace("{", "").replace("}", "")) for e in option_value(cmd, "--engine-cmd")]
+    return out
+
+
+def test_vllm_dev_mode_is_not_reachable_beyond_the_pod():
+    docs = documents()
+    policies = [d for _, d in docs if d["kind"] == "NetworkPolicy"]
+    own_labels = [pod_labels(d) for _, d in docs if d["kind"] in WORKLOADS]
+    for name, doc in workloads():
+        spec = pod_spec(doc)
+        declared = {p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
+        for c in spec["containers"]:
+            dev_env = any(e["name"] == "VLLM_SERVER_DEV_MODE" for e in c.get("env", []))
+            for cmd in engine_commands(c):
+                module = module_and_args(cmd)[1] if "-m" in cmd else cmd[0]
+                host = (option_value(cmd, "--host") or [None])[-1]
+                if module in ("vllm", "vllm.entrypoints.openai.api_server") or cmd[:2] == ["vllm", "serve"]:
+                    if dev_env:  # vLLM binds 0.0.0.0 unless told: dev mode must say 127.0.0.1
+                        assert host in LOOPBACK, f"{name}/{c['name']}: dev-mode vLLM on {host or '0.0.0.0'}"
+                if module == "vllm_ext.launch" and (host or "127.0.0.1") not in LOOPBACK:
+                    # vLLM itself is on 127.0.0.1 behind the gate, which proxies /collective_rpc: only this
+                    # job's pods may reach the gate
+                    covering = [p for p in policies if selects(p["spec"]["podSelector"].get("matchLabels", {}), doc)]
+                    assert covering, f"{name}/{c['name']}: engine gate on {host} with no NetworkPolicy"
+                    for p in covering:
+                        assert "Ingress" in p["spec"]["policyTypes"]
+                        for rule in p["spec"].get("ingress", []):
+                            peers = rule.get("from")
+                            assert peers, f"{p['metadata']['name']}: an ingress rule open to every source"
+                            for peer in peers:
+                                assert set(peer) == {"podSelector"}, f"{p['metadata']['name']}: peer {peer}"
+                                sel = peer["podSelector"].get("matchLabels", {})
+                                assert sel and any(sel.items() <= lab.items() for lab in own_labels), sel
+        # a Service reaches only the ports a container declares (engines' ports are never declared)
+        for _, svc in docs:
+            if svc["kind"] == "Service" and selects(svc["spec"].get("selector", {}), doc):
+                for p in svc["spec"].get("ports", []):
+                    assert p.get("targetPort", p["port"]) in declared, (
+                        f"service {svc['metadata']['name']}: port {p['port']} is no declared port of {name}"
+                    )

@@ -1,0 +1,509 @@
+"""The daemon's HTTP surface against a stub Driver (no torchrun, no ranks): the status codes a client
+can act on, the bearer token, /metrics in Prometheus text, the `/v1` routes' contract, and the
+token's loading at start (`__main__`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from checkpoint_engine import daemon_routes
+from checkpoint_engine.daemon_metrics import STAGES, DaemonMetrics, ObservedDriver
+from checkpoint_engine.daemon_routes import METAS_FIELDS, BodyError, make_app, parse_json
+
+WORLD = 2
+
+
+class StubPS:
+    world_size = WORLD
+
+
+class StubBoard:
+    def __init__(self, records):
+        self._records = records
+
+    def records(self):
+        return [dict(r) for r in self._records]
+
+
+class StubDriver:
+    """Driver's surface: `run(cmd)` answers with `answer(cmd)` (default: every rank ok) and records `cmd`."""
+
+    def __init__(self, answer=None, board=None):
+        self.ps, self.host, self.board, self.current = StubPS(), None, board, None
+        self.fault_injection = False
+        self.cmds: list[dict] = []
+        self.answer = answer or (lambda cmd: ok_result(cmd))
+
+    def run(self, cmd, result_timeout_s=None):
+        self.cmds.append(cmd)
+        return self.answer(cmd)
+
+
+def ok_result(cmd, results=None):
+    results = results or [{} for _ in range(WORLD)]
+    return {"ok": True, "op": cmd.get("op"), "ranks": [{"ok": True, "result": r} for r in results], "status": 200}
+
+
+def failed_result(cmd, status, kind="engine", text="boom"):
+    ranks = [{"ok": False, "error": f"{text} on rank {r}", "kind": kind} for r in range(WORLD)]
+    errors = {str(r): x["error"] for r, x in enumerate(ranks)}
+    out = {"ok": False, "op": cmd.get("op"), "ranks": ranks, "errors": errors}
+    if status is not None:
+        out["status"] = status
+    return out
+
+
+def serve(driver, *requests, token=None, stop=None, metrics=None):
+    """Run `requests(client)` coroutines against make_app(driver) in one loop; their results."""
+
+    async def main():
+        app = make_app(driver, stop or asyncio.Event(), token=token, metrics=metrics)
+        async with TestClient(TestServer(app)) as client:
+            return [await r(client) for r in requests]
+
+    return asyncio.run(main())
+
+
+def req(method, path, body=None, *, raw=None, headers=None):
+    """A request coroutine factory: (status, decoded JSON or text, response headers)."""
+
+    async def go(client):
+        data = raw if raw is not None else (None if body is None else json.dumps(body))
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        async with client.request(method, path, data=data, headers=hdrs) as resp:
+            text = await resp.text()
+            try:
+                decoded = json.loads(text) if text else ""
+            except json.JSONDecodeError:
+                decoded = text
+            return resp.status, decoded, dict(resp.headers)
+
+    return go
+
+
+def one(driver, method, path, body=None, **kw):
+    token, stop = kw.pop("token", None), kw.pop("stop", None)
+    ((status, answer, _),) = serve(driver, req(method, path, body, **kw), token=token, stop=stop)
+    return status, answer
+
+
+GOOD_METAS = {"checkpoint": "m", "ranks": {}, "device_ids": ["cpu", "cpu"], "pids": [1, 2], "hosts": ["h", "h"]}
+GOOD = {
+    "/checkpoints": {"name": "m", "files": ["/x.safetensors"]},
+    "/update": {"name": "m", "endpoints": ["http://127.0.0.1:1", "http://127.0.0.1:2"]},
+    "/metas": GOOD_METAS,
+}
+
+
+# ── 400: unknown fields (by name), bad values, deep JSON ─────────────────────────────────────────────
+@pytest.mark.parametrize("path", sorted(GOOD))
+def test_unknown_field_is_refused_by_name_and_never_relayed(path):
+    driver = StubDriver()
+    assert one(driver, "POST", path, GOOD[path])[0] == 200  # the good body passes
+    driver.cmds.clear()
+    status, answer = one(driver, "POST", path, {**GOOD[path], "bogus": 1})
+    assert status == 400 and "'bogus'" in answer["error"] and answer["field"] == "bogus", answer
+    assert driver.cmds == []
+
+
+def test_every_documented_field_is_accepted():
+    driver = StubDriver()
+    register = {"name": "m", "files": ["/a"], "owner_ranks": [0], "split_files": True, "gather": False}
+    assert one(driver, "POST", "/checkpoints", register)[0] == 200
+    assert driver.cmds[-1] == {"op": "register", **register}
+    update = {
+        "name": "m",
+        "endpoints": ["http://e0", "http://e1"],
+        "ranks_per_engine": 1,
+        "ranks": [1],
+        "timeout_s": 5,
+    }
+    assert one(driver, "POST", "/update", update)[0] == 200
+    assert driver.cmds[-1] == {"op": "update", **update}
+    moonshot_style = {"name": "m", "update_url": "http://e", "inference_group_ranks": [0], "uds": None, "ranks": [0]}
+    assert one(driver, "POST", "/update", moonshot_style)[0] == 200
+    assert driver.cmds[-1]["world_size"] == WORLD
+
+
+def test_metas_fields_are_those_get_metas_answers():
+    from checkpoint_engine.jobs import GlobalMetas
+
+    assert set(METAS_FIELDS) == set(GlobalMetas.from_dict(GOOD_METAS).to_dict())
+
+
+def test_metas_missing_field_is_named():
+    driver = StubDriver()
+    status, answer = one(driver, "POST", "/metas", {k: v for k, v in GOOD_METAS.items() if k != "hosts"})
+    assert status == 400 and "'hosts'" in answer["error"] and driver.cmds == []
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"ranks": [-1]}, "ranks"),
+        ({"ranks": [WORLD]}, "ranks"),
+        ({"ranks": [0, 0]}, "ranks"),
+        ({"ranks": "0"}, "ranks"),
+        ({"ranks": [True]}, "ranks"),
+        ({"ranks_per_engine": 0}, "ranks_per_engine"),
+        ({"ranks_per_engine": 3}, "ranks_per_engine"),
+        ({"endpoints": ["http://only-one"]}, "endpoints"),
+        ({"timeout_s": -1}, "timeout_s"),
+    ],
+)
+def test_update_bad_value_is_400_naming_the_field(body, field):
+    driver = StubDriver()
+    status, answer = one(driver, "POST", "/update", {**GOOD["/update"], **body})
+    assert status == 400 and f"'{field}'" in answer["error"] and answer.get("field") == field, answer
+    assert driver.cmds == []
+
+
+@pytest.mark.parametrize("opening", ["[", '{"a":'])
+@pytest.mark.parametrize("path", ["/checkpoints", "/update", "/metas", "/engines/stop"])
+def test_deeply_nested_body_is_400_not_a_bare_500(path, opening):
+    driver = StubDriver()
+    t0 = time.perf_counter()
+    status, answer = one(driver, "POST", path, raw=opening * 100_000)
+    assert status == 400 and "nested" in answer["error"], answer
+    assert time.perf_counter() - t0 < 5.0 and driver.cmds == []
+
+
+def test_deep_body_on_v1_route_is_their_422():
+    status, answer = one(StubDriver(), "POST", "/v1/checkpoints/m/update", raw="[" * 100_000)
+    assert status == 422 and answer["detail"][0]["loc"] == ["body"], answer
+
+
+def test_parse_json_counts_brackets_outside_strings_only():
+    brackets = "[" * 500 + "]" * 500
+    assert parse_json(json.dumps({"name": brackets, "q": 'say "[[[["'}).encode()) == {
+        "name": brackets,
+        "q": 'say "[[[["',
+    }
+    wide = {"ranks": {str(i): [[i], {"s": [i]}] for i in range(200)}}  # many brackets, 4 deep
+    assert parse_json(json.dumps(wide).encode()) == wide
+    assert parse_json(b"[" * 64 + b"]" * 64) is not None  # at the limit
+    with pytest.raises(BodyError, match="nested"):
+        parse_json(b"[" * 65 + b"]" * 65)
+    with pytest.raises(BodyError, match="must be JSON"):
+        parse_json(b"{nope")
+
+
+def test_parse_json_scan_is_linear_on_hostile_strings():
+    hostile = b'"' + b'\\"' * 1_000_000 + b"[" * 100  # an unterminated string of escaped quotes
+    t0 = time.perf_counter()
+    with pytest.raises(BodyError):
+        parse_json(hostile)
+    assert time.perf_counter() - t0 < 3.0
+
+
+def test_body_must_be_an_object():
+    status, answer = one(StubDriver(), "POST", "/checkpoints", [1, 2])
+    assert status == 400 and "JSON object" in answer["error"]
+
+
+# ── relayed statuses: 404, 409, 500, 503 from the driver ───────────────────────────────────────────
+@pytest.mark.parametrize("code", [404, 409, 500, 503])
+@pytest.mark.parametrize(
+    "method,path,body",
+    [
+        ("DELETE", "/checkpoints/nope", None),
+        ("GET", "/metas/nope", None),
+        ("POST", "/update", {"name": "nope", "endpoints": ["http://e0", "http://e1"]}),
+        ("POST", "/checkpoints", {"name": "m", "files": ["/x"]}),
+    ],
+)
+def test_driver_status_is_the_answer(method, path, body, code):
+    driver = StubDriver(lambda cmd: failed_result(cmd, code))
+    status, answer = one(driver, method, path, body)
+    assert status == code and answer["ok"] is False and answer["errors"], answer
+
+
+def test_failure_without_a_status_is_500():
+    status, _ = one(StubDriver(lambda cmd: failed_result(cmd, None)), "DELETE", "/checkpoints/x")
+    assert status == 500
+
+
+def test_a_daemon_fault_is_a_json_500():
+    def explode(cmd):
+        raise RuntimeError("store went away")
+
+    status, answer = one(StubDriver(explode), "GET", "/checkpoints")
+    assert status == 500 and "store went away" in answer["error"], answer
+
+
+# ── the /v1 routes keep their contract ─────────────────────────────────────────────────────────────
+def test_v1_routes_answer_as_theirs_whatever_the_driver_status():
+    driver = StubDriver(lambda cmd: failed_result(cmd, 404, text="not registered"))
+    status, answer = one(driver, "DELETE", "/v1/checkpoints/m")
+    assert status == 500 and isinstance(answer, str) and "not registered" in answer
+    assert one(StubDriver(), "POST", "/v1/checkpoints/m/files", {"files": ["/a"]}) == (200, "")
+    status, answer = one(StubDriver(), "POST", "/v1/checkpoints/m/update", {"timeout": -1})
+    assert status == 422 and answer["detail"][0]["loc"] == ["body", "timeout"]
+    assert one(StubDriver(), "GET", "/v1/healthz") == (200, "")
+
+
+# ── 503 while stopping ─────────────────────────────────────────────────────────────────────────────
+def test_after_shutdown_every_route_but_health_is_503():
+    driver = StubDriver()
+    answers = serve(
+        driver,
+        req("POST", "/shutdown"),
+        req("POST", "/checkpoints", GOOD["/checkpoints"]),
+        req("GET", "/checkpoints"),
+        req("POST", "/v1/checkpoints/m/files", {"files": ["/a"]}),
+        req("GET", "/metrics"),
+        req("POST", "/shutdown"),
+        req("GET", "/health"),
+        req("GET", "/v1/healthz"),
+    )
+    codes = [a[0] for a in answers]
+    assert codes == [200, 503, 503, 503, 503, 503, 200, 200], answers
+    assert "stopping" in answers[1][1]["error"] and answers[6][1]["stopping"] is True
+    assert driver.cmds == []
+
+
+def test_a_signal_stops_the_routes_too():
+    stop = asyncio.Event()
+    stop.set()  # what serve_http's signal handler does
+    assert one(StubDriver(), "GET", "/checkpoints", stop=stop)[0] == 503
+    assert one(StubDriver(), "GET", "/health", stop=stop)[0] == 200
+
+
+# ── the bearer token ───────────────────────────────────────────────────────────────────────────────
+def test_token_required_on_every_route_but_health(monkeypatch):
+    compared = []
+    real = daemon_routes.hmac.compare_digest
+    monkeypatch.setattr(daemon_routes.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    driver = StubDriver()
+    good, wrong = {"Authorization": "Bearer s3cret"}, {"Authorization": "Bearer s3cre7"}
+    answers = serve(
+        driver,
+        req("GET", "/checkpoints"),
+        req("GET", "/checkpoints", headers=wrong),
+        req("GET", "/checkpoints", headers={"Authorization": "Basic s3cret"}),
+        req("GET", "/metrics"),
+        req("POST", "/v1/checkpoints/m/files", {"files": ["/a"]}),
+        req("POST", "/shutdown"),
+        req("GET", "/health"),
+        req("GET", "/v1/healthz"),
+        req("GET", "/checkpoints", headers=good),
+        req("GET", "/metrics", headers=good),
+        token="s3cret",
+    )
+    codes = [a[0] for a in answers]
+    assert codes == [401, 401, 401, 401, 401, 401, 200, 200, 200, 200], answers
+    assert "Authorization: Bearer" in answers[0][1]["error"] and answers[1][1]["error"] == "wrong bearer token"
+    assert answers[0][2]["WWW-Authenticate"].startswith("Bearer")
+    assert isinstance(answers[4][1], str)  # their error shape on /v1
+    assert "s3cret" not in json.dumps([a[1] for a in answers[:6]])
+    assert len(driver.cmds) == 1 and compared  # only the authorised GET /checkpoints was relayed
+
+
+def test_no_token_configured_needs_no_header():
+    assert one(StubDriver(), "GET", "/checkpoints")[0] == 200
+
+
+# ── /metrics ───────────────────────────────────────────────────────────────────────────────────────
+def update_metrics(rank, total_s, broadcast_s, total_bytes=3 * 2**30):
+    m = {f"{s}_s": 0.01 * (i + 1) for i, s in enumerate(STAGES)}
+    m.update(rank=rank, total_s=total_s, broadcast_s=broadcast_s, total_bytes=total_bytes)
+    m["gib_per_s"] = total_bytes / 2**30 / total_s
+    return m
+
+
+def families(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(fams, family, suffix="", **labels) -> float:
+    values = [
+        s.value
+        for s in fams[family].samples
+        if s.name == family + suffix and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(values) == 1, (family, labels, fams[family].samples)
+    return values[0]
+
+
+def test_metrics_after_one_update_are_consistent():
+    results = [update_metrics(0, 1.5, 0.4), update_metrics(1, 2.0, 0.9)]
+
+    def answer(cmd):
+        if cmd["op"] == "update":
+            return ok_result(cmd, results)
+        return failed_result(cmd, 409, kind="already_registered")
+
+    records = [
+        {"rank": 0, "state": "serving", "restarts": 1, "recovery_s": 2.5},
+        {"rank": 1, "state": "failed", "restarts": 0, "recovery_s": None},
+    ]
+    driver = StubDriver(answer, board=StubBoard(records))
+    metrics = DaemonMetrics(WORLD)
+    answers = serve(
+        driver,
+        req("POST", "/update", GOOD["/update"]),
+        req("POST", "/checkpoints", GOOD["/checkpoints"]),
+        req("POST", "/checkpoints", {"bogus": 1}),
+        req("GET", "/metrics"),
+        metrics=metrics,
+    )
+    assert [a[0] for a in answers] == [200, 409, 400, 200]
+    _, text, headers = answers[-1]
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    fams = families(text)
+    p = "checkpoint_engine_"
+    assert sample(fams, p + "updates", "_total", outcome="ok") == 1
+    assert sample(fams, p + "updates", "_total", outcome="error") == 0
+    assert sample(fams, p + "update_bytes", "_total") == 3 * 2**30
+    assert sample(fams, p + "last_update_seconds") == 2.0  # the slowest rank
+    assert sample(fams, p + "last_update_gib_per_second") == pytest.approx(1.5)
+    assert sample(fams, p + "last_update_stage_seconds", stage="broadcast") == 0.9
+    assert {s.labels["stage"] for s in fams[p + "last_update_stage_seconds"].samples} == set(STAGES)
+    assert sample(fams, p + "update_duration_seconds", "_count") == 1
+    assert sample(fams, p + "update_duration_seconds", "_sum") == 2.0
+    assert sample(fams, p + "failures", "_total", op="register", kind="already_registered") == 1
+    assert sample(fams, p + "commands", "_total", op="update", outcome="ok") == 1
+    http = p + "http_requests"
+    assert sample(fams, http, "_total", route="/update", method="POST", status="200") == 1
+    assert sample(fams, http, "_total", route="/checkpoints", method="POST", status="409") == 1
+    assert sample(fams, http, "_total", route="/checkpoints", method="POST", status="400") == 1
+    assert sample(fams, p + "engine_state", rank="0", state="serving") == 1
+    assert sample(fams, p + "engine_state", rank="1", state="serving") == 0
+    assert sample(fams, p + "engine_state", rank="1", state="failed") == 1
+    assert sample(fams, p + "engine_restarts", rank="0") == 1
+    assert sample(fams, p + "engine_recovery_seconds", rank="0") == 2.5
+    assert sample(fams, p + "world_size") == WORLD
+    assert fams[p + "updates"].type == "counter" and fams[p + "last_update_seconds"].type == "gauge"
+
+
+def test_heals_through_the_observed_driver_are_counted():
+    driver = StubDriver(lambda cmd: ok_result(cmd) if cmd.get("ranks") == [0] else failed_result(cmd, 500))
+    metrics = DaemonMetrics(WORLD)
+    observed = ObservedDriver(driver, metrics)
+    observed.run({"op": "engine_start", "ranks": [0], "name": "m", "heal": True})
+    observed.run({"op": "engine_start", "ranks": [1], "name": "m", "heal": True})
+    assert observed.ps is driver.ps and observed.current is None  # the rest is the driver's
+    fams = families(metrics.render())
+    assert sample(fams, "checkpoint_engine_heals", "_total", outcome="ok") == 1
+    assert sample(fams, "checkpoint_engine_heals", "_total", outcome="error") == 1
+    assert sample(fams, "checkpoint_engine_heal_duration_seconds", "_count") == 2
+    assert "checkpoint_engine_engine_state" not in fams  # no engine board: no engine families
+
+
+def test_label_values_are_escaped():
+    metrics = DaemonMetrics(WORLD)
+    odd = 'a"b\\c\nd'
+    metrics.observe_request(odd, "GET", 200)
+    fams = families(metrics.render())
+    assert sample(fams, "checkpoint_engine_http_requests", "_total", route=odd, method="GET", status="200") == 1
+
+
+def test_unmatched_paths_share_one_label():
+    metrics = DaemonMetrics(WORLD)
+    answers = serve(StubDriver(), req("GET", "/nope/1"), req("GET", "/nope/2"), metrics=metrics)
+    assert [a[0] for a in answers] == [404, 404]
+    fams = families(metrics.render())
+    assert sample(fams, "checkpoint_engine_http_requests", "_total", route="unmatched", status="404") == 2
+
+
+# ── the token at start (__main__) ──────────────────────────────────────────────────────────────────
+def test_load_token_from_file_or_environment(tmp_path):
+    from checkpoint_engine.__main__ import load_token
+
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    assert load_token(str(f), {}) == "s3cret"
+    assert load_token(str(f), {"CKPT_ENGINE_TOKEN": "other"}) == "s3cret"  # the file wins
+    assert load_token(None, {"CKPT_ENGINE_TOKEN": " envtok "}) == "envtok"
+    assert load_token(None, {}) is None
+    for bad, why in (("", "empty"), ("two words", "printable ASCII")):
+        f.write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            load_token(str(f), {})
+    with pytest.raises(ValueError, match="cannot read"):
+        load_token(str(tmp_path / "missing"), {})
+
+
+@pytest.mark.parametrize(
+    "host,loopback",
+    [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True), ("localhost", True)]
+    + [("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("myhost", False), ("", False)],
+)
+def test_is_loopback(host, loopback):
+    from checkpoint_engine.__main__ import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_start_beyond_loopback_without_token_is_refused(monkeypatch, capsys, tmp_path):
+    from checkpoint_engine.__main__ import parse_args
+
+    monkeypatch.delenv("CKPT_ENGINE_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--host", "0.0.0.0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--token-file" in err and "CKPT_ENGINE_TOKEN" in err, err
+    assert parse_args([]).token is None  # loopback: no token needed
+    assert parse_args(["--host", "0.0.0.0", "--uds", str(tmp_path / "s")]).token is None
+    monkeypatch.setenv("CKPT_ENGINE_TOKEN", "envtok")
+    assert parse_args(["--host", "0.0.0.0"]).token == "envtok"
+    assert parse_args([]).token == "envtok"  # given on loopback: enforced there too
+    monkeypatch.setenv("CKPT_ENGINE_TOKEN", "")
+    with pytest.raises(SystemExit):
+        parse_args([])
+
+
+# ── clients send the token ─────────────────────────────────────────────────────────────────────────
+@pytest.fixture
+def echo_server():
+    from checkpoint_engine.httpjson import JsonRequestHandler
+
+    class Echo(JsonRequestHandler):
+        def do_GET(self):
+            self.reply(200, {"auth": self.headers.get("Authorization")})
+
+        do_POST = do_DELETE = do_GET
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_httpjson_sends_the_token(echo_server):
+    from checkpoint_engine.httpjson import call_json, post_json, status_json
+
+    assert status_json("GET", echo_server, timeout_s=5, token="t0k") == (200, {"auth": "Bearer t0k"})
+    assert status_json("GET", echo_server, timeout_s=5) == (200, {"auth": None})
+    assert call_json("DELETE", echo_server, timeout_s=5, token="a") == {"auth": "Bearer a"}
+    assert post_json(echo_server, {}, timeout_s=5, token="b") == {"auth": "Bearer b"}
+
+
+def test_daemon_client_takes_the_token_or_the_environment(echo_server, monkeypatch):
+    from orchestrator.daemon_client import DaemonClient
+
+    monkeypatch.delenv("CKPT_ENGINE_TOKEN", raising=False)
+    assert DaemonClient(echo_server, 5).engines() == {"auth": None}
+    assert DaemonClient(echo_server, 5, token="x").engines() == {"auth": "Bearer x"}
+    monkeypatch.setenv("CKPT_ENGINE_TOKEN", "fromenv\n")
+    assert DaemonClient(echo_server, 5).engines() == {"auth": "Bearer fromenv"}
+
+
+def test_failure_kind_falls_back_to_the_answers_kind():
+    metrics = DaemonMetrics(WORLD)
+    busy = {"ok": False, "op": "update", "status": 409, "kind": "busy", "ranks": [], "errors": {"0": "busy"}}
+    metrics.observe_command({"op": "update"}, busy, 0.0)
+    fams = families(metrics.render())
+    assert sample(fams, "checkpoint_engine_failures", "_total", op="update", kind="busy") == 1
+    assert sample(fams, "checkpoint_engine_updates", "_total", outcome="error") == 1
