@@ -64,6 +64,20 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         proc.wait(timeout_s)
 
 
+def status_json_when_free(
+    method: str, url: str, body: dict | None = None, *, timeout_s: float = 60.0, uds: str | None = None
+) -> tuple[int, object]:
+    """`status_json`, asked again while the daemon answers 409 busy (a heal its healer runs, which a
+    test cannot time), until `timeout_s`; then the last answer, busy or not."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code, answer = status_json(method, url, body, timeout_s=timeout_s, uds=uds)
+        busy = code == 409 and isinstance(answer, dict) and answer.get("kind") == "busy"
+        if not busy or time.monotonic() > deadline:
+            return code, answer
+        time.sleep(0.2)  # the command in flight runs on; bounded by the deadline
+
+
 @dataclass
 class Daemon:
     """A started daemon: `url` (``http://127.0.0.1:PORT``, or ``http://localhost`` with `uds`), the

@@ -23,8 +23,7 @@ import time
 
 import pytest
 
-from checkpoint_engine.httpjson import status_json
-from testing.daemon import REPO, free_port, repo_env, stop_group
+from testing.daemon import REPO, free_port, repo_env, status_json_when_free, stop_group
 from tests.integration.dist.harness import rpc
 from tests.integration.dist.test_ce_engines import ENGINE_CMD, alive, wait_for, write_checkpoint
 
@@ -92,7 +91,7 @@ def test_two_node_daemon_starts_heals_across_nodes_and_shuts_down(tmp_path, uts_
     base = f"http://127.0.0.1:{api_port}"
 
     def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        return status_json(method, base + path, body, timeout_s=60.0)
+        return status_json_when_free(method, base + path, body, timeout_s=60.0)  # a heal may keep it busy
 
     def engines() -> list[dict]:
         code, res = call("GET", "/engines")
