@@ -36,6 +36,23 @@ CONTROL_PATHS = (
     "/wake_up",
     "/is_sleeping",
 )
+# what a client beyond loopback may reach with remote_serving_only (--gate-remote-routes serving):
+# generation and read-only routes; vLLM's dev-mode routes (weights, sleep, RPC into the workers) stay
+# with the processes of the engine's own host (the daemon, the launcher)
+REMOTE_SERVING_PREFIXES = ("/v1/", "/health", "/launcher/status", "/metrics", "/version", "/ping")
+REMOTE_SERVING_PATHS = ("/tokenize", "/detokenize")
+LOOPBACK_HOSTS = ("127.", "::1", "localhost")
+
+
+def served_to_remote(path: str) -> bool:
+    """Whether a client beyond loopback may reach `path` when the gate serves it only what serves."""
+    return path.startswith(REMOTE_SERVING_PREFIXES) or path in REMOTE_SERVING_PATHS
+
+
+def is_loopback(host: str | None) -> bool:
+    return bool(host) and (host.startswith(LOOPBACK_HOSTS) or host.startswith("::ffff:127."))
+
+
 HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -132,8 +149,18 @@ def not_ready_body(snap: dict) -> dict:
     return {"error": {"message": msg, "type": "ServiceUnavailable", "code": 503, "phase": snap["phase"]}}
 
 
-def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_s: float = 600.0):
-    """The Starlette app of the gate (imports starlette/httpx lazily: the CLI's --help stays fast)."""
+def make_app(
+    gate: Gate,
+    engine_url: str,
+    *,
+    wait_s: float = 0.0,
+    proxy_timeout_s: float = 600.0,
+    remote_serving_only: bool = False,
+):
+    """The Starlette app of the gate (imports starlette/httpx lazily: the CLI's --help stays fast).
+
+    `remote_serving_only`: a client beyond loopback reaches only what `served_to_remote` admits
+    (403 naming the route otherwise)."""
     import httpx
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
@@ -171,6 +198,14 @@ def make_app(gate: Gate, engine_url: str, *, wait_s: float = 0.0, proxy_timeout_
 
     async def proxy(request: Request):
         path = request.url.path
+        if remote_serving_only and not served_to_remote(path):
+            client = request.client.host if request.client else None
+            if not is_loopback(client):
+                message = (
+                    f"{path} is served to clients on the engine's own host only (--gate-remote-routes serving); "
+                    f"{client} may use the OpenAI API under /v1/"
+                )
+                return JSONResponse({"error": {"message": message, "type": "Forbidden", "code": 403}}, status_code=403)
         control = path.startswith(CONTROL_PATHS)
         if not control and not gate.is_open:
             if not await _wait_open(gate, state["opened"], wait_s):

@@ -95,7 +95,12 @@ class Launcher:
 
         from vllm_ext.gate import make_app
 
-        app = make_app(self.gate, self.engine_url, wait_s=self.cfg.gate_wait_s)
+        app = make_app(
+            self.gate,
+            self.engine_url,
+            wait_s=self.cfg.gate_wait_s,
+            remote_serving_only=self.cfg.gate_remote_routes == "serving",
+        )
         config = uvicorn.Config(
             app,
             host=self.cfg.host,

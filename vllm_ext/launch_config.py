@@ -86,6 +86,14 @@ class LaunchConfig:
         default=0.0,
         metadata=meta("hold requests that arrive before the weights this long (0: refuse at once with 503)"),
     )
+    gate_remote_routes: Literal["all", "serving"] = field(
+        default="all",
+        metadata=meta(
+            "what the gate serves to clients beyond loopback: all (every route it proxies), or serving "
+            "(the OpenAI API under /v1/, /health, /metrics, /version, /ping, /tokenize, /detokenize: "
+            "vLLM's dev-mode routes such as /collective_rpc, /sleep, /update_weights answer 403 to them)"
+        ),
+    )
     startup_timeout_s: float = 900.0
     push_timeout_s: float = 600.0
     engine_timeout_s: float = field(default=600.0, metadata=meta("engine-side deadline per PS message"))

@@ -209,6 +209,71 @@ def test_gate_hold_times_out_with_503(engine):
         assert r.status_code == 503 and time.monotonic() - t0 >= 0.2
 
 
+@pytest.mark.parametrize(
+    ("path", "remote_ok"),
+    [
+        ("/v1/completions", True),
+        ("/v1/models", True),
+        ("/health", True),
+        ("/metrics", True),
+        ("/tokenize", True),
+        ("/collective_rpc", False),
+        ("/sleep", False),
+        ("/wake_up", False),
+        ("/reset_prefix_cache", False),
+        ("/update_weights", False),
+        ("/pause", False),
+        ("/init_weight_transfer_engine", False),
+        ("/v1", False),
+        ("/tokenize/x", False),
+    ],
+)
+def test_served_to_remote(path, remote_ok):
+    from vllm_ext.gate import served_to_remote
+
+    assert served_to_remote(path) is remote_ok
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.4.5", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("10.0.0.7", False),
+        ("testclient", False),
+        (None, False),
+        ("", False),
+    ],
+)
+def test_is_loopback(host, loopback):
+    from vllm_ext.gate import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_gate_serving_only_refuses_dev_routes_to_remote_clients_and_serves_loopback(engine):
+    """--gate-remote-routes serving: a client beyond loopback gets 403 on vLLM's dev-mode routes (never
+    proxied) and the OpenAI API as before; a client on the engine's host reaches every route."""
+    from starlette.testclient import TestClient
+
+    gate = Gate()
+    gate.observe([{"version": 1}])
+    app = make_app(gate, engine.url, remote_serving_only=True)
+    with TestClient(app, client=("10.1.2.3", 40000)) as remote:
+        r = remote.post("/collective_rpc", json={"method": "update_weights_from_ipc", "args": [{}]})
+        assert r.status_code == 403 and "/collective_rpc" in r.json()["error"]["message"]
+        assert remote.post("/sleep").status_code == 403
+        assert not any(p in ("/collective_rpc", "/sleep") for p, _ in engine.calls)  # never proxied
+        assert remote.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    with TestClient(app, client=("127.0.0.1", 40001)) as local:
+        r = local.post("/collective_rpc", json={"method": "update_weights_from_ipc", "args": [{}]})
+        assert r.status_code == 200 and engine.calls[-1][0] == "/collective_rpc"
+    with TestClient(make_app(gate, engine.url), client=("10.1.2.3", 40002)) as remote_default:
+        assert remote_default.post("/reset_prefix_cache").status_code == 200  # default: every route, as before
+
+
 def test_gate_reports_unreachable_engine_as_502():
     from vllm_ext.launch import free_port
 

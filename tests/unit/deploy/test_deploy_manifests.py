@@ -347,8 +347,12 @@ def test_vllm_dev_mode_is_not_reachable_beyond_the_pod():
                     if dev_env:  # vLLM binds 0.0.0.0 unless told: dev mode must say 127.0.0.1
                         assert host in LOOPBACK, f"{name}/{c['name']}: dev-mode vLLM on {host or '0.0.0.0'}"
                 if module == "vllm_ext.launch" and (host or "127.0.0.1") not in LOOPBACK:
-                    # vLLM itself is on 127.0.0.1 behind the gate, which proxies /collective_rpc: only this
-                    # job's pods may reach the gate
+                    # vLLM itself is on 127.0.0.1 behind the gate: beyond loopback the gate serves the
+                    # OpenAI API only (its dev-mode routes answer 403), and only this job's pods reach it
+                    remote = (option_value(cmd, "--gate-remote-routes") or ["all"])[-1]
+                    assert remote == "serving", (
+                        f"{name}/{c['name']}: a gate on {host} must pass --gate-remote-routes serving"
+                    )
                     covering = [p for p in policies if selects(p["spec"]["podSelector"].get("matchLabels", {}), doc)]
                     assert covering, f"{name}/{c['name']}: engine gate on {host} with no NetworkPolicy"
                     for p in covering:
