@@ -24,6 +24,12 @@ Four mechanisms, and one ending:
 - ``exit_after_cleanup()`` (entry points, once their own clean-up after a stop signal has run): ends
   the process without the interpreter's finalization, which what the signal cut short (a C
   extension's import, a thread of native code mid-call) can crash or hang.
+- ``record_stop_signals()`` (entry points that end every stop the same way, the RL job): like
+  ``exit_on_signals`` (SIGINT stays ``KeyboardInterrupt``), and the first signal is recorded, so
+  whatever error the stop sets off (a child in the terminal's process group died of the same
+  Ctrl-C, a peer hung up) is known to be the stop: ``stop_exit_code()``. ``quiet_after_stop()``
+  keeps the process's logging and warnings silent from then on (the errors the stop causes are not
+  news). A process or thread that must not get a terminal's Ctrl-C runs ``block_sigint()``.
 
 A killed process cannot remove the POSIX shared memory it made (vLLM's message queues: `/dev/shm/psm_*`;
 its workers' named semaphores: `/dev/shm/sem.mp-*`, `sem.loky-*` once joblib is imported). Whoever
@@ -43,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import NoReturn
 
@@ -70,6 +77,95 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
 
     for sig in signals:
         signal.signal(sig, handler)
+
+
+_stop_signum: int | None = None  # the first signal record_stop_signals' handler got
+
+
+def record_stop_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Main thread: the first of ``signals`` is recorded (``stop_signal()``) and unwinds the main thread,
+    SIGINT as ``KeyboardInterrupt``, any other as ``SystemExit(128 + signum)``; a later one is only
+    noted in the log (the clean-up the first one started goes on; ``stop_deadline`` bounds it).
+
+    A SIGINT the process inherited as ignored (started in the background by a shell without job
+    control, or under ``nohup``) stays ignored: a terminal's Ctrl-C is not meant for it."""
+
+    def handler(signum, _frame):
+        if _stop_signum is not None:
+            logger.debug("%s again: the stop is already under way", signal.Signals(signum).name)
+            return
+        _record_stop(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    for sig in signals:
+        if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        signal.signal(sig, handler)
+
+
+def stop_signal() -> int | None:
+    """The stop signal ``record_stop_signals``' handler received first, else None."""
+    return _stop_signum
+
+
+def stop_exit_code(exc: BaseException | None = None) -> int | None:
+    """The exit code of a stop: ``128 + signum`` once a stop signal was recorded, whatever ``exc`` is
+    (the stop is what set off any error that follows it); else the stop that ``exc`` comes from, if
+    any: ``KeyboardInterrupt`` (130) or ``SystemExit(128 + n)`` for SIGINT/SIGTERM, anywhere in its
+    chain of causes and contexts (a Ctrl-C inside a C extension's import surfaces as ``ImportError``
+    with the interrupt as its cause); else None."""
+    if _stop_signum is not None:
+        return 128 + _stop_signum
+    seen: set[int] = set()
+    pending = [exc] if exc is not None else []
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, KeyboardInterrupt):
+            return 128 + signal.SIGINT
+        if isinstance(e, SystemExit) and e.code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            return e.code
+        pending += [e.__context__, e.__cause__]
+    return None
+
+
+_quiet_on_stop = False
+
+
+def _record_stop(signum: int) -> None:
+    global _stop_signum
+    _stop_signum = signum
+    if _quiet_on_stop:
+        # every logger and handler of the process, those a library sets up (again) later included:
+        # vLLM's, to stdout; and Python's warnings (multiprocessing's resource tracker's)
+        logging.disable(logging.CRITICAL)
+        warnings.simplefilter("ignore")
+
+
+def quiet_after_stop() -> None:
+    """From the first stop signal ``record_stop_signals`` records on, this process logs nothing and
+    shows no warnings: what a stop sets off (a request cut short, a torn weight update, an engine
+    that died of the same Ctrl-C) is the stop's, not news, and the entry point says it in one line."""
+    global _quiet_on_stop
+    _quiet_on_stop = True
+
+
+def block_sigint() -> None:
+    """Block SIGINT in the calling thread, and so in the threads it starts and the processes it forks
+    from now on (a handler installed later does not unblock it). Not in those it starts by fork and
+    exec through Python (``subprocess``, multiprocessing's "spawn"): CPython clears their mask, so
+    such a child calls this itself, first (orchestrator/spawned.py).
+
+    For processes that must not get a terminal's Ctrl-C, sent to the whole foreground process group,
+    but be stopped by their parent, in order (vLLM's engine core, which takes SIGINT for its own
+    shutdown). In a parent, the main thread, which runs Python's signal handlers, still gets the
+    signal. No-op where ``pthread_sigmask`` does not exist."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def signal_when_orphaned(sig: int = signal.SIGTERM, poll_s: float = 1.0) -> threading.Thread:

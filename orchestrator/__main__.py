@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -62,22 +63,87 @@ def _environment(kv_cache_gib: int, log_level: str) -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
 
-def _stop_code(exc: BaseException) -> int | None:
-    """The exit code of a stop by signal that ``exc`` comes from, else None.
+T = TypeVar("T")
+logger = logging.getLogger("orchestrator")
 
-    Ctrl-C is ``KeyboardInterrupt`` (130) and SIGTERM ``SystemExit(143)`` (``exit_on_signals``), or
-    an error that one of them caused: a Ctrl-C inside a C extension's import (matplotlib's, at the
-    first plot) surfaces as ``ImportError: initialization failed`` with the interrupt as its cause.
-    """
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, KeyboardInterrupt):
-            return 128 + signal.SIGINT
-        if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
-            return exc.code
-        exc = exc.__cause__ or exc.__context__
-    return None
+
+def spawn_children_through_here() -> None:
+    """Make the processes this one spawns (multiprocessing's "spawn": vLLM's engine core and workers)
+    run ``orchestrator.spawned`` first, which blocks SIGINT there: a terminal's Ctrl-C is the job's
+    to handle, not vLLM's engine core's. A spawned child runs the module its parent's main module was
+    run as (``python -m``), as ``__mp_main__``; a package's ``__main__`` it skips, so this names
+    another. For a main module run with ``-m`` that defines nothing a child needs (the job's)."""
+    import importlib.util
+
+    main = sys.modules.get("__main__")
+    if main is not None and getattr(main, "__spec__", None) is not None:
+        main.__spec__ = importlib.util.find_spec("orchestrator.spawned")
+
+
+def install_stop_handling(stop_timeout_s: float, log_level: str = "INFO") -> None:
+    """Ctrl-C and SIGTERM stop the job, every time the same way (``run_stoppable``).
+
+    The first signal is recorded and unwinds the main thread (``KeyboardInterrupt``, or
+    ``SystemExit(143)``), so the ``finally`` blocks close the engine and the trainer; the deadline ends
+    a clean-up that hangs; from the signal on, the console's log handler is quiet (unless ``DEBUG``):
+    what the stop sets off (a request cut short, a torn weight update) is no news."""
+    from checkpoint_engine.procs import quiet_after_stop, record_stop_signals, stop_deadline
+
+    record_stop_signals((signal.SIGINT, signal.SIGTERM))
+    stop_deadline(stop_timeout_s)
+    if log_level != "DEBUG":
+        quiet_after_stop()
+
+
+def stop_line(output_dir: str | os.PathLike[str], code: int) -> str:
+    """The one line a stop prints: the signal, the phase it stopped, where the state is, how to resume."""
+    from orchestrator import phases
+
+    try:
+        name = signal.Signals(code - 128).name
+    except ValueError:
+        name = f"exit {code}"
+    return (
+        f"interrupted ({name}) during {phases.describe()}: the state of the last finished iteration is in "
+        f"{os.path.join(output_dir, 'state')}; run the same command to resume"
+    )
+
+
+def run_stoppable(body: Callable[[], T], output_dir: str | os.PathLike[str]) -> T:
+    """``body()``'s result, or, when a stop signal ends it (``install_stop_handling``), the end of the process.
+
+    Once a signal was recorded, whatever ``body`` raises is the stop, however the error chain reads
+    (vLLM's engine core, in the terminal's process group, may have died of the same Ctrl-C and failed
+    the weight update in flight): one line on stderr, exit 128 + signum (130 for Ctrl-C, 143 for
+    SIGTERM); the error goes to the log at DEBUG only. An error without a stop is raised as is."""
+    from checkpoint_engine.procs import exit_after_cleanup, stop_exit_code
+
+    try:
+        return body()
+    except BaseException as e:
+        code = stop_exit_code(e)
+        if code is None:
+            raise
+        logger.debug("stopped by a signal; what the stop raised:", exc_info=e)
+        print(stop_line(output_dir, code), file=sys.stderr)
+        # The engine is closed and its processes ended. The interpreter's finalization is skipped: a C
+        # extension whose import the signal cut short (matplotlib's, at the first plot) or a thread
+        # left mid-call can abort it.
+        exit_after_cleanup(code)
+
+
+def _run(config, output_dir: str, progress_bar: bool) -> dict:
+    from checkpoint_engine.procs import stop_signal
+    from orchestrator.loop import run_job
+    from orchestrator.reaper import start_reaper, stop_reaper
+
+    reaper = start_reaper()  # the reaper covers SIGKILL
+    try:
+        return run_job(config, output_dir, progress_bar=progress_bar)
+    finally:
+        start = time.monotonic()
+        stop_reaper(reaper, quiet=stop_signal() is not None)
+        logger.info("reaper done in %.2f s", time.monotonic() - start)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,37 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level == "INFO":  # one line per update from the checkpoint engine drowns the progress bar
         logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)
     _environment(config.engine.kv_cache_gib, args.log_level)
-    from checkpoint_engine.procs import exit_after_cleanup, exit_on_signals, stop_deadline
+    install_stop_handling(args.stop_timeout_s, args.log_level)
+    from orchestrator import phases
 
-    # SIGTERM unwinds like Ctrl-C, so the engine is shut down; the reaper covers SIGKILL; the
-    # deadline covers a clean-up that hangs.
-    exit_on_signals((signal.SIGTERM,))
-    stop_deadline(args.stop_timeout_s)
-    from orchestrator.loop import run_job
-    from orchestrator.reaper import start_reaper, stop_reaper
-
-    reaper = start_reaper()
-    stop_code = None
-    try:
-        summary = run_job(config, args.output_dir, progress_bar=not args.no_progress)
-    except BaseException as e:
-        stop_code = _stop_code(e)
-        if stop_code is None:
-            raise
-    finally:
-        start = time.monotonic()
-        stop_reaper(reaper)
-        logging.getLogger("orchestrator").info("reaper done in %.2f s", time.monotonic() - start)
-    if stop_code is not None:
-        print(
-            f"interrupted: the state of the last finished iteration is in "
-            f"{os.path.join(args.output_dir, 'state')}; run the same command to resume",
-            file=sys.stderr,
-        )
-        # The engine is closed and its processes ended. The interpreter's finalization is skipped: a C
-        # extension whose import the signal cut short (matplotlib's, at the first plot) or a thread
-        # left mid-call can abort it.
-        exit_after_cleanup(stop_code)
+    phases.configure_test_hooks(os.environ)  # off unless a test set its variables
+    spawn_children_through_here()
+    summary = run_stoppable(lambda: _run(config, args.output_dir, not args.no_progress), args.output_dir)
     print(summary.pop("summary_line"))
     print(
         f"metrics: {os.path.join(args.output_dir, 'metrics.jsonl')}  plot: "

@@ -16,9 +16,11 @@ import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from checkpoint_engine.procs import block_sigint, stop_signal
 from checkpoint_engine.types import ReqFunc
 from orchestrator.config import EngineConfig
 from orchestrator.engine import (
@@ -33,6 +35,12 @@ from orchestrator.engine import (
 from orchestrator.repeat import RepeatConfig
 
 logger = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.2  # how often an engine call waiting off the main thread looks for a stop signal
+
+
+class EngineStopped(RuntimeError):
+    """An engine call given up because the job is stopping (a stop signal was recorded)."""
 
 
 class _StreamStopper:
@@ -60,15 +68,26 @@ class AsyncVllmEngine(RolloutEngine):
     def __init__(self, model_dir: str, config: EngineConfig) -> None:
         self.config = config
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="vllm-loop", daemon=True)
         self._thread.start()
         self._serial = itertools.count()
         self._llm = None
+        self._before = _children()  # what vLLM starts is the rest
         try:
             self._llm = self._call(self._create(model_dir), config.start_timeout_s, "engine start")
         except BaseException:
             self.close()
             raise
+
+    def _run_loop(self) -> None:
+        # vLLM's engine core starts from this thread. Forked, it inherits this thread's signal mask:
+        # with SIGINT blocked it does not take a terminal's Ctrl-C (sent to the job's whole process
+        # group) for its own shutdown, which tears a weight update or a generation in flight into a
+        # chain of EngineDeadErrors; the job gets the Ctrl-C, and close() stops vLLM. Spawned (vLLM's
+        # default on CPU) the mask starts empty: orchestrator/spawned.py blocks SIGINT there (the job's
+        # ``spawn_children_through_here``).
+        block_sigint()
+        self._loop.run_forever()
 
     async def _create(self, model_dir: str):
         from vllm import AsyncEngineArgs
@@ -92,14 +111,30 @@ class AsyncVllmEngine(RolloutEngine):
         )
         return AsyncLLM.from_engine_args(args)
 
-    def _call(self, coro, timeout_s: float, what: str) -> Any:
+    def _call(self, coro, timeout_s: float, what: str, *, stoppable: bool = True) -> Any:
+        """Run ``coro`` on the loop; its result. ``stoppable``: once a stop signal is recorded
+        (``checkpoint_engine.procs.record_stop_signals``), give up waiting at once (``EngineStopped``),
+        on any thread: a weight update's req_func thread must not keep the stop waiting on an engine
+        call (an update the aborted sync will never feed waits for its engine timeout)."""
+        if stoppable and stop_signal() is not None:  # not even started: a request sent now would be orphaned
+            coro.close()
+            raise EngineStopped(f"vLLM {what}: not started, the job is stopping")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        deadline = time.monotonic() + timeout_s
         try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from None
-        except BaseException:  # e.g. SystemExit from SIGTERM: stop the work on the loop too
+            while True:
+                if stoppable and stop_signal() is not None:
+                    future.cancel()
+                    raise EngineStopped(f"vLLM {what}: given up, the job is stopping")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    future.cancel()
+                    raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s")
+                try:
+                    return future.result(timeout=min(remaining, STOP_POLL_S) if stoppable else remaining)
+                except concurrent.futures.TimeoutError:
+                    continue
+        except BaseException:  # e.g. KeyboardInterrupt, SystemExit from SIGTERM: stop the work on the loop too
             future.cancel()
             raise
 
@@ -187,9 +222,31 @@ class AsyncVllmEngine(RolloutEngine):
                 llm.shutdown()
 
             try:
-                self._call(shutdown(), 60.0, "shutdown")
+                self._call(shutdown(), 60.0, "shutdown", stoppable=False)
             except Exception as e:  # noqa: BLE001 - closing must go on
                 logger.warning("vLLM shutdown: %s", e)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=30 if stop_signal() is None else 0.5)
+            if self._thread.is_alive() and stop_signal() is not None:
+                # A stop during the engine's start: the loop thread is inside vLLM's start (tens of
+                # seconds; its processes do not take the Ctrl-C). End what it started so far at once and
+                # silently (SIGKILL: a worker ended under a starting engine core makes it log errors);
+                # the reaper removes their shared memory.
+                _kill(set(_children()) - set(self._before))
+
+
+def _children() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def _kill(pids: set[int]) -> None:
+    import psutil
+
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator import checkpointing, data
+from orchestrator import checkpointing, data, phases
 from orchestrator.config import JobConfig
 from orchestrator.dictconfig import to_dict
 from orchestrator.loop_eval import heldout_eval, job_summary, last_eval, sft_match
@@ -110,7 +110,9 @@ class RLJob:
             done = self.sft_model_dir.parent / sft.DONE_FILE
             self.sft_summary = sft.sft_summary(self.sft_model_dir) if done.exists() else {}
         else:
+            phases.enter("SFT warm-up")
             self.sft_model_dir = sft.run_sft(c.sft, c.sft_cache_dir)
+            phases.enter("start-up")
             self.sft_summary = sft.sft_summary(self.sft_model_dir)
         saved = checkpointing.load_latest(self.out / "state")
         self.start_iteration = 0 if saved is None else saved.iteration
@@ -131,6 +133,7 @@ class RLJob:
         if dropped:
             logger.info("dropped %d metrics lines written after the last checkpoint", dropped)
         self.reward_fn = make_reward_fn(c.reward)
+        phases.enter("engine start")
         self.engine = make_rollout_engine(c, self.sft_model_dir, self.out, self.engine_factory)
         self.sync = make_weight_sync(c, self.engine, self.engine_factory)
         self.rollout = Rollout(
@@ -180,6 +183,7 @@ class RLJob:
         start = time.monotonic()
         pool = self._engine_pool()
         requests_before = pool.metrics()["engine_requests"] if pool is not None else {}
+        phases.enter("rollout", i + 1)
         groups, stats = self.rollout.run(i, policy_version=i, sample_problems=lambda n: self.sampler.sample(n, i))
         rollout_requests = (  # this iteration's rollout requests per engine of a pool
             {k: v - requests_before.get(k, 0) for k, v in pool.metrics()["engine_requests"].items()}
@@ -197,14 +201,18 @@ class RLJob:
         if colocated:  # a GPU trainer takes back the device memory it lent the engines
             switched.update(self.trainer.reclaim_device_memory())
         t_train = time.monotonic()
+        phases.enter("training", i + 1)
         train_stats = train_on_groups(self.trainer, self.initial_policy, groups, rewards, i, c)
         t_sync = time.monotonic()
         if colocated:  # ... and lends it to them again: the engines start next (CPU: nothing)
             switched.update(self.trainer.release_device_memory())
         named = self.trainer.named_tensors()  # Megatron: TP ranks write HF slices to shared memory
         t_push = time.monotonic()
+        phases.enter("weight sync", i + 1)
         synced = self.sync.push(named, version=i + 1)
         evaluated = (i + 1) % c.eval.every_iterations == 0 or i + 1 == c.rl.num_iterations
+        if evaluated:
+            phases.enter("evaluation", i + 1)
         evaluation = (
             self._evaluate(sampled=True) if evaluated else last_eval(self.metrics.records(), self.progress["before"])
         )
@@ -255,11 +263,14 @@ class RLJob:
         self._prepare_output_dir()
         try:
             self._setup()
+            phases.enter("initial weight sync")
             first = self.sync.push(self.trainer.named_tensors(), version=self.start_iteration)
             logger.info("initial weights (v%d) pushed into vLLM in %.2f s", self.start_iteration, first.total_s)
             if "before" not in self.progress:
+                phases.enter("initial evaluation")
                 self._initial_eval()
             self._train_loop()
+            phases.enter("summary")
             return self._finish()
         finally:
             self.close()
@@ -283,8 +294,10 @@ class RLJob:
                 self.progress["sync_total_s"] += record["weight_sync_s"]
                 self.progress["iteration_total_s"] += record["iteration_s"]
                 record["rl_elapsed_s"] = self.progress["rl_elapsed_s"]
+                phases.enter("checkpoint write", i + 1)
                 self.metrics.append(record)  # then the state: a resume drops lines past its checkpoint
                 self._save(i + 1)
+                phases.enter("plot", i + 1)
                 self._plot(self.metrics.records())
                 if record["evaluated"]:
                     logger.info(

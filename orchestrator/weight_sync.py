@@ -22,6 +22,7 @@ import torch
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.ps import ParameterServer
 from checkpoint_engine.types import ReqFunc
+from orchestrator import phases
 from orchestrator.config import SyncConfig
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class WeightSync:
             self.ps.unregister_checkpoint(name)
         self.ps.register_checkpoint(name, named_tensors=dict(named_tensors))
         self.ps.gather_metas(name)
-        metrics = self.ps.update(name, self.req_func)
+        metrics = self.ps.update(name, self._req_func)
         if self._current is not None and self._current != name:
             self.ps.unregister_checkpoint(self._current)
         self._current = name
@@ -74,6 +75,10 @@ class WeightSync:
             total_bytes=metrics.total_bytes,
             num_buckets=metrics.num_buckets,
         )
+
+    def _req_func(self, addresses) -> None:
+        phases.reached("weight update")  # on the update's req_func thread: the engine is asked to receive
+        self.req_func(addresses)
 
     def close(self) -> None:
         self.ps.close()

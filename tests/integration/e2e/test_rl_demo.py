@@ -6,9 +6,10 @@ repository's cache (``.cache/sft/sft-<config hash>``, the same cache ``scripts/m
 
 1. a short RL run raises held-out accuracy (learning.py) (and vLLM's greedy accuracy of the SFT model, on dummy
    weights plus the first sync, matches what transformers measured: the sync is real);
-2. one run stopped by Ctrl-C, resumed, SIGKILLed, resumed again: it stops within seconds, resumes
-   from its last checkpoint with the stored trajectories of its replay buffer and finishes; the
-   stopped runs' vLLM processes do not outlive them.
+2. one run stopped by Ctrl-C, resumed, SIGKILLed, resumed again: the Ctrl-C lands in a weight sync
+   (the engine asked to take the update) and the job ends within seconds with one line and exit 130,
+   no traceback; it resumes from its last checkpoint with the stored trajectories of its replay
+   buffer and finishes; the stopped runs' vLLM processes do not outlive them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import psutil
 import pytest
 
 from checkpoint_engine.procs import FORCED_EXIT_MARKER
+from orchestrator import phases
 from orchestrator.metrics import REQUIRED_KEYS, read_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -194,14 +196,16 @@ def test_short_rl_run_raises_heldout_accuracy(short_run, sft_model_dir):
     )
 
 
-def _start_job(cmd: list[str], stderr_path: pathlib.Path) -> subprocess.Popen:
+def _start_job(
+    cmd: list[str], stderr_path: pathlib.Path, stdout_path: pathlib.Path | None = None, **env: str
+) -> subprocess.Popen:
     """The job in a process group of its own, SIGINT at its default (as a shell starts it)."""
-    with open(stderr_path, "w") as stderr:
+    with open(stderr_path, "w") as stderr, open(stdout_path or os.devnull, "w") as stdout:
         return subprocess.Popen(
             cmd,
             cwd=REPO,
-            env=_env(),
-            stdout=subprocess.DEVNULL,
+            env=_env() | env,
+            stdout=stdout,
             stderr=stderr,  # a file: a pipe nobody drains fills at 64 KiB and blocks the job (vLLM's tracebacks)
             text=True,
             start_new_session=True,
@@ -237,20 +241,33 @@ def _wait_children_gone(children: list[psutil.Process], timeout_s: float, what: 
 @pytest.mark.vllm
 def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_trajectories(sft_model_dir, tmp_path):
     """One run stopped twice, then finished: Ctrl-C as a terminal sends it (SIGINT to the job's whole
-    process group, vLLM's processes too) after its first checkpoint; resumed, SIGKILL to the job alone
-    after its next one (the reaper ends vLLM's processes); resumed again, it continues the partial
-    rollouts its replay buffer stored and finishes."""
+    process group, vLLM's processes too) in the weight sync after its first checkpoint; resumed,
+    SIGKILL to the job alone after its next one (the reaper ends vLLM's processes); resumed again, it
+    continues the partial rollouts its replay buffer stored and finishes."""
     out = tmp_path / "run"
     cmd = _job(out, RESUME_RUN)
 
-    # 1. Ctrl-C after the first checkpoint: the job stops within seconds
-    stderr_path = tmp_path / "stderr-1.txt"
-    proc = _start_job(cmd, stderr_path)
+    # 1. Ctrl-C in the weight sync of iteration 2 (after the first checkpoint), the engine asked to take
+    # the update: a sync takes tens of milliseconds, so the job holds there until the signal
+    # (orchestrator/phases.py); it stops within seconds, with one line, exit 130, no traceback
+    stderr_path, stdout_path, phase_path = tmp_path / "stderr-1.txt", tmp_path / "stdout-1.txt", tmp_path / "phases"
+    held = "weight update 2"
+    proc = _start_job(
+        cmd,
+        stderr_path,
+        stdout_path,
+        **{phases.PHASE_FILE_ENV: str(phase_path), phases.HOLD_ENV: "@".join(held.rsplit(" ", 1))},
+    )
     try:
         _wait_for(
-            lambda: (out / "state" / "LATEST").exists(), 900, "the first iteration's checkpoint", proc, stderr_path
+            lambda: phase_path.exists() and held in phase_path.read_text().splitlines(),
+            900,
+            "the weight sync of iteration 2",
+            proc,
+            stderr_path,
         )
         children = psutil.Process(proc.pid).children(recursive=True)
+        printed = (stderr_path.stat().st_size, stdout_path.stat().st_size)  # before the signal
         start = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=60)
@@ -262,15 +279,26 @@ def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_tra
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
             pytest.fail(f"the job outlived its stop deadline; its stderr:\n{stderr_path.read_text()[-8000:]}")
-    err = stderr_path.read_text()
-    assert rc in (-signal.SIGINT, 128 + signal.SIGINT, 1), err[-3000:]
+    err, out_text = stderr_path.read_text(), stdout_path.read_text()
     if FORCED_EXIT_MARKER in err:  # the stop deadline ended a hung clean-up: keep the stacks in the log
         warnings.warn(f"the job's clean-up hung and its stop deadline ended it:\n{err[-8000:]}", stacklevel=1)
-    # a few seconds here (engine close + reaper grace); the bound leaves room for a slow, busy CI machine
-    assert stop_s < 30, f"Ctrl-C took {stop_s:.1f} s to stop the job"
+    assert rc == 128 + signal.SIGINT, err[-3000:]
+    # what the job printed after the signal: its stop line, nothing else (vLLM's engine core, in the
+    # same process group, does not die of the Ctrl-C under the job; the errors a stop sets off stay off
+    # the console)
+    stop_lines = err.encode()[printed[0] :].decode().splitlines()
+    assert len(stop_lines) == 1, err[-5000:]
+    assert stop_lines[0].startswith("interrupted (SIGINT) during weight sync of iteration 2: "), stop_lines
+    assert "run the same command to resume" in stop_lines[0]
+    assert out_text.encode()[printed[1] :] == b"", out_text[-3000:]
+    assert "Traceback" not in err + out_text, err[-5000:]
+    # a few seconds here (the engine's close: vLLM gives its engine core up to 5 s); the bound leaves
+    # room for a slow, busy CI machine
+    assert stop_s < 10, f"Ctrl-C took {stop_s:.1f} s to stop the job"
+    print(f"Ctrl-C in the weight sync: the job stopped in {stop_s:.1f} s")  # shown with pytest -s
     _wait_children_gone(children, 30, "the interrupted job's child processes to end")
     first_saved = _iteration_of(_latest_state(out))
-    assert 1 <= first_saved < RESUME_ITERATIONS - 1
+    assert first_saved == 1  # the sync of iteration 2 was cut short: iteration 1's checkpoint is the last
 
     # 2. resumed, then SIGKILLed after its next checkpoint, with rollouts unfinished
     stderr_path = tmp_path / "stderr-2.txt"

@@ -138,27 +138,3 @@ def test_a_reused_sections_error_names_its_key_path():
         load_config(None, ["rl.lr=-1.0"])
     with pytest.raises(ValueError, match=r"^sampling\.curriculum: CurriculumConfig\.warmup_iterations"):
         load_config(None, ["sampling.curriculum.warmup_iterations=-1"])
-
-
-def _raised(exc: BaseException, cause: BaseException | None = None, context: BaseException | None = None):
-    """`exc` as it is when raised `from cause`, or while handling `context`."""
-    exc.__cause__, exc.__context__ = cause, context
-    return exc
-
-
-@pytest.mark.parametrize(
-    "exc,code",
-    [
-        (KeyboardInterrupt(), 130),
-        (SystemExit(143), 143),  # SIGTERM through exit_on_signals
-        (_raised(ImportError("initialization failed"), cause=KeyboardInterrupt()), 130),  # Ctrl-C in an import
-        (_raised(RuntimeError("x"), context=_raised(OSError(), context=SystemExit(143))), 143),
-        (SystemExit(2), None),  # not a stop signal
-        (RuntimeError("a bug"), None),
-        (_raised(ValueError("y"), context=RuntimeError("z")), None),
-    ],
-)
-def test_the_job_tells_a_stop_by_signal_from_an_error(exc, code):
-    from orchestrator.__main__ import _stop_code
-
-    assert _stop_code(exc) == code
