@@ -121,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.token = load_token(args.token_file, os.environ)
     except ValueError as e:
         p.error(str(e))
+    from checkpoint_engine.ports import is_loopback
+
     if args.token is None and not args.uds and not is_loopback(args.host):
         p.error(
             f"--host {args.host} is not a loopback address: the daemon needs a bearer token there; give "
@@ -182,19 +184,6 @@ def load_token(token_file: str | None, environ) -> str | None:
     if not all("!" <= c <= "~" for c in token):
         raise ValueError(f"{where}: the bearer token must be printable ASCII without spaces")
     return token
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback bind address: localhost, 127.0.0.0/8 or ::1 (names other than
-    localhost are not: they may resolve anywhere)."""
-    import ipaddress
-
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def main(argv=None) -> int:

@@ -184,12 +184,21 @@ def check_metas(ps: ParameterServer, metas) -> GlobalMetas:
     return g
 
 
+def _is_engine_op(cmd: dict) -> bool:
+    """Whether `cmd` acts on the engines this daemon manages (an engine operation or a managed update)."""
+    return cmd.get("op") in ENGINE_OPS or (cmd.get("op") == "update" and bool(cmd.get("managed")))
+
+
+def _need_engines(op, host: engines.EngineHost | None) -> None:
+    if host is None:
+        raise CommandError(f"{op}: this daemon manages no engines (start it with --engine-cmd)")
+
+
 def check(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None) -> dict:
     """The check phase on this rank: raises what would fail here; changes nothing, enters no collective."""
     op = cmd.get("op")
-    if op in ENGINE_OPS or (op == "update" and cmd.get("managed")):
-        if host is None:
-            raise CommandError(f"{op}: this daemon manages no engines (start it with --engine-cmd)")
+    if _is_engine_op(cmd):
+        _need_engines(op, host)
     if op == "register":
         if _name(cmd) in ps.checkpoints():
             raise CheckpointExists(f"checkpoint {_name(cmd)!r} is already registered; unregister it first")
@@ -267,9 +276,8 @@ def collective(ps: ParameterServer, cmd: dict) -> dict:
 def run(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None) -> dict:
     """The run phase: the commands that are not all-or-nothing."""
     op = cmd.get("op")
-    if op in ENGINE_OPS or (op == "update" and cmd.get("managed")):
-        if host is None:
-            raise CommandError(f"{op}: this daemon manages no engines (start it with --engine-cmd)")
+    if _is_engine_op(cmd):
+        _need_engines(op, host)
         if op == "engine_start":
             return engines.engine_start(host, ps, cmd)
         if op == "engine_stop":

@@ -78,3 +78,19 @@ def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
                 _given.add(port)
                 return port
     raise OSError(f"no free TCP port on {host} in {attempts} tries")
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` (a bind address, or a peer's address) is loopback: localhost, 127.0.0.0/8, ::1, or
+    127.x mapped into IPv6 (::ffff:127.0.0.1). Other names are not: they may resolve anywhere."""
+    import ipaddress
+
+    name = (host or "").strip().strip("[]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)

@@ -41,16 +41,11 @@ CONTROL_PATHS = (
 # with the processes of the engine's own host (the daemon, the launcher)
 REMOTE_SERVING_PREFIXES = ("/v1/", "/health", "/launcher/status", "/metrics", "/version", "/ping")
 REMOTE_SERVING_PATHS = ("/tokenize", "/detokenize")
-LOOPBACK_HOSTS = ("127.", "::1", "localhost")
 
 
 def served_to_remote(path: str) -> bool:
     """Whether a client beyond loopback may reach `path` when the gate serves it only what serves."""
     return path.startswith(REMOTE_SERVING_PREFIXES) or path in REMOTE_SERVING_PATHS
-
-
-def is_loopback(host: str | None) -> bool:
-    return bool(host) and (host.startswith(LOOPBACK_HOSTS) or host.startswith("::ffff:127."))
 
 
 HOP_BY_HOP = {
@@ -200,6 +195,8 @@ def make_app(
         path = request.url.path
         if remote_serving_only and not served_to_remote(path):
             client = request.client.host if request.client else None
+            from checkpoint_engine.ports import is_loopback
+
             if not is_loopback(client):
                 message = (
                     f"{path} is served to clients on the engine's own host only (--gate-remote-routes serving); "

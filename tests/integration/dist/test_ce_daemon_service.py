@@ -9,12 +9,12 @@ import sys
 import time
 
 import pytest
-import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 
 from checkpoint_engine.daemon_metrics import STAGES
 from checkpoint_engine.httpjson import status_json
 from tests.integration.dist.harness import REPO, Engine, _env, free_port, start_daemon
+from tests.integration.dist.test_ce_engines import write_checkpoint
 
 TOKEN = "integration-t0ken"
 
@@ -24,18 +24,13 @@ def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("svc")
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
-    g = torch.Generator().manual_seed(3)
-    tensors = {f"w{i}": torch.randn(48, 20 + i, generator=g) for i in range(4)}
-    files = []
-    for part in range(2):
-        path = tmp / f"model-{part}.safetensors"
-        save_file({k: v for i, (k, v) in enumerate(tensors.items()) if i % 2 == part}, path)
-        files.append(str(path))
+    files, _ = write_checkpoint(tmp / "ckpt", seed=3)
+    nbytes = sum(t.nbytes for f in files for t in load_file(f).values())
     d = start_daemon("--collective-timeout-s", "60", "--token-file", str(token_file), log=tmp / "daemon.log")
     engines = []
     try:
         engines += [Engine(), Engine()]
-        yield d, files, engines, sum(t.nbytes for t in tensors.values())
+        yield d, files, engines, nbytes
     finally:
         d.stop()
         for e in engines:

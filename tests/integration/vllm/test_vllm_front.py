@@ -248,7 +248,7 @@ def test_served_to_remote(path, remote_ok):
     ],
 )
 def test_is_loopback(host, loopback):
-    from vllm_ext.gate import is_loopback
+    from checkpoint_engine.ports import is_loopback
 
     assert is_loopback(host) is loopback
 

@@ -439,7 +439,7 @@ def test_load_token_from_file_or_environment(tmp_path):
     + [("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("myhost", False), ("", False)],
 )
 def test_is_loopback(host, loopback):
-    from checkpoint_engine.__main__ import is_loopback
+    from checkpoint_engine.ports import is_loopback
 
     assert is_loopback(host) is loopback
 
