@@ -9,22 +9,16 @@ Asserts what makes the backend real in the loop:
   weights) equals what transformers measured on the same problems: the Megatron -> HF conversion
   and the sync are exact;
 - the summary names the megatron trainer, and the last saved state is a loadable HF directory.
-- held-out accuracy rises after 8 iterations at TP=2, at the demo's rollout budget and peak lr (constant):
-  the mean probability of the reference solution on the held-out problems (tests/integration/e2e/
-  learning.py: exact for a model, a lower bound of its sampled accuracy) grows by SOLUTION_PROB_MIN_RATIO
-  at least, and greedy accuracy does not fall significantly (a paired sign test over the problems
-  whose greedy answer changed, z below GREEDY_MAX_DROP_Z; a fixed 3-point bar failed a CI run whose
-  P(solution) rose x1.18: 19.5 % -> 15.6 % on 128 problems). Greedy accuracy
-  alone is too noisy a bar for a short run: after 5 iterations from the float32 SFT model an AVX2-only
-  CPU trains (`ONEDNN_MAX_CPU_ISA=AVX2`, 9.4 % greedy, P(solution) 0.044 on the 128 held-out
-  problems), seeds 0-2 (2026-11-25) gave greedy TP=1 +5.5, +4.7, +5.5 and TP=2 +4.7, +7.8, +0.0
-  points, while P(solution) rose in every run (x1.22-x1.44; later runs of this test x1.36, x1.39 and
-  once x1.085 with greedy +3.1): hence 8 iterations and a bar of x1.05.
+Learning is not asserted here: configs/megatron.json is the demo's recipe with the Megatron trainer
+(tests/unit/trainer/test_megatron_trainer.py::test_the_megatron_config_is_the_demo_recipe_with_another_trainer),
+the Megatron TP=2 k1.5 iteration equals the HF trainer's within 1e-4 (tests/integration/dist/
+test_megatron_tp_trainer.py: two AdamW steps, loss and gradient norm), and the HF trainer on that recipe
+raises held-out accuracy in the demo's learning run (tests/integration/e2e/test_rl_demo.py). An 8-iteration
+learning run here (7 min of CI) measured the same thing a second time: P(solution) rose x1.085-x1.44.
 TP=1 keeps the whole model in the job's process: the job's TP=1 trainer (make_trainers on this config
 at trainer.tp_size=1) is checked in tests/unit/trainer/test_megatron_trainer.py, its sync into vLLM
 in tests/integration/vllm/test_megatron_vllm.py (a job run of its own cost ~2 min of CI).
-Runtime after the SFT fixture (vLLM start included): the TP=2 run 3.5 min on the AMD EPYC's 2 cores,
-5-7 min on a 2-core Xeon without bf16.
+Two iterations: the second syncs weights that Megatron trained at TP=2 and then evaluates them.
 """
 
 from __future__ import annotations
@@ -48,9 +42,7 @@ from tests.integration.e2e.test_rl_demo import (  # noqa: F401 (fixture)
 
 MEGATRON = REPO / "configs" / "megatron.json"
 TP_SIZE = 2
-ITERATIONS = 8
-SOLUTION_PROB_MIN_RATIO = 1.05
-GREEDY_MAX_DROP_Z = 3.0
+ITERATIONS = 2
 # The demo's settings (configs/megatron.json), at its peak lr held constant, on a 64-problem held-out
 # set per level (half the demo's).
 SHORT = [
@@ -126,25 +118,3 @@ def test_megatron_rl_run_trains_syncs_and_reports(megatron_run):
     assert saved, "no saved model under state/"
     state = load_state_dict_from_dir(saved[-1])
     assert set(state) == set(sft_state) and any(not state[n].equal(sft_state[n]) for n in state)
-
-
-@pytest.mark.e2e
-@pytest.mark.vllm
-def test_megatron_rl_run_raises_heldout_accuracy(megatron_run):
-    from tests.integration.e2e.learning import run_greedy_drop, run_solution_probabilities
-
-    summary, out, sft_dir, tp_size = megatron_run
-    before, after = run_solution_probabilities(out, sft_dir)
-    lost, gained, z = run_greedy_drop(out, sft_dir)
-    gain = summary["heldout_gain_points"]
-    print(
-        f"megatron RL: held-out P(reference solution) {before:.4f} -> {after:.4f} (x{after / before:.2f}); greedy "
-        f"{100 * summary['heldout_accuracy_before']:.1f}% -> {100 * summary['heldout_accuracy_after']:.1f}% "
-        f"({gain:+.1f} points; transformers: {lost} lost, {gained} gained, z {z:+.2f}) "
-        f"in {summary['rl_minutes']:.1f} min, sync share {summary['weight_sync_share']:.3f}"
-    )
-    assert after >= SOLUTION_PROB_MIN_RATIO * before, (before, after)
-    assert z < GREEDY_MAX_DROP_Z, (
-        f"greedy answers: {lost} problems lost, {gained} gained (z {z:.2f}); vLLM's held-out accuracy "
-        f"{summary['heldout_accuracy_by_level_before']} -> {summary['heldout_accuracy_by_level_after']}"
-    )

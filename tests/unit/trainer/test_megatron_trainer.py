@@ -184,6 +184,20 @@ def test_trainer_config_section():
         load_config(None, ["trainer.type=deepspeed"])
 
 
+def test_the_megatron_config_is_the_demo_recipe_with_another_trainer():
+    """configs/megatron.json differs from configs/demo.json in its trainer section alone: the RL recipe,
+    data, rollout, rewards, engine and evaluation are the demo's. With the Megatron step equal to the HF
+    trainer's (tests/integration/dist/test_megatron_tp_trainer.py, TP=2) this makes the demo's learning
+    run (tests/integration/e2e/test_rl_demo.py) the learning check of the Megatron job too."""
+    import dataclasses
+
+    from orchestrator.config import load_config
+
+    demo, megatron = load_config(REPO / "configs" / "demo.json"), load_config(REPO / "configs" / "megatron.json")
+    assert (megatron.trainer.type, megatron.trainer.tp_size) == ("megatron", 2)
+    assert dataclasses.replace(megatron, trainer=demo.trainer) == demo
+
+
 def test_the_rl_job_builds_an_in_process_megatron_trainer_at_tp1(model_dir, tmp_path):
     """configs/megatron.json at trainer.tp_size=1: the job's own make_trainers gives an in-process
     MegatronTrainer with the job's optimizer settings, which trains, and saves an HF directory the job
