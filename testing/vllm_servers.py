@@ -16,10 +16,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoint_engine.httpjson import status_json
-from checkpoint_engine.procs import die_with_parent, group_pids, terminate_noting_segments, unlink_segments
+from checkpoint_engine.procs import (
+    die_with_parent,
+    group_pids,
+    shm_segments,
+    terminate_noting_segments,
+    unlink_segments,
+    wait_noting_segments,
+)
 from vllm_ext.launch_config import EXTENSION, free_port
 
 REPO = Path(__file__).resolve().parents[1]
+STOP_DURING_START_GRACE_S = 5.0  # ServerProcess.stop() before the server serves: SIGKILL after this
 # Eager: vLLM keys its compile cache by the model's folder, and each test's model lives in a fresh tmp
 # folder, so a compiled engine compiles at every start (about 45 s of a 60-110 s start on a 2-core
 # CPU). test_vllm_compile_cache.py runs the compiled path: an engine that loads vLLM's compiled model,
@@ -142,6 +150,13 @@ class ServerProcess:
                 raise TimeoutError(f"{url} not ready within {timeout_s:.0f} s; log:\n{self.log_tail()}")
             time.sleep(0.05)  # readiness polling interval, bounded by the deadline
 
+    def _serves(self) -> bool:
+        """Whether the server answers its health route now (False while it starts)."""
+        try:
+            return http_json("GET", self.url + "/health", timeout_s=2.0)[0] == 200
+        except (OSError, ValueError):  # refused, timed out, or not yet an HTTP server
+            return False
+
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, then SIGKILL to the whole session after `timeout_s`; the shared memory its
         processes mapped and a SIGKILL left behind is removed. Returns the exit code."""
@@ -152,8 +167,17 @@ class ServerProcess:
                 self.proc.poll()  # reaps the leader once it exits
                 return group_pids(pgid)
 
-            # until the whole session has ended, not only its leader
-            ended, noted = terminate_noting_segments(self.proc, running, timeout_s, done=lambda: not running())
+            if not self._serves():
+                # still starting: vLLM's API server sits out SIGTERM until it serves, so the whole
+                # session gets it (its engine core stops in a second or two) under a short grace
+                noted = shm_segments(running())
+                os.killpg(pgid, signal.SIGTERM)
+                ended, more = wait_noting_segments(
+                    running, min(timeout_s, STOP_DURING_START_GRACE_S), done=lambda: not running()
+                )
+                noted |= more
+            else:  # until the whole session has ended, not only its leader
+                ended, noted = terminate_noting_segments(self.proc, running, timeout_s, done=lambda: not running())
             if not ended:
                 os.killpg(pgid, signal.SIGKILL)
                 self.proc.wait(10)

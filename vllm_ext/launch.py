@@ -21,6 +21,7 @@ a managed engine also starts without dummy weights and packs its weights once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ from vllm_ext.launch_config import tensor_parallel_size as tensor_parallel_size
 
 logger = logging.getLogger(__name__)
 GATE_STOP_S = 6.0  # close(): how long the gate's server may take to end (its open streams cut at half)
+STOP_DURING_START_GRACE_S = 5.0  # close() before vLLM serves: SIGKILL to its API server after this
 
 
 class Launcher:
@@ -335,6 +337,16 @@ class Launcher:
                 self._engine_tree.update(descendants(proc.pid))
                 return [proc.pid, *live_pids(self._engine_tree)]
 
+            if not self._supervising and proc.poll() is None:
+                # stopped during vLLM's start: its API server sits out SIGTERM until it serves (the
+                # whole grace, measured), and nothing of a start is worth a graceful stop. Its engine
+                # processes get the signal at once too (they stop in a second or two), and the API
+                # server is killed after a short grace; the ledger removes what it leaves in /dev/shm.
+                self._ledger.note(shm_segments(running()))
+                for pid in live_pids(self._engine_tree):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+                grace_s = min(grace_s, STOP_DURING_START_GRACE_S)
             # noted until vLLM has exited as well: a stop during its start comes before _supervise() noted any
             exited, noted = terminate_noting_segments(proc, running, grace_s)
             self._ledger.note(noted)
