@@ -104,7 +104,8 @@ def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> d
     from checkpoint_engine.ps import ParameterServer
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import cpu_llm
-    from trainer.torch_trainer import TrainerConfig, make_trainer
+    from trainer.base import TrainerConfig
+    from trainer.factory import make_trainer
     from vllm_ext.req import llm_req_func
 
     tmp = None

@@ -718,7 +718,8 @@ def main(argv=None) -> dict:
     from orchestrator.daemon_client import write_version
     from orchestrator.daemon_engines import DaemonWeightSync, _http_engine, start_daemon_pool
     from orchestrator.engine_pool import BATCH_SIZE, SERVING, EnginePool, Member, cpu_binds
-    from trainer.torch_trainer import HFTrainer, TrainerConfig
+    from trainer.base import TrainerConfig
+    from trainer.hf import HFTrainer
 
     cpus = sorted(os.sched_getaffinity(0))
     torch.set_num_threads(len(cpus))

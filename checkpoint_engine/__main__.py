@@ -38,7 +38,7 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from checkpoint_engine.sources import REQUESTED_MODES
+    from checkpoint_engine.modes import REQUESTED_MODES
 
     p = argparse.ArgumentParser(
         prog="python -m checkpoint_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

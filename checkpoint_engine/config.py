@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from checkpoint_engine.modes import REQUESTED_MODES, RequestedMode
 from checkpoint_engine.p2p import P2PConfig
-from checkpoint_engine.sources import REQUESTED_MODES, RequestedMode
 from checkpoint_engine.validate import check_literals
 
 MiB = 2**20

@@ -1,7 +1,7 @@
-"""Self-healing: a `Watchdog` thread on every rank notices its engine's death within one poll; a
-`Healer` thread on rank 0 relays a restart of every failed engine and its update to the current
-checkpoint (see engines.py for the whole path). An engine that died while sleeping is put back to
-sleep at its level once healed, so a colocated trainer keeps its device memory.
+"""Self-healing on rank 0: once a rank's `Watchdog` (engine_process.py) marked its engine failed, the
+`Healer` thread relays a restart of every failed engine and its update to the current checkpoint
+through the daemon's `Driver` (see engines.py for the whole path). An engine that died while sleeping
+is put back to sleep at its level once healed, so a colocated trainer keeps its device memory.
 """
 
 from __future__ import annotations
@@ -12,27 +12,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from checkpoint_engine.daemon_driver import Driver
-    from checkpoint_engine.engine_process import ManagedEngine
 
 logger = logging.getLogger(__name__)
-
-
-class Watchdog:
-    """A thread that probes the engine every `interval_s` (a death is noticed within that period)."""
-
-    def __init__(self, engine: ManagedEngine, interval_s: float):
-        self.engine, self.interval_s = engine, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"engine-watchdog-r{engine.rank}", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.engine.check_alive()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval_s * 5 + 1)
 
 
 class Healer:

@@ -1,5 +1,6 @@
 """One engine process and its lifecycle state (`ManagedEngine`): start with a free port and a log
-file, wait until healthy, watch for its exit, stop (SIGTERM, then SIGKILL of its process group).
+file, wait until healthy, watch for its exit (`Watchdog`: a thread probing it every poll), stop
+(SIGTERM, then SIGKILL of its process group).
 Every state change goes through the table of `engine_states` and is published as a record.
 """
 
@@ -430,6 +431,24 @@ class ManagedEngine:
                 )
             else:
                 self._set("incomplete", checkpoint=None, last_error=f"update to {checkpoint!r} failed: {error}")
+
+
+class Watchdog:
+    """A thread that probes the engine every `interval_s` (a death is noticed within that period)."""
+
+    def __init__(self, engine: ManagedEngine, interval_s: float):
+        self.engine, self.interval_s = engine, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-watchdog-r{engine.rank}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.engine.check_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s * 5 + 1)
 
 
 def _killpg(pgid: int, sig: int) -> bool:

@@ -7,11 +7,12 @@ The engine is an argv template the user gives (`{port}`, `{rank}`, `{device}` ar
 
     engine_states   lifecycle states and their pure transition table (the diagram is there)
     engine_config   the command template, the engine's environment, EngineConfig
-    engine_process  ManagedEngine: one process (start, health, stop) and its state
-    engine_heal     Watchdog (every rank) and Healer (rank 0)
+    engine_process  ManagedEngine: one process (start, health, stop) and its state; its Watchdog
     engines         EngineHost, the agreement through the store, engine_start / managed_update /
                     engine_stop / engine_sleep / engine_wake; every public name of the modules
                     above is importable from here
+    engine_heal     Healer (rank 0): drives the daemon's Driver, so it sits above the daemon's
+                    modules, not below this one (daemon.py starts it)
 
 How a death reaches rank 0, and the heal (the daemon wires it; see daemon.py):
 
@@ -63,8 +64,7 @@ from checkpoint_engine.engine_config import (
     parse_engine_cmd,
     render_cmd,
 )
-from checkpoint_engine.engine_heal import Healer, Watchdog
-from checkpoint_engine.engine_process import ManagedEngine
+from checkpoint_engine.engine_process import ManagedEngine, Watchdog
 from checkpoint_engine.engine_states import (
     SLEEP_LEVELS,
     SLEEPABLE,
@@ -91,7 +91,6 @@ __all__ = [
     "EngineConfig",
     "EngineHost",
     "EngineState",
-    "Healer",
     "ManagedEngine",
     "TransitionError",
     "Watchdog",

@@ -25,6 +25,7 @@ from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.host_memory import RegisteredCheckpoint
+from checkpoint_engine.modes import Mode, RequestedMode
 from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.pipeline import UpdateJob
 from checkpoint_engine.plan import TensorMeta
@@ -34,9 +35,7 @@ from checkpoint_engine.sources import (
     CollectiveSource,
     EngineP2PSource,
     LocalSource,
-    Mode,
     P2PSource,
-    RequestedMode,
 )
 from checkpoint_engine.transport import Transport
 from checkpoint_engine.types import ReqFunc

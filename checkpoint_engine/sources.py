@@ -23,26 +23,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from checkpoint_engine import protocol as P
+from checkpoint_engine.modes import Mode
 
-if TYPE_CHECKING:  # annotations only: this module stays free of torch (metrics.py imports Mode)
+if TYPE_CHECKING:  # annotations only: this module imports no torch
     import torch
+    import torch.distributed as dist
 
     from checkpoint_engine.host_memory import RegisteredCheckpoint
+    from checkpoint_engine.metrics import UpdateMetrics
     from checkpoint_engine.p2p import P2PStore
-    from checkpoint_engine.pipeline import UpdateJob, UpdateRun
     from checkpoint_engine.plan import Bucket
-
-# The mode names live here once. An update's config may ask for `SelectableMode` (or "auto": let
-# `jobs.choose_mode` pick); "p2p" is never asked for: a pull takes it when local reads are impossible
-# ("p2p_engine" with `UpdateConfig.p2p_reader="engine"`).
-SelectableMode = Literal["collective", "local"]
-Mode = Literal[SelectableMode, "p2p", "p2p_engine"]  # what an update runs as (Literal flattens: the three names)
-MODES: tuple[Mode, ...] = get_args(Mode)
-RequestedMode = Literal["auto", SelectableMode]  # `UpdateConfig.mode`, daemon `--mode`
-REQUESTED_MODES: tuple[RequestedMode, ...] = get_args(RequestedMode)
+    from checkpoint_engine.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -94,22 +88,52 @@ class EngineBuffers:
         return tuple(out)
 
 
+class SourceJob(Protocol):
+    """What a source reads of its update's job (`pipeline.UpdateJob` is one; the pipeline depends on
+    the sources, not the other way round)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def half_stride(self) -> int: ...
+
+
+class SourceRun(Protocol):
+    """What `fill` reads of the update in progress (`pipeline.UpdateRun` is one)."""
+
+    @property
+    def job(self) -> SourceJob: ...
+
+    @property
+    def metrics(self) -> UpdateMetrics: ...
+
+
 class BucketSource(Protocol):
     """How one update mode gets a bucket's bytes to where this rank's engine reads them."""
 
     mode: ClassVar[Mode]
 
-    def open(self, job: UpdateJob) -> EngineBuffers:
+    def open(self, job: SourceJob) -> EngineBuffers:
         """Allocate what the mode needs for this update (kept by the source); say what the engine maps."""
         ...
 
-    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+    def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         """Make `bucket` readable by the engine: in the double buffer at byte `half`, or in place.
         Every rank taking part calls it for every bucket, in order (collectives run in lockstep)."""
         ...
 
 
-def _double_buffer(job: UpdateJob, ckpt: RegisteredCheckpoint | None) -> tuple[torch.Tensor, EngineBuffers]:
+def _double_buffer(job: SourceJob, ckpt: RegisteredCheckpoint | None) -> tuple[torch.Tensor, EngineBuffers]:
     """The double buffer, plus this rank's own chunks when its engine can map them (CPU)."""
     shared, handle = job.transport.shared_buffer(2 * job.half_stride)
     handles, base = [handle], {}
@@ -128,11 +152,11 @@ class CollectiveSource:
     _shared: torch.Tensor | None = field(default=None, init=False, repr=False)
     _buffers: EngineBuffers | None = field(default=None, init=False, repr=False)
 
-    def open(self, job: UpdateJob) -> EngineBuffers:
+    def open(self, job: SourceJob) -> EngineBuffers:
         self._shared, self._buffers = _double_buffer(job, self.ckpt)
         return self._buffers
 
-    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+    def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         """Copy-in (when the engine cannot read the owner's chunk) and broadcast one bucket."""
         job, m = run.job, run.metrics
         dst = self._shared[half : half + bucket.size_bytes]
@@ -158,7 +182,7 @@ class LocalSource:
     chunk_handles: dict[int, list[P.BufferHandle]]  # owner rank -> memfd handles of its chunks
     mode: ClassVar[Mode] = "local"
 
-    def open(self, job: UpdateJob) -> EngineBuffers:
+    def open(self, job: SourceJob) -> EngineBuffers:
         handles: list[P.BufferHandle] = []
         base: dict[int, int] = {}
         for r in sorted(self.chunk_handles):
@@ -166,7 +190,7 @@ class LocalSource:
             handles += self.chunk_handles[r]
         return EngineBuffers(tuple(handles), base, double_buffer=False)
 
-    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+    def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         pass  # the engine reads the owner's chunk in place
 
 
@@ -184,7 +208,7 @@ class P2PSource:
     _buffers: EngineBuffers | None = field(default=None, init=False, repr=False)
     _connecting: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
 
-    def open(self, job: UpdateJob) -> EngineBuffers:
+    def open(self, job: SourceJob) -> EngineBuffers:
         self._shared, self._buffers = _double_buffer(job, self.ckpt)
         # CPU: reads land in the double buffer itself; CUDA: in pinned host staging, then H2D
         tr = job.transport
@@ -207,7 +231,7 @@ class P2PSource:
         except Exception as e:  # noqa: BLE001 - the bucket reads report a peer that cannot be read
             logging.getLogger(__name__).debug("P2P connect to %s: %s", addr, e)
 
-    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+    def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         """Read one bucket into half `half` (our own shard: nothing, the engine reads it in place)."""
         if self._buffers.reads_in_place(bucket.owner_rank):
             return
@@ -238,7 +262,7 @@ class EngineP2PSource:
     chunk_handles: dict[int, list[P.BufferHandle]]  # for the owners' chunk sizes
     mode: ClassVar[Mode] = "p2p_engine"
 
-    def open(self, job: UpdateJob) -> EngineBuffers:
+    def open(self, job: SourceJob) -> EngineBuffers:
         if not job.transport.engines_map_host_chunks:
             raise ValueError("p2p_reader='engine' reads into host memory: CUDA engines pull through their rank")
         handles: list[P.BufferHandle] = []
@@ -259,5 +283,5 @@ class EngineP2PSource:
             ]
         return EngineBuffers(tuple(handles), base, double_buffer=False, p2p_host=self.p2p_host)
 
-    def fill(self, run: UpdateRun, bucket: Bucket, half: int) -> None:
+    def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         pass  # the engine reads the bucket itself

@@ -325,7 +325,7 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
-    """Which training backend the RL job uses (``trainer.torch_trainer.make_trainer``).
+    """Which training backend the RL job uses (``trainer.factory.make_trainer``).
 
     ``type``: "hf" (transformers, in process) or "megatron" (a megatron-core GPTModel initialized
     from the same SFT model; its weights are converted to HF layout for every weight sync).

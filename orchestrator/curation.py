@@ -276,7 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _engine(args: argparse.Namespace, engine_config):
     from orchestrator.config import SyncConfig
-    from orchestrator.engine import make_engine
+    from orchestrator.engine_factory import make_engine
 
     if args.endpoint:
         return make_engine(

@@ -16,7 +16,8 @@
 vLLM starts with dummy weights (``load_format="dummy"``): the first weight sync from the
 trainer happens before the first rollout, so every token ever sampled comes from synced weights.
 This module holds the interface (requests, results, the protocol, the checks every engine's
-``generate`` shares) and ``make_engine``; it imports no vLLM.
+``generate`` shares); it imports no vLLM and no engine. ``engine_factory.make_engine`` builds the
+engine a config names.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from checkpoint_engine.types import ReqFunc
-from orchestrator.config import EngineConfig
 from orchestrator.repeat import RepeatConfig
 
 # vLLM's finish reasons -> ours (None: the request ended without one)
@@ -138,25 +138,3 @@ class RolloutEngine:
 
     def close(self) -> None:
         raise NotImplementedError
-
-
-def make_engine(config: EngineConfig, model_dir: str, *, log_dir: str | None = None) -> RolloutEngine:
-    """The engine ``config.type`` names (vLLM imports happen here, not at module import).
-
-    ``config.num_engines`` >= 2: an ``EnginePool`` of that many vLLM servers started on this machine
-    (their logs go to ``log_dir``, a temporary directory when None)."""
-    if config.num_engines > 1:
-        from orchestrator.engine_pool import EnginePool
-
-        return EnginePool.start(config, model_dir, log_dir=log_dir)
-    if config.type == "vllm_async":
-        from orchestrator.engine_async import AsyncVllmEngine
-
-        return AsyncVllmEngine(model_dir, config)
-    if config.type == "vllm_http":
-        from orchestrator.engine_http import HttpVllmEngine
-
-        return HttpVllmEngine(config)
-    if config.type == "daemon":
-        raise ValueError("engine.type='daemon': the engines are the daemon's (orchestrator.daemon_engines)")
-    raise ValueError(f"engine.type={config.type!r} is not supported")

@@ -24,7 +24,7 @@ Sampling goes through the rollout engine interface (``orchestrator.engine.Rollou
 ``orchestrator.curation``: the CLI starts the in-process vLLM engine on dummy weights and pushes the
 model's weights through the checkpoint engine (``evaluate`` pushes each model in turn into one
 engine, so the models must share an architecture); tests drive the same functions with scripted
-engines. Training runs on ``trainer.torch_trainer.HFTrainer`` (CPU, float32). The last printed line of
+engines. Training runs on ``trainer.hf.HFTrainer`` (CPU, float32). The last printed line of
 every command is one JSON object.
 
 **long2short RL is a config, not code**: the RL job, started from the long-CoT model, with the length
@@ -180,7 +180,7 @@ class _Engine:
     def __init__(self, model_dir: str, endpoint: str | None, config: Any) -> None:
         """``config``: the ``orchestrator.config.EngineConfig`` of the in-process engine."""
         from orchestrator.config import SyncConfig
-        from orchestrator.engine import make_engine
+        from orchestrator.engine_factory import make_engine
         from orchestrator.weight_sync import WeightSync
 
         self.sync = None

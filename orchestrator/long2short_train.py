@@ -1,5 +1,5 @@
 """long2short training on HF model dirs: SFT on shortest-rejection records (``sft-on``) and DPO
-against a frozen copy (``dpo``), both with ``trainer.torch_trainer.HFTrainer`` (CPU, float32)."""
+against a frozen copy (``dpo``), both with ``trainer.hf.HFTrainer`` (CPU, float32)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class DpoConfig(_TrainingConfig):
 
 
 def _trainer(model_dir: str | pathlib.Path, config: TrainConfig):
-    from trainer.torch_trainer import HFTrainer, TrainerConfig
+    from trainer.base import TrainerConfig
+    from trainer.hf import HFTrainer
 
     return HFTrainer(model_dir, TrainerConfig(lr=config.lr, num_threads=config.num_threads, seed=config.seed))
 

@@ -73,7 +73,9 @@ def load_weights(trainer, model_dir: pathlib.Path) -> None:
 
 def make_trainers(c: JobConfig, sft_model_dir: pathlib.Path) -> tuple[Any, Any]:
     """The policy's trainer, and GRPO's KL reference (None for the other algorithms or kl_coef 0)."""
-    from trainer.torch_trainer import HFTrainer, TrainerConfig, make_trainer
+    from trainer.base import TrainerConfig
+    from trainer.factory import make_trainer
+    from trainer.hf import HFTrainer
 
     trainer = make_trainer(
         c.trainer.type,
@@ -105,7 +107,7 @@ def make_rollout_engine(
         from orchestrator.daemon_engines import start_daemon_pool
 
         return start_daemon_pool(c.engine, str(sft_model_dir), c.sync.handoff_dir, c.sync.timeout_s)
-    from orchestrator.engine import make_engine
+    from orchestrator.engine_factory import make_engine
 
     # engine.num_engines >= 2: a pool of vLLM servers, their logs beside the run's
     return make_engine(c.engine, str(sft_model_dir), log_dir=str(out / "engines"))

@@ -1,7 +1,9 @@
 """The training side of the topology: trainer backends that hand their weights to the checkpoint engine.
 
-``torch_trainer``  ``Trainer`` protocol, ``TrainerConfig`` and ``HFTrainer`` (a transformers model in this
-                   process), optimizer, HF-directory save; ``make_trainer`` picks the backend
+``base``           what every backend shares: the ``Trainer`` protocol, ``TrainerConfig``, the optimizer
+                   recipe and steps (``OptimizerSteps``), batch padding, HF-directory save
+``hf``             ``HFTrainer``: a transformers model in this process
+``factory``        ``make_trainer`` picks the backend (``"hf"`` or ``"megatron"``)
 ``policy``         one RL training step (k1.5 eq. 3, GRPO, REINFORCE behind ``make_objective``)
 ``loss``           every loss as a pure tensor function (k1.5, GRPO, REINFORCE, DPO), table-tested
 ``dpo``            long2short's data rules (shortest rejection, DPO pairs) and the DPO step

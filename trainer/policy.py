@@ -35,9 +35,9 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from trainer.base import Trainer, pad_sequences
 from trainer.loss import grpo_policy_loss_with_stats, k15_policy_loss_with_stats, reinforce_policy_loss
 from trainer.loss import token_logprobs as _masked_token_logprobs
-from trainer.torch_trainer import Trainer, pad_sequences
 
 Algorithm = Literal["k15", "grpo", "reinforce"]
 

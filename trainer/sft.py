@@ -237,7 +237,8 @@ def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from demo.tiny_model import TinyModelConfig, make_tiny_model
-    from trainer.torch_trainer import HFTrainer, TrainerConfig
+    from trainer.base import TrainerConfig
+    from trainer.hf import HFTrainer
 
     init_dir = make_tiny_model(
         work_dir / "init",

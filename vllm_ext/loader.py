@@ -150,7 +150,7 @@ def _loader_class():
 
             from checkpoint_engine.prefault import prefault
             from vllm_ext.receiver import ReceiverConfig, WeightReceiver
-            from vllm_ext.worker import select_handle, tp_rank_and_size
+            from vllm_ext.worker_handle import select_handle, tp_rank_and_size
 
             vllm_config = get_current_vllm_config()
             extra = getattr(vllm_config, "additional_config", None) or {}

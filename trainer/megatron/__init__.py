@@ -10,6 +10,6 @@
 ``tp``          ``TPMegatronTrainer``: TP > 1 inside the RL job (the job's process is TP rank 0 and
                 starts the follower ranks, ``python -m trainer.megatron.tp``, over gloo)
 
-``trainer.torch_trainer.make_trainer("megatron", model_dir, config, tp_size=...)`` picks between them
+``trainer.factory.make_trainer("megatron", model_dir, config, tp_size=...)`` picks between them
 (the RL job's ``trainer`` config section: ``{"type": "megatron", "tp_size": 2}``).
 """

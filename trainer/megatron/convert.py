@@ -21,7 +21,6 @@ from trainer.megatron.layout import (  # noqa: F401  (re-exported: the public co
     ModelShape,
     NormStyle,
     Parallelism,
-    Piece,
     Rank,
     conversion_pieces,
     global_expert_index,
@@ -32,6 +31,7 @@ from trainer.megatron.layout import (  # noqa: F401  (re-exported: the public co
     stage_layers,
     writer_pieces,
 )
+from trainer.megatron.shapes import Piece
 
 
 def _check_hf(state_dict: Mapping[str, torch.Tensor], names: set[str]) -> None:

@@ -50,46 +50,12 @@ from collections.abc import Iterator, Mapping
 from trainer.megatron.shapes import ModelShape as ModelShape
 from trainer.megatron.shapes import NormStyle as NormStyle
 from trainer.megatron.shapes import Parallelism as Parallelism
+from trainer.megatron.shapes import Piece, _experts_per_rank
 from trainer.megatron.shapes import Rank as Rank
-from trainer.megatron.shapes import _experts_per_rank
 from trainer.megatron.shapes import global_expert_index as global_expert_index
 from trainer.megatron.shapes import hf_param_shapes as hf_param_shapes
 from trainer.megatron.shapes import local_expert_index as local_expert_index
 from trainer.megatron.shapes import stage_layers as stage_layers
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """``length`` slices along ``dim``: HF ``hf_name[hf_start:]`` <-> Megatron ``mg_name[mg_start:]``
-    on rank (pp_rank, tp_rank). ``primary`` is False for replicas (TP copies of replicated
-    tensors, the last stage's copy of tied embeddings): Megatron->HF reads primaries only."""
-
-    hf_name: str
-    pp_rank: int
-    tp_rank: int
-    mg_name: str
-    dim: int
-    hf_start: int
-    mg_start: int
-    length: int
-    primary: bool = True
-    ep_rank: int = 0  # expert-parallel rank (0 for every piece of a dense model)
-
-    def hf_byte_range(self, hf_shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
-        """Byte range of this piece inside the (contiguous) HF tensor, when it is one range."""
-        if any(size != 1 for size in hf_shape[: self.dim]):
-            return None
-        row_bytes = itemsize
-        for size in hf_shape[self.dim + 1 :]:
-            row_bytes *= size
-        return self.hf_start * row_bytes, (self.hf_start + self.length) * row_bytes
-
-    def clip(self, start: int, stop: int) -> Piece | None:
-        """The part of this piece that falls in HF slice [start, stop) along ``dim``, or None."""
-        lo, hi = max(start, self.hf_start), min(stop, self.hf_start + self.length)
-        if lo >= hi:
-            return None
-        return dataclasses.replace(self, hf_start=lo, mg_start=self.mg_start + lo - self.hf_start, length=hi - lo)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,14 @@
 """Model shapes and parallel layouts of the HF <-> Megatron conversion (pure, no megatron import):
 ``ModelShape`` (dense or MoE, from an HF config), ``Parallelism`` (TP, PP, EP; ranks), the global <->
-local expert index, the HF tensors' shapes and each PP stage's layers. ``layout`` builds the piece
-table on these and re-exports them.
+local expert index, the HF tensors' shapes, each PP stage's layers, and ``Piece`` (one entry of the
+piece table). ``layout`` builds the piece table on these and re-exports them (``Piece``: ``convert``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from trainer.megatron.layout import Piece
+from typing import Literal
 
 Rank = tuple[int, ...]  # (pp_rank, tp_rank), or (pp_rank, tp_rank, ep_rank) when ep_size > 1
 NormStyle = Literal["local", "te"]
@@ -97,6 +94,40 @@ class ModelShape:
     @property
     def q_heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """``length`` slices along ``dim``: HF ``hf_name[hf_start:]`` <-> Megatron ``mg_name[mg_start:]``
+    on rank (pp_rank, tp_rank). ``primary`` is False for replicas (TP copies of replicated
+    tensors, the last stage's copy of tied embeddings): Megatron->HF reads primaries only."""
+
+    hf_name: str
+    pp_rank: int
+    tp_rank: int
+    mg_name: str
+    dim: int
+    hf_start: int
+    mg_start: int
+    length: int
+    primary: bool = True
+    ep_rank: int = 0  # expert-parallel rank (0 for every piece of a dense model)
+
+    def hf_byte_range(self, hf_shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
+        """Byte range of this piece inside the (contiguous) HF tensor, when it is one range."""
+        if any(size != 1 for size in hf_shape[: self.dim]):
+            return None
+        row_bytes = itemsize
+        for size in hf_shape[self.dim + 1 :]:
+            row_bytes *= size
+        return self.hf_start * row_bytes, (self.hf_start + self.length) * row_bytes
+
+    def clip(self, start: int, stop: int) -> Piece | None:
+        """The part of this piece that falls in HF slice [start, stop) along ``dim``, or None."""
+        lo, hi = max(start, self.hf_start), min(stop, self.hf_start + self.length)
+        if lo >= hi:
+            return None
+        return dataclasses.replace(self, hf_start=lo, mg_start=self.mg_start + lo - self.hf_start, length=hi - lo)
 
 
 @dataclasses.dataclass(frozen=True)

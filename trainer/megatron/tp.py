@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from checkpoint_engine.ports import free_port
-from trainer.torch_trainer import TrainerConfig, save_hf_dir
+from trainer.base import TrainerConfig, save_hf_dir
 
 logger = logging.getLogger(__name__)
 

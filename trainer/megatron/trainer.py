@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from trainer.base import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
 from trainer.cpu import num_threads_for, resolve_autocast_dtype
 from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
 from trainer.loss import token_logprobs as _masked_token_logprobs
 from trainer.megatron.convert import ModelShape, hf_param_shapes, hf_sources, write_rank_slices
 from trainer.megatron.model import MegatronModelConfig
-from trainer.torch_trainer import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
 
 logger = logging.getLogger(__name__)
 

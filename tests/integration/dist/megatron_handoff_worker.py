@@ -104,9 +104,9 @@ def main() -> int:
     from checkpoint_engine.ps import ParameterServer
     from demo.tiny_model import load_state_dict_from_dir
     from tests.unit.checkpoint_engine.test_ce_inprocess import ThreadEngine
+    from trainer.base import TrainerConfig
     from trainer.megatron.model import MegatronModelConfig
     from trainer.megatron.trainer import MegatronTrainer
-    from trainer.torch_trainer import TrainerConfig
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")

@@ -30,7 +30,9 @@ def _child(model_dir: str, out_json: str) -> None:
     from demo.tiny_model import load_state_dict_from_dir
     from tests.unit.trainer.test_megatron_trainer import _batch
     from trainer import policy
-    from trainer.torch_trainer import HFTrainer, TrainerConfig, make_trainer
+    from trainer.base import TrainerConfig
+    from trainer.factory import make_trainer
+    from trainer.hf import HFTrainer
 
     result: dict = {}
     disk = load_state_dict_from_dir(model_dir)

@@ -105,7 +105,8 @@ def _child(model_dir: str, out_json: str) -> None:
     from orchestrator.config import SyncConfig
     from orchestrator.weight_sync import WeightSync
     from testing.vllm_servers import cpu_llm
-    from trainer.torch_trainer import TrainerConfig, make_trainer
+    from trainer.base import TrainerConfig
+    from trainer.factory import make_trainer
     from vllm_ext.req import llm_req_func
 
     start = time.monotonic()

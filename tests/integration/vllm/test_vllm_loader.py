@@ -27,7 +27,7 @@ from vllm_ext.loader import (
 )
 from vllm_ext.receiver import ReceiverConfig, WeightReceiver
 from vllm_ext.weight_cache import checkpoint_checksum
-from vllm_ext.worker import select_handle
+from vllm_ext.worker_handle import select_handle
 
 
 def make_ckpt(seed: int) -> dict[str, torch.Tensor]:

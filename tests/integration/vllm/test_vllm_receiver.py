@@ -17,7 +17,7 @@ from checkpoint_engine.pipeline import UpdateFailed
 from checkpoint_engine.ps import ParameterServer
 from vllm_ext.receiver import FaultSpec, ReceiverConfig, WeightReceiver
 from vllm_ext.weight_cache import WeightCache, checkpoint_checksum
-from vllm_ext.worker import select_handle
+from vllm_ext.worker_handle import select_handle
 
 
 def make_ckpt(seed: int, num: int = 12) -> dict[str, torch.Tensor]:

@@ -257,7 +257,8 @@ def test_dpo_end_to_end_on_a_scripted_engine(tmp_path, tokenizer):
     assert result["margin_before"] == pytest.approx(0.0, abs=1e-4)
     assert result["margin_after"] > result["margin_before"] + 1.0 and result["last_loss"] < result["first_loss"]
     # the saved model holds the trained weights: its margin against the untouched base matches
-    from trainer.torch_trainer import HFTrainer, TrainerConfig
+    from trainer.base import TrainerConfig
+    from trainer.hf import HFTrainer
 
     pairs, _ = long2short_train.dpo_token_pairs(tokenizer, problems, groups)
     saved, ref = (HFTrainer(d, TrainerConfig(num_threads=1)) for d in (tmp_path / "dpo", base))

@@ -4,7 +4,6 @@ import json
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -102,10 +101,18 @@ def test_help_is_instant_and_print_config_works():
             [sys.executable, "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True, timeout=60
         )
 
-    start = time.monotonic()
-    out = orchestrator("--help")
+    # instant: --help imports none of the heavy libraries (a deterministic check; a timed one fails
+    # on a loaded machine)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "orchestrator", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "--output-dir" in out.stdout
-    assert time.monotonic() - start < 5.0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "vllm", "transformers", "megatron"}, sorted(imported & {"torch", "vllm"})
     out = orchestrator("--output-dir", "unused", "--print-config", "--set", "rl.lr=0.005")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rl"]["lr"] == 0.005

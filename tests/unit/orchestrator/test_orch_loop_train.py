@@ -9,8 +9,9 @@ import torch
 from demo import tiny_model as tm
 from tests.unit.trainer.tiny import SMALL
 from trainer import policy
+from trainer.base import TrainerConfig
+from trainer.hf import HFTrainer
 from trainer.policy import TrainBatch, TrainConfig, reference_logprobs, train_iteration
-from trainer.torch_trainer import HFTrainer, TrainerConfig
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,10 @@ pytest.importorskip("transformers")
 from demo.tiny_model import VOCAB_SIZE, load_state_dict_from_dir, write_model_dir
 from tests.unit.trainer.tiny import tiny_config, tiny_hf
 from trainer import policy
+from trainer.base import TrainerConfig
+from trainer.factory import make_trainer
+from trainer.hf import HFTrainer
 from trainer.loss import k15_policy_loss
-from trainer.torch_trainer import HFTrainer, TrainerConfig, make_trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 LOGPROB_ATOL = 1e-4

@@ -13,6 +13,8 @@ import torch
 from demo import tiny_model as tm
 from orchestrator.config import RLConfig, load_config
 from trainer import dpo, policy
+from trainer.base import TrainerConfig
+from trainer.hf import HFTrainer
 from trainer.loss import (
     dpo_loss,
     grpo_policy_loss,
@@ -21,7 +23,6 @@ from trainer.loss import (
     reinforce_policy_loss,
 )
 from trainer.policy import TrainConfig, make_objective, reference_logprobs, token_logprobs, train_iteration
-from trainer.torch_trainer import HFTrainer, TrainerConfig
 
 # -- GRPO advantage --------------------------------------------------------------------------------
 

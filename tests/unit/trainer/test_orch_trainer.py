@@ -10,7 +10,8 @@ from demo import task
 from demo import tiny_model as tm
 from tests.unit.trainer.tiny import SMALL, one_layer_bf16
 from trainer import sft
-from trainer.torch_trainer import HFTrainer, Trainer, TrainerConfig, pad_sequences
+from trainer.base import Trainer, TrainerConfig, pad_sequences
+from trainer.hf import HFTrainer
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,17 @@
-"""Policy trainer: a Hugging Face causal LM trained in one CPU process (torch, AdamW).
+"""What every training backend shares: the ``Trainer`` protocol the RL loop codes against,
+``TrainerConfig``, the optimizer recipe and its steps (``OptimizerSteps``), the batch padding and
+the HF-directory helpers (the source's dtypes, ``save_hf_dir``).
 
-::
-
-    model dir ──▶ HFTrainer ──sequence_logprobs(prompts, responses, masks)──▶ [batch] log p (grad)
-                     │  ▲                                                        │
-                     │  └──── step(loss) / backward(loss) + step() ◀── loss ─────┘
-                     ├──▶ named_tensors()  {HF name: tensor}  ──▶ checkpoint engine register
-                     └──▶ save(dir)        HF dir (config, tokenizer, safetensors) ──▶ vLLM
-
-``Trainer`` is the protocol the RL loop codes against; ``make_trainer`` picks the backend
-(``"hf"``: this module's HFTrainer; ``"megatron"``: ``trainer.megatron.trainer.MegatronTrainer``, a
-megatron-core GPTModel whose ``named_tensors`` are converted to HF layout for the weight sync).
-Weights are trained in float32; ``named_tensors`` and ``save`` cast them back to the dtypes the
-source directory stored.
+The backends build on this module: ``trainer.hf.HFTrainer`` (transformers, in this process) and
+``trainer.megatron.trainer.MegatronTrainer`` (megatron-core); ``trainer.factory.make_trainer``
+picks one. Weights are trained in float32; a backend's ``named_tensors`` and ``save`` cast them back
+to the dtypes the source directory stored (``disk_dtypes``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import pathlib
 import shutil
 from collections.abc import Sequence
@@ -28,10 +20,6 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from checkpoint_engine.validate import check_literals
-from trainer.cpu import num_threads_for, resolve_autocast_dtype
-from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
-
-logger = logging.getLogger(__name__)
 
 # Files of a model directory that are not weights; save() copies them from the source.
 _NON_WEIGHT_FILES = (
@@ -108,29 +96,6 @@ class Trainer(Protocol):
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
 
     def save(self, out_dir: str | pathlib.Path) -> pathlib.Path: ...
-
-
-TrainerBackend = Literal["hf", "megatron"]
-
-
-def make_trainer(
-    backend: TrainerBackend, model_dir: str | pathlib.Path, config: TrainerConfig | None = None, *, tp_size: int = 1
-) -> Trainer:
-    """The one factory of training backends: ``"hf"`` (transformers) or ``"megatron"`` (megatron-core)."""
-    if backend == "hf":
-        if tp_size != 1:
-            raise ValueError(f"the hf trainer has no tensor parallelism (tp_size={tp_size})")
-        return HFTrainer(model_dir, config)
-    if backend == "megatron":
-        from trainer.megatron.model import MegatronModelConfig
-        from trainer.megatron.trainer import MegatronTrainer
-
-        if tp_size > 1:  # this process is TP rank 0; it starts the other ranks (trainer.megatron.tp)
-            from trainer.megatron.tp import TPMegatronTrainer
-
-            return TPMegatronTrainer(model_dir, config, tp_size=tp_size)
-        return MegatronTrainer(model_dir, config, MegatronModelConfig(tp_size=tp_size))
-    raise ValueError(f"trainer backend {backend!r} must be 'hf' or 'megatron'")
 
 
 def disk_dtypes(model_dir: str | pathlib.Path) -> dict[str, torch.dtype]:
@@ -247,85 +212,3 @@ class OptimizerSteps:
         if getattr(self, "_offload", None) is None:
             self._offload = DeviceOffload(self.model, lambda: self.optimizer)
         return self._offload
-
-
-class HFTrainer(OptimizerSteps):
-    """Trains a ``transformers`` causal LM loaded from a model directory (float32 on CPU)."""
-
-    def __init__(self, model_dir: str | pathlib.Path, config: TrainerConfig | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.config = TrainerConfig() if config is None else config
-        self.source_dir = pathlib.Path(model_dir)
-        self.num_threads = num_threads_for(self.config.num_threads)
-        torch.set_num_threads(self.num_threads)
-        self.dtype_choice = resolve_autocast_dtype(self.config.autocast_dtype)
-        self._autocast_bf16 = self.dtype_choice.chosen == "bfloat16"
-        torch.manual_seed(self.config.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=torch.float32)
-        self.model.train()
-        self._disk_dtypes = disk_dtypes(self.source_dir)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        missing = sorted(set(self._disk_dtypes) - set(params))
-        if missing:
-            raise RuntimeError(f"model dir tensors {missing[:5]} are not parameters of the model")
-        self._params = {name: params[name] for name in self._disk_dtypes}
-        self.pad_id = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0)
-        self._lr = self.config.lr
-        self.optimizer = self._new_optimizer()
-
-    def _new_optimizer(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.model, self.config, self._lr)
-
-    def sequence_logprobs(
-        self,
-        prompt_ids_list: Sequence[Sequence[int]],
-        response_ids_list: Sequence[Sequence[int]],
-        response_masks: Sequence[Sequence[int]] | None = None,
-    ) -> torch.Tensor:
-        """Sum of the response tokens' log-probs per sequence ([batch], float32, with grad).
-
-        Prompts must include any bos token; ``response_masks[i][t] = 0`` drops token t of
-        response i from the sum (e.g. stale segments of a partial rollout).
-        """
-        ids, attention, loss_mask = pad_sequences(prompt_ids_list, response_ids_list, response_masks, self.pad_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._autocast_bf16):
-            logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits
-        return _masked_sequence_logprobs(logits[:, :-1], ids[:, 1:], loss_mask)
-
-    def reset_optimizer(self) -> None:
-        """A fresh AdamW (empty moment estimates); gradients are cleared."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer = self._new_optimizer()
-
-    def set_lr(self, lr: float) -> None:
-        if not lr > 0:
-            raise ValueError(f"lr={lr!r} must be > 0")
-        self._lr = float(lr)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._lr
-
-    def named_tensors(self, copy: bool = False) -> dict[str, torch.Tensor]:
-        """Detached weights under the source directory's names and dtypes.
-
-        Tensors whose stored dtype is float32 share memory with the live parameters unless
-        ``copy`` is set (they change on the next ``step``); others are fresh casts.
-        """
-        out = {}
-        for name, param in self._params.items():
-            tensor = param.detach().to(self._disk_dtypes[name])
-            out[name] = tensor.clone() if copy and tensor.data_ptr() == param.data_ptr() else tensor
-        return out
-
-    @torch.no_grad()
-    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a checkpoint's weights (names as HF saved them) into the model."""
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        if unexpected or [m for m in missing if m not in ("lm_head.weight",)]:
-            raise RuntimeError(
-                f"checkpoint does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-
-    def save(self, out_dir: str | pathlib.Path) -> pathlib.Path:
-        """Write a HF model directory (config and tokenizer copied from the source, new weights)."""
-        return save_hf_dir(self.source_dir, out_dir, self.named_tensors(), self.config)
