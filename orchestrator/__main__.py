@@ -67,6 +67,9 @@ T = TypeVar("T")
 logger = logging.getLogger("orchestrator")
 
 
+_CONSOLE_SCRIPT = False  # set by console_main: __main__ is the ckpt-rl wrapper, not this module
+
+
 def spawn_children_through_here() -> None:
     """Make the processes this one spawns (multiprocessing's "spawn": vLLM's engine core and workers)
     run ``orchestrator.spawned`` first, which blocks SIGINT there: a terminal's Ctrl-C is the job's
@@ -76,7 +79,7 @@ def spawn_children_through_here() -> None:
     import importlib.util
 
     main = sys.modules.get("__main__")
-    if main is not None and getattr(main, "__spec__", None) is not None:
+    if main is not None and (getattr(main, "__spec__", None) is not None or _CONSOLE_SCRIPT):
         main.__spec__ = importlib.util.find_spec("orchestrator.spawned")
 
 
@@ -177,6 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(json.dumps(summary, sort_keys=True))
     return 0
+
+
+def console_main() -> int:
+    """The ``ckpt-rl`` console script: ``main()``, with the script's wrapper as ``__main__`` (which a
+    spawned child would run by path) treated as a ``-m`` module is (``spawn_children_through_here``)."""
+    global _CONSOLE_SCRIPT
+    _CONSOLE_SCRIPT = True
+    return main()
 
 
 if __name__ == "__main__":
