@@ -1,0 +1,422 @@
+"""Problem files: the JSONL format of "RL on your own prompts", read and validated, and written.
+
+One JSON object per line, of either kind (a file may mix them)::
+
+    math: {"id"?: str, "prompt" | "messages": ..., "answer": str,                        "difficulty"?: number}
+    code: {"id"?: str, "prompt" | "messages": ..., "tests": [{"input": str, "output": str}, ...],
+           "difficulty"?: number}
+
+- exactly one of ``prompt`` (a non-empty string) and ``messages`` (a non-empty list of
+  ``{"role": "system" | "user" | "assistant", "content": str}``, the last one from the user);
+- exactly one of ``answer`` (a non-empty string: the reference final answer) and ``tests`` (a
+  non-empty list of ``{"input": str, "output": str}``: stdin given, stdout expected);
+- ``id``: a non-empty string, unique in the file; when absent, a stable id is derived from the
+  content: the first 16 hex digits of the sha256 of the canonical JSON of ``{"prompt": ...}`` or
+  ``{"messages": [...]}`` (sorted keys, no spaces), so the same problem gets the same id in every file;
+- ``difficulty``: a number in [0, 1], 0 the easiest and 1 the hardest (for instance 1 - pass rate of
+  a reference model); the curriculum will sort by it. Absent means unknown.
+
+Blank lines are skipped; any other field is an error. ``read_problems`` checks every line before it
+returns (a file is read whole or not at all): each error names ``path:line``, the field and what was
+expected (``train.jsonl:7: field "answer": expected a non-empty string, got 42 (int)``), the first 20
+are listed in one ``ProblemFileError``. Two lines with the same id, or the same prompt/messages, are
+errors naming both lines. ``check_disjoint`` keeps a held-out file apart from its training file;
+``write_problems`` writes the same format back (fields in a fixed order, None fields left out), atomically.
+
+This slice only reads and writes the files: the RL job does not take them yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, NamedTuple
+
+from orchestrator.fsutil import fsync_dir
+
+FIELDS: tuple[str, ...] = ("id", "prompt", "messages", "answer", "tests", "difficulty")  # also the write order
+ROLES: tuple[str, ...] = ("system", "user", "assistant")
+MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
+TEST_FIELDS: tuple[str, ...] = ("input", "output")
+MAX_ERRORS = 20  # errors listed in one ProblemFileError (the rest are counted)
+ID_HEX_DIGITS = 16
+
+ProblemKind = Literal["math", "code"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeTest:
+    """One test of a code problem: the program reads ``input`` on stdin and must print ``output``."""
+
+    input: str
+    output: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One problem of a problem file (see the module docstring for the rules on each field).
+
+    ``line`` is where it was read (1-based; None when built in code); it is not part of equality.
+    ``messages`` holds plain dicts, so a Problem that has them cannot be hashed.
+    """
+
+    id: str
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    answer: str | None = None
+    tests: tuple[CodeTest, ...] | None = None
+    difficulty: float | None = None
+    line: int | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError(f"problem {self.id!r}: exactly one of prompt and messages must be given")
+        if (self.answer is None) == (self.tests is None):
+            raise ValueError(f"problem {self.id!r}: exactly one of answer and tests must be given")
+        if self.difficulty is not None and not 0.0 <= self.difficulty <= 1.0:
+            raise ValueError(f"problem {self.id!r}: difficulty={self.difficulty!r} must be in [0, 1]")
+
+    @property
+    def kind(self) -> ProblemKind:
+        """ "math" (checked against ``answer``) or "code" (run against ``tests``)."""
+        return "math" if self.answer is not None else "code"
+
+    def content_key(self) -> str:
+        """The canonical JSON of the prompt or messages: two problems with the same key are the same problem."""
+        return _content_key(self.prompt, self.messages)
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON object of this problem, fields in ``FIELDS`` order, None fields left out."""
+        record: dict[str, Any] = {"id": self.id}
+        if self.prompt is not None:
+            record["prompt"] = self.prompt
+        if self.messages is not None:
+            record["messages"] = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        if self.answer is not None:
+            record["answer"] = self.answer
+        if self.tests is not None:
+            record["tests"] = [{"input": t.input, "output": t.output} for t in self.tests]
+        if self.difficulty is not None:
+            record["difficulty"] = self.difficulty
+        return record
+
+
+def _content_key(prompt: str | None, messages: Sequence[dict] | None) -> str:
+    content: dict[str, Any] = {"prompt": prompt} if prompt is not None else {"messages": list(messages or ())}
+    return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def stable_id(prompt: str | None = None, messages: Sequence[dict] | None = None) -> str:
+    """The id of a problem that has none: first 16 hex digits of the sha256 of its canonical content."""
+    return hashlib.sha256(_content_key(prompt, messages).encode()).hexdigest()[:ID_HEX_DIGITS]
+
+
+class Issue(NamedTuple):
+    """One error of a problem file; ``line`` is None for the whole file, ``field`` None for the whole line."""
+
+    path: str
+    line: int | None
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        what = self.message if self.field is None else f'field "{self.field}": {self.message}'
+        return f"{where}: {what}"
+
+
+class ProblemFileError(ValueError):
+    """A problem file (or a pair of them) is not valid. ``path``, ``line`` and ``field`` are the first
+    error's (``line``/``field`` None where it concerns the whole file/line); ``errors`` lists every
+    error shown (at most ``MAX_ERRORS``), ``num_errors`` counts all of them."""
+
+    def __init__(self, issues: Sequence[Issue], num_errors: int | None = None) -> None:
+        if not issues:
+            raise ValueError("ProblemFileError needs at least one issue")
+        self.issues = tuple(issues[:MAX_ERRORS])
+        self.num_errors = max(num_errors or 0, len(issues))
+        first = self.issues[0]
+        self.path, self.line, self.field = first.path, first.line, first.field
+        self.errors = tuple(str(issue) for issue in self.issues)
+        if self.num_errors == 1:
+            message = self.errors[0]
+        else:
+            more = self.num_errors - len(self.issues)
+            lines = [f"{first.path}: {self.num_errors} errors", *(f"  {e}" for e in self.errors)]
+            if more:
+                lines.append(f"  ... and {more} more")
+            message = "\n".join(lines)
+        super().__init__(message)
+
+
+class _Collector:
+    """Issues of one file, the first MAX_ERRORS kept, all counted."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.issues: list[Issue] = []
+        self.count = 0
+
+    def add(self, line: int | None, field: str | None, message: str) -> None:
+        self.count += 1
+        if len(self.issues) < MAX_ERRORS:
+            self.issues.append(Issue(self.path, line, field, message))
+
+    def raise_if_any(self) -> None:
+        if self.count:
+            raise ProblemFileError(self.issues, self.count)
+
+
+def _got(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if _is_json(value) else repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"got {text} ({_type_name(value)})"
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "bool", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and value.strip() != ""
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f'field "{key}" appears twice')
+        out[key] = value
+    return out
+
+
+def _parse_messages(value: Any, line: int, errors: _Collector) -> tuple[dict, ...] | None:
+    if not isinstance(value, list) or not value:
+        errors.add(line, "messages", f"expected a non-empty list of {{role, content}} objects, {_got(value)}")
+        return None
+    ok = True
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            errors.add(line, where, f'expected an object {{"role": ..., "content": ...}}, {_got(message)}')
+            ok = False
+            continue
+        unknown = sorted(set(message) - set(MESSAGE_FIELDS))
+        if unknown:
+            errors.add(line, where, f"unknown field(s) {unknown}; allowed: {list(MESSAGE_FIELDS)}")
+            ok = False
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            errors.add(line, f"{where}.role", f"expected one of {list(ROLES)}, {_got(role)}")
+            ok = False
+        if not _is_text(content):
+            errors.add(line, f"{where}.content", f"expected a non-empty string, {_got(content)}")
+            ok = False
+        messages.append({"role": role, "content": content})
+    if ok and messages[-1]["role"] != "user":
+        last = len(messages) - 1
+        errors.add(
+            line,
+            f"messages[{last}].role",
+            f'expected the last message to be from "user", got "{messages[last]["role"]}"',
+        )
+        ok = False
+    return tuple(messages) if ok else None
+
+
+def _parse_tests(value: Any, line: int, errors: _Collector) -> tuple[CodeTest, ...] | None:
+    if not isinstance(value, list) or not value:
+        errors.add(line, "tests", f'expected a non-empty list of {{"input": str, "output": str}}, {_got(value)}')
+        return None
+    ok = True
+    tests = []
+    for i, test in enumerate(value):
+        where = f"tests[{i}]"
+        if not isinstance(test, dict):
+            errors.add(line, where, f'expected an object {{"input": str, "output": str}}, {_got(test)}')
+            ok = False
+            continue
+        unknown = sorted(set(test) - set(TEST_FIELDS))
+        if unknown:
+            errors.add(line, where, f"unknown field(s) {unknown}; allowed: {list(TEST_FIELDS)}")
+            ok = False
+        for name in TEST_FIELDS:
+            if not isinstance(test.get(name), str):
+                missing = name not in test
+                errors.add(
+                    line,
+                    f"{where}.{name}",
+                    "missing, expected a string" if missing else f"expected a string, {_got(test[name])}",
+                )
+                ok = False
+        if ok:
+            tests.append(CodeTest(test["input"], test["output"]))
+    return tuple(tests) if ok else None
+
+
+def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> Problem | None:
+    """The Problem of one JSON object, or None after adding its errors."""
+    before = errors.count
+    unknown = [key for key in record if key not in FIELDS]
+    if unknown:
+        errors.add(line, unknown[0], f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
+
+    problem_id = record.get("id")
+    if "id" in record and not _is_text(problem_id):
+        errors.add(line, "id", f"expected a non-empty string, {_got(problem_id)}")
+
+    prompt = messages = None
+    if "prompt" in record and "messages" in record:
+        errors.add(line, "prompt", 'expected exactly one of "prompt" and "messages", got both')
+    elif "prompt" in record:
+        prompt = record["prompt"]
+        if not _is_text(prompt):
+            errors.add(line, "prompt", f"expected a non-empty string, {_got(prompt)}")
+    elif "messages" in record:
+        messages = _parse_messages(record["messages"], line, errors)
+    else:
+        errors.add(line, "prompt", 'missing: expected "prompt" (a string) or "messages" (a list)')
+
+    answer = tests = None
+    if "answer" in record and "tests" in record:
+        errors.add(line, "answer", 'expected exactly one of "answer" (math) and "tests" (code), got both')
+    elif "answer" in record:
+        answer = record["answer"]
+        if not _is_text(answer):
+            errors.add(line, "answer", f"expected a non-empty string, {_got(answer)}")
+    elif "tests" in record:
+        tests = _parse_tests(record["tests"], line, errors)
+    else:
+        errors.add(line, "answer", 'missing: expected "answer" (a string, math) or "tests" (a list, code)')
+
+    difficulty = record.get("difficulty")
+    if "difficulty" in record:
+        number = isinstance(difficulty, (int, float)) and not isinstance(difficulty, bool)
+        if not number or not 0.0 <= difficulty <= 1.0:
+            errors.add(line, "difficulty", f"expected a number in [0, 1] (0 easiest, 1 hardest), {_got(difficulty)}")
+        else:
+            difficulty = float(difficulty)
+
+    if errors.count > before:
+        return None
+    if problem_id is None:
+        problem_id = stable_id(prompt, messages)
+    return Problem(problem_id, prompt, messages, answer, tests, difficulty, line=line)
+
+
+def parse_problem_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<problems>") -> list[Problem]:
+    """The problems of a JSONL text given as lines (line 1 first); raises ProblemFileError listing every
+    error (up to MAX_ERRORS) if any line is not valid. ``path`` only names the source in errors."""
+    name = os.fspath(path)
+    errors = _Collector(name)
+    problems: list[Problem] = []
+    id_lines: dict[str, int] = {}
+    content_lines: dict[str, int] = {}
+    for line_number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except ValueError as e:  # json.JSONDecodeError, or a field given twice
+            errors.add(line_number, None, f"invalid JSON: {e}")
+            continue
+        if not isinstance(record, dict):
+            errors.add(line_number, None, f"expected a JSON object {{...}}, {_got(record)}")
+            continue
+        problem = _parse_record(record, line_number, errors)
+        if problem is None:
+            continue
+        content = problem.content_key()
+        content_field = "prompt" if problem.prompt is not None else "messages"
+        same_content = content_lines.get(content)
+        if same_content is not None:
+            errors.add(
+                line_number, content_field, f"the same {content_field} as line {same_content} (a duplicate problem)"
+            )
+        else:
+            content_lines[content] = line_number
+        same_id = id_lines.get(problem.id)
+        if same_id is not None and ("id" in record or same_content is None):
+            errors.add(line_number, "id", f'id "{problem.id}" is already used on line {same_id}')
+        else:
+            id_lines.setdefault(problem.id, line_number)
+        problems.append(problem)
+    if not problems and not errors.count:
+        errors.add(None, None, "no problems: the file is empty (a problem file needs at least one line)")
+    errors.raise_if_any()
+    return problems
+
+
+def read_problems(path: str | os.PathLike[str]) -> list[Problem]:
+    """Every problem of a JSONL problem file, in file order; raises ProblemFileError (nothing is returned)
+    if any line is not valid. The file is read as UTF-8."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return parse_problem_lines(text.splitlines(), path)
+
+
+def check_disjoint(
+    train: Sequence[Problem],
+    heldout: Sequence[Problem],
+    train_path: str | os.PathLike[str],
+    heldout_path: str | os.PathLike[str],
+) -> None:
+    """Raise ProblemFileError (on the held-out file's lines) when a held-out problem is also a training
+    problem: the same id or the same prompt/messages."""
+    train_name, heldout_name = os.fspath(train_path), os.fspath(heldout_path)
+    by_id = {p.id: p for p in train}
+    by_content = {p.content_key(): p for p in train}
+    errors = _Collector(heldout_name)
+    for index, problem in enumerate(heldout):
+        line = problem.line if problem.line is not None else index + 1
+        same_id, same_content = by_id.get(problem.id), by_content.get(problem.content_key())
+        if same_id is None and same_content is None:
+            continue
+        other = same_id if same_id is not None else same_content
+        other_line = f"{train_name}:{other.line}" if other.line is not None else f"{train_name} (id {other.id!r})"
+        if same_id is not None:
+            field, how = "id", "the same id"
+        else:
+            field = "prompt" if problem.prompt is not None else "messages"
+            how = f"the same {field}"
+        errors.add(line, field, f'held-out problem "{problem.id}" is also a training problem ({how} as {other_line})')
+    errors.raise_if_any()
+
+
+def write_problems(path: str | os.PathLike[str], problems: Sequence[Problem]) -> None:
+    """Write ``problems`` as a JSONL problem file (UTF-8, one object a line, fields in ``FIELDS`` order,
+    None fields left out). Checked first with the reader's rules (a file it would refuse is not written);
+    atomic: a temp file in the same folder, then a rename."""
+    lines = [json.dumps(p.to_record(), ensure_ascii=False) for p in problems]
+    parse_problem_lines(lines, path)
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(folder)
