@@ -25,7 +25,9 @@ on rank 0 notices a failed engine there and relays a restart + `update(current, 
     daemon_relay     Relay (commands and results through the store), EngineBoard (engine records)
     daemon_commands  CommandError, validate, phases, check/apply/undo/run, run_command (every rank), serve_rank
     daemon_driver    Driver: rank 0 runs each command's phases on every rank, one command at a time
-    daemon_routes    make_app (our routes, the token, the status codes), compat_routes (MoonshotAI's /v1 routes)
+    daemon_http      middlewares (the token, 503 while stopping, 500 on a fault), parse_json, read_body
+    daemon_routes    make_app (our routes and their status codes, the /v1 ones mounted beside them)
+    daemon_compat_routes  compat_routes (MoonshotAI's /v1 routes)
     daemon_metrics   DaemonMetrics (GET /metrics, Prometheus text), ObservedDriver (commands counted)
     daemon           serve_http (rank 0's server, its healer, the shutdown); the names above re-exported
 """
@@ -43,10 +45,11 @@ from checkpoint_engine.daemon_commands import (
     serve_rank,
     validate,
 )
+from checkpoint_engine.daemon_compat_routes import compat_routes
 from checkpoint_engine.daemon_driver import Driver
 from checkpoint_engine.daemon_metrics import DaemonMetrics, ObservedDriver
 from checkpoint_engine.daemon_relay import IDLE_WAIT_S, EngineBoard, Relay
-from checkpoint_engine.daemon_routes import NO_ENGINES, compat_routes, make_app
+from checkpoint_engine.daemon_routes import NO_ENGINES, make_app
 from checkpoint_engine.engine_heal import Healer
 
 __all__ = [

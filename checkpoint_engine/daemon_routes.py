@@ -1,42 +1,34 @@
-"""Rank 0's HTTP API (aiohttp): our routes and MoonshotAI checkpoint-engine's `/v1` routes, both on
-the daemon's commands (`daemon_commands`), and `GET /metrics` (`daemon_metrics`).
+"""Rank 0's HTTP API (aiohttp): our routes, on the daemon's commands (`daemon_commands`), and
+`GET /metrics` (`daemon_metrics`); `make_app` mounts them with MoonshotAI checkpoint-engine's `/v1`
+routes (`daemon_compat_routes`) behind the shared middlewares (`daemon_http`).
 
 Every route checks its request before any rank sees it; a relayed command runs on an executor
 thread, never blocking the event loop. `GET /engines` and `GET /metrics` read the engine board (no
 command: they answer during a long update). docs/daemon.md is the user's guide to all of it.
 
 Our answers: 200 done; 400 a malformed request (a body that is not a JSON object or nests deeper
-than `MAX_JSON_DEPTH`, an unknown field, named, a bad value, named); 401 no or a wrong bearer token
-(when the daemon has one); 404 an unknown checkpoint, 409 a name already registered, an engine in
-the wrong state or the daemon busy with another command, 500 a fault of the daemon or its engines,
-503 a daemon that must be restarted, or is stopping (after POST /shutdown or a signal every route
-but the health checks answers 503 at once). The relayed codes come from the driver (`status`).
-
-Their answers (the `/v1` routes): 200 with an empty body, 500 with the error text (a JSON string),
-422 naming the field of a bad request (FastAPI's shape). One server for the whole job (their daemon
-ran one per rank), so each of their routes is called once and acts on every rank; `files` are
-split across ranks as `POST /checkpoints` does.
-
-    request ──▶ observe (http_requests_total) ──▶ auth (401) ──▶ stopping (503) ──▶ route
+than `daemon_http.MAX_JSON_DEPTH`, an unknown field, named, a bad value, named); 401 no or a wrong
+bearer token (when the daemon has one); 404 an unknown checkpoint, 409 a name already registered,
+an engine in the wrong state or the daemon busy with another command, 500 a fault of the daemon or
+its engines, 503 a daemon that must be restarted, or is stopping (after POST /shutdown or a signal
+every route but the health checks answers 503 at once). The relayed codes come from the driver
+(`status`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
-import re
 
 from checkpoint_engine.daemon_commands import FAULT_FIELD, CommandError, is_int_list, validate
+from checkpoint_engine.daemon_compat_routes import compat_routes
 from checkpoint_engine.daemon_driver import Driver
+from checkpoint_engine.daemon_http import middlewares, read_body
 from checkpoint_engine.daemon_metrics import CONTENT_TYPE, DaemonMetrics, ObservedDriver
 from checkpoint_engine.engine_states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE
 
 logger = logging.getLogger(__name__)
 
-HEALTH_PATHS = frozenset({"/health", "/v1/healthz"})  # answered without a token, and while stopping
-MAX_JSON_DEPTH = 64  # nesting of a request body (GET /metas/NAME's answer nests 5 deep)
 # what each route's JSON body may hold (anything else is refused, by name)
 REGISTER_FIELDS = ("name", "files", "owner_ranks", "split_files", "gather", "timeout_s")
 UPDATE_FIELDS = (
@@ -52,54 +44,12 @@ UPDATE_FIELDS = (
 # POST /metas takes what GET /metas/NAME answered as its rank 0 result (jobs.GlobalMetas.to_dict)
 METAS_REQUIRED = ("checkpoint", "ranks", "device_ids", "pids", "hosts")
 METAS_FIELDS = (*METAS_REQUIRED, "chunk_handles", "p2p_addrs", "chunk_ptrs", "owner_pids", "owner_hosts", "checksums")
-# a JSON string (to its closing quote, or to the end of an unterminated one) or a bracket: one linear scan
-_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)|[\[\]{}]', re.S)
-
-
-class BodyError(ValueError):
-    """A request body that is not the JSON a route takes; the message says why."""
-
-
-def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH):
-    """`json.loads(raw)`, refusing (BodyError) a body nested deeper than `max_depth` before the parser
-    recurses into it, and a body that is not JSON."""
-    if raw.count(b"[") + raw.count(b"{") > max_depth:
-        depth = 0
-        for m in _JSON_TOKEN.finditer(raw):
-            c = m.group()
-            if c in (b"[", b"{"):
-                depth += 1
-                if depth > max_depth:
-                    raise BodyError(f"body must be JSON nested at most {max_depth} levels deep")
-            elif c in (b"]", b"}"):
-                depth -= 1
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise BodyError(f"body must be JSON nested at most {max_depth} levels deep") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BodyError(f"body must be JSON: {e}") from None
 
 
 def _bad(msg: str, field: str | None = None, status: int = 400):
     from aiohttp import web
 
     return web.json_response({"ok": False, "error": msg, **({"field": field} if field else {})}, status=status)
-
-
-def _fault(request, status: int, msg: str, headers: dict | None = None):
-    """An answer the middlewares give: our JSON object, or their error text (a JSON string) on /v1."""
-    from aiohttp import web
-
-    body = msg if request.path.startswith("/v1/") else {"ok": False, "error": msg}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _route_label(request) -> str:
-    """The route's template (`/checkpoints/{name}`): bounded label values whatever the paths asked."""
-    route = request.match_info.route
-    resource = getattr(route, "resource", None)
-    return resource.canonical if resource is not None else "unmatched"
 
 
 def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, metrics: DaemonMetrics | None = None):
@@ -110,42 +60,6 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
 
     metrics = metrics if metrics is not None else DaemonMetrics(driver.ps.world_size)
     observed = ObservedDriver(driver, metrics)
-    expected = None if token is None else token.encode()
-
-    @web.middleware
-    async def observe(request, handler):
-        route = _route_label(request)
-        try:
-            resp = await handler(request)
-        except web.HTTPException as e:
-            metrics.observe_request(route, request.method, e.status)
-            raise
-        except Exception as e:  # a bug, not a bad request: a JSON 500 rather than aiohttp's bare one
-            logger.exception("%s %s failed", request.method, request.path)
-            resp = _fault(request, 500, f"daemon fault: {type(e).__name__}: {e}")
-        metrics.observe_request(route, request.method, resp.status)
-        return resp
-
-    @web.middleware
-    async def auth(request, handler):
-        if expected is None or request.path in HEALTH_PATHS:
-            return await handler(request)
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            msg = (
-                "this daemon needs 'Authorization: Bearer <token>' (the token of its --token-file or CKPT_ENGINE_TOKEN)"
-            )
-        elif not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), expected):
-            msg = "wrong bearer token"
-        else:
-            return await handler(request)
-        return _fault(request, 401, msg, headers={"WWW-Authenticate": 'Bearer realm="checkpoint-engine"'})
-
-    @web.middleware
-    async def stopping(request, handler):
-        if stop.is_set() and request.path not in HEALTH_PATHS:
-            return _fault(request, 503, "the daemon is stopping")
-        return await handler(request)
 
     async def run(cmd: dict) -> dict:
         return await asyncio.get_running_loop().run_in_executor(None, observed.run, cmd)
@@ -157,27 +71,6 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
             return _bad(str(e), e.field or None)
         result = await run(cmd)
         return web.json_response(result, status=result.get("status", 200 if result["ok"] else 500))
-
-    async def body(request, fields: tuple[str, ...], route: str) -> dict:
-        """The request's JSON object ({} when empty); 400 naming what is wrong, unknown fields by name."""
-        raw = await request.read()
-        try:
-            data = parse_json(raw) if raw.strip() else {}
-        except BodyError as e:
-            raise web.HTTPBadRequest(
-                text=json.dumps({"ok": False, "error": str(e)}), content_type="application/json"
-            ) from None
-        if not isinstance(data, dict):
-            raise web.HTTPBadRequest(
-                text=json.dumps({"ok": False, "error": "body must be a JSON object"}), content_type="application/json"
-            )
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            error = f"unknown field(s) {unknown}; {route} takes {list(fields)}"
-            raise web.HTTPBadRequest(
-                text=json.dumps({"ok": False, "error": error, "field": unknown[0]}), content_type="application/json"
-            )
-        return data
 
     def bad_ranks(value, field: str, *, empty_ok: bool):
         """A 400 naming `field` unless it is null or a list of distinct ranks of this world."""
@@ -197,7 +90,7 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
 
     async def register(request):
         fields = REGISTER_FIELDS + ((FAULT_FIELD,) if driver.fault_injection else ())  # tests only
-        data = await body(request, fields, "POST /checkpoints")
+        data = await read_body(request, fields, "POST /checkpoints")
         owners = data.get("owner_ranks")
         if is_int_list(owners) and not all(0 <= r < driver.ps.world_size for r in owners):
             error = f"register: 'owner_ranks' must be ranks in [0, {driver.ps.world_size}), got {owners!r}"
@@ -211,7 +104,7 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
         return await call({"op": "unregister", "name": request.match_info["name"]})
 
     async def update(request):
-        data = await body(request, UPDATE_FIELDS, "POST /update")
+        data = await read_body(request, UPDATE_FIELDS, "POST /update")
         n = driver.ps.world_size
         bad = bad_ranks(data.get("ranks"), "ranks", empty_ok=True)
         if bad is not None:
@@ -239,7 +132,7 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
         return await call(cmd)
 
     async def engines_start(request):
-        data = await body(request, ("ranks", "name", "timeout_s"), "POST /engines/start")
+        data = await read_body(request, ("ranks", "name", "timeout_s"), "POST /engines/start")
         bad = _check_engine_request(driver, data, ("ranks", "name", "timeout_s"))
         if bad is not None:
             return bad
@@ -256,14 +149,14 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
         return await call({"op": "engine_start", "ranks": data.get("ranks"), "name": name, **_timeout(data)})
 
     async def engines_stop(request):
-        data = await body(request, ("ranks",), "POST /engines/stop")
+        data = await read_body(request, ("ranks",), "POST /engines/stop")
         bad = _check_engine_request(driver, data, ("ranks",))
         if bad is not None:
             return bad
         return await call({"op": "engine_stop", "ranks": data.get("ranks")})
 
     async def engines_sleep(request):
-        data = await body(request, ("ranks", "level", "timeout_s"), "POST /engines/sleep")
+        data = await read_body(request, ("ranks", "level", "timeout_s"), "POST /engines/sleep")
         bad = _check_engine_request(driver, data, ("ranks", "level", "timeout_s"))
         if bad is not None:
             return bad
@@ -276,7 +169,7 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
         return await call({"op": "engine_sleep", "ranks": data.get("ranks"), "level": level, **_timeout(data)})
 
     async def engines_wake(request):
-        data = await body(request, ("ranks", "name", "timeout_s"), "POST /engines/wake")
+        data = await read_body(request, ("ranks", "name", "timeout_s"), "POST /engines/wake")
         bad = _check_engine_request(driver, data, ("ranks", "name", "timeout_s"))
         if bad is not None:
             return bad
@@ -313,7 +206,7 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
         return await call({"op": "get_metas", "name": request.match_info["name"]})
 
     async def load_metas(request):
-        data = await body(request, METAS_FIELDS, "POST /metas (the metas GET /metas/NAME answered)")
+        data = await read_body(request, METAS_FIELDS, "POST /metas (the metas GET /metas/NAME answered)")
         missing = [f for f in METAS_REQUIRED if f not in data]
         if missing:
             return _bad(
@@ -339,7 +232,7 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
                 logger.warning("GET /metrics: engine records unreadable: %s: %s", type(e).__name__, e)
         return web.Response(body=metrics.render(records).encode(), headers={"Content-Type": CONTENT_TYPE})
 
-    app = web.Application(client_max_size=4 * 2**20, middlewares=[observe, auth, stopping])
+    app = web.Application(client_max_size=4 * 2**20, middlewares=middlewares(stop, token=token, metrics=metrics))
     app.add_routes(compat_routes(driver, run))
     app.add_routes(
         [
@@ -411,105 +304,3 @@ def _engines_not_in(driver: Driver, ranks, allowed: frozenset, why: str):
         return None
     detail = ", ".join(f"rank {r} is {st}" for r, st in sorted(wrong.items()))
     return web.json_response({"ok": False, "error": f"engine {why} ({detail})", "states": wrong}, status=409)
-
-
-def compat_routes(driver: Driver, run=None) -> list:
-    """MoonshotAI checkpoint-engine's `/v1` routes, on the same commands as ours. `run(cmd)`: an
-    awaitable of the driver's result (default: `driver.run` on an executor thread)."""
-    import math
-
-    from aiohttp import web
-
-    if run is None:
-
-        async def run(cmd: dict) -> dict:
-            return await asyncio.get_running_loop().run_in_executor(None, driver.run, cmd)
-
-    def bad(field: str, msg: str) -> web.Response:  # FastAPI's answer to a request that fails validation
-        return web.json_response(
-            {"detail": [{"loc": ["body", field] if field else ["body"], "msg": msg, "type": "value_error"}]}, status=422
-        )
-
-    async def body(request, *, required: bool):
-        raw = await request.read()
-        if not raw.strip() and not required:
-            return {}
-        try:
-            data = parse_json(raw)
-        except BodyError:
-            return None
-        return data if isinstance(data, dict) else None
-
-    async def call(cmd: dict) -> web.Response:
-        try:
-            validate(cmd)
-        except CommandError as e:
-            return bad("timeout" if e.field == "timeout_s" else e.field, str(e))
-        result = await run(cmd)
-        if result["ok"]:
-            return web.Response(status=200)
-        errors = result.get("errors") or {"0": result.get("error", "failed")}
-        text = "; ".join(f"rank {r}: {err}" for r, err in errors.items())
-        return web.json_response(text, status=500)
-
-    async def files(request):
-        data = await body(request, required=True)
-        if data is None:
-            return bad("", 'body must be a JSON object {"files": [...]}')
-        fs = data.get("files")
-        if not isinstance(fs, list) or not all(isinstance(f, str) for f in fs):
-            return bad("files", "'files' must be a list of safetensors paths")
-        return await call({"op": "register", "name": request.match_info["name"], "files": fs, "gather": False})
-
-    async def gather_metas(request):
-        return await call({"op": "gather_metas", "name": request.match_info["name"]})
-
-    async def update(request):
-        data = await body(request, required=False)
-        if data is None:
-            return bad("", "body must be a JSON object")
-        timeout = data.get("timeout", 300.0)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            return bad("timeout", f"'timeout' must be a number of seconds > 0, got {timeout!r}")
-        for field in ("ranks", "inference_group_ranks"):
-            value = data.get(field, [])
-            if not is_int_list(value) or not all(0 <= r < driver.ps.world_size for r in value):
-                return bad(field, f"'{field}' must be a list of ranks in [0, {driver.ps.world_size}), got {value!r}")
-        ranks, group = data.get("ranks", []), data.get("inference_group_ranks", [])
-        if ranks and group and not set(group) <= set(ranks):
-            return bad(
-                "inference_group_ranks",
-                f"'inference_group_ranks' {group} must be among the P2P "
-                f"receivers 'ranks' {ranks}: only they ask their engines to update",
-            )
-        return await call(
-            {
-                "op": "update",
-                "name": request.match_info["name"],
-                "ranks": ranks,
-                "update_url": data.get("update_url"),
-                "inference_group_ranks": group,
-                "timeout_s": float(timeout),
-                "uds": data.get("uds"),
-                "world_size": driver.ps.world_size,
-            }
-        )
-
-    async def unregister(request):
-        return await call({"op": "unregister", "name": request.match_info["name"]})
-
-    async def healthz(request):
-        return web.Response(status=200)
-
-    return [
-        web.post("/v1/checkpoints/{name}/files", files),
-        web.post("/v1/checkpoints/{name}/gather-metas", gather_metas),
-        web.post("/v1/checkpoints/{name}/update", update),
-        web.delete("/v1/checkpoints/{name}", unregister),
-        web.get("/v1/healthz", healthz),
-    ]

@@ -13,9 +13,10 @@ from http.server import ThreadingHTTPServer
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from checkpoint_engine import daemon_routes
+from checkpoint_engine import daemon_http
+from checkpoint_engine.daemon_http import BodyError, parse_json
 from checkpoint_engine.daemon_metrics import STAGES, DaemonMetrics, ObservedDriver
-from checkpoint_engine.daemon_routes import METAS_FIELDS, BodyError, make_app, parse_json
+from checkpoint_engine.daemon_routes import METAS_FIELDS, make_app
 
 WORLD = 2
 
@@ -279,8 +280,8 @@ def test_a_signal_stops_the_routes_too():
 # ── the bearer token ───────────────────────────────────────────────────────────────────────────────
 def test_token_required_on_every_route_but_health(monkeypatch):
     compared = []
-    real = daemon_routes.hmac.compare_digest
-    monkeypatch.setattr(daemon_routes.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    real = daemon_http.hmac.compare_digest
+    monkeypatch.setattr(daemon_http.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
     driver = StubDriver()
     good, wrong = {"Authorization": "Bearer s3cret"}, {"Authorization": "Bearer s3cre7"}
     answers = serve(
