@@ -32,11 +32,10 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
-from orchestrator.fsutil import fsync_dir
+from orchestrator.fsutil import atomic_write_text
 
 FIELDS: tuple[str, ...] = ("id", "prompt", "messages", "answer", "tests", "difficulty")  # also the write order
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
@@ -405,18 +404,4 @@ def write_problems(path: str | os.PathLike[str], problems: Sequence[Problem]) ->
     atomic: a temp file in the same folder, then a rename."""
     lines = [json.dumps(p.to_record(), ensure_ascii=False) for p in problems]
     parse_problem_lines(lines, path)
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    target = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(folder)
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
