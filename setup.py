@@ -16,7 +16,7 @@ setup(
     description="Fast weight sync from trainers into running inference engines, and a Kimi-k1.5-style RL loop on top",
     python_requires=">=3.10",
     packages=find_packages(
-        include=["checkpoint_engine*", "vllm_ext*", "orchestrator*", "trainer*", "sandbox*", "demo*"]
+        include=["checkpoint_engine*", "ckpt_common*", "vllm_ext*", "orchestrator*", "trainer*", "sandbox*", "demo*"]
     ),
     install_requires=[
         "torch>=2.4",
@@ -31,7 +31,7 @@ setup(
     entry_points={
         "console_scripts": [
             "ckpt-rl = orchestrator.__main__:console_main",
-            "ckpt-long2short = orchestrator.long2short:main",
+            "ckpt-long2short = orchestrator.long2short.cli:main",
             "ckpt-curate = orchestrator.curation:main",
             "ckpt-sandbox = sandbox.__main__:main",
             "ckpt-vllm-launch = vllm_ext.launch:main",

@@ -48,8 +48,8 @@ class BenchEngine:
     def __init__(self, put: Callable, device_index: int | None = None):
         import zmq
 
-        from checkpoint_engine.shm import MappingCache
         from checkpoint_engine.state import EngineWeightState
+        from checkpoint_engine.transport.shm import MappingCache
 
         self.put, self.device_index = put, device_index
         self.ctx, self.state, self.mappings = zmq.Context(), EngineWeightState(), MappingCache()

@@ -180,7 +180,7 @@ def plot(curves: Mapping[str, Sequence[Sequence[tuple[int, float]]]], path: path
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))  # run as a script from a checkout
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging("INFO")
     out_dir = pathlib.Path(args.out_dir)

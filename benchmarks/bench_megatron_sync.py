@@ -30,7 +30,7 @@ HF checkpoint is --dtype. Best of --repeats, each a full sync's handoff:
     python benchmarks/bench_megatron_sync.py --vllm [--model-dir DIR] [--steps 3]
 
 adds the trainer-step-end to vLLM-serving split, measured the way the RL loop syncs
-(orchestrator.weight_sync: an in-process ParameterServer, CPU transport) from a MegatronTrainer (TP=1,
+(orchestrator.engines.weight_sync: an in-process ParameterServer, CPU transport) from a MegatronTrainer (TP=1,
 this process) into a real vLLM LLM (CPU, started on dummy weights) after each of --steps training steps:
   step_convert_s   trainer.named_tensors(): every TP rank (--trainer-tp) writes its HF slices into
                    the trainer's shared HF buffer (write_rank_slices), barrier
@@ -178,11 +178,11 @@ def _handoff_rank(args, rank: int, port: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from checkpoint_engine import shm
     from checkpoint_engine.config import ParameterServerConfig
-    from checkpoint_engine.dtypes import dtype_name
     from checkpoint_engine.host_memory import SharedTensorBuffer
     from checkpoint_engine.plan import layout_tensors
+    from checkpoint_engine.transport import shm
+    from ckpt_common.dtypes import dtype_name
     from trainer.megatron.convert import (
         Parallelism,
         hf_param_shapes,
@@ -314,7 +314,7 @@ def handoff_side_by_side(args) -> dict:
     import subprocess
     import sys
 
-    from checkpoint_engine.ports import free_port
+    from ckpt_common.ports import free_port
 
     port = free_port()
     repo = str(pathlib.Path(__file__).resolve().parents[1])

@@ -79,7 +79,7 @@ def measure_starts(num_starts: int, python: str) -> dict[str, list[float]]:
 def start_service(port: int, workers: int) -> subprocess.Popen:
     import httpx
 
-    from checkpoint_engine.procs import die_with_parent
+    from ckpt_common.procs import die_with_parent
 
     proc = subprocess.Popen(
         [
@@ -146,7 +146,7 @@ def measure_throughput(cores: int, concurrency: int, duration_s: float) -> dict:
 
     import psutil
 
-    from checkpoint_engine.ports import free_port
+    from ckpt_common.ports import free_port
 
     port = free_port()
     proc = start_service(port, workers=cores)
@@ -178,7 +178,7 @@ def measure_throughput(cores: int, concurrency: int, duration_s: float) -> dict:
 def main() -> int:
     args = parse_args()
     sys.path.insert(0, str(REPO))
-    from checkpoint_engine.procs import exit_on_signals
+    from ckpt_common.procs import exit_on_signals
 
     exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
     from sandbox.bwrap import probe_bwrap

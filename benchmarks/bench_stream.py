@@ -50,8 +50,8 @@ def _round(engine, requests, sampling) -> tuple[float, int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from checkpoint_engine.logs import setup_logging
-    from checkpoint_engine.procs import exit_on_signals
+    from ckpt_common.logs import setup_logging
+    from ckpt_common.procs import exit_on_signals
 
     exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the pool's close stops the server
     setup_logging("WARNING")
@@ -59,10 +59,10 @@ def main(argv=None) -> int:
 
     from demo.tiny_model import TinyModelConfig, load_state_dict_from_dir, make_tiny_model
     from orchestrator.config import EngineConfig, SyncConfig
-    from orchestrator.engine import GenRequest, SamplingSettings
-    from orchestrator.engine_http import STREAM_INTERVAL_TOKENS, HttpVllmEngine
-    from orchestrator.engine_pool import EnginePool
-    from orchestrator.pool_sync import PoolWeightSync
+    from orchestrator.engines.base import GenRequest, SamplingSettings
+    from orchestrator.engines.pool import EnginePool
+    from orchestrator.engines.pool_sync import PoolWeightSync
+    from orchestrator.engines.vllm_http import STREAM_INTERVAL_TOKENS, HttpVllmEngine
     from trainer.cpu import cpu_info
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-stream-"))

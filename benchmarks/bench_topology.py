@@ -49,10 +49,11 @@ through the handoff dir in /dev/shm, as the RL job's `engine.type=daemon` does. 
                   by side in the same run:
                     raw_read_s   the same bytes (the buckets of the owners other than rank 1, rank 1
                                  reads its own in place), the same bucket plan and owners, read by a
-                                 Mooncake transfer engine in a process of its own (checkpoint_engine.p2p; not
-                                 this one, whose GIL engine A's client holds; started once, before A
-                                 generates: `RawReader`) bucket by
-                                 bucket into a registered double buffer, as the P2P mode does; no engine.
+                                 Mooncake transfer engine in a process of its own
+                                 (checkpoint_engine.transport.mooncake; not this one, whose GIL
+                                 engine A's client holds; started once, before A generates:
+                                 `RawReader`) bucket by bucket into a registered double buffer, as
+                                 the P2P mode does; no engine.
                                  Measured while engine A generates, as during the heal: median of
                                  --raw-repeats (_best_s, _first_s: the first, with the handshake;
                                  raw_read_batch_s: every bucket in one batch read into one buffer);
@@ -105,7 +106,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from checkpoint_engine.procs import die_with_parent, exit_on_signals  # after the path insert
+from ckpt_common.procs import die_with_parent, exit_on_signals  # after the path insert
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 POLL_S = 0.05
@@ -250,8 +251,8 @@ def start_daemon(
     engine_p2p_cpus: str = "all",
     daemon_p2p_cpus: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    from checkpoint_engine.engines import free_port
-    from checkpoint_engine.httpjson import status_json
+    from checkpoint_engine.engines.host import free_port
+    from ckpt_common.httpjson import status_json
 
     script = work / "engine.sh"
     script.write_text(
@@ -311,7 +312,7 @@ def stop_daemon(daemon: subprocess.Popen, base: str, graceful: bool) -> None:
     or at once when interrupted (a command may wait minutes for an engine start), SIGTERM to the
     daemon's process group (torchrun and its ranks), SIGKILL after 30 s. The engines end with their
     rank (PR_SET_PDEATHSIG)."""
-    from checkpoint_engine.httpjson import call_json
+    from ckpt_common.httpjson import call_json
 
     if graceful and daemon.poll() is None:
         try:
@@ -331,7 +332,7 @@ def stop_daemon(daemon: subprocess.Popen, base: str, graceful: bool) -> None:
 
 # -- measurements --------------------------------------------------------------------------------------
 def make_requests(tokenizer, num: int, max_tokens: int, tag: str):
-    from orchestrator.engine import GenRequest
+    from orchestrator.engines.base import GenRequest
 
     return [
         GenRequest(f"{tag}-{i}", tuple(tokenizer(f"{i * 37 % 90 + 10}+{i * 53 % 90 + 10}=")["input_ids"]), max_tokens)
@@ -341,7 +342,7 @@ def make_requests(tokenizer, num: int, max_tokens: int, tag: str):
 
 def rollout(pool, tokenizer, args, tag: str) -> tuple[float, int, list[list[int]]]:
     """One pool.generate over the prompts: (seconds, output tokens, prompt + response token ids)."""
-    from orchestrator.engine import SamplingSettings
+    from orchestrator.engines.base import SamplingSettings
 
     requests = make_requests(tokenizer, args.prompts, args.max_tokens, tag)
     start = time.monotonic()
@@ -411,8 +412,8 @@ def mooncake_raw_read(
     import torch
 
     from checkpoint_engine.jobs import GlobalMetas
-    from checkpoint_engine.p2p import P2PConfig, P2PStore
     from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, align_up, plan_buckets
+    from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore
 
     g = GlobalMetas.from_dict(metas)
     buckets = [b for b in plan_buckets(g.rank_metas, bucket_size_bytes) if receiver is None or b.owner_rank != receiver]
@@ -715,9 +716,9 @@ def main(argv=None) -> dict:
 
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from orchestrator.config import EngineConfig, SyncConfig
-    from orchestrator.daemon_client import write_version
-    from orchestrator.daemon_engines import DaemonWeightSync, _http_engine, start_daemon_pool
-    from orchestrator.engine_pool import BATCH_SIZE, SERVING, EnginePool, Member, cpu_binds
+    from orchestrator.engines.daemon import DaemonWeightSync, _http_engine, start_daemon_pool
+    from orchestrator.engines.daemon_client import write_version
+    from orchestrator.engines.pool import BATCH_SIZE, SERVING, EnginePool, Member, cpu_binds
     from trainer.base import TrainerConfig
     from trainer.hf import HFTrainer
 

@@ -189,7 +189,7 @@ def measure_copy(total_bytes: int, broadcast: bool) -> float:
 
 def main() -> int:
     args = parse_args()
-    from checkpoint_engine.procs import exit_on_signals
+    from ckpt_common.procs import exit_on_signals
 
     exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally blocks stop every server started
     import torch
@@ -209,7 +209,7 @@ def main() -> int:
     parent, engine = start_engine(engine_main)
 
     bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
-    from checkpoint_engine.p2p import P2PConfig
+    from checkpoint_engine.transport.mooncake import P2PConfig
 
     modes = args.modes.split(",")
     cfg = ParameterServerConfig(

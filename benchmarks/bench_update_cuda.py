@@ -103,7 +103,7 @@ def timed_copy(dst, src) -> float:
 
 def main() -> int:
     args = parse_args()
-    from checkpoint_engine.procs import exit_on_signals
+    from ckpt_common.procs import exit_on_signals
 
     exit_on_signals()
     import torch

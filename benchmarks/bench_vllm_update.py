@@ -53,8 +53,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta  # after the path insert: run as a script
-from checkpoint_engine.validate import check_int, check_number
+from ckpt_common.cli_config import ConfigArgs, add_config_args, meta  # after the path insert: run as a script
+from ckpt_common.validate import check_int, check_number
 
 PROMPTS = ["12+34=", "Hello world\n"]
 MAX_TOKENS = 8
@@ -150,8 +150,8 @@ def first_answer_s(server, url: str, model: str, t0: float, timeout_s: float) ->
 
 def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) -> dict:
     from checkpoint_engine.config import ParameterServerConfig
-    from checkpoint_engine.hf_dir import safetensors_files
     from checkpoint_engine.ps import ParameterServer
+    from ckpt_common.hf_dir import safetensors_files
     from testing.vllm_servers import completion_token_ids
     from vllm_ext.req import collective_rpc, reset_prefix_cache_http, vllm_http_req_func
 
@@ -245,7 +245,7 @@ def save_copy_s(model_dir: Path) -> float:
 
     from safetensors.torch import save_file
 
-    from checkpoint_engine.hf_dir import read_tensors, safetensors_files
+    from ckpt_common.hf_dir import read_tensors, safetensors_files
 
     tensors = read_tensors(model_dir)
     out = model_dir.parent / "saved"
@@ -398,7 +398,7 @@ def vllm_load_weights_s(log_path: Path) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     bench = parse_config(argv)
-    from checkpoint_engine.procs import exit_on_signals
+    from ckpt_common.procs import exit_on_signals
 
     # SIGTERM and Ctrl-C unwind as SystemExit: the finally blocks stop every server started (and each
     # server also gets SIGTERM from the kernel if this process dies: die_with_parent)

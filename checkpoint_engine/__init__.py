@@ -20,7 +20,7 @@ _LAZY: dict[str, str] = {
     "request_inference_to_update": "checkpoint_engine.api",
     "update_weights_from_ipc": "checkpoint_engine.worker",
     "VllmColocateWorkerExtension": "checkpoint_engine.worker",  # compat shim to vllm_ext.worker
-    "P2PStore": "checkpoint_engine.p2p",
+    "P2PStore": "checkpoint_engine.transport.mooncake",
 }
 
 __all__ = [
@@ -34,8 +34,8 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from checkpoint_engine.api import request_inference_to_update
-    from checkpoint_engine.p2p import P2PStore
     from checkpoint_engine.ps import ParameterServer
+    from checkpoint_engine.transport.mooncake import P2PStore
     from checkpoint_engine.worker import update_weights_from_ipc
 
 

@@ -1,4 +1,4 @@
-"""`torchrun --nproc-per-node N -m checkpoint_engine`: the weight-sync daemon (see daemon.py).
+"""`torchrun --nproc-per-node N -m checkpoint_engine`: the weight-sync daemon (see daemon/server.py).
 
 Rank 0 serves the HTTP API; every rank holds its shard of each registered checkpoint.
   POST /checkpoints  {"name", "files": [...]}    register (files are split across ranks) + gather metas
@@ -38,7 +38,7 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from checkpoint_engine.modes import REQUESTED_MODES
+    from checkpoint_engine.types import REQUESTED_MODES
 
     p = argparse.ArgumentParser(
         prog="python -m checkpoint_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="the engine each rank manages: a JSON list or a shell-style string with {port} (and {rank}, "
         "{device}, {rendezvous}: the address of its load step, {p2p_host}: this daemon's --p2p-host), e.g. "
-        "'python -m checkpoint_engine.plain_engine --port {port}'",
+        "'python -m checkpoint_engine.engines.plain --port {port}'",
     )
     p.add_argument(
         "--auto-heal",
@@ -121,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.token = load_token(args.token_file, os.environ)
     except ValueError as e:
         p.error(str(e))
-    from checkpoint_engine.ports import is_loopback
+    from ckpt_common.ports import is_loopback
 
     if args.token is None and not args.uds and not is_loopback(args.host):
         p.error(
@@ -130,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     args.p2p_cpu_list = None
     if args.p2p_cpus is not None:
-        from checkpoint_engine.p2p import rank_cpus
+        from checkpoint_engine.transport.mooncake import rank_cpus
 
         if not args.p2p_host:
             p.error("--p2p-cpus places the transfer engine's threads: it needs --p2p-host")
@@ -141,7 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--p2p-cpus: {e}")
     if args.engine_cmd is not None:
-        from checkpoint_engine.engines import EngineConfig, parse_engine_cmd
+        from checkpoint_engine.engines.host import EngineConfig, parse_engine_cmd
 
         try:
             args.engine_config = EngineConfig(
@@ -194,11 +194,11 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from checkpoint_engine import engines
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
-    from checkpoint_engine.daemon import Driver, EngineBoard, Relay, serve_http, serve_rank
-    from checkpoint_engine.logs import setup_logging
+    from checkpoint_engine.daemon.server import Driver, EngineBoard, Relay, serve_http, serve_rank
+    from checkpoint_engine.engines import host as engines
     from checkpoint_engine.ps import ParameterServer
+    from ckpt_common.logs import setup_logging
 
     try:
         import aiohttp  # noqa: F401 - rank 0's HTTP server
@@ -214,11 +214,11 @@ def main(argv=None) -> int:
             return 2
     rank = int(os.environ["RANK"])
     setup_logging(args.log_level, rank)
-    from checkpoint_engine.procs import signal_when_orphaned
+    from ckpt_common.procs import signal_when_orphaned
 
     signal_when_orphaned()  # a SIGKILLed torchrun: stop as on its SIGTERM (engines included)
     bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
-    from checkpoint_engine.p2p import P2PConfig
+    from checkpoint_engine.transport.mooncake import P2PConfig
 
     p2p = (
         P2PConfig(args.p2p_host, args.p2p_protocol, args.p2p_device, cpus=args.p2p_cpu_list) if args.p2p_host else None
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
             driver = Driver(ps, relay, host, board)
             asyncio.run(serve_http(driver, args.host, args.port, args.uds, args.stop_timeout_s, token=args.token))
         else:
-            from checkpoint_engine.procs import exit_on_signals, stop_deadline
+            from ckpt_common.procs import exit_on_signals, stop_deadline
 
             exit_on_signals()  # SIGTERM unwinds through `finally`: this rank's engine is stopped
             stop_deadline(args.stop_timeout_s)

@@ -11,8 +11,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-from checkpoint_engine.httpjson import HTTPError, post_json  # also importable from here
 from checkpoint_engine.types import ReqFunc  # also importable from here
+from ckpt_common.httpjson import HTTPError, post_json  # also importable from here
 
 __all__ = ["HTTPError", "ReqFunc", "group_req_func", "http_req_func", "post_json", "request_inference_to_update"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from checkpoint_engine.modes import REQUESTED_MODES, RequestedMode
-from checkpoint_engine.p2p import P2PConfig
-from checkpoint_engine.validate import check_literals
+from checkpoint_engine.transport.mooncake import P2PConfig
+from checkpoint_engine.types import REQUESTED_MODES, RequestedMode
+from ckpt_common.validate import check_literals
 
 MiB = 2**20
 

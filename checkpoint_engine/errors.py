@@ -25,17 +25,6 @@ class UpdateFailed(CheckpointEngineError):
         super().__init__(f"{REMOTE_ERRORS}: weight update aborted on all ranks ({detail})")
 
 
-class HTTPError(CheckpointEngineError):
-    """An HTTP server answered with a status >= 400 (`checkpoint_engine.httpjson`'s client).
-
-    `status` is the HTTP status code and `text` the answer's body, so callers branch on the code.
-    """
-
-    def __init__(self, method: str, url: str, status: int, text: str):
-        self.method, self.url, self.status, self.text = method, url, status, text
-        super().__init__(f"{method} {url} answered HTTP {status}: {text[:2000]}")
-
-
 class CheckpointNotFound(CheckpointEngineError, ValueError):
     """The named checkpoint is not registered (here, or on any rank): the daemon answers HTTP 404.
 

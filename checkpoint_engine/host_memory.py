@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkpoint_engine import shm
 from checkpoint_engine.checksum import tensor_checksum
-from checkpoint_engine.dtypes import dtype_from_name, dtype_from_safetensors, dtype_name, itemsize
 from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, RankLayout, TensorMeta, TensorSpec, layout_tensors
 from checkpoint_engine.protocol import BufferHandle
-from checkpoint_engine.transport import HostChunk
+from checkpoint_engine.transport import shm
+from checkpoint_engine.transport.devices import HostChunk
+from ckpt_common.dtypes import dtype_from_name, dtype_from_safetensors, dtype_name, itemsize
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,6 @@ from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.host_memory import RegisteredCheckpoint
-from checkpoint_engine.modes import Mode, RequestedMode
-from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.pipeline import UpdateJob
 from checkpoint_engine.plan import TensorMeta
 from checkpoint_engine.protocol import BufferHandle
@@ -37,8 +35,9 @@ from checkpoint_engine.sources import (
     LocalSource,
     P2PSource,
 )
-from checkpoint_engine.transport import Transport
-from checkpoint_engine.types import ReqFunc
+from checkpoint_engine.transport.devices import Transport
+from checkpoint_engine.transport.mooncake import P2PStore
+from checkpoint_engine.types import Mode, ReqFunc, RequestedMode
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from checkpoint_engine.modes import Mode
+from checkpoint_engine.types import Mode
 
 logger = logging.getLogger(__name__)
 

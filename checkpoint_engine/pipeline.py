@@ -31,11 +31,10 @@ from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.errors import UpdateFailed  # also re-exported: callers import it from here
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics
-from checkpoint_engine.modes import Mode
 from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up, double_buffer_schedule
 from checkpoint_engine.sources import BucketSource, EngineBuffers
-from checkpoint_engine.transport import Transport
-from checkpoint_engine.types import ReqFunc
+from checkpoint_engine.transport.devices import Transport
+from checkpoint_engine.types import Mode, ReqFunc
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from checkpoint_engine.dtypes import itemsize
+from ckpt_common.dtypes import itemsize
 
 DEFAULT_ALIGN_BYTES = 256
 MIN_ALIGN_BYTES = 16

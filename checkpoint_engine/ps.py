@@ -33,12 +33,12 @@ from checkpoint_engine.host_memory import (
     register_tensors,
 )
 from checkpoint_engine.jobs import GlobalMetas, make_job, memory_budget_bytes
-from checkpoint_engine.load_rendezvous import PullHint
 from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
-from checkpoint_engine.p2p import P2PStore
 from checkpoint_engine.pipeline import UpdateFailed, run_update
-from checkpoint_engine.transport import make_transport
+from checkpoint_engine.transport.devices import make_transport
+from checkpoint_engine.transport.load_rendezvous import PullHint
+from checkpoint_engine.transport.mooncake import P2PStore
 
 logger = logging.getLogger(__name__)
 

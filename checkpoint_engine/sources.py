@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from checkpoint_engine import protocol as P
-from checkpoint_engine.modes import Mode
+from checkpoint_engine.types import Mode
 
 if TYPE_CHECKING:  # annotations only: this module imports no torch
     import torch
@@ -34,9 +34,9 @@ if TYPE_CHECKING:  # annotations only: this module imports no torch
 
     from checkpoint_engine.host_memory import RegisteredCheckpoint
     from checkpoint_engine.metrics import UpdateMetrics
-    from checkpoint_engine.p2p import P2PStore
     from checkpoint_engine.plan import Bucket
-    from checkpoint_engine.transport import Transport
+    from checkpoint_engine.transport.devices import Transport
+    from checkpoint_engine.transport.mooncake import P2PStore
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,28 @@
 `ReqFunc` is the callback `ParameterServer.update(name, req_func)` runs on a background thread of
 every rank: it receives every rank's `(device_uuid, zmq_address)` in rank order and tells the
 engines to connect (over HTTP, in process, or not at all).
+
+The update modes' names, said once (the config, the metrics, the CLI and the bucket sources all
+import them from here):
+
+    collective  the owner broadcasts each bucket (any topology; on GPU always)
+    local       every engine reads every owner's chunks in place (CPU, one host)
+    p2p         a Mooncake one-sided read from the owner's chunk, through this rank
+    p2p_engine  the same pull read by the engine itself (`UpdateConfig.p2p_reader="engine"`)
+
+An update's config may ask for `SelectableMode` (or "auto": let `jobs.choose_mode` pick); "p2p" is
+never asked for: a pull takes it when local reads are impossible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, get_args
 
 ReqFunc = Callable[[list[tuple[str, str]]], None]
+
+SelectableMode = Literal["collective", "local"]
+Mode = Literal[SelectableMode, "p2p", "p2p_engine"]  # what an update runs as (Literal flattens: the three names)
+MODES: tuple[Mode, ...] = get_args(Mode)
+RequestedMode = Literal["auto", SelectableMode]  # `UpdateConfig.mode`, daemon `--mode`
+REQUESTED_MODES: tuple[RequestedMode, ...] = get_args(RequestedMode)

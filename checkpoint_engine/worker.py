@@ -26,11 +26,11 @@ import zmq
 
 from checkpoint_engine import protocol as P
 from checkpoint_engine.checksum import tensor_checksum
-from checkpoint_engine.dtypes import dtype_from_name
-from checkpoint_engine.engine_reads import EngineReads
-from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
-from checkpoint_engine.transport import open_buffer
+from checkpoint_engine.transport.devices import open_buffer
+from checkpoint_engine.transport.engine_reads import EngineReads
+from checkpoint_engine.transport.shm import MappingCache
+from ckpt_common.dtypes import dtype_from_name
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ def parse_args():
 
 def start_engine(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", str(port)],
+        [sys.executable, "-m", "checkpoint_engine.engines.plain", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -50,8 +50,8 @@ def main() -> int:
     from checkpoint_engine.checksum import tensor_checksum
     from checkpoint_engine.collectives import all_gather_obj
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
-    from checkpoint_engine.logs import setup_logging
     from checkpoint_engine.ps import ParameterServer
+    from ckpt_common.logs import setup_logging
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging("WARNING", rank)

@@ -242,7 +242,7 @@ def main(argv=None) -> int:
 
     import checkpoint_engine.distributed as dist
     from checkpoint_engine import ParameterServer
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging("INFO", rank=rank)
 

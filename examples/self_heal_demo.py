@@ -30,7 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def get_engines(base: str) -> dict:
     """GET /engines; OSError while the daemon is not listening."""
-    from checkpoint_engine.httpjson import status_json
+    from ckpt_common.httpjson import status_json
 
     code, body = status_json("GET", base + "/engines", timeout_s=10.0)
     if code != 200:
@@ -54,7 +54,7 @@ def main() -> int:
     if not 1 <= args.kill_after_iteration < args.iterations:
         p.error("--kill-after-iteration must be >= 1 and below --iterations")
     sys.path.insert(0, str(REPO))  # run as a script from a checkout: testing/ is not installed
-    from checkpoint_engine.procs import exit_on_signals
+    from ckpt_common.procs import exit_on_signals
     from testing.daemon import DaemonStartError, repo_env, start_daemon
 
     exit_on_signals()  # SIGTERM unwinds like Ctrl-C: the finally block stops everything started

@@ -90,7 +90,7 @@ def install_stop_handling(stop_timeout_s: float, log_level: str = "INFO") -> Non
     ``SystemExit(143)``), so the ``finally`` blocks close the engine and the trainer; the deadline ends
     a clean-up that hangs; from the signal on, the console's log handler is quiet (unless ``DEBUG``):
     what the stop sets off (a request cut short, a torn weight update) is no news."""
-    from checkpoint_engine.procs import quiet_after_stop, record_stop_signals, stop_deadline
+    from ckpt_common.procs import quiet_after_stop, record_stop_signals, stop_deadline
 
     record_stop_signals((signal.SIGINT, signal.SIGTERM))
     stop_deadline(stop_timeout_s)
@@ -119,7 +119,7 @@ def run_stoppable(body: Callable[[], T], output_dir: str | os.PathLike[str]) -> 
     (vLLM's engine core, in the terminal's process group, may have died of the same Ctrl-C and failed
     the weight update in flight): one line on stderr, exit 128 + signum (130 for Ctrl-C, 143 for
     SIGTERM); the error goes to the log at DEBUG only. An error without a stop is raised as is."""
-    from checkpoint_engine.procs import exit_after_cleanup, stop_exit_code
+    from ckpt_common.procs import exit_after_cleanup, stop_exit_code
 
     try:
         return body()
@@ -136,7 +136,7 @@ def run_stoppable(body: Callable[[], T], output_dir: str | os.PathLike[str]) -> 
 
 
 def _run(config, output_dir: str, progress_bar: bool) -> dict:
-    from checkpoint_engine.procs import stop_signal
+    from ckpt_common.procs import stop_signal
     from orchestrator.loop import run_job
     from orchestrator.reaper import start_reaper, stop_reaper
 
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(to_dict(config), indent=2))
         return 0
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging(args.log_level)
     if args.log_level == "INFO":  # one line per update from the checkpoint engine drowns the progress bar

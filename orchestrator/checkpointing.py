@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.fsutil import atomic_write_text, fsync_dir
+from ckpt_common.fsutil import atomic_write_text, fsync_dir
 from orchestrator.replay import PartialRolloutConfig, ReplayBuffer
 
 logger = logging.getLogger(__name__)

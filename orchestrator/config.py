@@ -8,7 +8,7 @@
                                         │
                                         ▼
                           from_dict(JobConfig, merged) ──▶ every __post_init__ validates
-                          (orchestrator.dictconfig: the generic part)
+                          (ckpt_common.dictconfig: the generic part)
 
 Unknown keys are errors that name the full dotted path (keys starting with "_" are comments).
 Sections reuse the components' own config classes where they exist (``SFTConfig``,
@@ -27,9 +27,9 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from checkpoint_engine.validate import check_int, check_literals, check_number, check_qualname
+from ckpt_common.dictconfig import apply_overrides, from_dict, merge, to_dict
+from ckpt_common.validate import check_int, check_literals, check_number, check_qualname
 from demo import task
-from orchestrator.dictconfig import apply_overrides, from_dict, merge, to_dict
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, check_rollout_fields
@@ -216,11 +216,11 @@ class EngineConfig:
 
     ``num_engines`` >= 2 (with the default ``type``): the job starts that many vLLM servers on this
     machine (``python -m vllm_ext.launch --no-initial-push``, each bound to its share of the CPUs) and
-    spreads rollouts over them (``orchestrator.engine_pool``); every weight version reaches each one.
+    spreads rollouts over them (``orchestrator.engines.pool``); every weight version reaches each one.
     ``self_heal``: a pool engine that dies is restarted, brought to the current version and put back.
     ``type="daemon"``: the engines are the checkpoint-engine daemon's (``torchrun -m checkpoint_engine
     --engine-cmd ...`` at ``endpoint``), which starts, updates and heals them
-    (``orchestrator.daemon_engines``; weights handed over as files in ``sync.handoff_dir``).
+    (``orchestrator.engines.daemon``; weights handed over as files in ``sync.handoff_dir``).
     ``colocated`` (daemon only; k1.5's hybrid deployment): the engines run only during rollouts; each
     iteration the job stops them before training (POST /engines/stop: the trainer gets the memory back)
     and starts them with the new version after it (POST /engines/start: the version goes into vLLM's load

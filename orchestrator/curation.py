@@ -17,7 +17,7 @@ from the model's own pass rate.
     OUT.jsonl: every input line, with pass_rate, difficulty, num_correct, num_direct_correct,
                kept (bool) and reason ("kept" | the first filter that dropped it)
 
-It codes against the rollout engine interface (``orchestrator.engine.RolloutEngine``), so tests
+It codes against the rollout engine interface (``orchestrator.engines.base.RolloutEngine``), so tests
 run it on scripted engines; the CLI builds the same vLLM engine the RL loop uses and syncs the
 model's weights into it through the checkpoint engine (the engine starts with dummy weights).
 """
@@ -34,7 +34,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpoint_engine.cli_config import ConfigArgs, add_config_args, meta
+from ckpt_common.cli_config import ConfigArgs, add_config_args, meta
 from demo import task
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def _counts(
     timeout_s,
     response_prefix: str = "",
 ) -> list[int]:
-    from orchestrator.engine import GenRequest, SamplingSettings
+    from orchestrator.engines.base import GenRequest, SamplingSettings
 
     if copies == 0:
         return [0] * len(problems)
@@ -276,14 +276,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _engine(args: argparse.Namespace, engine_config):
     from orchestrator.config import SyncConfig
-    from orchestrator.engine_factory import make_engine
+    from orchestrator.engines.factory import make_engine
 
     if args.endpoint:
         return make_engine(
             dataclasses.replace(engine_config, type="vllm_http", endpoint=args.endpoint), args.model
         ), None
-    from checkpoint_engine.hf_dir import read_tensors
-    from orchestrator.weight_sync import WeightSync
+    from ckpt_common.hf_dir import read_tensors
+    from orchestrator.engines.weight_sync import WeightSync
 
     engine = make_engine(engine_config, args.model)
     sync = None
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging(args.log_level)
     logging.getLogger("checkpoint_engine").setLevel(logging.WARNING)

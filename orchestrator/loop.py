@@ -43,9 +43,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ckpt_common.dictconfig import to_dict
 from orchestrator import checkpointing, data, phases
 from orchestrator.config import JobConfig
-from orchestrator.dictconfig import to_dict
 from orchestrator.loop_eval import heldout_eval, job_summary, last_eval, sft_match
 from orchestrator.loop_setup import (
     check_resumable,
@@ -100,7 +100,7 @@ class RLJob:
     def _setup(self) -> None:
         from transformers import AutoTokenizer
 
-        from orchestrator.engine import SamplingSettings
+        from orchestrator.engines.base import SamplingSettings
         from orchestrator.rollout import Rollout
         from trainer import sft
 
@@ -242,7 +242,7 @@ class RLJob:
 
     def _engine_pool(self):
         """The engine when it is a pool of servers (``engine.num_engines`` >= 2), else None."""
-        from orchestrator.engine_pool import EnginePool
+        from orchestrator.engines.pool import EnginePool
 
         return self.engine if isinstance(self.engine, EnginePool) else None
 

@@ -40,7 +40,7 @@ def heldout_eval(
     sampled: bool,
 ) -> tuple[dict[str, Any], Any]:
     """The held-out fields of a metrics record (sampled pass@k too when ``sampled``), and the greedy result."""
-    from orchestrator.engine import SamplingSettings
+    from orchestrator.engines.base import SamplingSettings
     from orchestrator.evaluate import Evaluator
 
     start = time.monotonic()

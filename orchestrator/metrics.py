@@ -18,7 +18,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchestrator.fsutil import atomic_write_text
+from ckpt_common.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

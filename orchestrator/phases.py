@@ -69,7 +69,7 @@ def _mark(name: str, iteration: int | None) -> None:
 
 
 def _hold() -> None:
-    from checkpoint_engine.procs import stop_signal
+    from ckpt_common.procs import stop_signal
 
     deadline = time.monotonic() + HOLD_MAX_S
     while stop_signal() is None and time.monotonic() < deadline:

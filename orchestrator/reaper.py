@@ -30,7 +30,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from checkpoint_engine.procs import descendants, end_processes, shm_segments, unlink_segments
+from ckpt_common.procs import descendants, end_processes, shm_segments, unlink_segments
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from checkpoint_engine.validate import check_int
+from ckpt_common.validate import check_int
 
 __all__ = ["RepeatConfig", "RepeatDetector", "detect_repeat", "find_tail_repeat", "first_repeat_end"]
 

@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from checkpoint_engine.validate import check_int
-from orchestrator.fsutil import atomic_write_text
+from ckpt_common.fsutil import atomic_write_text
+from ckpt_common.validate import check_int
 
 __all__ = [
     "FINISH_REASONS",

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from orchestrator.engine import GenRequest, GenResult, RolloutEngine, SamplingSettings
+from orchestrator.engines.base import GenRequest, GenResult, RolloutEngine, SamplingSettings
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import ReplayBuffer, Trajectory
 from orchestrator.rewards import RewardFn

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from checkpoint_engine.validate import import_qualname
+from ckpt_common.validate import import_qualname
 from orchestrator.config import RewardConfig
 from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig

@@ -11,6 +11,6 @@ children started later, and to spawned ones through this module again. The job g
 stops these processes itself, in order (SIGTERM); the reaper ends them if the job dies.
 """
 
-from checkpoint_engine.procs import block_sigint
+from ckpt_common.procs import block_sigint
 
 block_sigint()

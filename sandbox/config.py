@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from checkpoint_engine.validate import check_int, check_literals, check_number
+from ckpt_common.validate import check_int, check_literals, check_number
 
 from .models import RunRequest
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from checkpoint_engine.validate import check_int
+from ckpt_common.validate import check_int
 
 from .judge import normalize_output
 from .models import COMPARE_MODES, RunRequest, RunResult, TestCase
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args(argv)
 
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging("INFO")
     cfg = TestGenConfig(

@@ -2,7 +2,7 @@
 until its HTTP API answers; the one place tests, benchmarks and examples do it.
 
     daemon = start_daemon("--collective-timeout-s", "60", log=tmp_path / "daemon.log",
-                          engine_cmd=[sys.executable, "-m", "checkpoint_engine.plain_engine", ...])
+                          engine_cmd=[sys.executable, "-m", "checkpoint_engine.engines.plain", ...])
     try:
         code, body = daemon.call("GET", "/engines")
         assert daemon.shutdown() == 0, daemon.log_tail()
@@ -10,7 +10,7 @@ until its HTTP API answers; the one place tests, benchmarks and examples do it.
         daemon.stop()
 
 The daemon runs in its own session (process group) with its output in a log file; `stop()` ends
-torchrun and every rank, whatever state they are in. Stdlib and `checkpoint_engine.httpjson` only:
+torchrun and every rank, whatever state they are in. Stdlib and `ckpt_common.httpjson` only:
 importing this module is instant.
 """
 
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoint_engine.engines import free_port
-from checkpoint_engine.httpjson import status_json
+from checkpoint_engine.engines.host import free_port
+from ckpt_common.httpjson import status_json
 
 REPO = Path(__file__).resolve().parents[1]
 

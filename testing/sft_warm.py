@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def resolve(spec: str) -> SFTConfig:
     """The ``SFTConfig`` that ``MODULE:ATTR`` names (ATTR a config, or a function returning one)."""
-    from checkpoint_engine.validate import import_qualname
+    from ckpt_common.validate import import_qualname
     from trainer.sft import SFTConfig
 
     obj = import_qualname("SFT config", spec)
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
 
-    from checkpoint_engine.procs import exit_on_signals
+    from ckpt_common.procs import exit_on_signals
     from trainer.sft import run_sft
 
     exit_on_signals()

@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from checkpoint_engine.httpjson import status_json
-from checkpoint_engine.procs import (
+from ckpt_common.httpjson import status_json
+from ckpt_common.procs import (
     die_with_parent,
     group_pids,
     shm_segments,
@@ -75,7 +75,7 @@ def cpu_llm(model_dir: str | Path, *, start_method: str = "fork", **overrides):
 
 
 def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, dict]:
-    """(status, decoded answer) whatever the status (see `checkpoint_engine.httpjson.status_json`)."""
+    """(status, decoded answer) whatever the status (see `ckpt_common.httpjson.status_json`)."""
     return status_json(method, url, body, timeout_s=timeout_s)
 
 

@@ -78,7 +78,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         specs += [s for s in _warmups(item) if s not in specs]
     if not specs:
         return
-    from checkpoint_engine.procs import die_with_parent
+    from ckpt_common.procs import die_with_parent
     from testing.vllm_servers import child_env
 
     SFT_CACHE.mkdir(parents=True, exist_ok=True)

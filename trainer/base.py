@@ -19,7 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from checkpoint_engine.validate import check_literals
+from ckpt_common.validate import check_literals
 
 # Files of a model directory that are not weights; save() copies them from the source.
 _NON_WEIGHT_FILES = (
@@ -100,7 +100,7 @@ class Trainer(Protocol):
 
 def disk_dtypes(model_dir: str | pathlib.Path) -> dict[str, torch.dtype]:
     """{tensor name: dtype} as the model directory's safetensors store them."""
-    from checkpoint_engine.hf_dir import tensor_dtypes
+    from ckpt_common.hf_dir import tensor_dtypes
 
     return tensor_dtypes(model_dir)
 
@@ -123,7 +123,7 @@ def save_hf_dir(
     extra: dict | None = None,
 ) -> pathlib.Path:
     """Write a HF model directory: non-weight files copied from ``source_dir``, ``named_tensors``."""
-    from checkpoint_engine.hf_dir import write_safetensors
+    from ckpt_common.hf_dir import write_safetensors
 
     source, out = pathlib.Path(source_dir), pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 # torch (and trainer.loss) load in the functions that use them: the data rules and the CLIs built
-# on them (orchestrator.long2short) stay light to import
+# on them (orchestrator.long2short.cli) stay light to import
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from checkpoint_engine.cli_config import add_config_args, meta
-from checkpoint_engine.validate import check_int
+from ckpt_common.cli_config import add_config_args, meta
+from ckpt_common.validate import check_int
 from demo import task
 from trainer.cpu import AUTOCAST_DTYPES, DtypeChoice, num_threads_for, resolve_autocast_dtype
 
@@ -422,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = add_config_args(parser, SFTConfig)  # every field a flag; defaults and help from SFTConfig
     args = parser.parse_args(argv)
     config = spec.build(args, parser)
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging("INFO")
     model_dir = run_sft(config, args.out_dir)

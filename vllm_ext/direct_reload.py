@@ -46,7 +46,7 @@ from typing import Literal
 
 import torch
 
-from checkpoint_engine.prefault import prefault
+from checkpoint_engine.transport.prefault import prefault
 from vllm_ext.placement import RangeSet, RecordCopies, plain_slot, same_memory
 
 logger = logging.getLogger(__name__)

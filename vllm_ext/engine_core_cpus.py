@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from checkpoint_engine.p2p import parse_cpu_list
+from checkpoint_engine.transport.mooncake import parse_cpu_list
 
 logger = logging.getLogger(__name__)
 

@@ -195,7 +195,7 @@ def make_app(
         path = request.url.path
         if remote_serving_only and not served_to_remote(path):
             client = request.client.host if request.client else None
-            from checkpoint_engine.ports import is_loopback
+            from ckpt_common.ports import is_loopback
 
             if not is_loopback(client):
                 message = (

@@ -31,8 +31,10 @@ import sys
 import threading
 import time
 
-from checkpoint_engine.cli_config import ConfigArgs, add_config_args
-from checkpoint_engine.procs import (
+from checkpoint_engine.engines.segment_ledger import SegmentLedger
+from checkpoint_engine.engines.segment_ledger import sweep as sweep_segments
+from ckpt_common.cli_config import ConfigArgs, add_config_args
+from ckpt_common.procs import (
     descendants,
     die_with_parent,
     end_processes,
@@ -40,8 +42,6 @@ from checkpoint_engine.procs import (
     shm_segments,
     terminate_noting_segments,
 )
-from checkpoint_engine.segment_ledger import SegmentLedger
-from checkpoint_engine.segment_ledger import sweep as sweep_segments
 
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
 from vllm_ext.launch_config import EXTENSION as EXTENSION
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     vllm_args = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
     cfg = spec.build(args, parser, vllm_args=vllm_args)  # a bad value: exit 2 naming the flag
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging(args.log_level)
     launcher = Launcher(cfg)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from checkpoint_engine.cli_config import meta
-from checkpoint_engine.p2p import parse_cpu_list
-from checkpoint_engine.ports import free_port as free_port
-from checkpoint_engine.validate import check_literals
+from checkpoint_engine.transport.mooncake import parse_cpu_list
+from ckpt_common.cli_config import meta
+from ckpt_common.ports import free_port as free_port
+from ckpt_common.validate import check_literals
 from vllm_ext.engine_core_cpus import ENV as ENGINE_CORE_CPUS_ENV
 from vllm_ext.start_method import ENV as START_METHOD_ENV
 
@@ -36,7 +36,7 @@ RESERVED_VLLM_FLAGS = (
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """The launcher's settings; its command line is generated from these fields (checkpoint_engine.cli_config)."""
+    """The launcher's settings; its command line is generated from these fields (ckpt_common.cli_config)."""
 
     model: str = field(metadata=meta("HF model directory (safetensors)"))
     host: str = field(default="127.0.0.1", metadata=meta("public address of the gate"))
@@ -204,8 +204,8 @@ def tensor_parallel_size(vllm_args: tuple[str, ...]) -> int:
 
 
 def model_safetensors_files(model_dir: str) -> list[str]:
-    """The model directory's safetensors files as strings (`checkpoint_engine.hf_dir.safetensors_files`)."""
-    from checkpoint_engine.hf_dir import safetensors_files
+    """The model directory's safetensors files as strings (`ckpt_common.hf_dir.safetensors_files`)."""
+    from ckpt_common.hf_dir import safetensors_files
 
     return [str(p) for p in safetensors_files(model_dir)]
 

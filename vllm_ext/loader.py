@@ -20,7 +20,7 @@ it for later updates. Messages are JSON (nothing is unpickled). A bad request is
 error and the loader keeps waiting; a failed or aborted load fails vLLM's start with that error.
 
 The rendezvous protocol itself (both sides: `serve_initial_load`; `wait_for_loader`, `loader_req_func`)
-needs no vLLM and lives in `checkpoint_engine.load_rendezvous` (re-exported here);
+needs no vLLM and lives in `checkpoint_engine.transport.load_rendezvous` (re-exported here);
 `register_load_format()` registers the loader with vLLM. The worker extension does that when vLLM
 imports it in the worker, before the model is loaded, so the load format needs
 `--worker-extension-cls vllm_ext.worker.VllmColocateWorkerExtension` (which also carries the receiver
@@ -37,13 +37,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 # the rendezvous protocol (no vLLM), kept importable from here
-from checkpoint_engine.load_rendezvous import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
-from checkpoint_engine.load_rendezvous import LoaderRendezvousError as LoaderRendezvousError
-from checkpoint_engine.load_rendezvous import loader_req_func as loader_req_func
-from checkpoint_engine.load_rendezvous import parse_request as parse_request
-from checkpoint_engine.load_rendezvous import read_pull_hint, serve_initial_load
-from checkpoint_engine.load_rendezvous import wait_for_loader as wait_for_loader
-from checkpoint_engine.p2p import is_cpu_set
+from checkpoint_engine.transport.load_rendezvous import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
+from checkpoint_engine.transport.load_rendezvous import LoaderRendezvousError as LoaderRendezvousError
+from checkpoint_engine.transport.load_rendezvous import loader_req_func as loader_req_func
+from checkpoint_engine.transport.load_rendezvous import parse_request as parse_request
+from checkpoint_engine.transport.load_rendezvous import read_pull_hint, serve_initial_load
+from checkpoint_engine.transport.load_rendezvous import wait_for_loader as wait_for_loader
+from checkpoint_engine.transport.mooncake import is_cpu_set
 
 logger = logging.getLogger(__name__)
 vllm_logger = logging.getLogger("vllm.checkpoint_engine")  # inside vLLM's processes: shown in vLLM's log
@@ -148,7 +148,7 @@ def _loader_class():
             t_enter = time.perf_counter()
             from vllm.config import get_current_vllm_config, set_current_vllm_config
 
-            from checkpoint_engine.prefault import prefault
+            from checkpoint_engine.transport.prefault import prefault
             from vllm_ext.receiver import ReceiverConfig, WeightReceiver
             from vllm_ext.worker_handle import select_handle, tp_rank_and_size
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if world % len(args.engine_url):
         raise SystemExit(f"world size {world} is not a multiple of the {len(args.engine_url)} engine URLs")
     per_engine = world // len(args.engine_url)
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
 
     setup_logging("WARNING", rank=rank)
     try:

@@ -41,11 +41,11 @@ from typing import Literal
 import torch
 import zmq
 
-from checkpoint_engine.dtypes import dtype_from_name
-from checkpoint_engine.engine_reads import EngineReads
-from checkpoint_engine.shm import MappingCache
 from checkpoint_engine.state import EngineWeightState
+from checkpoint_engine.transport.engine_reads import EngineReads
+from checkpoint_engine.transport.shm import MappingCache
 from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
+from ckpt_common.dtypes import dtype_from_name
 from vllm_ext.placement import SlotProbe
 from vllm_ext.settings import ReceiverConfig, ReloadImpl, ReloadMode  # noqa: F401 - re-exported
 from vllm_ext.weight_cache import WeightCache

@@ -60,7 +60,7 @@ if __name__ == "__main__":
 elif __name__ == "__mp_main__" and os.environ.get("VLLM_EXT_ENGINE_CORE_CPUS"):  # in vLLM's spawned processes
     import multiprocessing
 
-    from checkpoint_engine.logs import setup_logging
+    from ckpt_common.logs import setup_logging
     from vllm_ext.engine_core_cpus import apply_in_vllm_process
 
     setup_logging("INFO")  # this project's loggers in vLLM's processes (vLLM configures its own later)

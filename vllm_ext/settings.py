@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from checkpoint_engine.validate import check_literals
+from ckpt_common.validate import check_literals
 
 ReloadMode = Literal["streaming", "end"]
 ReloadImpl = Literal["auto", "direct", "vllm"]

@@ -26,7 +26,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from checkpoint_engine.p2p import parse_cpu_list
+from checkpoint_engine.transport.mooncake import parse_cpu_list
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def install(environ: Mapping[str, str]) -> None:
 
     def run_after_fork(_key: _AfterForkKey) -> None:
         # multiprocessing has made the child's Process current by now: its name says what it is
-        from checkpoint_engine.logs import setup_logging
+        from ckpt_common.logs import setup_logging
 
         setup_logging("INFO")  # this project's loggers in vLLM's processes (vLLM configures its own)
         after_fork(os.environ, multiprocessing.current_process().name)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from checkpoint_engine.checksum import tensor_checksum
-from checkpoint_engine.prefault import prefault
+from checkpoint_engine.transport.prefault import prefault
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
-from orchestrator.fsutil import atomic_write_text
+from ckpt_common.fsutil import atomic_write_text
 
 FIELDS: tuple[str, ...] = ("id", "prompt", "messages", "answer", "tests", "difficulty")  # also the write order
 ROLES: tuple[str, ...] = ("system", "user", "assistant")

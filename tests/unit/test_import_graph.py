@@ -1,4 +1,5 @@
-"""No import loops between the project's own modules.
+"""No import loops between the project's own modules, helpers below everything, and folders of a
+size a newcomer can read.
 
 Every ``.py`` file of the project packages is parsed with ``ast`` (nothing is imported) and each
 import between two project modules becomes an edge: top-level imports and the ones inside
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("checkpoint_engine", "vllm_ext", "orchestrator", "trainer", "demo", "sandbox", "testing")
+PACKAGES = ("checkpoint_engine", "ckpt_common", "vllm_ext", "orchestrator", "trainer", "demo", "sandbox", "testing")
 
 # (importing module, imported module) edges that may close a loop, each with the reason.
 ALLOWED_EDGES: dict[tuple[str, str], str] = {
@@ -208,6 +209,32 @@ def test_no_import_loops():
     loops = describe_loops(graph, succ, strongly_connected(succ))
     assert not loops, f"{len(loops)} import loop(s) between project modules:\n\n" + "\n\n".join(loops)
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_the_helpers_import_no_other_project_package():
+    """`ckpt_common` sits below every package: none of its modules imports the product or the RL side."""
+    graph = build_graph()
+    upward = sorted(
+        f"{src} -> {dst}  ({', '.join(f'{f}:{line}' for f, line in where)})"
+        for (src, dst), where in graph.edges.items()
+        if src.startswith("ckpt_common") and not dst.startswith("ckpt_common")
+    )
+    assert not upward, "ckpt_common imports other project packages:\n  " + "\n  ".join(upward)
+
+
+MAX_MODULES_PER_FOLDER = 20  # beyond this a folder stops saying what its modules are for: make a room
+
+
+def test_no_folder_holds_more_than_twenty_modules():
+    """Each package folder groups its modules by the part of the architecture they serve: at most
+    MAX_MODULES_PER_FOLDER modules at one level (``__init__`` and ``__main__`` not counted)."""
+    crowded = {}
+    for package in PACKAGES:
+        for folder in [REPO / package, *(p.parent for p in (REPO / package).rglob("*/__init__.py"))]:
+            modules = [p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+            if len(modules) > MAX_MODULES_PER_FOLDER:
+                crowded[str(folder.relative_to(REPO))] = len(modules)
+    assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules (group them into subpackages): {crowded}"
 
 
 def test_finds_a_loop_and_resolves_imports(tmp_path: Path):

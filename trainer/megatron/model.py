@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-from checkpoint_engine.dtypes import dtype_from_name
+from ckpt_common.dtypes import dtype_from_name
 from trainer.megatron.convert import ModelShape, NormStyle, Parallelism, Rank, hf_to_megatron
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from checkpoint_engine.ports import free_port
+from ckpt_common.ports import free_port
 from trainer.base import TrainerConfig, save_hf_dir
 
 logger = logging.getLogger(__name__)

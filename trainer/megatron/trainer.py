@@ -166,7 +166,7 @@ class MegatronTrainer(OptimizerSteps):
 
     def _hf_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """The HF checkpoint this trainer hands out: names in HF order, the source dir's dtypes."""
-        from checkpoint_engine.dtypes import dtype_name
+        from ckpt_common.dtypes import dtype_name
 
         param_dtype = next(self.model.parameters()).dtype
         names = hf_sources(self.shape, self.megatron.parallelism, self.norm_style)
@@ -200,8 +200,8 @@ class MegatronTrainer(OptimizerSteps):
             return views
         key = tuple(int(v) for v in box)
         if key not in self._mapped:  # buffers live as long as the trainer: one mapping each
-            from checkpoint_engine import shm
             from checkpoint_engine.plan import layout_tensors
+            from checkpoint_engine.transport import shm
 
             layout = layout_tensors(self._hf_specs())
             if layout.chunk_sizes_bytes[0] != key[2]:

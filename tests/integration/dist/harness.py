@@ -68,7 +68,7 @@ class Engine:
             [
                 sys.executable,
                 "-m",
-                "checkpoint_engine.plain_engine",
+                "checkpoint_engine.engines.plain",
                 "--port",
                 str(self.port),
                 "--device",

@@ -85,7 +85,7 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    from checkpoint_engine.p2p import P2PConfig
+    from checkpoint_engine.transport.mooncake import P2PConfig
 
     cfg = ParameterServerConfig(
         transport=args.transport,

@@ -110,7 +110,7 @@ def test_daemon_register_update_shutdown(tmp_path):
 # -- MoonshotAI checkpoint-engine's HTTP API on the same daemon, over a unix socket ---------------
 def uds_call(uds: str, method: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, object]:
     """One HTTP request over a unix socket; (status, decoded JSON answer, {} when empty)."""
-    from checkpoint_engine.httpjson import status_json
+    from ckpt_common.httpjson import status_json
 
     return status_json(method, "http://localhost" + path, body, timeout_s=timeout_s, uds=uds)
 

@@ -195,7 +195,7 @@ def test_a_silent_rank_is_named_then_every_command_answers_503_and_the_daemon_st
 
 if __name__ == "__main__":  # the daemon's entry point for this module: fault injection on (tests only)
     from checkpoint_engine.__main__ import main
-    from checkpoint_engine.daemon_driver import Driver
+    from checkpoint_engine.daemon.driver import Driver
 
     Driver.fault_injection = True
     sys.exit(main())

@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint_engine.checksum import tensor_checksum
-from checkpoint_engine.httpjson import status_json
+from ckpt_common.httpjson import status_json
 from testing.daemon import status_json_when_free
 from tests.integration.dist import harness
 from tests.integration.dist.harness import Daemon, rpc
 
 ENGINE_CMD = json.dumps(
-    [sys.executable, "-m", "checkpoint_engine.plain_engine", "--port", "{port}", "--device", "{device}"]
+    [sys.executable, "-m", "checkpoint_engine.engines.plain", "--port", "{port}", "--device", "{device}"]
 )
 
 

@@ -23,7 +23,7 @@ import pytest
 from checkpoint_engine.checksum import tensor_checksum
 from demo.tiny_model import TinyModelConfig, make_tiny_model, random_state_dict
 from orchestrator.config import EngineConfig, SyncConfig
-from orchestrator.daemon_engines import DaemonWeightSync, SwitchError, shard_size_bytes, start_daemon_pool
+from orchestrator.engines.daemon import DaemonWeightSync, SwitchError, shard_size_bytes, start_daemon_pool
 from tests.integration.dist.harness import rpc
 from tests.integration.dist.test_ce_engines import alive, call, engines, shutdown, start_daemon, wait_for
 
@@ -123,12 +123,12 @@ flags="$1"; port="$2"; rank="$3"
 if [ -e "$flags/fail-start-r$rank" ]; then rm -f "$flags/fail-start-r$rank"; echo "injected: exit"; exit 3; fi
 if [ -e "$flags/hang-stop-r$rank" ]; then
   rm -f "$flags/hang-stop-r$rank"; trap '' TERM
-  "{python}" -m checkpoint_engine.plain_engine --port "$port"
+  "{python}" -m checkpoint_engine.engines.plain --port "$port"
   sleep 3600
 fi
 extra=""
 if [ -e "$flags/fail-update-r$rank" ]; then rm -f "$flags/fail-update-r$rank"; extra="--fail-on-bucket 0"; fi
-exec "{python}" -m checkpoint_engine.plain_engine --port "$port" $extra
+exec "{python}" -m checkpoint_engine.engines.plain --port "$port" $extra
 """
 
 

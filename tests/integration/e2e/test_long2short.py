@@ -44,7 +44,7 @@ import time
 import pytest
 
 from demo import task
-from orchestrator import long2short
+from orchestrator.long2short import cli as long2short
 from trainer import sft
 
 # The long SFT, the short fine-tune, one vLLM start and 3 x 400 greedy answers: 8 min 5 s from an empty SFT
@@ -98,7 +98,7 @@ def test_merge_shortens_long_cot_within_two_points(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "orchestrator.long2short",
+        "orchestrator.long2short.cli",
         "evaluate",
         "--models",
         f"long={long_dir}",

@@ -26,7 +26,7 @@ import warnings
 import psutil
 import pytest
 
-from checkpoint_engine.procs import FORCED_EXIT_MARKER
+from ckpt_common.procs import FORCED_EXIT_MARKER
 from orchestrator import phases
 from orchestrator.metrics import REQUIRED_KEYS, read_jsonl
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_pinned_host_chunks_and_cuda_buffer():
-    from checkpoint_engine.transport import CudaTransport
+    from checkpoint_engine.transport.devices import CudaTransport
 
     t = CudaTransport(0)
     chunk = t.alloc_host(1 << 20)

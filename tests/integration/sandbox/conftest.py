@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_engine.ports import free_port
+from ckpt_common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 SECRET_ENV_NAME = "SANDBOX_TEST_HOST_SECRET"

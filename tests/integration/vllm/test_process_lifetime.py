@@ -138,7 +138,7 @@ def test_killing_the_launchers_process_group_ends_vllm_at_once(tmp_path):
     and holds the device (or a compile-cache lock) while a restarted engine starts."""
     import os
 
-    from checkpoint_engine.procs import shm_segments, unlink_segments
+    from ckpt_common.procs import shm_segments, unlink_segments
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import CPU_ENGINE_ARGS, child_env
     from vllm_ext.launch import free_port

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_engine.httpjson import JsonRequestHandler
+from ckpt_common.httpjson import JsonRequestHandler
 from vllm_ext.gate import Gate, make_app, weights_loaded
 from vllm_ext.launch import LaunchConfig, build_parser, model_safetensors_files, vllm_command
 from vllm_ext.req import EngineRpcError, check_reports, collective_rpc, vllm_http_req_func
@@ -248,7 +248,7 @@ def test_served_to_remote(path, remote_ok):
     ],
 )
 def test_is_loopback(host, loopback):
-    from checkpoint_engine.ports import is_loopback
+    from ckpt_common.ports import is_loopback
 
     assert is_loopback(host) is loopback
 

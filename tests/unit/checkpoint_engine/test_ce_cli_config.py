@@ -1,4 +1,4 @@
-"""checkpoint_engine.cli_config: flags generated from config dataclasses and the configs built back."""
+"""ckpt_common.cli_config: flags generated from config dataclasses and the configs built back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 
-from checkpoint_engine.cli_config import add_config_args
+from ckpt_common.cli_config import add_config_args
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -184,7 +184,7 @@ def test_mistakes_are_named():
 
 def test_import_is_light():
     code = (
-        "import sys, checkpoint_engine.cli_config\n"
+        "import sys, ckpt_common.cli_config\n"
         "heavy = [m for m in ('torch', 'zmq', 'numpy') if m in sys.modules]\nassert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

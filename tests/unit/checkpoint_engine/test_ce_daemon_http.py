@@ -13,10 +13,10 @@ from http.server import ThreadingHTTPServer
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from checkpoint_engine import daemon_http
-from checkpoint_engine.daemon_http import BodyError, parse_json
-from checkpoint_engine.daemon_metrics import STAGES, DaemonMetrics, ObservedDriver
-from checkpoint_engine.daemon_routes import METAS_FIELDS, make_app
+from checkpoint_engine.daemon import http as daemon_http
+from checkpoint_engine.daemon.http import BodyError, parse_json
+from checkpoint_engine.daemon.metrics import STAGES, DaemonMetrics, ObservedDriver
+from checkpoint_engine.daemon.routes import METAS_FIELDS, make_app
 
 WORLD = 2
 
@@ -440,7 +440,7 @@ def test_load_token_from_file_or_environment(tmp_path):
     + [("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("myhost", False), ("", False)],
 )
 def test_is_loopback(host, loopback):
-    from checkpoint_engine.ports import is_loopback
+    from ckpt_common.ports import is_loopback
 
     assert is_loopback(host) is loopback
 
@@ -466,7 +466,7 @@ def test_start_beyond_loopback_without_token_is_refused(monkeypatch, capsys, tmp
 # ── clients send the token ─────────────────────────────────────────────────────────────────────────
 @pytest.fixture
 def echo_server():
-    from checkpoint_engine.httpjson import JsonRequestHandler
+    from ckpt_common.httpjson import JsonRequestHandler
 
     class Echo(JsonRequestHandler):
         def do_GET(self):
@@ -483,7 +483,7 @@ def echo_server():
 
 
 def test_httpjson_sends_the_token(echo_server):
-    from checkpoint_engine.httpjson import call_json, post_json, status_json
+    from ckpt_common.httpjson import call_json, post_json, status_json
 
     assert status_json("GET", echo_server, timeout_s=5, token="t0k") == (200, {"auth": "Bearer t0k"})
     assert status_json("GET", echo_server, timeout_s=5) == (200, {"auth": None})
@@ -492,7 +492,7 @@ def test_httpjson_sends_the_token(echo_server):
 
 
 def test_daemon_client_takes_the_token_or_the_environment(echo_server, monkeypatch):
-    from orchestrator.daemon_client import DaemonClient
+    from orchestrator.engines.daemon_client import DaemonClient
 
     monkeypatch.delenv("CKPT_ENGINE_TOKEN", raising=False)
     assert DaemonClient(echo_server, 5).engines() == {"auth": None}

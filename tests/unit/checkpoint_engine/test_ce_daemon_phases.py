@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from checkpoint_engine.daemon_commands import (
+from checkpoint_engine.daemon.commands import (
     KIND_STATUS,
     CommandError,
     check_files,
@@ -24,8 +24,8 @@ from checkpoint_engine.daemon_commands import (
     phases,
     serve_rank,
 )
-from checkpoint_engine.daemon_driver import Driver
-from checkpoint_engine.daemon_relay import Relay
+from checkpoint_engine.daemon.driver import Driver
+from checkpoint_engine.daemon.relay import Relay
 from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound, DaemonBusy
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint_engine import protocol as P
-from checkpoint_engine.engine_reads import EngineReads
+from checkpoint_engine.transport.engine_reads import EngineReads
 from checkpoint_engine.worker import StartedBucket
 
 BASE = {"10.0.0.1:1": 0x10000, "10.0.0.3:3": 0x90000}  # where each owner's chunk "is" on its host

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from checkpoint_engine.engines import (
+from checkpoint_engine.engines.host import (
     STATES,
     TRANSITIONS,
     EngineConfig,
@@ -22,7 +22,7 @@ from checkpoint_engine.engines import (
     parse_engine_cmd,
     render_cmd,
 )
-from checkpoint_engine.load_rendezvous import PullHint
+from checkpoint_engine.transport.load_rendezvous import PullHint
 
 ALLOWED = [
     ("stopped", "starting"),
@@ -340,7 +340,7 @@ def test_ranks_agree_through_the_store_with_a_deadline(tmp_path):
 
     import torch.distributed as dist
 
-    from checkpoint_engine.engines import EngineHost, _agree
+    from checkpoint_engine.engines.host import EngineHost, _agree
     from tests.integration.dist.harness import free_port
 
     port = free_port()
@@ -429,8 +429,8 @@ def test_an_engine_stopped_before_it_was_healthy_leaves_no_named_shared_memory(t
 # a daemon rank in miniature: one managed engine, healthy, then it waits to be killed
 HOLDER = (
     "import sys, time\n"
-    "from checkpoint_engine.engine_config import EngineConfig\n"
-    "from checkpoint_engine.engine_process import ManagedEngine\n"
+    "from checkpoint_engine.engines.config import EngineConfig\n"
+    "from checkpoint_engine.engines.process import ManagedEngine\n"
     "cfg = EngineConfig(cmd=(sys.executable, sys.argv[1], '{port}'), log_dir=sys.argv[2],\n"
     "                   segment_ledger_dir=sys.argv[3], start_timeout_s=30)\n"
     "engine = ManagedEngine(0, cfg)\n"
@@ -446,7 +446,7 @@ def test_segments_of_an_engine_killed_with_its_daemon_are_removed_at_the_next_st
     import os
     from pathlib import Path
 
-    from checkpoint_engine.engine_process import _killpg
+    from checkpoint_engine.engines.process import _killpg
 
     script, ledgers = tmp_path / "server.py", tmp_path / "ledgers"
     script.write_text(SERVER.replace("{trap}", LEAKY))

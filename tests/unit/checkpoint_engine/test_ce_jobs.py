@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 
 from checkpoint_engine.jobs import GlobalMetas, choose_mode, engine_can_map_owners, make_source
-from checkpoint_engine.modes import MODES
 from checkpoint_engine.plan import Bucket, TensorMeta
 from checkpoint_engine.protocol import BufferHandle
 from checkpoint_engine.sources import (
@@ -16,6 +15,7 @@ from checkpoint_engine.sources import (
     LocalSource,
     P2PSource,
 )
+from checkpoint_engine.types import MODES
 
 HERE = socket.gethostname()
 

@@ -1,5 +1,5 @@
-"""CPU sets for the P2P transfer engine's threads (`checkpoint_engine.p2p`: `parse_cpu_list`, `thread_cpus`,
-`P2PConfig.cpus`), no Mooncake."""
+"""CPU sets for the P2P transfer engine's threads (`checkpoint_engine.transport.mooncake`:
+`parse_cpu_list`, `thread_cpus`, `P2PConfig.cpus`), no Mooncake."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from checkpoint_engine.p2p import P2PConfig, parse_cpu_list, rank_cpus, thread_cpus
+from checkpoint_engine.transport.mooncake import P2PConfig, parse_cpu_list, rank_cpus, thread_cpus
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""P2PStore (checkpoint_engine/p2p.py) on two Mooncake transfer engines in one process, over TCP loopback:
-one read, a batch read, and the errors a caller sees (unreachable peer, an address the owner did not
+"""P2PStore (checkpoint_engine/transport/mooncake.py) on two Mooncake transfer engines in one process,
+over TCP loopback: one read, a batch read, and the errors a caller sees (unreachable peer, an address the owner did not
 register, a read past its deadline)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
-from checkpoint_engine.p2p import P2PConfig, P2PStore
+from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore
 
 
 @pytest.fixture(scope="module")

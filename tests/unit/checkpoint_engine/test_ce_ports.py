@@ -1,4 +1,4 @@
-"""checkpoint_engine.ports: free ports outside the kernel's ephemeral range, never handed out twice."""
+"""ckpt_common.ports: free ports outside the kernel's ephemeral range, never handed out twice."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from checkpoint_engine import ports
+from ckpt_common import ports
 
 
 @pytest.mark.parametrize(

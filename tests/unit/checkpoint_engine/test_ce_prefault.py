@@ -1,4 +1,4 @@
-"""checkpoint_engine.prefault: whole pages only, contents untouched, best effort elsewhere."""
+"""checkpoint_engine.transport.prefault: whole pages only, contents untouched, best effort elsewhere."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from checkpoint_engine.prefault import page_span, prefault
+from checkpoint_engine.transport.prefault import page_span, prefault
 
 
 @pytest.mark.parametrize(

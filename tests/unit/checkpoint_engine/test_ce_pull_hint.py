@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from checkpoint_engine.load_rendezvous import HINT_FILE, PullHint, hint_path, read_pull_hint, write_pull_hint
+from checkpoint_engine.transport.load_rendezvous import HINT_FILE, PullHint, hint_path, read_pull_hint, write_pull_hint
 
 HINT = PullHint(
     peers=(("10.0.0.1:15001", 4096),),
@@ -48,6 +48,6 @@ def test_a_tcp_rendezvous_has_no_hint_file(tmp_path):
 def test_a_malformed_hint_is_ignored_with_a_warning_naming_the_problem(tmp_path, caplog, bad, names):
     address = f"ipc://{tmp_path}/load.sock"
     (tmp_path / HINT_FILE).write_text(bad)
-    with caplog.at_level(logging.WARNING, logger="checkpoint_engine.load_rendezvous"):
+    with caplog.at_level(logging.WARNING, logger="checkpoint_engine.transport.load_rendezvous"):
         assert read_pull_hint(address) == PullHint()
     assert "ignoring the load step's pull hint" in caplog.text and names in caplog.text, caplog.text

@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.host_memory import read_safetensors_index
-from checkpoint_engine.load_rendezvous import PullHint
 from checkpoint_engine.ps import ParameterServer
+from checkpoint_engine.transport.load_rendezvous import PullHint
 
 
 @pytest.fixture

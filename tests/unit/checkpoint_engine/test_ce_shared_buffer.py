@@ -10,11 +10,11 @@
 import pytest
 import torch
 
-from checkpoint_engine import shm
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.host_memory import SharedTensorBuffer
 from checkpoint_engine.ps import ParameterServer
+from checkpoint_engine.transport import shm
 from tests.unit.checkpoint_engine.test_ce_inprocess import ThreadEngine
 
 SPECS = [("a", "bfloat16", (17, 3)), ("b", "float32", (5,)), ("c", "int8", (7,)), ("d", "float16", (4, 4))]

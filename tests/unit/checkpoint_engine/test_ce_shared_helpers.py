@@ -5,8 +5,8 @@ import socket
 import pytest
 import torch
 
-from checkpoint_engine import dtypes, hf_dir, httpjson
-from checkpoint_engine.validate import check_int, check_number
+from ckpt_common import dtypes, hf_dir, httpjson
+from ckpt_common.validate import check_int, check_number
 from testing.http_stub import serve_stub
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from checkpoint_engine.shm import MappingCache, Segment, SegmentRef, map_readonly
+from checkpoint_engine.transport.shm import MappingCache, Segment, SegmentRef, map_readonly
 
 
 def _filled(nbytes: int, value: int) -> Segment:

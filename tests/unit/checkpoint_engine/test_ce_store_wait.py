@@ -10,8 +10,8 @@ import pytest
 
 dist = pytest.importorskip("torch.distributed")
 
-from checkpoint_engine.daemon_relay import Relay  # noqa: E402 - after the skip
-from checkpoint_engine.store_wait import wait_for_keys  # noqa: E402
+from checkpoint_engine.daemon.relay import Relay  # noqa: E402 - after the skip
+from checkpoint_engine.daemon.store_wait import wait_for_keys  # noqa: E402
 
 
 @pytest.fixture

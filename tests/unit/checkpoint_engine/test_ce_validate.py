@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 
 from checkpoint_engine.config import ParameterServerConfig
-from checkpoint_engine.validate import check_literals, check_qualname, choices_text, import_qualname
+from ckpt_common.validate import check_literals, check_qualname, choices_text, import_qualname
 
 Mode = Literal["fast", "slow"]
 
@@ -60,8 +60,8 @@ def test_a_qualname_without_module_and_attr_names_the_field(value):
 
 
 def test_import_qualname_gives_the_object_or_names_what_cannot_be_loaded():
-    assert import_qualname("x", "checkpoint_engine.validate:check_qualname") is check_qualname
+    assert import_qualname("x", "ckpt_common.validate:check_qualname") is check_qualname
     with pytest.raises(ValueError, match=r"x='no_such_module_here:f' cannot be loaded: No module named"):
         import_qualname("x", "no_such_module_here:f")
-    with pytest.raises(ValueError, match=r"x='checkpoint_engine.validate:nothing' cannot be loaded: .*nothing"):
-        import_qualname("x", "checkpoint_engine.validate:nothing")
+    with pytest.raises(ValueError, match=r"x='ckpt_common.validate:nothing' cannot be loaded: .*nothing"):
+        import_qualname("x", "ckpt_common.validate:nothing")

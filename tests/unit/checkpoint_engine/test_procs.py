@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from checkpoint_engine.procs import FORCED_EXIT_MARKER, force_exit_after, stop_deadline
+from ckpt_common.procs import FORCED_EXIT_MARKER, force_exit_after, stop_deadline
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 
@@ -20,7 +20,7 @@ PRELUDE = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, even if the runner ignores SIGINT
 sys.path.insert(0, {repo!r})
-from checkpoint_engine.procs import exit_on_signals, stop_deadline
+from ckpt_common.procs import exit_on_signals, stop_deadline
 exit_on_signals()  # SIGTERM -> SystemExit, as the entry points do
 stop_deadline({deadline_s})
 print("ready", flush=True)
@@ -64,7 +64,7 @@ print("survived", flush=True)
     # is still running: finalization (which would join it, then run atexit) is skipped
     "exit_after_cleanup": """
 import atexit, logging, threading
-from checkpoint_engine.procs import exit_after_cleanup
+from ckpt_common.procs import exit_after_cleanup
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 atexit.register(lambda: print("finalized", flush=True))
 threading.Thread(target=time.sleep, args=(600,), name="library-thread").start()  # not a daemon
@@ -161,7 +161,7 @@ def test_deadline_must_be_positive():
 ASYNCIO_HANG = """
 import asyncio, signal, sys, time
 sys.path.insert(0, {repo!r})
-from checkpoint_engine.procs import force_exit_after
+from ckpt_common.procs import force_exit_after
 
 async def main():
     stop = asyncio.Event()
@@ -217,7 +217,7 @@ def test_shm_segments_finds_shared_memory_and_named_semaphores_mapped_by_a_proce
     import os
     from multiprocessing import resource_tracker, shared_memory, synchronize
 
-    from checkpoint_engine.procs import shm_segments, unlink_segments
+    from ckpt_common.procs import shm_segments, unlink_segments
 
     if naming == "loky":
         monkeypatch.setattr(synchronize.SemLock, "_make_name", staticmethod(_loky_make_name))
@@ -277,7 +277,7 @@ def test_wait_noting_segments_notes_a_segment_made_after_the_wait_began(tmp_path
     import os
     from pathlib import Path
 
-    from checkpoint_engine.procs import group_pids, shm_segments, unlink_segments, wait_noting_segments
+    from ckpt_common.procs import group_pids, shm_segments, unlink_segments, wait_noting_segments
 
     with _leaking_child(tmp_path, LATE_LEAK) as (child, name_file):
 
@@ -302,7 +302,7 @@ def test_signal_noting_segments_notes_before_the_signal_a_process_that_ends_at_o
     import os
     from pathlib import Path
 
-    from checkpoint_engine.procs import group_pids, signal_noting_segments, unlink_segments
+    from ckpt_common.procs import group_pids, signal_noting_segments, unlink_segments
 
     with _leaking_child(tmp_path, QUICK_LEAK) as (child, name_file):
         deadline = time.monotonic() + 30

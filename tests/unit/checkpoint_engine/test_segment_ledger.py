@@ -1,5 +1,5 @@
 """The ledger of an engine tree's shared-memory segments and the sweep that removes what killed
-trees left (checkpoint_engine.segment_ledger)."""
+trees left (checkpoint_engine.engines.segment_ledger)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ from multiprocessing import resource_tracker, shared_memory
 import psutil
 import pytest
 
-from checkpoint_engine.segment_ledger import SegmentLedger, sweep
+from checkpoint_engine.engines.segment_ledger import SegmentLedger, sweep
 
 
 def _segment() -> shared_memory.SharedMemory:

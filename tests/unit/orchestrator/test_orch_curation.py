@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator import curation
 from orchestrator.curation import CurationConfig, curate, summarize
-from orchestrator.engine import GenResult
+from orchestrator.engines.base import GenResult
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 EOS = 2

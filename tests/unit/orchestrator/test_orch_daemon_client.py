@@ -9,9 +9,8 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from checkpoint_engine.errors import HTTPError
-from checkpoint_engine.httpjson import JsonRequestHandler
-from orchestrator.daemon_client import DaemonClient
+from ckpt_common.httpjson import HTTPError, JsonRequestHandler
+from orchestrator.engines.daemon_client import DaemonClient
 
 BUSY = (409, {"ok": False, "kind": "busy", "error": "the daemon is busy with another command (update)"})
 TAKEN = (409, {"ok": False, "kind": "conflict", "error": "checkpoint 'v1' is already registered"})

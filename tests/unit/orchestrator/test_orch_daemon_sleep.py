@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from checkpoint_engine.httpjson import JsonRequestHandler
+from ckpt_common.dictconfig import to_dict
+from ckpt_common.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig, SyncConfig, load_config
-from orchestrator.daemon_client import DaemonClient, SwitchError
-from orchestrator.daemon_engines import PARKED, DaemonEnginePool, DaemonWeightSync
-from orchestrator.dictconfig import to_dict
-from orchestrator.engine_pool import SERVING, Member
+from orchestrator.engines.daemon import PARKED, DaemonEnginePool, DaemonWeightSync
+from orchestrator.engines.daemon_client import DaemonClient, SwitchError
+from orchestrator.engines.pool import SERVING, Member
 from orchestrator.loop_setup import check_resumable
 from testing.http_stub import serve_stub
 

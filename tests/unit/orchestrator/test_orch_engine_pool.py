@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from checkpoint_engine.errors import HTTPError
+from ckpt_common.httpjson import HTTPError
 from orchestrator.config import EngineConfig
-from orchestrator.engine import GenRequest, GenResult, PartialGeneration, SamplingSettings, continuation
-from orchestrator.engine_pool import EnginePool, Member, cpu_binds, launch_command
+from orchestrator.engines.base import GenRequest, GenResult, PartialGeneration, SamplingSettings, continuation
+from orchestrator.engines.pool import EnginePool, Member, cpu_binds, launch_command
 
 SAMPLING = SamplingSettings()
 
@@ -322,8 +322,8 @@ def test_a_pool_has_no_single_req_func(pools):
 
 
 def test_a_run_saved_before_engine_pools_still_resumes():
+    from ckpt_common.dictconfig import to_dict
     from orchestrator.config import load_config
-    from orchestrator.dictconfig import to_dict
     from orchestrator.loop import check_resumable
 
     current = to_dict(load_config(None))

@@ -15,8 +15,10 @@ import torch
 
 from demo import task
 from demo import tiny_model as tm
-from orchestrator import long2short, long2short_merge, long2short_train
-from orchestrator.engine import GenResult
+from orchestrator.engines.base import GenResult
+from orchestrator.long2short import cli as long2short
+from orchestrator.long2short import merge as long2short_merge
+from orchestrator.long2short import train as long2short_train
 from trainer import dpo, sft
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -148,7 +150,7 @@ def test_merge_state_dicts_rejects(long, short, alpha, match):
 
 
 def test_merge_command_on_model_dirs(tmp_path, model_dir):
-    from checkpoint_engine.hf_dir import read_tensors
+    from ckpt_common.hf_dir import read_tensors
 
     other = tm.make_tiny_model(tmp_path / "other", SMALL, seed=4)
     out = tmp_path / "merged"
@@ -303,10 +305,10 @@ def test_evaluate_writes_summary_and_plot(tmp_path, tokenizer):
 
 
 def test_cli_help_is_light():
-    code = "import sys, orchestrator.long2short; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    code = "import sys, orchestrator.long2short.cli; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.long2short", "--help"],
+        [sys.executable, "-m", "orchestrator.long2short.cli", "--help"],
         check=True,
         cwd=REPO,
         capture_output=True,

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from ckpt_common.dictconfig import apply_overrides, config_differences, from_dict, parse_override, to_dict
 from orchestrator.config import JobConfig, load_config
-from orchestrator.dictconfig import apply_overrides, config_differences, from_dict, parse_override, to_dict
 from orchestrator.loop import check_resumable
 
 REPO = pathlib.Path(__file__).resolve().parents[3]

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from checkpoint_engine.httpjson import JsonRequestHandler
+from ckpt_common.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig
-from orchestrator.engine import GenRequest, PartialGeneration, SamplingSettings
-from orchestrator.engine_http import HttpVllmEngine
+from orchestrator.engines.base import GenRequest, PartialGeneration, SamplingSettings
+from orchestrator.engines.vllm_http import HttpVllmEngine
 from orchestrator.repeat import RepeatConfig
 from testing.http_stub import serve_stub
 
@@ -160,7 +160,7 @@ def test_tokens_of_unfinished_requests_are_counted_while_their_stream_is_open(se
 
 
 def test_a_stream_answered_with_an_http_error_raises_it(server):
-    from checkpoint_engine.errors import HTTPError
+    from ckpt_common.httpjson import HTTPError
 
     engine = HttpVllmEngine(EngineConfig(type="vllm_http", endpoint=server), stream=True)
     engine.model_name = "not-tiny"  # the fake answers 400

@@ -23,8 +23,8 @@ import warnings
 
 import pytest
 
-from checkpoint_engine import procs
 from checkpoint_engine.errors import UpdateFailed
+from ckpt_common import procs
 from orchestrator import phases
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -173,7 +173,7 @@ JOB = """
 import logging, multiprocessing, os, sys, threading, time
 
 import stopchild
-from checkpoint_engine.logs import setup_logging
+from ckpt_common.logs import setup_logging
 from orchestrator import phases
 from orchestrator.__main__ import install_stop_handling, run_stoppable, spawn_children_through_here
 

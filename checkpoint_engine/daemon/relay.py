@@ -1,0 +1,132 @@
+"""The daemon's two uses of the process group's store (torchrun's TCPStore, shared by every rank).
+
+    Relay        rank 0 ──key cmd/<n>──▶ every rank runs command n ──key res/<n>/<rank>──▶ rank 0
+                 a rank that exits (a signal, an error) sets gone/<rank>: rank 0 stops waiting for it;
+                 one that exited or stayed silent past the deadline is reported by number, with kind
+                 "unavailable" (the daemon must be restarted); answered commands' keys are deleted
+    EngineBoard  every rank ──key engines/<rank>──▶ rank 0 (GET /engines, the healer)
+
+Values are JSON (never pickle). Every wait has a deadline and is quiet (`store_wait.wait_for_keys`):
+an idle rank waits for the next command in `IDLE_WAIT_S` slices without logging.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch.distributed as dist
+
+from checkpoint_engine.daemon.store_wait import FIRST_PAUSE_S, MAX_PAUSE_S, wait_for_keys
+
+IDLE_WAIT_S = 5.0
+
+
+class Relay:
+    """Moves commands from rank 0 to all ranks and results back, over the process group's store."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, result_timeout_s: float):
+        self.store = dist.PrefixStore("ckpt-daemon/", store)
+        self.rank, self.world_size, self.result_timeout_s = rank, world_size, result_timeout_s
+        self.seq = 0
+        self._answered = False  # every rank answered the current command (its keys may go)
+
+    def publish(self, cmd: dict) -> None:
+        self.store.set(f"cmd/{self.seq}", json.dumps(cmd))
+
+    def next_command(self, stop: threading.Event) -> dict | None:
+        key = f"cmd/{self.seq}"
+        while not stop.is_set():
+            if wait_for_keys(self.store, [key], IDLE_WAIT_S, stop=stop):
+                return json.loads(self.store.get(key))
+            # idle: wait again (each wait has its own deadline)
+        return None
+
+    def put_result(self, result: dict) -> None:
+        self.store.set(f"res/{self.seq}/{self.rank}", json.dumps(result))
+
+    def gather_results(
+        self, timeout_s: float | None = None, skip: frozenset[int] | set[int] = frozenset()
+    ) -> list[dict]:
+        """Every rank's result of the current command. A rank that left (`leave`), one silent for
+        `timeout_s` (default: the relay's) and one of `skip` (not waited for: known to be gone) get an
+        error result of kind "unavailable" naming the rank: the daemon must be restarted."""
+        timeout_s = self.result_timeout_s if timeout_s is None else timeout_s
+        keys = [f"res/{self.seq}/{r}" for r in range(self.world_size)]
+        waited = [k for r, k in enumerate(keys) if r not in skip]
+        deadline = time.monotonic() + timeout_s
+        pause = FIRST_PAUSE_S
+        while not self.store.check(waited):  # one round trip while every rank answers in time
+            pending = [r for r, k in enumerate(keys) if r not in skip and not self.store.check([k])]
+            gone = {r for r in pending if self.store.check([f"gone/{r}"])}
+            left = deadline - time.monotonic()
+            if len(gone) == len(pending) or left <= 0:
+                return [
+                    self._result(r)
+                    if r not in pending and r not in skip
+                    else _lost(
+                        r, "has exited" if r in gone else f"did not answer within {timeout_s:g} s: it may have died"
+                    )
+                    for r in range(self.world_size)
+                ]
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, MAX_PAUSE_S)
+        self._answered = not skip
+        return [
+            _lost(r, "did not answer an earlier command: it may have died") if r in skip else self._result(r)
+            for r in range(self.world_size)
+        ]
+
+    def _result(self, rank: int) -> dict:
+        return json.loads(self.store.get(f"res/{self.seq}/{rank}"))
+
+    def leave(self) -> None:
+        """This rank exits: rank 0 no longer waits for its results."""
+        try:
+            self.store.set(f"gone/{self.rank}", "1")
+        except RuntimeError:  # DistStoreError: the store went with rank 0's host, so nobody waits
+            pass
+
+    def done(self) -> None:
+        """The current command is over on this rank. On rank 0, once every rank answered it, its keys
+        go (no rank reads them again): the store does not grow with every command."""
+        if self.rank == 0 and self._answered:
+            for key in [f"cmd/{self.seq}", *(f"res/{self.seq}/{r}" for r in range(self.world_size))]:
+                try:
+                    self.store.delete_key(key)
+                except RuntimeError:  # DistStoreError: the next command reports the store
+                    break
+        self._answered = False
+        self.seq += 1
+
+
+def _lost(rank: int, what: str) -> dict:
+    return {
+        "ok": False,
+        "error": f"rank {rank} {what}; the daemon must be restarted",
+        "kind": "unavailable",
+    }
+
+
+class EngineBoard:
+    """Every rank's engine record in the process group's store: each rank writes its own, rank 0 reads
+    them all. Its own store connection, so a rank's command thread waiting on the relay never delays it."""
+
+    def __init__(self, store: dist.Store, world_size: int):
+        self.store = dist.PrefixStore("ckpt-engines/", store.clone())
+        self.world_size = world_size
+        self._lock = threading.Lock()
+
+    def put(self, record: dict) -> None:
+        with self._lock:
+            self.store.set(f"engines/{record['rank']}", json.dumps(record))
+
+    def records(self) -> list[dict]:
+        out = []
+        with self._lock:
+            for r in range(self.world_size):
+                key = f"engines/{r}"
+                known = self.store.check([key])
+                out.append(json.loads(self.store.get(key)) if known else {"rank": r, "state": "stopped"})
+        return out

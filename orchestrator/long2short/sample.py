@@ -1,0 +1,124 @@
+"""long2short sampling: n responses per problem through the rollout engine, and k1.5's shortest
+rejection sampling over them (the shortest correct response per problem, as SFT records)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ckpt_common.cli_config import meta
+from ckpt_common.validate import check_int, check_number
+from demo import task
+from trainer import dpo
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """One generated response: its decoded text and the token ids the engine produced."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    num_samples: int = dataclasses.field(
+        default=8, metadata=meta("samples per problem (n of k1.5's shortest rejection sampling)")
+    )
+    temperature: float = 1.0
+    max_response_tokens: int = 128
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "max_response_tokens"):
+            check_int(name, getattr(self, name))
+        check_number("temperature", self.temperature, allow_zero=True)
+        check_number("timeout_s", self.timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemSetConfig:
+    """Which problems a command samples (the training split) or evaluates (the held-out split)."""
+
+    num_problems: int = 256
+    levels: tuple[int, ...] = task.RL_LEVELS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("num_problems", self.num_problems)
+        if not self.levels or any(level not in task.LEVELS for level in self.levels):
+            raise ValueError(f"levels={self.levels!r} must be a non-empty subset of {sorted(task.LEVELS)}")
+
+
+def sample_groups(
+    engine: Any,
+    problems: Sequence[task.Problem],
+    encode: Callable[[str], Sequence[int]],
+    decode: Callable[[Sequence[int]], str],
+    config: SamplingConfig = SamplingConfig(),
+    is_correct: Callable[[Any, str], bool] = task.is_correct,
+) -> list[list[dpo.Sample]]:
+    """``config.num_samples`` responses per problem: one group of ``dpo.Sample(Response, correct, num_tokens)``
+    per problem, in order (num_tokens: the generated token count, eos included)."""
+    from orchestrator.engines.base import GenRequest, SamplingSettings
+
+    n = config.num_samples
+    requests = [
+        GenRequest(f"l2s-{i}.{c}", tuple(encode(p.prompt)), config.max_response_tokens)
+        for i, p in enumerate(problems)
+        for c in range(n)
+    ]
+    results = {
+        r.request_id: r
+        for r in engine.generate(requests, SamplingSettings(temperature=config.temperature), timeout_s=config.timeout_s)
+    }
+    groups = []
+    for i, problem in enumerate(problems):
+        group = []
+        for c in range(n):
+            result = results[f"l2s-{i}.{c}"]
+            text = decode(result.token_ids)
+            response = Response(text, tuple(result.token_ids), result.finish_reason)
+            group.append(dpo.Sample(response, bool(is_correct(problem, text)), len(result.token_ids)))
+        groups.append(group)
+    return groups
+
+
+def shortest_rejection_records(problems: Sequence[task.Problem], groups: Sequence[Sequence[dpo.Sample]]) -> list[dict]:
+    """SFT records (one per problem with a correct sample): the shortest correct response of its group."""
+    records = []
+    for problem, group in zip(problems, groups):
+        index = dpo.shortest_correct_index(group)
+        if index is None:
+            continue
+        best = group[index]
+        records.append(
+            {
+                "id": problem.id,
+                "prompt": problem.prompt,
+                "answer": problem.answer,
+                "level": problem.level,
+                "response": best.response.text,
+                "response_ids": list(best.response.token_ids),
+                "num_tokens": best.num_tokens,
+                "num_correct": sum(s.correct for s in group),
+                "num_samples": len(group),
+                "mean_correct_tokens": sum(s.num_tokens for s in group if s.correct) / sum(s.correct for s in group),
+            }
+        )
+    return records
+
+
+def group_stats(groups: Sequence[Sequence[dpo.Sample]]) -> dict[str, Any]:
+    samples = [s for g in groups for s in g]
+    correct = [s for s in samples if s.correct]
+    return {
+        "num_problems": len(groups),
+        "num_samples": len(samples),
+        "sample_accuracy": len(correct) / max(1, len(samples)),
+        "mean_sample_tokens": sum(s.num_tokens for s in samples) / max(1, len(samples)),
+        "mean_correct_tokens": sum(s.num_tokens for s in correct) / len(correct) if correct else None,
+        "num_problems_with_correct": sum(any(s.correct for s in g) for g in groups),
+    }
