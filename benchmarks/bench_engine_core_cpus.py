@@ -67,9 +67,9 @@ class Engine:
     worker on `bind`; `testing.vllm_servers.ServerProcess` runs it."""
 
     def __init__(self, model: pathlib.Path, engine_core_cpus: str, bind: str, log: pathlib.Path, timeout_s: float):
+        from ckpt_common.ports import free_port
         from testing.vllm_servers import ServerProcess, child_env, vllm_serve_command
         from vllm_ext.engine_core_cpus import ENV
-        from vllm_ext.launch_config import free_port
 
         self.model, port = model, free_port()
         args = (
@@ -89,7 +89,7 @@ class Engine:
         self.server.wait_for("/health", timeout_s=timeout_s)
 
     def generate(self, prompts: int, max_tokens: int) -> int:
-        from checkpoint_engine.api import post_json
+        from ckpt_common.httpjson import post_json
 
         body = {
             "model": str(self.model),

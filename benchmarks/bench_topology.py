@@ -251,8 +251,8 @@ def start_daemon(
     engine_p2p_cpus: str = "all",
     daemon_p2p_cpus: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    from checkpoint_engine.engines.host import free_port
     from ckpt_common.httpjson import status_json
+    from ckpt_common.ports import free_port
 
     script = work / "engine.sh"
     script.write_text(
@@ -718,7 +718,9 @@ def main(argv=None) -> dict:
     from orchestrator.config import EngineConfig, SyncConfig
     from orchestrator.engines.daemon import DaemonWeightSync, _http_engine, start_daemon_pool
     from orchestrator.engines.daemon_client import write_version
-    from orchestrator.engines.pool import BATCH_SIZE, SERVING, EnginePool, Member, cpu_binds
+    from orchestrator.engines.pool import EnginePool
+    from orchestrator.engines.pool_members import SERVING, Member
+    from orchestrator.engines.pool_servers import BATCH_SIZE, cpu_binds
     from trainer.base import TrainerConfig
     from trainer.hf import HFTrainer
 

@@ -262,8 +262,8 @@ def save_copy_s(model_dir: Path) -> float:
 def timed_disk_start(
     model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None, extension: bool = True
 ):
+    from ckpt_common.ports import free_port
     from testing.vllm_servers import ServerProcess, child_env, vllm_serve_command
-    from vllm_ext.launch import free_port
 
     port = free_port()
     t0 = time.monotonic()

@@ -141,7 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--p2p-cpus: {e}")
     if args.engine_cmd is not None:
-        from checkpoint_engine.engines.host import EngineConfig, parse_engine_cmd
+        from checkpoint_engine.engines.config import EngineConfig, parse_engine_cmd
 
         try:
             args.engine_config = EngineConfig(
@@ -195,7 +195,10 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
-    from checkpoint_engine.daemon.server import Driver, EngineBoard, Relay, serve_http, serve_rank
+    from checkpoint_engine.daemon.commands import serve_rank
+    from checkpoint_engine.daemon.driver import Driver
+    from checkpoint_engine.daemon.relay import EngineBoard, Relay
+    from checkpoint_engine.daemon.server import serve_http
     from checkpoint_engine.engines import host as engines
     from checkpoint_engine.ps import ParameterServer
     from ckpt_common.logs import setup_logging

@@ -11,10 +11,10 @@ import logging
 import os
 from collections.abc import Sequence
 
-from checkpoint_engine.types import ReqFunc  # also importable from here
-from ckpt_common.httpjson import HTTPError, post_json  # also importable from here
+from checkpoint_engine.types import ReqFunc
+from ckpt_common.httpjson import post_json
 
-__all__ = ["HTTPError", "ReqFunc", "group_req_func", "http_req_func", "post_json", "request_inference_to_update"]
+__all__ = ["group_req_func", "http_req_func", "request_inference_to_update"]
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import zmq
 
 from checkpoint_engine import protocol as P
 from checkpoint_engine.config import UpdateConfig
-from checkpoint_engine.errors import UpdateFailed  # also re-exported: callers import it from here
+from checkpoint_engine.errors import UpdateFailed
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics
 from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up, double_buffer_schedule

@@ -24,7 +24,7 @@ import zmq
 from checkpoint_engine import plan
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig
-from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound
+from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound, UpdateFailed
 from checkpoint_engine.host_memory import (
     HostMemoryPool,
     RegisteredCheckpoint,
@@ -35,7 +35,7 @@ from checkpoint_engine.host_memory import (
 from checkpoint_engine.jobs import GlobalMetas, make_job, memory_budget_bytes
 from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
 from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
-from checkpoint_engine.pipeline import UpdateFailed, run_update
+from checkpoint_engine.pipeline import run_update
 from checkpoint_engine.transport.devices import make_transport
 from checkpoint_engine.transport.load_rendezvous import PullHint
 from checkpoint_engine.transport.mooncake import P2PStore

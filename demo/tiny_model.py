@@ -29,8 +29,6 @@ import torch
 
 from ckpt_common.dtypes import dtype_from_name
 from ckpt_common.hf_dir import DEFAULT_MAX_SHARD_SIZE_BYTES, read_tensors, write_safetensors
-from ckpt_common.hf_dir import plan_shards as plan_shards  # re-exported: HF dir I/O lives in hf_dir
-from ckpt_common.hf_dir import safetensors_files as safetensors_files
 from ckpt_common.validate import check_int
 
 logger = logging.getLogger(__name__)

@@ -151,7 +151,8 @@ def _run(config, output_dir: str, progress_bar: bool) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from orchestrator.config import load_config, to_dict
+    from ckpt_common.dictconfig import to_dict
+    from orchestrator.config import load_config
 
     try:
         config = load_config(args.config, args.overrides)

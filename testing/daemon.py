@@ -26,12 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoint_engine.engines.host import free_port
 from ckpt_common.httpjson import status_json
+from ckpt_common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-__all__ = ["REPO", "Daemon", "DaemonStartError", "free_port", "repo_env", "start_daemon", "stop_group"]
 
 
 class DaemonStartError(RuntimeError):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ckpt_common.httpjson import status_json
+from ckpt_common.ports import free_port
 from ckpt_common.procs import (
     die_with_parent,
     group_pids,
@@ -24,7 +25,7 @@ from ckpt_common.procs import (
     unlink_segments,
     wait_noting_segments,
 )
-from vllm_ext.launch_config import EXTENSION, free_port
+from vllm_ext.launch_config import EXTENSION
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_DURING_START_GRACE_S = 5.0  # ServerProcess.stop() before the server serves: SIGKILL after this

@@ -34,6 +34,7 @@ import time
 from checkpoint_engine.engines.segment_ledger import SegmentLedger
 from checkpoint_engine.engines.segment_ledger import sweep as sweep_segments
 from ckpt_common.cli_config import ConfigArgs, add_config_args
+from ckpt_common.ports import free_port
 from ckpt_common.procs import (
     descendants,
     die_with_parent,
@@ -46,14 +47,7 @@ from ckpt_common.procs import (
 # the settings and command assembly live in launch_config; importers may keep using vllm_ext.launch
 from vllm_ext.launch_config import EXTENSION as EXTENSION
 from vllm_ext.launch_config import RESERVED_VLLM_FLAGS as RESERVED_VLLM_FLAGS
-from vllm_ext.launch_config import (
-    LaunchConfig,
-    free_port,
-    lower_thread_priority,
-    model_safetensors_files,
-    vllm_command,
-    vllm_env,
-)
+from vllm_ext.launch_config import LaunchConfig, lower_thread_priority, model_safetensors_files, vllm_command, vllm_env
 from vllm_ext.launch_config import engine_settings as engine_settings
 from vllm_ext.launch_config import tensor_parallel_size as tensor_parallel_size
 
@@ -183,7 +177,7 @@ class Launcher:
 
     def load_into_engine(self, registering: threading.Thread) -> None:
         """Thread: once registered, wait for vLLM's load step and update the engine through it."""
-        from vllm_ext.loader import loader_req_func, wait_for_loader
+        from checkpoint_engine.transport.load_rendezvous import loader_req_func, wait_for_loader
 
         try:
             registering.join(self.cfg.startup_timeout_s)

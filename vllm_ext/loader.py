@@ -36,13 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
-# the rendezvous protocol (no vLLM), kept importable from here
-from checkpoint_engine.transport.load_rendezvous import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
-from checkpoint_engine.transport.load_rendezvous import LoaderRendezvousError as LoaderRendezvousError
-from checkpoint_engine.transport.load_rendezvous import loader_req_func as loader_req_func
-from checkpoint_engine.transport.load_rendezvous import parse_request as parse_request
 from checkpoint_engine.transport.load_rendezvous import read_pull_hint, serve_initial_load
-from checkpoint_engine.transport.load_rendezvous import wait_for_loader as wait_for_loader
 from checkpoint_engine.transport.mooncake import is_cpu_set
 
 logger = logging.getLogger(__name__)
@@ -149,7 +143,8 @@ def _loader_class():
             from vllm.config import get_current_vllm_config, set_current_vllm_config
 
             from checkpoint_engine.transport.prefault import prefault
-            from vllm_ext.receiver import ReceiverConfig, WeightReceiver
+            from vllm_ext.receiver import WeightReceiver
+            from vllm_ext.settings import ReceiverConfig
             from vllm_ext.worker_handle import select_handle, tp_rank_and_size
 
             vllm_config = get_current_vllm_config()

@@ -59,7 +59,7 @@ def push(
     """Register this rank's shard, gather metas, update; return metrics. Raises on failure."""
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
-    from vllm_ext.launch import model_safetensors_files
+    from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import vllm_http_req_func
 
     name = checkpoint_name or os.path.basename(os.path.normpath(model_dir))
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
         )
     except Exception as e:  # noqa: BLE001 - reported as the last line and the exit code
-        from checkpoint_engine.pipeline import UpdateFailed
+        from checkpoint_engine.errors import UpdateFailed
 
         print(json.dumps({"ok": False, "rank": rank, "error": f"{type(e).__name__}: {e}"}), flush=True)
         return 3 if isinstance(e, UpdateFailed) else 1

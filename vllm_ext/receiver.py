@@ -47,7 +47,7 @@ from checkpoint_engine.transport.shm import MappingCache
 from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
 from ckpt_common.dtypes import dtype_from_name
 from vllm_ext.placement import SlotProbe
-from vllm_ext.settings import ReceiverConfig, ReloadImpl, ReloadMode  # noqa: F401 - re-exported
+from vllm_ext.settings import ReceiverConfig
 from vllm_ext.weight_cache import WeightCache
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpoint_engine.types import ReqFunc  # also importable from here
+from checkpoint_engine.types import ReqFunc
 from ckpt_common.httpjson import HTTPError, post_json, status_json
 
 logger = logging.getLogger(__name__)

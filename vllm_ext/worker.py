@@ -84,7 +84,8 @@ class VllmColocateWorkerExtension:
         receiver = getattr(self, "_ckpt_engine_receiver_obj", None)
         if receiver is None:
             from vllm_ext.loader import take_initial_receiver
-            from vllm_ext.receiver import ReceiverConfig, WeightReceiver
+            from vllm_ext.receiver import WeightReceiver
+            from vllm_ext.settings import ReceiverConfig
 
             receiver = take_initial_receiver()  # the load step received the weights (load format checkpoint_engine)
             if receiver is not None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from checkpoint_engine.api import group_req_func, http_req_func
 from checkpoint_engine.daemon.relay import Relay
 from checkpoint_engine.engines import host as engines
+from checkpoint_engine.engines.states import SLEEP_LEVELS
 from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound, DaemonBusy, DaemonUnavailable
 from checkpoint_engine.host_memory import read_safetensors_index
 from checkpoint_engine.jobs import GlobalMetas
@@ -367,8 +368,8 @@ def validate(cmd: dict) -> dict:
     op = cmd.get("op")
     if op in ENGINE_OPS and cmd.get("ranks") is not None and not is_int_list(cmd["ranks"]):
         raise CommandError(f"{op}: 'ranks' must be a list of ranks or null (all)", "ranks")
-    if op == "engine_sleep" and cmd.get("level", 1) not in engines.SLEEP_LEVELS:
-        raise CommandError(f"engine_sleep: 'level' must be one of {list(engines.SLEEP_LEVELS)}", "level")
+    if op == "engine_sleep" and cmd.get("level", 1) not in SLEEP_LEVELS:
+        raise CommandError(f"engine_sleep: 'level' must be one of {list(SLEEP_LEVELS)}", "level")
     if op == "engine_wake" and cmd.get("update_ranks"):
         if not is_int_list(cmd["update_ranks"]):
             raise CommandError("engine_wake: 'update_ranks' must be a list of ranks", "update_ranks")

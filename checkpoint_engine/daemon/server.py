@@ -16,20 +16,23 @@ routes is called once and acts on every rank; `files` are split across ranks as 
 does. Their answers: 200 with an empty body, 500 with the error text (a JSON string), 422 naming the
 field of a bad request.
 
-Managed engines (`--engine-cmd`, see engines.py): each rank runs the one engine process of its
+Managed engines (`--engine-cmd`, see checkpoint_engine/engines/host.py): each rank runs the one engine process of its
 device. `POST /engines/start`, `POST /engines/stop` and `POST /update` without engine URLs are
 relayed commands like the others; `GET /engines` reads every rank's engine record from the process
 group's store (no command: it answers during a long update). With `--auto-heal`, a `Healer` thread
 on rank 0 notices a failed engine there and relays a restart + `update(current, ranks=[its rank])`.
 
-    daemon_relay     Relay (commands and results through the store), EngineBoard (engine records)
-    daemon_commands  CommandError, validate, phases, check/apply/undo/run, run_command (every rank), serve_rank
-    daemon_driver    Driver: rank 0 runs each command's phases on every rank, one command at a time
-    daemon_http      middlewares (the token, 503 while stopping, 500 on a fault), parse_json, read_body
-    daemon_routes    make_app (our routes and their status codes, the /v1 ones mounted beside them)
-    daemon_compat_routes  compat_routes (MoonshotAI's /v1 routes)
-    daemon_metrics   DaemonMetrics (GET /metrics, Prometheus text), ObservedDriver (commands counted)
-    daemon           serve_http (rank 0's server, its healer, the shutdown); the names above re-exported
+The rooms of the package (checkpoint_engine/daemon/):
+
+    relay          Relay (commands and results through the store), EngineBoard (engine records)
+    commands       CommandError, validate, phases, check/apply/undo/run, run_command (every rank), serve_rank
+    driver         Driver: rank 0 runs each command's phases on every rank, one command at a time
+    http           middlewares (the token, 503 while stopping, 500 on a fault), parse_json, read_body
+    routes         make_app (our routes and their status codes, the /v1 ones mounted beside them)
+    compat_routes  compat_routes (MoonshotAI's /v1 routes)
+    metrics        DaemonMetrics (GET /metrics, Prometheus text), ObservedDriver (commands counted)
+    server         serve_http (rank 0's server, its healer, the shutdown); names are imported from the
+                   module that defines them
 """
 
 from __future__ import annotations
@@ -37,39 +40,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from checkpoint_engine.daemon.commands import (
-    CommandError,
-    execute,
-    is_int_list,
-    run_command,
-    serve_rank,
-    validate,
-)
-from checkpoint_engine.daemon.compat_routes import compat_routes
 from checkpoint_engine.daemon.driver import Driver
 from checkpoint_engine.daemon.heal import Healer
 from checkpoint_engine.daemon.metrics import DaemonMetrics, ObservedDriver
-from checkpoint_engine.daemon.relay import IDLE_WAIT_S, EngineBoard, Relay
-from checkpoint_engine.daemon.routes import NO_ENGINES, make_app
-
-__all__ = [
-    "IDLE_WAIT_S",
-    "NO_ENGINES",
-    "CommandError",
-    "DaemonMetrics",
-    "Driver",
-    "EngineBoard",
-    "Healer",
-    "Relay",
-    "compat_routes",
-    "execute",
-    "is_int_list",
-    "make_app",
-    "run_command",
-    "serve_http",
-    "serve_rank",
-    "validate",
-]
+from checkpoint_engine.daemon.routes import make_app
 
 logger = logging.getLogger(__name__)
 

@@ -5,16 +5,15 @@ The engine is an argv template the user gives (`{port}`, `{rank}`, `{device}` ar
 `python -m checkpoint_engine.engines.plain --port {port}` or `python -m vllm_ext.launch --model DIR
 --no-initial-push --port {port}`: this package never imports an engine.
 
-    engine_states   lifecycle states and their pure transition table (the diagram is there)
-    engine_config   the command template, the engine's environment, EngineConfig
-    engine_process  ManagedEngine: one process (start, health, stop) and its state; its Watchdog
-    engines         EngineHost, the agreement through the store, engine_start / managed_update /
-                    engine_stop / engine_sleep / engine_wake; every public name of the modules
-                    above is importable from here
-    engine_heal     Healer (rank 0): drives the daemon's Driver, so it sits above the daemon's
-                    modules, not below this one (daemon.py starts it)
+    states          lifecycle states and their pure transition table (the diagram is there)
+    config          the command template, the engine's environment, EngineConfig
+    process         ManagedEngine: one process (start, health, stop) and its state; its Watchdog
+    host            EngineHost, the agreement through the store, engine_start / managed_update /
+                    engine_stop / engine_sleep / engine_wake
+    daemon/heal     Healer (rank 0): drives the daemon's Driver, so it sits in the daemon's package,
+                    above this one (daemon/server.py starts it)
 
-How a death reaches rank 0, and the heal (the daemon wires it; see daemon.py):
+How a death reaches rank 0, and the heal (the daemon wires it; see checkpoint_engine/daemon/server.py):
 
     rank r: Watchdog thread ── proc.poll() every poll_interval_s ── exited? ──▶ state failed(exit code)
     every state change ──publish(record)──▶ process-group store key  ckpt-engines/engines/<r>
@@ -58,53 +57,9 @@ import json
 
 from checkpoint_engine.daemon.store_wait import wait_for_keys
 from checkpoint_engine.engines.config import (
-    PLACEHOLDERS,
-    TORCHRUN_VARS,
     EngineConfig,
-    engine_env,
-    parse_engine_cmd,
-    render_cmd,
 )
 from checkpoint_engine.engines.process import ManagedEngine, Watchdog
-from checkpoint_engine.engines.states import (
-    SLEEP_LEVELS,
-    SLEEPABLE,
-    STARTABLE,
-    STATES,
-    TRANSITIONS,
-    UPDATABLE,
-    EngineState,
-    TransitionError,
-    check_transition,
-)
-from ckpt_common.ports import free_port
-
-__all__ = [
-    "PLACEHOLDERS",
-    "SLEEPABLE",
-    "SLEEP_LEVELS",
-    "STARTABLE",
-    "STATES",
-    "TORCHRUN_VARS",
-    "TRANSITIONS",
-    "UPDATABLE",
-    "EngineConfig",
-    "EngineHost",
-    "EngineState",
-    "ManagedEngine",
-    "TransitionError",
-    "Watchdog",
-    "check_transition",
-    "engine_env",
-    "engine_sleep",
-    "engine_start",
-    "engine_stop",
-    "engine_wake",
-    "free_port",
-    "managed_update",
-    "parse_engine_cmd",
-    "render_cmd",
-]
 
 
 class EngineHost:

@@ -60,7 +60,9 @@ from orchestrator.config import EngineConfig, SyncConfig
 from orchestrator.engines.base import RolloutEngine
 from orchestrator.engines.daemon_client import DaemonClient, SwitchError, describe_engines, write_version
 from orchestrator.engines.daemon_client import shard_size_bytes as shard_size_bytes  # its importers use it from here
-from orchestrator.engines.pool import BATCH_SIZE, SERVING, EnginePool, Member
+from orchestrator.engines.pool import EnginePool
+from orchestrator.engines.pool_members import SERVING, Member
+from orchestrator.engines.pool_servers import BATCH_SIZE
 from orchestrator.engines.weight_sync import SyncResult
 
 logger = logging.getLogger(__name__)

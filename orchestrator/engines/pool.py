@@ -53,9 +53,7 @@ from orchestrator.engines.base import (
 from orchestrator.engines.pool_members import (
     CLOSED,
     DOWN,
-    FAILED,
     HEALING,
-    MAX_HEAL_ATTEMPTS,
     MAX_REQUEST_ATTEMPTS,
     SERVING,
     STARTING,
@@ -63,25 +61,8 @@ from orchestrator.engines.pool_members import (
     Member,
     PoolMembers,
 )
-from orchestrator.engines.pool_servers import BATCH_SIZE, cpu_binds, launch_command, start_servers
+from orchestrator.engines.pool_servers import BATCH_SIZE, start_servers
 from orchestrator.repeat import RepeatConfig
-
-__all__ = [  # importers outside this package use these names from here
-    "BATCH_SIZE",
-    "CLOSED",
-    "DOWN",
-    "FAILED",
-    "HEALING",
-    "MAX_HEAL_ATTEMPTS",
-    "MAX_REQUEST_ATTEMPTS",
-    "SERVING",
-    "STARTING",
-    "WAITING",
-    "EnginePool",
-    "Member",
-    "cpu_binds",
-    "launch_command",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -154,7 +154,7 @@ class HttpVllmEngine(RolloutEngine):
         self, requests: Sequence[GenRequest], sampling: SamplingSettings, repeat: RepeatConfig | None, timeout_s: float
     ) -> list[GenResult]:
         """One POST for requests that share ``max_tokens`` (one prompt: as before batching existed)."""
-        from checkpoint_engine.api import post_json
+        from ckpt_common.httpjson import post_json
 
         body = self._body(requests, sampling)
         answer = post_json(self.endpoint + "/v1/completions", body, timeout_s=timeout_s)

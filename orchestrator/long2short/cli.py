@@ -56,7 +56,7 @@ from typing import Any
 from ckpt_common.cli_config import ConfigArgs, add_config_args
 from demo import task
 from orchestrator.long2short.eval import evaluate_models, parse_model_spec, write_evaluation
-from orchestrator.long2short.merge import DEFAULT_ALPHA, INFO_FILE, merge_model_dirs
+from orchestrator.long2short.merge import DEFAULT_ALPHA, merge_model_dirs
 from orchestrator.long2short.sample import (
     ProblemSetConfig,
     SamplingConfig,
@@ -66,23 +66,6 @@ from orchestrator.long2short.sample import (
 )
 from orchestrator.long2short.train import DpoConfig, TrainConfig, run_dpo, sft_on
 from trainer import dpo
-
-__all__ = [  # what each command runs (long2short_merge, _sample, _train, _eval), importable from here too
-    "INFO_FILE",
-    "DpoConfig",
-    "ProblemSetConfig",
-    "SamplingConfig",
-    "TrainConfig",
-    "evaluate_models",
-    "main",
-    "merge_model_dirs",
-    "parse_model_spec",
-    "run_dpo",
-    "sample_groups",
-    "sft_on",
-    "shortest_rejection_records",
-    "write_evaluation",
-]
 
 logger = logging.getLogger(__name__)
 

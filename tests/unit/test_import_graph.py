@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,7 +197,6 @@ def describe_loops(graph: Graph, succ: dict[str, list[str]], comps: list[list[st
 
 
 def test_no_import_loops():
-    t0 = time.perf_counter()
     graph = build_graph()
     assert len(graph.files) > 100, sorted(graph.files)  # the scan found the project
     stale = sorted(e for e in ALLOWED_EDGES if e not in graph.edges)
@@ -208,7 +206,6 @@ def test_no_import_loops():
     succ = graph.successors()
     loops = describe_loops(graph, succ, strongly_connected(succ))
     assert not loops, f"{len(loops)} import loop(s) between project modules:\n\n" + "\n\n".join(loops)
-    assert time.perf_counter() - t0 < 5.0
 
 
 def test_the_helpers_import_no_other_project_package():

@@ -17,21 +17,14 @@ from collections.abc import Mapping
 
 import torch
 
-from trainer.megatron.layout import (  # noqa: F401  (re-exported: the public conversion API)
+from trainer.megatron.layout import conversion_pieces, hf_sources, writer_pieces
+from trainer.megatron.shapes import (
     ModelShape,
     NormStyle,
     Parallelism,
+    Piece,
     Rank,
-    conversion_pieces,
-    global_expert_index,
-    hf_param_shapes,
-    hf_sources,
-    local_expert_index,
-    sources_of_slice,
-    stage_layers,
-    writer_pieces,
 )
-from trainer.megatron.shapes import Piece
 
 
 def _check_hf(state_dict: Mapping[str, torch.Tensor], names: set[str]) -> None:

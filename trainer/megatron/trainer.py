@@ -31,8 +31,10 @@ from trainer.base import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimi
 from trainer.cpu import num_threads_for, resolve_autocast_dtype
 from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
 from trainer.loss import token_logprobs as _masked_token_logprobs
-from trainer.megatron.convert import ModelShape, hf_param_shapes, hf_sources, write_rank_slices
+from trainer.megatron.convert import write_rank_slices
+from trainer.megatron.layout import hf_sources
 from trainer.megatron.model import MegatronModelConfig
+from trainer.megatron.shapes import ModelShape, hf_param_shapes
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,10 @@ import tempfile
 import time
 import urllib.request
 
+from ckpt_common.ports import free_port
+
 # the daemon's start, free ports and process-group stops live in testing.daemon (examples use them too)
-from testing.daemon import REPO, Daemon, DaemonStartError, free_port, start_daemon, stop_group
+from testing.daemon import REPO, Daemon, DaemonStartError, start_daemon, stop_group
 from testing.daemon import repo_env as _env
 
 __all__ = [

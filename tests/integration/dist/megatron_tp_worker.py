@@ -107,7 +107,8 @@ def main() -> int:
     from demo.tiny_model import VOCAB_SIZE
     from tests.unit.trainer.tiny import tiny_hf
     from trainer.megatron import model as mg_model
-    from trainer.megatron.convert import ModelShape, megatron_to_hf
+    from trainer.megatron.convert import megatron_to_hf
+    from trainer.megatron.shapes import ModelShape
 
     rank = int(os.environ["RANK"])
     result: dict = {"rank": rank}

@@ -22,7 +22,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from testing.daemon import REPO, Daemon, free_port, repo_env
+from ckpt_common.ports import free_port
+from testing.daemon import REPO, Daemon, repo_env
 
 SILENT_TIMEOUT_S = 3.0  # the silent-rank check's request deadline
 QUICK_S = 10.0  # a failing command answers within this (the old daemon hung for the collective timeout)

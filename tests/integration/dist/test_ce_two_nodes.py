@@ -23,7 +23,8 @@ import time
 
 import pytest
 
-from testing.daemon import REPO, free_port, repo_env, status_json_when_free, stop_group
+from ckpt_common.ports import free_port
+from testing.daemon import REPO, repo_env, status_json_when_free, stop_group
 from tests.integration.dist.harness import rpc
 from tests.integration.dist.test_ce_engines import ENGINE_CMD, alive, wait_for, write_checkpoint
 

@@ -5,8 +5,8 @@ Everything is built here from scratch (the SFT result is cached by config hash i
 cache ``trainer.sft`` and the other e2e tests use)::
 
     LONG   = trainer.sft, solution_style "long", levels 1-2 (300 steps of 32, float32, one thread)
-    SHORT  = LONG fine-tuned on short-CoT targets (long2short.sft_on on task.solution_text records)
-    MERGED = long2short.merge_model_dirs(LONG, SHORT, alpha=0.3)
+    SHORT  = LONG fine-tuned on short-CoT targets (long2short_train.sft_on on task.solution_text records)
+    MERGED = long2short_merge.merge_model_dirs(LONG, SHORT, alpha=0.3)
     python -m orchestrator.long2short evaluate --models long=LONG short=SHORT merged=MERGED
            (one in-process vLLM engine on CPU, each model pushed through the checkpoint engine;
             greedy on 400 held-out level-2 problems)
@@ -44,7 +44,8 @@ import time
 import pytest
 
 from demo import task
-from orchestrator.long2short import cli as long2short
+from orchestrator.long2short import merge as long2short_merge
+from orchestrator.long2short import train as long2short_train
 from trainer import sft
 
 # The long SFT, the short fine-tune, one vLLM start and 3 x 400 greedy answers: 8 min 5 s from an empty SFT
@@ -68,7 +69,7 @@ SFT_WARMUP = ("tests.integration.e2e.test_long2short:LONG_SFT",)  # trained in t
 NUM_SHORT_RECORDS = 4096
 # every core of the process (None): nothing else runs beside this test, and on 2 cores a step takes
 # 0.27 s instead of 0.43 s on one (AVX2-only AMD EPYC); the measurements above used one thread
-SHORT_TRAIN = long2short.TrainConfig(lr=5e-4, num_epochs=2, batch_size=16, seed=0, num_threads=None)
+SHORT_TRAIN = long2short_train.TrainConfig(lr=5e-4, num_epochs=2, batch_size=16, seed=0, num_threads=None)
 SHORT_PROBLEM_SEED = 7
 ALPHA = 0.3  # weight of LONG in the merge
 NUM_HELDOUT = 400  # level 2 has about 810 held-out problems; 2 points = 8 problems
@@ -91,14 +92,14 @@ def test_merge_shortens_long_cot_within_two_points(tmp_path):
     start = time.monotonic()
     long_dir = sft.run_sft(LONG_SFT, SFT_CACHE)
     sft_s = time.monotonic() - start
-    short = long2short.sft_on(long_dir, _short_records(), tmp_path / "short", SHORT_TRAIN)
-    merged = long2short.merge_model_dirs(long_dir, short["model_dir"], tmp_path / "merged", ALPHA)
+    short = long2short_train.sft_on(long_dir, _short_records(), tmp_path / "short", SHORT_TRAIN)
+    merged = long2short_merge.merge_model_dirs(long_dir, short["model_dir"], tmp_path / "merged", ALPHA)
 
     out_dir = tmp_path / "eval"
     cmd = [
         sys.executable,
         "-m",
-        "orchestrator.long2short.cli",
+        "orchestrator.long2short",
         "evaluate",
         "--models",
         f"long={long_dir}",

@@ -36,7 +36,7 @@ def test_daemon_sleeps_and_wakes_a_vllm_engine_on_cuda(tmp_path):
     from testing.vllm_servers import child_env, completion_token_ids
     from tests.integration.dist.harness import start_daemon
     from tests.integration.dist.test_ce_engines import engines
-    from vllm_ext.launch import model_safetensors_files
+    from vllm_ext.launch_config import model_safetensors_files
 
     model = make_tiny_model(tmp_path / "A", TinyModelConfig.tiny(init_std=0.1), seed=11)
     engine_cmd = [

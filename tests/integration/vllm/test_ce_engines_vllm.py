@@ -27,7 +27,7 @@ STARTUP_TIMEOUT_S = 600.0
 def test_daemon_heals_a_killed_vllm_engine(tmp_path):
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import CPU_ENGINE_ARGS, child_env, completion_token_ids
-    from vllm_ext.launch import model_safetensors_files
+    from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import collective_rpc
 
     model = make_tiny_model(tmp_path / "A", TinyModelConfig.tiny(init_std=0.1), seed=11)

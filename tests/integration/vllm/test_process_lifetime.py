@@ -111,9 +111,9 @@ def test_sigterm_to_benchmark_ends_its_servers(tmp_path):
 
 @pytest.mark.vllm
 def test_sigterm_to_launcher_ends_vllm(tmp_path):
+    from ckpt_common.ports import free_port
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import CPU_ENGINE_ARGS
-    from vllm_ext.launch import free_port
 
     model = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(), seed=1)
     cmd = [
@@ -138,10 +138,10 @@ def test_killing_the_launchers_process_group_ends_vllm_at_once(tmp_path):
     and holds the device (or a compile-cache lock) while a restarted engine starts."""
     import os
 
+    from ckpt_common.ports import free_port
     from ckpt_common.procs import shm_segments, unlink_segments
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from testing.vllm_servers import CPU_ENGINE_ARGS, child_env
-    from vllm_ext.launch import free_port
 
     model = make_tiny_model(tmp_path / "model", TinyModelConfig.tiny(), seed=1)
     cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--port", str(free_port())]

@@ -56,7 +56,7 @@ def _run_vllm(model_dir: str, out_json: str, extension: str, update_from: str) -
     if update_from:
         from checkpoint_engine.config import ParameterServerConfig
         from checkpoint_engine.ps import ParameterServer
-        from vllm_ext.launch import model_safetensors_files
+        from vllm_ext.launch_config import model_safetensors_files
         from vllm_ext.req import llm_req_func
 
         ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
@@ -111,7 +111,8 @@ def _same_outputs(a: list[dict], b: list[dict]) -> bool:
 
 @pytest.mark.vllm
 def test_extension_loads_the_compile_cache_plain_vllm_saved(tmp_path):
-    from demo.tiny_model import TinyModelConfig, make_tiny_model, safetensors_files
+    from ckpt_common.hf_dir import safetensors_files
+    from demo.tiny_model import TinyModelConfig, make_tiny_model
     from vllm_ext.launch_config import EXTENSION
 
     cfg = TinyModelConfig.tiny(init_std=0.1)  # clear logit margins: greedy ties cannot flip

@@ -42,7 +42,7 @@ def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
     from testing.vllm_servers import cpu_llm
-    from vllm_ext.launch import model_safetensors_files
+    from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import llm_req_func
 
     llm = cpu_llm(model_dir, load_format="auto")  # started normally (+ extension)

@@ -19,7 +19,8 @@ import pytest
 
 from ckpt_common.httpjson import JsonRequestHandler
 from vllm_ext.gate import Gate, make_app, weights_loaded
-from vllm_ext.launch import LaunchConfig, build_parser, model_safetensors_files, vllm_command
+from vllm_ext.launch import build_parser
+from vllm_ext.launch_config import LaunchConfig, model_safetensors_files, vllm_command
 from vllm_ext.req import EngineRpcError, check_reports, collective_rpc, vllm_http_req_func
 
 REPO = Path(__file__).resolve().parents[3]
@@ -100,7 +101,7 @@ def test_missing_dev_mode_is_explained():
 
 
 def test_unreachable_engine_is_clear():
-    from vllm_ext.launch import free_port
+    from ckpt_common.ports import free_port
 
     with pytest.raises(EngineRpcError, match="weights_state on http://127.0.0.1:"):
         collective_rpc(f"http://127.0.0.1:{free_port()}", "weights_state", timeout_s=2)
@@ -275,7 +276,7 @@ def test_gate_serving_only_refuses_dev_routes_to_remote_clients_and_serves_loopb
 
 
 def test_gate_reports_unreachable_engine_as_502():
-    from vllm_ext.launch import free_port
+    from ckpt_common.ports import free_port
 
     gate = Gate()
     gate.observe([{"version": 1}])
@@ -394,8 +395,8 @@ def test_default_engine_settings_are_not_passed(tmp_path):
 
 
 def test_receiver_defaults_match_what_the_launcher_assumes():
-    from vllm_ext.launch import engine_settings
-    from vllm_ext.receiver import ReceiverConfig
+    from vllm_ext.launch_config import engine_settings
+    from vllm_ext.settings import ReceiverConfig
 
     d = ReceiverConfig()
     assert (

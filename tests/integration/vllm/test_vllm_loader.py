@@ -15,17 +15,17 @@ import pytest
 import torch
 import zmq
 
-from checkpoint_engine.pipeline import UpdateFailed
-from vllm_ext.loader import (
+from checkpoint_engine.errors import UpdateFailed
+from checkpoint_engine.transport.load_rendezvous import (
     LoaderRendezvousError,
-    LoaderSettings,
     loader_req_func,
-    missing_parameters,
     parse_request,
     serve_initial_load,
     wait_for_loader,
 )
-from vllm_ext.receiver import ReceiverConfig, WeightReceiver
+from vllm_ext.loader import LoaderSettings, missing_parameters
+from vllm_ext.receiver import WeightReceiver
+from vllm_ext.settings import ReceiverConfig
 from vllm_ext.weight_cache import checkpoint_checksum
 from vllm_ext.worker_handle import select_handle
 
@@ -228,7 +228,8 @@ class _AliveProcess:
 
 
 def test_launcher_releases_its_host_copy_once_the_load_step_returns(ps, address, tmp_path):
-    from vllm_ext.launch import LaunchConfig, Launcher
+    from vllm_ext.launch import Launcher
+    from vllm_ext.launch_config import LaunchConfig
 
     ckpt = registered(ps, "A", seed=3)
     launcher = Launcher(LaunchConfig(model=str(tmp_path), checkpoint_name="A"))

@@ -32,8 +32,8 @@ JOB_TIMEOUT_S = 300.0
 
 
 def _vllm(model_dir: Path, log_dir: Path, tag: str):
+    from ckpt_common.ports import free_port
     from testing.vllm_servers import CPU_ENGINE_ARGS, ServerProcess, child_env
-    from vllm_ext.launch import free_port
 
     port = free_port()
     cmd = [
@@ -60,8 +60,8 @@ def _vllm(model_dir: Path, log_dir: Path, tag: str):
 
 
 def _torchrun(log_dir: Path, tag: str, *flags: str):
+    from ckpt_common.ports import free_port
     from testing.vllm_servers import REPO, ServerProcess, child_env
-    from vllm_ext.launch import free_port
 
     cmd = [
         sys.executable,

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
-from checkpoint_engine.pipeline import UpdateFailed
+from checkpoint_engine.errors import UpdateFailed
 from checkpoint_engine.ps import ParameterServer
 from ckpt_common.dtypes import dtype_name
-from vllm_ext.receiver import FaultSpec, ReceiverConfig, WeightReceiver
+from vllm_ext.receiver import FaultSpec, WeightReceiver
+from vllm_ext.settings import ReceiverConfig
 from vllm_ext.weight_cache import WeightCache, checkpoint_checksum
 from vllm_ext.worker_handle import select_handle
 

@@ -11,17 +11,9 @@ import time
 
 import pytest
 
-from checkpoint_engine.engines.host import (
-    STATES,
-    TRANSITIONS,
-    EngineConfig,
-    ManagedEngine,
-    TransitionError,
-    check_transition,
-    engine_env,
-    parse_engine_cmd,
-    render_cmd,
-)
+from checkpoint_engine.engines.config import EngineConfig, engine_env, parse_engine_cmd, render_cmd
+from checkpoint_engine.engines.process import ManagedEngine
+from checkpoint_engine.engines.states import STATES, TRANSITIONS, TransitionError, check_transition
 from checkpoint_engine.transport.load_rendezvous import PullHint
 
 ALLOWED = [

@@ -6,7 +6,7 @@ import zmq
 
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
-from checkpoint_engine.pipeline import UpdateFailed
+from checkpoint_engine.errors import UpdateFailed
 from checkpoint_engine.ps import ParameterServer
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.worker import update_weights_from_ipc

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from ckpt_common import hf_dir
 from demo import tiny_model as tm
 from tests.unit.trainer.tiny import one_layer_bf16
 
@@ -71,7 +72,7 @@ def test_for_size_bytes_rejects_nonpositive():
     ],
 )
 def test_plan_shards(sizes, limit, expected):
-    assert tm.plan_shards(sizes, limit) == expected
+    assert hf_dir.plan_shards(sizes, limit) == expected
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -129,7 +130,7 @@ def test_sharded_dir_round_trips(tmp_path):
     )
     out = tm.make_tiny_model(tmp_path, config, seed=5, max_shard_size_bytes=300_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    files = tm.safetensors_files(out)
+    files = hf_dir.safetensors_files(out)
     assert len(files) > 2 and not (out / "model.safetensors").exists()
     assert index["metadata"]["total_size"] == config.size_bytes()
     loaded = tm.load_state_dict_from_dir(out)
@@ -145,7 +146,7 @@ def test_rewriting_a_dir_removes_stale_shards(tmp_path):
     )
     tm.make_tiny_model(tmp_path, config, max_shard_size_bytes=20_000)
     tm.make_tiny_model(tmp_path, config)
-    assert tm.safetensors_files(tmp_path) == [tmp_path / "model.safetensors"]
+    assert hf_dir.safetensors_files(tmp_path) == [tmp_path / "model.safetensors"]
     assert not list(tmp_path.glob("model-*"))
 
 

@@ -13,7 +13,7 @@ from ckpt_common.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig, SyncConfig, load_config
 from orchestrator.engines.daemon import PARKED, DaemonEnginePool, DaemonWeightSync
 from orchestrator.engines.daemon_client import DaemonClient, SwitchError
-from orchestrator.engines.pool import SERVING, Member
+from orchestrator.engines.pool_members import SERVING, Member
 from orchestrator.loop_setup import check_resumable
 from testing.http_stub import serve_stub
 

@@ -10,7 +10,9 @@ import pytest
 from ckpt_common.httpjson import HTTPError
 from orchestrator.config import EngineConfig
 from orchestrator.engines.base import GenRequest, GenResult, PartialGeneration, SamplingSettings, continuation
-from orchestrator.engines.pool import EnginePool, Member, cpu_binds, launch_command
+from orchestrator.engines.pool import EnginePool
+from orchestrator.engines.pool_members import Member
+from orchestrator.engines.pool_servers import cpu_binds, launch_command
 
 SAMPLING = SamplingSettings()
 
@@ -324,7 +326,7 @@ def test_a_pool_has_no_single_req_func(pools):
 def test_a_run_saved_before_engine_pools_still_resumes():
     from ckpt_common.dictconfig import to_dict
     from orchestrator.config import load_config
-    from orchestrator.loop import check_resumable
+    from orchestrator.loop_setup import check_resumable
 
     current = to_dict(load_config(None))
     saved = {**current, "engine": {k: v for k, v in current["engine"].items() if k not in ("num_engines", "self_heal")}}

@@ -17,7 +17,9 @@ from demo import task
 from demo import tiny_model as tm
 from orchestrator.engines.base import GenResult
 from orchestrator.long2short import cli as long2short
+from orchestrator.long2short import eval as long2short_eval
 from orchestrator.long2short import merge as long2short_merge
+from orchestrator.long2short import sample as long2short_sample
 from orchestrator.long2short import train as long2short_train
 from trainer import dpo, sft
 
@@ -159,7 +161,7 @@ def test_merge_command_on_model_dirs(tmp_path, model_dir):
     assert set(m) == set(a) and all(m[k].dtype == a[k].dtype for k in m)
     assert all(torch.allclose(m[k].float(), (a[k].float() + b[k].float()) / 2, atol=1e-2) for k in m)
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
-    assert json.loads((out / long2short.INFO_FILE).read_text())["alpha"] == 0.5
+    assert json.loads((out / long2short_merge.INFO_FILE).read_text())["alpha"] == 0.5
     bigger = tm.make_tiny_model(tmp_path / "bigger", SMALL.__class__(**{**SMALL.__dict__, "hidden_size": 128}))
     assert long2short.main(["merge", "--long", str(bigger), "--short", str(other), "--out", str(tmp_path / "x")]) == 2
 
@@ -213,12 +215,14 @@ def test_shortest_rejection_on_a_scripted_engine(tokenizer, tmp_path):
     problems = [*PROBLEMS, NEVER]
     engine = ScriptedEngine(tokenizer, problems, script)
     encode, decode = _codec(tokenizer)
-    groups = long2short.sample_groups(engine, problems, encode, decode, long2short.SamplingConfig(num_samples=8))
+    groups = long2short_sample.sample_groups(
+        engine, problems, encode, decode, long2short_sample.SamplingConfig(num_samples=8)
+    )
     assert engine.calls == [(1.0, 24, {128})]
     assert [len(g) for g in groups] == [8, 8, 8]
     assert [s.correct for s in groups[0]] == [False, True, True, True, True, False, True, True]
     assert dpo.shortest_correct_index(groups[0]) == 3
-    records = long2short.shortest_rejection_records(problems, groups)
+    records = long2short_sample.shortest_rejection_records(problems, groups)
     assert [r["id"] for r in records] == ["25+38", "347+586"]  # 90-45: no correct sample, no record
     for record, problem in zip(records, PROBLEMS):
         assert record["response"] == task.solution_text(problem)
@@ -235,7 +239,7 @@ def test_shortest_rejection_on_a_scripted_engine(tokenizer, tmp_path):
     out = tmp_path / "sft-on"
     argv = ["sft-on", "--model", str(tm.make_tiny_model(tmp_path / "m", SMALL, seed=3)), "--data", str(data)]
     assert long2short.main([*argv, "--out", str(out), "--num-epochs", "1", "--num-threads", "1"]) == 0
-    info = json.loads((out / long2short.INFO_FILE).read_text())
+    info = json.loads((out / long2short_merge.INFO_FILE).read_text())
     assert info["num_examples"] == 2 and info["num_steps"] == 1 and (out / "model.safetensors").exists()
 
 
@@ -250,9 +254,9 @@ def test_dpo_end_to_end_on_a_scripted_engine(tmp_path, tokenizer):
     problems = PROBLEMS + [task.make_problem("sub", (52, 17), 4)]
     encode, decode = _codec(tokenizer)
     engine = ScriptedEngine(tokenizer, problems, script)
-    groups = long2short.sample_groups(engine, problems, encode, decode)
-    config = long2short.DpoConfig(lr=3e-3, num_epochs=3, pairs_per_step=8, num_threads=1)
-    result = long2short.run_dpo(base, tmp_path / "dpo", problems, groups, config)
+    groups = long2short_sample.sample_groups(engine, problems, encode, decode)
+    config = long2short_train.DpoConfig(lr=3e-3, num_epochs=3, pairs_per_step=8, num_threads=1)
+    result = long2short_train.run_dpo(base, tmp_path / "dpo", problems, groups, config)
     # per problem: chosen = the short correct copy; rejected = the wrong one and six long correct ones
     assert result["num_pairs"] == 21 and result["pairs_by_reason"] == {"wrong": 3, "long": 18}
     assert result["num_steps"] == 9 and result["mean_chosen_tokens"] < result["mean_rejected_tokens"]
@@ -282,10 +286,10 @@ def test_evaluate_writes_summary_and_plot(tmp_path, tokenizer):
 
     engine = ScriptedEngine(tokenizer, problems, script)
     encode, decode = _codec(tokenizer)
-    models = [long2short.parse_model_spec(s) for s in ["long=dirs/long", "dirs/short"]]
+    models = [long2short_eval.parse_model_spec(s) for s in ["long=dirs/long", "dirs/short"]]
     assert models == [("long", "dirs/long"), ("short", "dirs/short")]
-    assert long2short.parse_model_spec("cache/sft-ab12/model/") == ("sft-ab12", "cache/sft-ab12/model/")
-    summary = long2short.evaluate_models(models, engine, loaded.append, problems, encode, decode, 128)
+    assert long2short_eval.parse_model_spec("cache/sft-ab12/model/") == ("sft-ab12", "cache/sft-ab12/model/")
+    summary = long2short_eval.evaluate_models(models, engine, loaded.append, problems, encode, decode, 128)
     assert loaded == ["dirs/long", "dirs/short"] and {c[0] for c in engine.calls} == {0.0}
     rows = {r["label"]: r for r in summary["models"]}
     assert rows["long"]["accuracy"] == 1.0 and rows["short"]["accuracy"] == 0.5
@@ -293,12 +297,12 @@ def test_evaluate_writes_summary_and_plot(tmp_path, tokenizer):
     expected_long = sum(len(task.long_solution_text(p)) + 1 for p in problems) / len(problems)
     assert rows["long"]["mean_response_tokens"] == pytest.approx(expected_long)
     assert rows["short"]["mean_response_tokens"] < rows["long"]["mean_response_tokens"]
-    written = long2short.write_evaluation(summary, tmp_path / "eval")
+    written = long2short_eval.write_evaluation(summary, tmp_path / "eval")
     png = tmp_path / "eval" / "token_efficiency.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and written["plot"] == str(png)
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["models"] == summary["models"]
     with pytest.raises(ValueError, match="distinct"):
-        long2short.evaluate_models([("a", "x"), ("a", "y")], engine, loaded.append, problems, encode, decode)
+        long2short_eval.evaluate_models([("a", "x"), ("a", "y")], engine, loaded.append, problems, encode, decode)
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -308,7 +312,7 @@ def test_cli_help_is_light():
     code = "import sys, orchestrator.long2short.cli; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.long2short.cli", "--help"],
+        [sys.executable, "-m", "orchestrator.long2short", "--help"],
         check=True,
         cwd=REPO,
         capture_output=True,
@@ -335,15 +339,15 @@ def test_cli_flags_come_from_the_configs(capsys):
     parser, commands = long2short._parser()
     args = parser.parse_args(["dpo", "--model", "m", "--out", "o", "--seed", "3", "--beta", "0.2"])
     configs = long2short._configs(args, commands)
-    assert configs["sampling"] == long2short.SamplingConfig()
+    assert configs["sampling"] == long2short_sample.SamplingConfig()
     assert configs["engine"] == EngineConfig()
-    assert configs["problems"] == long2short.ProblemSetConfig(seed=3)
-    assert configs["dpo"] == long2short.DpoConfig(beta=0.2, seed=3)  # one --seed for problems and DPO
+    assert configs["problems"] == long2short_sample.ProblemSetConfig(seed=3)
+    assert configs["dpo"] == long2short_train.DpoConfig(beta=0.2, seed=3)  # one --seed for problems and DPO
     args = parser.parse_args(["evaluate", "--models", "a", "--out-dir", "o", "--heldout-seed", "2"])
     configs = long2short._configs(args, commands)
-    assert configs["problems"] == long2short.ProblemSetConfig(num_problems=192, seed=2)
+    assert configs["problems"] == long2short_sample.ProblemSetConfig(num_problems=192, seed=2)
     args = parser.parse_args(["sft-on", "--model", "m", "--data", "d", "--out", "o", "--num-threads", "1"])
-    assert long2short._configs(args, commands)["train"] == long2short.TrainConfig(num_threads=1)
+    assert long2short._configs(args, commands)["train"] == long2short_train.TrainConfig(num_threads=1)
     with pytest.raises(SystemExit) as e:
         long2short.main(["shortest-rejection", "--model", "m", "--out", "o", "--levels", "9"])
     assert e.value.code == 2 and "(flag: --levels)" in capsys.readouterr().err

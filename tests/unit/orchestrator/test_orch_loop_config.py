@@ -9,7 +9,7 @@ import pytest
 
 from ckpt_common.dictconfig import apply_overrides, config_differences, from_dict, parse_override, to_dict
 from orchestrator.config import JobConfig, load_config
-from orchestrator.loop import check_resumable
+from orchestrator.loop_setup import check_resumable
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 

@@ -6,16 +6,9 @@ import pytest
 import torch
 
 from tests.unit.trainer.tiny import layout_shape, random_hf
-from trainer.megatron.convert import (
-    ModelShape,
-    Parallelism,
-    conversion_pieces,
-    hf_param_shapes,
-    hf_sources,
-    hf_to_megatron,
-    megatron_to_hf,
-    stage_layers,
-)
+from trainer.megatron.convert import hf_to_megatron, megatron_to_hf
+from trainer.megatron.layout import conversion_pieces, hf_sources
+from trainer.megatron.shapes import ModelShape, Parallelism, hf_param_shapes, stage_layers
 
 
 def _labelled_hf(shape: ModelShape) -> dict[str, torch.Tensor]:
@@ -350,7 +343,7 @@ def test_qkv_bias_from_hf_config(extra, qkv_bias):
 
 
 def test_sources_of_an_inference_tp_shard():
-    from trainer.megatron.convert import sources_of_slice
+    from trainer.megatron.layout import sources_of_slice
 
     shape = layout_shape(num_layers=1)  # 4 q heads of 4 rows, 2 groups
     sources = hf_sources(shape, Parallelism(tp_size=2))

@@ -15,7 +15,8 @@ from demo.tiny_model import VOCAB_SIZE  # noqa: E402
 from tests.unit.trainer.tiny import tiny_hf  # noqa: E402
 from trainer.megatron import cpu_compat  # noqa: E402
 from trainer.megatron import model as mg_model  # noqa: E402
-from trainer.megatron.convert import ModelShape, Parallelism, megatron_to_hf  # noqa: E402
+from trainer.megatron.convert import megatron_to_hf  # noqa: E402
+from trainer.megatron.shapes import ModelShape, Parallelism  # noqa: E402
 
 LOGITS_ATOL = 1e-5
 GPU_LOGITS_ATOL = 1e-3  # GPU kernels (TF32 where enabled) differ more than CPU's

@@ -7,21 +7,9 @@ import pytest
 import torch
 
 from tests.unit.trainer.tiny import layout_shape, random_hf
-from trainer.megatron.convert import (
-    ModelShape,
-    Parallelism,
-    conversion_pieces,
-    global_expert_index,
-    hf_param_shapes,
-    hf_sources,
-    hf_to_megatron,
-    local_expert_index,
-    megatron_to_hf,
-    rank_slices,
-    sources_of_slice,
-    write_rank_slices,
-    writer_pieces,
-)
+from trainer.megatron.convert import hf_to_megatron, megatron_to_hf, rank_slices, write_rank_slices
+from trainer.megatron.layout import conversion_pieces, hf_sources, sources_of_slice, writer_pieces
+from trainer.megatron.shapes import ModelShape, Parallelism, global_expert_index, hf_param_shapes, local_expert_index
 
 
 def _moe_shape(**overrides) -> ModelShape:

@@ -27,13 +27,8 @@ transformers = pytest.importorskip("transformers")
 
 from trainer.megatron import cpu_compat  # noqa: E402
 from trainer.megatron import model as mg_model  # noqa: E402
-from trainer.megatron.convert import (  # noqa: E402
-    ModelShape,
-    Parallelism,
-    hf_param_shapes,
-    hf_to_megatron,
-    megatron_to_hf,
-)
+from trainer.megatron.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from trainer.megatron.shapes import ModelShape, Parallelism, hf_param_shapes  # noqa: E402
 
 LOGITS_ATOL = 1e-5
 
