@@ -36,132 +36,52 @@ import argparse
 import os
 import sys
 
+from checkpoint_engine.daemon.config import TOKEN_ENV, DaemonConfig, engine_flags
+from ckpt_common.cli_config import ConfigArgs, add_config_args
 
-def parse_args(argv=None) -> argparse.Namespace:
-    from checkpoint_engine.types import REQUESTED_MODES
 
+def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs]:
+    """The command line: DaemonConfig's fields as flags (defaults and help from the dataclass)."""
     p = argparse.ArgumentParser(
         prog="python -m checkpoint_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="HTTP bind address (default: loopback only; any other address needs a bearer token)",
-    )
-    p.add_argument("--port", type=int, default=8400)
-    p.add_argument("--uds", default=None, help="serve on this unix socket instead of TCP")
-    p.add_argument(
-        "--token-file",
-        default=None,
-        metavar="PATH",
-        help=f"a file holding the bearer token clients must send (Authorization: Bearer TOKEN) on every route "
-        f"but the health checks; else the environment variable {TOKEN_ENV}. Required when --host is not a "
-        "loopback address",
-    )
-    p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--bucket-size-mib", type=int, default=None)
-    p.add_argument("--mode", choices=REQUESTED_MODES, default="auto")
-    p.add_argument("--collective-timeout-s", type=float, default=300.0)
-    p.add_argument("--metrics-jsonl", default=None, help="append one JSON line per update (per rank)")
-    p.add_argument("--progress", action="store_true", help="progress bar on rank 0 during updates")
-    p.add_argument(
-        "--metadata-url", default=None, help="etcd://host:port/prefix for global metadata (default: in-process)"
-    )
-    p.add_argument("--p2p-host", default=None, help="start Mooncake's transfer engine on this address (P2P)")
-    p.add_argument("--p2p-protocol", choices=["tcp", "rdma"], default="tcp")
-    p.add_argument("--p2p-device", default="", help="RDMA device names for Mooncake (rdma protocol)")
-    p.add_argument(
-        "--p2p-cpus",
-        default=None,
-        help="the CPUs the rank's transfer-engine threads run on: one list for every rank ('0-3') or one "
-        "per local rank separated by ';' ('0-3;4-7'); default: those the rank may run on. Keeps the "
-        "threads that serve the owners' reads off the cores of the engines generating meanwhile",
-    )
-    p.add_argument(
-        "--p2p-reader",
-        choices=["rank", "engine"],
-        default="rank",
-        help="who reads a P2P pull: the PS rank (into its shared buffer) or the engine (into its parameters; CPU)",
-    )
-    p.add_argument(
-        "--engine-cmd",
-        default=None,
-        help="the engine each rank manages: a JSON list or a shell-style string with {port} (and {rank}, "
-        "{device}, {rendezvous}: the address of its load step, {p2p_host}: this daemon's --p2p-host), e.g. "
-        "'python -m checkpoint_engine.engines.plain --port {port}'",
-    )
-    p.add_argument(
-        "--auto-heal",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="restart a dead managed engine and bring it to the current checkpoint",
-    )
-    p.add_argument(
-        "--engine-url-host",
-        default=None,
-        help="host or IP in the engine URLs the daemon publishes (GET /engines, etcd), for rollout clients on "
-        "other hosts, e.g. the pod IP; the engine command must listen there too (e.g. --host 0.0.0.0). "
-        "Default: 127.0.0.1",
-    )
-    p.add_argument("--engine-health-path", default="/health", help="GET path answering 200 once an engine is up")
-    p.add_argument("--engine-start-timeout-s", type=float, default=300.0, help="engine start -> healthy deadline")
-    p.add_argument("--engine-log-dir", default=None, help="engine logs (default: a temporary folder per rank)")
-    p.add_argument(
-        "--stop-timeout-s",
-        type=float,
-        default=20.0,
-        help="SIGTERM/SIGINT -> exit deadline (engines stopped, other ranks told); past it a rank writes its "
-        "threads' stacks to stderr and exits 128+signal (default 20, under torchrun's 30 s before SIGKILL)",
-    )
-    p.add_argument("--log-level", default="INFO")
+    return p, add_config_args(p, DaemonConfig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed flags, with `config` (DaemonConfig), `token`, `p2p_cpu_list` (this rank's CPUs) and
+    `engine_config` (None without --engine-cmd). A bad value exits 2 naming its flag."""
+    p, spec = _parser()
     args = p.parse_args(argv)
-    if args.stop_timeout_s <= 0:
-        p.error(f"--stop-timeout-s must be > 0, got {args.stop_timeout_s}")
+    cfg: DaemonConfig = spec.build(args, p)  # the field checks (DaemonConfig.__post_init__)
+    args.config = cfg
     try:
-        args.token = load_token(args.token_file, os.environ)
+        args.token = load_token(cfg.token_file, os.environ)
     except ValueError as e:
         p.error(str(e))
     from ckpt_common.ports import is_loopback
 
-    if args.token is None and not args.uds and not is_loopback(args.host):
+    if args.token is None and not cfg.uds and not is_loopback(cfg.host):
         p.error(
-            f"--host {args.host} is not a loopback address: the daemon needs a bearer token there; give "
+            f"--host {cfg.host} is not a loopback address: the daemon needs a bearer token there; give "
             f"--token-file PATH or set {TOKEN_ENV} (or bind 127.0.0.1, or serve on --uds PATH)"
         )
     args.p2p_cpu_list = None
-    if args.p2p_cpus is not None:
+    if cfg.p2p_cpus is not None:
         from checkpoint_engine.transport.mooncake import rank_cpus
 
-        if not args.p2p_host:
-            p.error("--p2p-cpus places the transfer engine's threads: it needs --p2p-host")
         try:  # torchrun sets these; checked here so that a bad list fails before any rank starts work
             args.p2p_cpu_list = rank_cpus(
-                args.p2p_cpus, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                cfg.p2p_cpus, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             )
         except ValueError as e:
             p.error(f"--p2p-cpus: {e}")
-    if args.engine_cmd is not None:
-        from checkpoint_engine.engines.config import EngineConfig, parse_engine_cmd
-
-        try:
-            args.engine_config = EngineConfig(
-                cmd=parse_engine_cmd(args.engine_cmd),
-                health_path=args.engine_health_path,
-                url_host=args.engine_url_host,
-                start_timeout_s=args.engine_start_timeout_s,
-                auto_heal=args.auto_heal,
-                log_dir=args.engine_log_dir,
-                update_timeout_s=args.collective_timeout_s,
-                p2p_host=args.p2p_host,
-            )
-        except ValueError as e:
-            p.error(str(e))
-    else:
-        args.engine_config = None
+    try:
+        args.engine_config = cfg.engine_config()
+    except ValueError as e:
+        unnamed = [flag for flag in engine_flags(str(e)) if flag not in str(e)]
+        p.error(f"{e} (flag: {', '.join(unnamed)})" if unnamed else str(e))
     return args
-
-
-TOKEN_ENV = "CKPT_ENGINE_TOKEN"
 
 
 def load_token(token_file: str | None, environ) -> str | None:
@@ -194,7 +114,6 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.daemon.commands import serve_rank
     from checkpoint_engine.daemon.driver import Driver
     from checkpoint_engine.daemon.relay import EngineBoard, Relay
@@ -216,35 +135,17 @@ def main(argv=None) -> int:
             )
             return 2
     rank = int(os.environ["RANK"])
-    setup_logging(args.log_level, rank)
+    cfg: DaemonConfig = args.config
+    setup_logging(cfg.log_level, rank)
     from ckpt_common.procs import signal_when_orphaned
 
     signal_when_orphaned()  # a SIGKILLed torchrun: stop as on its SIGTERM (engines included)
-    bucket = None if args.bucket_size_mib is None else args.bucket_size_mib * 2**20
-    from checkpoint_engine.transport.mooncake import P2PConfig
-
-    p2p = (
-        P2PConfig(args.p2p_host, args.p2p_protocol, args.p2p_device, cpus=args.p2p_cpu_list) if args.p2p_host else None
-    )
-    cfg = ParameterServerConfig(
-        transport=args.transport,
-        collective_timeout_s=args.collective_timeout_s,
-        p2p=p2p,
-        metadata_url=args.metadata_url,
-        update=UpdateConfig(
-            bucket_size_bytes=bucket,
-            mode=args.mode,
-            p2p_reader=args.p2p_reader,
-            metrics_path=args.metrics_jsonl,
-            progress=args.progress,
-        ),
-    )
-    ps = ParameterServer(config=cfg)
+    ps = ParameterServer(config=cfg.ps_config(args.p2p_cpu_list))
     host = None
     try:
         ps.init_process_group()
         store = dist.distributed_c10d._get_default_store()
-        relay = Relay(store, rank, ps.world_size, result_timeout_s=args.collective_timeout_s + 60)
+        relay = Relay(store, rank, ps.world_size, result_timeout_s=cfg.collective_timeout_s + 60)
         board = None
         if args.engine_config is not None:
             board = EngineBoard(store, ps.world_size)
@@ -252,18 +153,18 @@ def main(argv=None) -> int:
                 rank,
                 ps.world_size,
                 args.engine_config,
-                device=_engine_device(args.transport),
+                device=_engine_device(cfg.transport),
                 publish=_engine_publisher(board, ps, rank),
                 store=dist.PrefixStore("ckpt-engines-agree/", store.clone()),
             )
         if rank == 0:
             driver = Driver(ps, relay, host, board)
-            asyncio.run(serve_http(driver, args.host, args.port, args.uds, args.stop_timeout_s, token=args.token))
+            asyncio.run(serve_http(driver, cfg.host, cfg.port, cfg.uds, cfg.stop_timeout_s, token=args.token))
         else:
             from ckpt_common.procs import exit_on_signals, stop_deadline
 
             exit_on_signals()  # SIGTERM unwinds through `finally`: this rank's engine is stopped
-            stop_deadline(args.stop_timeout_s)
+            stop_deadline(cfg.stop_timeout_s)
             try:
                 serve_rank(ps, relay, threading.Event(), host)
             finally:

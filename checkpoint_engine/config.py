@@ -11,6 +11,9 @@ from ckpt_common.validate import check_literals
 
 MiB = 2**20
 
+Transport = Literal["auto", "cpu", "cuda"]  # `ParameterServerConfig.transport`, daemon `--transport`
+P2PReader = Literal["rank", "engine"]  # `UpdateConfig.p2p_reader`, daemon `--p2p-reader`
+
 
 @dataclass(frozen=True)
 class UpdateConfig:
@@ -28,7 +31,7 @@ class UpdateConfig:
     mode: RequestedMode = "auto"
     # Who reads a P2P pull: "rank" (the PS rank reads into the shared double buffer, the engine loads
     # from there) or "engine" (the engine's own transfer engine reads into its parameters; CPU).
-    p2p_reader: Literal["rank", "engine"] = "rank"
+    p2p_reader: P2PReader = "rank"
     agree_every_buckets: int = 8  # cross-rank status exchange period (failures abort within this many)
     keep_buffers: bool = True  # keep the double buffer between updates
 
@@ -54,7 +57,7 @@ class UpdateConfig:
 
 @dataclass(frozen=True)
 class ParameterServerConfig:
-    transport: Literal["auto", "cpu", "cuda"] = "auto"
+    transport: Transport = "auto"
     p2p: P2PConfig | None = None  # start a Mooncake transfer engine: needed to serve or take P2P updates
     metadata_url: str | None = None  # None/"memory://": in-process; "etcd://host:port/prefix": etcd
     align_bytes: int = 256

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_LOG_LEVEL = "INFO"
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
+    """The one `--log-level` flag of every entry point (any case: `debug` is DEBUG)."""
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=DEFAULT_LOG_LEVEL,
+        help="logging level of this process (default: %(default)s)",
+    )
 
 
 class RankFilter(logging.Filter):
@@ -15,7 +30,7 @@ class RankFilter(logging.Filter):
         return True
 
 
-def setup_logging(level: str | int = "INFO", rank: int | None = None) -> None:
+def setup_logging(level: str | int = DEFAULT_LOG_LEVEL, rank: int | None = None) -> None:
     """Configure the root logger once, in ``main()``: one format everywhere, the rank where there is one."""
     handler = logging.StreamHandler()
     prefix = "%(asctime)s "

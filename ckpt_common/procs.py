@@ -199,6 +199,11 @@ def _detach_wakeup_fd() -> None:
         pass
 
 
+# An entry point's default for `stop_deadline`: under torchrun's and Kubernetes' 30 s between SIGTERM
+# and SIGKILL, so a process that hangs in clean-up still ends by itself and says where it hung.
+DEFAULT_STOP_TIMEOUT_S = 20.0
+
+
 def stop_deadline(deadline_s: float, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
     """After the first of ``signals``, end the process within ``deadline_s`` even if clean-up hangs.
 

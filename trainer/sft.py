@@ -414,11 +414,14 @@ def sft_summary(model_dir: str | pathlib.Path) -> dict[str, Any]:
     return json.loads((pathlib.Path(model_dir).parent / DONE_FILE).read_text())
 
 
+DEFAULT_CACHE_DIR = ".cache/sft"  # the SFT cache root (the RL job's `sft_cache_dir` too)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="SFT warm-up of the tiny model on the arithmetic task (cached by config hash)."
     )
-    parser.add_argument("--out-dir", default=".cache/sft", help="cache root (default: %(default)s)")
+    parser.add_argument("--out-dir", default=DEFAULT_CACHE_DIR, help="cache root (default: %(default)s)")
     spec = add_config_args(parser, SFTConfig)  # every field a flag; defaults and help from SFTConfig
     args = parser.parse_args(argv)
     config = spec.build(args, parser)

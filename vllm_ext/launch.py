@@ -34,6 +34,7 @@ import time
 from checkpoint_engine.engines.segment_ledger import SegmentLedger
 from checkpoint_engine.engines.segment_ledger import sweep as sweep_segments
 from ckpt_common.cli_config import ConfigArgs, add_config_args
+from ckpt_common.logs import add_log_level_flag
 from ckpt_common.ports import free_port
 from ckpt_common.procs import (
     descendants,
@@ -373,7 +374,7 @@ def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs]:
         prog="python -m vllm_ext.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     spec = add_config_args(p, LaunchConfig, exclude=("vllm_args",))
-    p.add_argument("--log-level", default="INFO")
+    add_log_level_flag(p)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after `--`: arguments for `vllm serve`")
     return p, spec
 

@@ -9,19 +9,73 @@ than one per engine is for tensor-parallel engines, untested here); the broadcas
 engine the whole checkpoint.
 The servers run `vllm serve ... --worker-extension-cls vllm_ext.worker.VllmColocateWorkerExtension`
 with VLLM_SERVER_DEV_MODE=1 (or sit behind `python -m vllm_ext.launch`). The last line printed is
-one JSON object; exit code 0 when the update completed, 3 when it was aborted, 1 otherwise.
+one JSON object; exit code 0 when the update completed, 3 when it was aborted, 1 otherwise (2: a bad
+flag, named; the flags are `PushConfig`'s fields).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from checkpoint_engine.config import ParameterServerConfig, Transport, UpdateConfig
+from ckpt_common.cli_config import ConfigArgs, add_config_args, meta
+from ckpt_common.validate import check_int, check_literals, check_number
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    """The push's command line, one field per flag (`--engine-url` is repeated: one per engine)."""
+
+    model: str = field(metadata=meta("model directory with safetensors files", metavar="DIR"))
+    engine_urls: tuple[str, ...] = field(
+        metadata=meta("base URL of a vLLM server (repeat: one per engine, in rank order)", metavar="URL")
+    )
+    rank: int | None = field(default=None, metadata=meta("None: $RANK (torchrun), else 0"))
+    world_size: int | None = field(default=None, metadata=meta("None: $WORLD_SIZE, else 1"))
+    master_port: int | None = field(default=None, metadata=meta("rendezvous port when not under torchrun"))
+    checkpoint_name: str | None = field(default=None, metadata=meta("None: the model directory's name"))
+    bucket_size_bytes: int | None = field(
+        default=UpdateConfig.bucket_size_bytes, metadata=meta("None: the parameter server's default")
+    )
+    timeout_s: float = field(
+        default=300.0,
+        metadata=meta("every deadline of the update: engine connect, each bucket's ack, the request, collectives"),
+    )
+    transport: Transport = field(
+        default=ParameterServerConfig.transport, metadata=meta("the parameter server's transport (cpu, cuda, auto)")
+    )
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        if not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"model={self.model!r} must be a model directory")
+        if not self.engine_urls or not all(isinstance(u, str) and u for u in self.engine_urls):
+            raise ValueError(f"engine_urls={self.engine_urls!r} must be one or more URLs (--engine-url)")
+        for name, low in (("rank", 0), ("world_size", 1), ("master_port", 1), ("bucket_size_bytes", 1)):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=low)
+        check_number("timeout_s", self.timeout_s)
+
+    def layout(self, environ: Mapping[str, str]) -> tuple[int, int, int]:
+        """(rank, world size, ranks per engine): the flags, else torchrun's $RANK / $WORLD_SIZE, else 0 / 1.
+        ValueError when the world size is not a multiple of the engines or the rank is outside it."""
+        rank = self.rank if self.rank is not None else int(environ.get("RANK", "0"))
+        world = self.world_size if self.world_size is not None else int(environ.get("WORLD_SIZE", "1"))
+        if world % len(self.engine_urls):
+            raise ValueError(f"world size {world} is not a multiple of the {len(self.engine_urls)} engine URLs")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside the world of {world} ranks")
+        return rank, world, world // len(self.engine_urls)
 
 
 def load_shard(files: list[str], rank: int, world_size: int) -> dict:
@@ -43,43 +97,31 @@ def load_shard(files: list[str], rank: int, world_size: int) -> dict:
     return out
 
 
-def push(
-    model_dir: str,
-    engine_url: str,
-    *,
-    rank: int,
-    world_size: int,
-    master_port: int | None = None,
-    ranks_per_engine: int = 1,
-    checkpoint_name: str | None = None,
-    bucket_size_bytes: int | None = None,
-    timeout_s: float = 300.0,
-    transport: str = "auto",
-) -> dict:
+def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_per_engine: int) -> dict:
     """Register this rank's shard, gather metas, update; return metrics. Raises on failure."""
-    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
     from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import vllm_http_req_func
 
-    name = checkpoint_name or os.path.basename(os.path.normpath(model_dir))
+    name = cfg.checkpoint_name or os.path.basename(os.path.normpath(cfg.model))
+    timeout_s = cfg.timeout_s
     update = UpdateConfig(
-        bucket_size_bytes=bucket_size_bytes,
+        bucket_size_bytes=cfg.bucket_size_bytes,
         engine_connect_timeout_s=timeout_s,
         engine_timeout_s=timeout_s,
         req_func_timeout_s=timeout_s,
     )
-    cfg = ParameterServerConfig(transport=transport, collective_timeout_s=timeout_s, update=update)
+    ps_cfg = ParameterServerConfig(transport=cfg.transport, collective_timeout_s=timeout_s, update=update)
     ps = ParameterServer(
         rank=rank,
         world_size=world_size,
-        master_addr="127.0.0.1" if master_port else None,
-        master_port=master_port,
-        config=cfg,
+        master_addr="127.0.0.1" if cfg.master_port else None,
+        master_port=cfg.master_port,
+        config=ps_cfg,
     )
     try:
         t0 = time.perf_counter()
-        ps.register_checkpoint(name, named_tensors=load_shard(model_safetensors_files(model_dir), rank, world_size))
+        ps.register_checkpoint(name, named_tensors=load_shard(model_safetensors_files(cfg.model), rank, world_size))
         ps.gather_metas(name)
         register_s = time.perf_counter() - t0
         metrics = ps.update(
@@ -90,46 +132,33 @@ def push(
         ps.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs]:
+    """The command line: PushConfig's fields as flags (defaults and help from the dataclass); the
+    repeated --engine-url is added here (argparse's append), its help from the field."""
     p = argparse.ArgumentParser(
         prog="python -m vllm_ext.push", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", required=True, help="model directory with safetensors files")
+    spec = add_config_args(p, PushConfig, exclude=("engine_urls",))
+    urls = {f.name: f for f in dataclasses.fields(PushConfig)}["engine_urls"].metadata
     p.add_argument(
-        "--engine-url",
-        action="append",
-        required=True,
-        help="base URL of a vLLM server (repeat: one per engine, in rank order)",
+        "--engine-url", action="append", required=True, help=f"{urls['help']} (required)", metavar=urls["metavar"]
     )
-    p.add_argument("--rank", type=int, default=None, help="default: $RANK (torchrun), else 0")
-    p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE, else 1")
-    p.add_argument("--master-port", type=int, default=None, help="rendezvous port when not under torchrun")
-    p.add_argument("--checkpoint-name", default=None)
-    p.add_argument("--bucket-size-bytes", type=int, default=None)
-    p.add_argument("--timeout-s", type=float, default=300.0)
-    p.add_argument("--transport", choices=["auto", "cpu", "cuda"], default="auto")
+    return p, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, spec = _parser()
     args = p.parse_args(argv)
-    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
-    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    if world % len(args.engine_url):
-        raise SystemExit(f"world size {world} is not a multiple of the {len(args.engine_url)} engine URLs")
-    per_engine = world // len(args.engine_url)
+    cfg: PushConfig = spec.build(args, p, engine_urls=tuple(args.engine_url))  # a bad value: exit 2 naming the flag
+    try:
+        rank, world, per_engine = cfg.layout(os.environ)
+    except ValueError as e:
+        p.error(f"{e} (flags: --rank, --world-size, --engine-url)")
     from ckpt_common.logs import setup_logging
 
     setup_logging("WARNING", rank=rank)
     try:
-        out = push(
-            args.model,
-            args.engine_url[rank // per_engine],
-            rank=rank,
-            world_size=world,
-            master_port=args.master_port,
-            ranks_per_engine=per_engine,
-            checkpoint_name=args.checkpoint_name,
-            bucket_size_bytes=args.bucket_size_bytes,
-            timeout_s=args.timeout_s,
-            transport=args.transport,
-        )
+        out = push(cfg, cfg.engine_urls[rank // per_engine], rank=rank, world_size=world, ranks_per_engine=per_engine)
     except Exception as e:  # noqa: BLE001 - reported as the last line and the exit code
         from checkpoint_engine.errors import UpdateFailed
 

@@ -2,6 +2,7 @@
 also serves the HTTP API, relays each command to the other ranks through the process group's store,
 and heals failed engines.
 
+    config         DaemonConfig: the daemon's flags (light: `--help` imports no torch)
     server         the daemon's ranks: start, serve, stop
     commands       what each rank runs for a command, and the check before relaying it
     driver         rank 0 runs commands one at a time, phase by phase

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 CONNECT_BYTES = 8  # what `P2PStore.connect` reads to open the connection to a peer
 POLL_S = 0.0005  # between two looks at the reads in flight
+P2PProtocol = Literal["tcp", "rdma"]  # `P2PConfig.protocol`, daemon `--p2p-protocol`
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -83,7 +84,7 @@ def thread_cpus(cpus: tuple[int, ...] | None) -> Iterator[None]:
 @dataclass(frozen=True)
 class P2PConfig:
     host: str = "127.0.0.1"  # address the transfer engine announces to peers
-    protocol: Literal["tcp", "rdma"] = "tcp"
+    protocol: P2PProtocol = "tcp"
     device_name: str = ""  # RDMA device(s), e.g. "mlx5_0"; empty for tcp
     read_timeout_s: float = 300.0
     # CPUs the transfer engine's threads run on; None: those of the thread that creates the store.

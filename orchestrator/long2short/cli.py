@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckpt_common.cli_config import ConfigArgs, add_config_args
+from ckpt_common.logs import add_log_level_flag
 from demo import task
 from orchestrator.long2short.eval import evaluate_models, parse_model_spec, write_evaluation
 from orchestrator.long2short.merge import DEFAULT_ALPHA, merge_model_dirs
@@ -82,7 +83,7 @@ def _add_engine(p: argparse.ArgumentParser, specs: dict[str, ConfigArgs]) -> Non
     from orchestrator.config import EngineConfig  # light: dataclasses only
 
     specs["engine"] = add_config_args(p, EngineConfig, only=("max_model_len", "enforce_eager"))
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level_flag(p)
 
 
 def _add_sampling(p: argparse.ArgumentParser, specs: dict[str, ConfigArgs]) -> None:
