@@ -77,8 +77,7 @@ def measure_starts(num_starts: int, python: str) -> dict[str, list[float]]:
 
 
 def start_service(port: int, workers: int) -> subprocess.Popen:
-    import httpx
-
+    from ckpt_common.httpjson import status_json
     from ckpt_common.procs import die_with_parent
 
     proc = subprocess.Popen(
@@ -103,9 +102,9 @@ def start_service(port: int, workers: int) -> subprocess.Popen:
         if proc.poll() is not None:
             raise RuntimeError(f"sandbox service exited with {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if status_json("GET", f"http://127.0.0.1:{port}/health", timeout_s=2)[0] == 200:
                 return proc
-        except httpx.HTTPError:
+        except OSError:
             pass
         time.sleep(0.1)  # polling a starting server, bounded by the deadline
     proc.kill()
@@ -116,18 +115,20 @@ async def load(url: str, concurrency: int, duration_s: float) -> tuple[int, int,
     """(ok runs, other answers, elapsed seconds) of `concurrency` clients posting back to back."""
     import asyncio
 
-    import httpx
+    import aiohttp
 
     counts = {"ok": 0, "other": 0}
     body = {"language": "python", "code": TRIVIAL}
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with aiohttp.ClientSession(
+        url, timeout=aiohttp.ClientTimeout(total=60), connector=aiohttp.TCPConnector(limit=concurrency)
+    ) as client:
         started = time.perf_counter()
         stop_at = started + duration_s
 
         async def worker() -> None:
             while time.perf_counter() < stop_at:
-                resp = await client.post("/run", json=body)
-                ok = resp.status_code == 200 and resp.json()["stdout"] == "1\n"
+                async with client.post("/run", json=body) as resp:
+                    ok = resp.status == 200 and (await resp.json())["stdout"] == "1\n"
                 counts["ok" if ok else "other"] += 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -1,88 +1,113 @@
-"""Start the code sandbox service: `python -m sandbox --host 127.0.0.1 --port PORT`."""
+"""Start the code sandbox service: `python -m sandbox --host 127.0.0.1 --port PORT` (`ckpt-sandbox`).
+
+The flags are ServiceConfig's fields and a few of SandboxConfig's (sandbox/config.py: defaults and
+help live there); this command's own defaults: --workers is the usable cores, --pool-size 2 x
+--workers. --python-package and --no-cgroup are not config fields.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
-import signal
 import sys
+
+from ckpt_common.cli_config import ConfigArgs, add_config_args
+
+from .config import ServiceConfig
 
 logger = logging.getLogger(__name__)
 
+# the SandboxConfig fields a command line sets (the others keep the dataclass's defaults)
+SANDBOX_FLAGS = (
+    "python_executable",
+    "bwrap_path",
+    "max_timeout_s",
+    "max_memory_mb",
+    "max_processes",
+    "uid_base",
+    "pool_size",
+    "use_cgroup",
+)
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    cores = len(os.sched_getaffinity(0))
+
+def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs]:
+    from .bwrap import DEFAULT_PYTHON_PACKAGES
+
     p = argparse.ArgumentParser(
-        prog="python -m sandbox", description="HTTP service that runs untrusted code in bubblewrap."
+        prog="python -m sandbox",
+        description="HTTP service that runs untrusted code in bubblewrap.",
+        epilog=__doc__.split("\n", 2)[2],
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8090)
-    p.add_argument("--workers", type=int, default=cores, help=f"runs at once (default: the {cores} usable cores)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait (then 503)")
-    p.add_argument("--queue-timeout-s", type=float, default=60.0)
-    p.add_argument(
-        "--pool-size", type=int, default=None, help="pre-started sandboxes kept warm (default: 2 x workers; 0 disables)"
+    own = [f.name for f in dataclasses.fields(ServiceConfig) if f.name != "sandbox"]
+    spec = add_config_args(
+        p,
+        ServiceConfig,
+        only=(*own, *(f"sandbox.{name}" for name in SANDBOX_FLAGS)),
+        flatten=("sandbox",),
+        rename={
+            "num_workers": "workers",
+            "sandbox.python_executable": "python",
+            "sandbox.bwrap_path": "bwrap",
+            "sandbox.use_cgroup": "cgroup",
+        },
+        # computed when the command runs: None becomes 2 x --workers in parse_config()
+        defaults={"num_workers": len(os.sched_getaffinity(0)), "sandbox.pool_size": None},
     )
-    p.add_argument("--python", default="/usr/bin/python3", help="interpreter run inside")
+    p.add_argument("--no-cgroup", action="store_true", help="never use cgroup v2 limits (the same as --cgroup off)")
     p.add_argument(
         "--python-package",
         action="append",
-        default=None,
         metavar="NAME",
-        help="host package made importable inside (repeatable; default: cyaron, colorful, xeger when installed)",
+        help="host package made importable inside (repeatable; default: "
+        f"{', '.join(DEFAULT_PYTHON_PACKAGES)} when installed)",
     )
-    p.add_argument("--bwrap", default="/usr/bin/bwrap")
-    p.add_argument("--max-timeout-s", type=float, default=30.0)
-    p.add_argument("--max-memory-mb", type=int, default=4096)
-    p.add_argument("--max-processes", type=int, default=32)
-    p.add_argument("--uid-base", type=int, default=100_000, help="first host uid for sandboxes (when running as root)")
-    p.add_argument("--no-cgroup", action="store_true", help="never use cgroup v2 limits")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p, spec
+
+
+def _dest(spec: ConfigArgs, field_path: str) -> str:
+    """The argparse dest of a config field's flag."""
+    return spec.flag_for(field_path).removeprefix("--").replace("-", "_")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _parser()[0]
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[ServiceConfig, argparse.Namespace]:
+    """The service's config from the command line (python_lib_binds still empty: main() resolves
+    --python-package), and the parsed arguments. A bad value exits 2 naming the flag."""
+    parser, spec = _parser()
+    args = parser.parse_args(argv)
+    if args.no_cgroup:
+        setattr(args, _dest(spec, "sandbox.use_cgroup"), "off")
+    pool_size = _dest(spec, "sandbox.pool_size")
+    if getattr(args, pool_size) is None:
+        setattr(args, pool_size, 2 * getattr(args, _dest(spec, "num_workers")))
+    return spec.build(args, parser), args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    config, args = parse_config(argv)
     from ckpt_common.logs import setup_logging
 
-    setup_logging(args.log_level)
-    import uvicorn
-
+    setup_logging(config.log_level)
     from .bwrap import DEFAULT_PYTHON_PACKAGES, probe_bwrap, python_package_binds
-    from .config import SandboxConfig, ServiceConfig
     from .executor import Sandbox
     from .models import RunRequest
-    from .service import create_app
+    from .service import serve
 
-    reason = probe_bwrap(args.bwrap)
+    reason = probe_bwrap(config.sandbox.bwrap_path)
     if reason is not None:
         logger.error("cannot start the sandbox service: %s", reason)
         return 2
-    packages = python_package_binds(
-        args.python_package or DEFAULT_PYTHON_PACKAGES, required=args.python_package is not None
-    )
-    sandbox_cfg = SandboxConfig(
-        bwrap_path=args.bwrap,
-        python_executable=args.python,
-        python_lib_binds=packages,
-        max_timeout_s=args.max_timeout_s,
-        max_memory_mb=args.max_memory_mb,
-        max_processes=args.max_processes,
-        uid_base=args.uid_base,
-        pool_size=2 * args.workers if args.pool_size is None else args.pool_size,
-        use_cgroup="off" if args.no_cgroup else "auto",
-    )
-    service_cfg = ServiceConfig(
-        host=args.host,
-        port=args.port,
-        num_workers=args.workers,
-        max_queue=args.max_queue,
-        queue_timeout_s=args.queue_timeout_s,
-        sandbox=sandbox_cfg,
-    )
     try:
-        sandbox = Sandbox(sandbox_cfg)
+        packages = python_package_binds(
+            args.python_package or DEFAULT_PYTHON_PACKAGES, required=args.python_package is not None
+        )
+        config = dataclasses.replace(config, sandbox=dataclasses.replace(config.sandbox, python_lib_binds=packages))
+        sandbox = Sandbox(config.sandbox)
     except ValueError as exc:
         logger.error("cannot start the sandbox service: %s", exc)
         return 2
@@ -104,17 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             health["uid_isolation"],
             health["cgroup"]["reason"],
         )
-        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the
-        # handler that was there before it: make that a no-op so `finally` runs and we exit 0.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: logger.info("signal %d: stopped", signum))
-        uvicorn.run(
-            create_app(sandbox, service_cfg),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            access_log=False,
-        )
+        serve(sandbox, config)  # until SIGTERM / SIGINT
     finally:
         sandbox.close()
     return 0

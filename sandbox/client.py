@@ -4,8 +4,11 @@
     SandboxClient.judge ──POST /judge──▶ JudgeResult    (one program against test cases)
 
 503 (overload) and refused connections are retried with back-off until a deadline; 4xx raises
-ValueError with the service's message, other failures RuntimeError. Used by the orchestrator's code
-reward (`orchestrator.rewards.code_sandbox`) and by `python -m sandbox.testgen --sandbox-url`.
+ValueError with the service's message, other failures RuntimeError. `timeout_s` bounds each socket
+operation (connect, send, each read). Each request opens its own connection (ckpt_common.httpjson):
+safe to share between threads; benchmarks/RESULTS.md ("Sandbox on aiohttp") measured what that
+costs. Used by the orchestrator's code reward (`orchestrator.rewards.code_sandbox`) and by
+`python -m sandbox.testgen --sandbox-url`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-import httpx
+from ckpt_common.httpjson import call_json, status_json
 
 from .models import JudgeResult, RunRequest, RunResult, TestCase
 
@@ -36,12 +39,10 @@ class SandboxClient:
         self.timeout_s = timeout_s
         self._retry_deadline_s = retry_deadline_s
         self._retry_delay_s = retry_delay_s
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
 
     def health(self) -> dict:
-        resp = self._http.get("/health")
-        resp.raise_for_status()
-        return resp.json()
+        """The service's /health answer; RuntimeError (httpjson.HTTPError for a status >= 400) otherwise."""
+        return call_json("GET", self.base_url + "/health", timeout_s=self.timeout_s)
 
     def run(self, request: RunRequest) -> RunResult:
         return RunResult.from_dict(self._post("/run", request.to_dict()))
@@ -69,7 +70,7 @@ class SandboxClient:
         return JudgeResult.from_dict(self._post("/judge", body))
 
     def close(self) -> None:
-        self._http.close()
+        """Nothing to release (no connection outlives its request); kept for `with` and callers."""
 
     def __enter__(self) -> SandboxClient:
         return self
@@ -84,21 +85,23 @@ class SandboxClient:
         delay_s = self._retry_delay_s
         while True:
             try:
-                resp = self._http.post(path, json=body)
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-                problem = f"cannot reach the sandbox at {self.base_url}: {exc}"
-            except httpx.TimeoutException as exc:
+                status, data = status_json("POST", self.base_url + path, body, timeout_s=self.timeout_s)
+            except TimeoutError as exc:
                 raise RuntimeError(
                     f"sandbox {self.base_url}{path} gave no answer within {self.timeout_s} s: {exc}"
                 ) from exc
+            except OSError as exc:  # refused, reset, closed without an answer, name not resolved
+                problem = f"cannot reach the sandbox at {self.base_url}: {type(exc).__name__}: {exc}"
             else:
-                if resp.status_code == 200:
-                    return resp.json()
-                detail = _detail(resp)
-                if 400 <= resp.status_code < 500:
-                    raise ValueError(f"sandbox refused the request ({resp.status_code}): {detail}")
-                if resp.status_code != 503:
-                    raise RuntimeError(f"sandbox error {resp.status_code} on {path}: {detail}")
+                if status == 200 and set(data) != {"raw"}:
+                    return data
+                detail = _detail(data)
+                if status == 200:
+                    raise RuntimeError(f"sandbox answered {path} with non-JSON: {detail}")
+                if 400 <= status < 500:
+                    raise ValueError(f"sandbox refused the request ({status}): {detail}")
+                if status != 503:
+                    raise RuntimeError(f"sandbox error {status} on {path}: {detail}")
                 problem = f"sandbox overloaded: {detail}"
             if time.monotonic() + delay_s > deadline:
                 raise RuntimeError(f"{problem} (gave up after {self._retry_deadline_s} s)")
@@ -107,9 +110,8 @@ class SandboxClient:
             delay_s = min(2 * delay_s, 2.0)
 
 
-def _detail(resp: httpx.Response) -> str:
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:500]
-    return str(data.get("detail", data)) if isinstance(data, dict) else str(data)
+def _detail(data: object) -> str:
+    """The service's message: its `detail`, else the answer's text (`raw` when it was not JSON)."""
+    if isinstance(data, dict):
+        return str(data.get("detail", data.get("raw", data)))[:500]
+    return str(data)[:500]

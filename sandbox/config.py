@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ckpt_common.cli_config import meta
+from ckpt_common.logs import DEFAULT_LOG_LEVEL
 from ckpt_common.validate import check_int, check_literals, check_number
 
 from .models import RunRequest
@@ -21,12 +24,13 @@ class SandboxConfig:
     may sit in a private folder it cannot traverse) and appears read-only as /sandbox/lib/<name>
     inside; /sandbox/lib is first on the program's sys.path (this is how test-case generators get
     `cyaron` without seeing the host's site-packages). `extra_ro_binds` are bound in place: their
-    sources must be reachable by the sandbox's user (checked at start).
+    sources must be reachable by the sandbox's user (checked at start). The `help` of a field is its
+    flag's help on `python -m sandbox` (`sandbox/__main__.py`).
     """
 
-    bwrap_path: str = "/usr/bin/bwrap"
+    bwrap_path: str = field(default="/usr/bin/bwrap", metadata=meta("the bubblewrap binary"))
     setpriv_path: str = "/usr/bin/setpriv"  # used to switch uid when present (util-linux)
-    python_executable: str = "/usr/bin/python3"
+    python_executable: str = field(default="/usr/bin/python3", metadata=meta("the interpreter run inside"))
     c_compiler: str = "/usr/bin/gcc"
     cpp_compiler: str = "/usr/bin/g++"
     c_flags: tuple[str, ...] = ("-O2", "-std=gnu11", "-pipe")
@@ -36,25 +40,27 @@ class SandboxConfig:
     python_lib_binds: tuple[tuple[str, str], ...] = ()
     tmpfs_size_mb: int = 64
     switch_uid: Literal["auto", "on", "off"] = "auto"
-    uid_base: int = 100_000
+    uid_base: int = field(default=100_000, metadata=meta("first host uid for sandboxes (when running as root)"))
     num_uids: int = 512
     min_memory_mb: int = 32
-    max_memory_mb: int = 4096
-    max_timeout_s: float = 30.0
+    max_memory_mb: int = field(default=4096, metadata=meta("the largest memory_mb a request may ask for"))
+    max_timeout_s: float = field(default=30.0, metadata=meta("the largest timeout_s a request may ask for"))
     max_code_bytes: int = 512 * 1024
     max_stdin_bytes: int = 16 * MIB
     max_stdout_bytes: int = 4 * MIB
     max_stderr_bytes: int = 256 * 1024
     max_binary_bytes: int = 16 * MIB
-    max_processes: int = 32
+    max_processes: int = field(default=32, metadata=meta("processes per run"))
     max_file_size_mb: int = 16
     max_open_files: int = 256
     compile_timeout_s: float = 20.0
     compile_memory_mb: int = 2048
     setup_timeout_s: float = 10.0
     kill_grace_s: float = 3.0
-    pool_size: int = 4
-    use_cgroup: Literal["auto", "off"] = "auto"
+    pool_size: int = field(default=4, metadata=meta("pre-started sandboxes kept warm (0 disables)"))
+    use_cgroup: Literal["auto", "off"] = field(
+        default="auto", metadata=meta("cgroup v2 limits per run: where usable (auto), or never (off)")
+    )
     cgroup_root: str = "/sys/fs/cgroup"
 
     def __post_init__(self) -> None:
@@ -119,12 +125,18 @@ class SandboxConfig:
 class ServiceConfig:
     """The HTTP service: where it listens, how many runs at once, how many may wait."""
 
-    host: str = "127.0.0.1"
-    port: int = 8090
-    num_workers: int = 2
-    max_queue: int = 64
-    queue_timeout_s: float = 60.0
-    max_judge_cases: int = 500
+    host: str = field(default="127.0.0.1", metadata=meta("address to bind"))
+    port: int = field(default=8090, metadata=meta("port to listen on (0: any free one)"))
+    num_workers: int = field(default=2, metadata=meta("runs at once"))
+    max_queue: int = field(default=64, metadata=meta("requests that may wait beyond the running ones (then 503)"))
+    queue_timeout_s: float = field(default=60.0, metadata=meta("the longest a request may wait (then 503)"))
+    max_judge_cases: int = field(default=500, metadata=meta("test cases one /judge request may hold"))
+    max_body_bytes: int = field(
+        default=64 * MIB, metadata=meta("the largest request body, in bytes of JSON (then 413)")
+    )
+    log_level: str = field(
+        default=DEFAULT_LOG_LEVEL, metadata=meta("a logging level name: DEBUG, INFO, WARNING, ERROR")
+    )
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self) -> None:
@@ -133,7 +145,16 @@ class ServiceConfig:
         check_int("num_workers", self.num_workers)
         check_int("max_judge_cases", self.max_judge_cases)
         check_number("queue_timeout_s", self.queue_timeout_s)
+        check_int("max_body_bytes", self.max_body_bytes)
+        largest_run = self.sandbox.max_code_bytes + self.sandbox.max_stdin_bytes
+        if self.max_body_bytes < largest_run:
+            raise ValueError(
+                f"max_body_bytes ({self.max_body_bytes}) must hold the largest /run the sandbox takes "
+                f"(max_code_bytes + max_stdin_bytes = {largest_run})"
+            )
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
         if not self.host:
             raise ValueError("host must be a non-empty address")
+        if not isinstance(self.log_level, str) or not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"log_level={self.log_level!r} must be a logging level name, e.g. INFO or DEBUG")

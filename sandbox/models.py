@@ -1,7 +1,7 @@
 """Typed records of the sandbox contract: a run request, its result, judge cases and results.
 
-These are the internal (frozen dataclass) forms; the HTTP edge (`service.py`) validates JSON with
-pydantic and converts to these, and the client (`client.py`) converts the JSON answers back.
+These are the internal (frozen dataclass) forms; the HTTP edge (`service.py`) checks the JSON bodies
+and converts them to these, and the client (`client.py`) converts the JSON answers back.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ import json
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from ckpt_common.cli_config import meta
 from ckpt_common.validate import check_int
 
 from .judge import normalize_output
@@ -35,18 +36,21 @@ from .models import COMPARE_MODES, RunRequest, RunResult, TestCase
 
 @dataclass(frozen=True)
 class TestGenConfig:
-    """Thresholds of k1.5's recipe (defaults: 50 inputs, 7 of 10 agree, 9 of 10 pass)."""
+    """Thresholds of k1.5's recipe (defaults: 50 inputs, 7 of 10 agree, 9 of 10 pass); each field is
+    a flag of `python -m sandbox.testgen`."""
 
     __test__ = False
 
-    num_inputs: int = 50
-    min_case_agreement: int = 7
-    min_solutions_passing: int = 9
-    seed: int = 0
-    generator_timeout_s: float = 20.0
-    solution_timeout_s: float = 2.0
-    memory_mb: int = 256
-    compare: str = "lines"
+    num_inputs: int = field(default=50, metadata=meta("inputs the generator makes per problem"))
+    min_case_agreement: int = field(default=7, metadata=meta("solutions whose outputs must agree to keep a case"))
+    min_solutions_passing: int = field(
+        default=9, metadata=meta("solutions that must pass every kept case to keep the problem")
+    )
+    seed: int = field(default=0, metadata=meta("the generator's seed"))
+    generator_timeout_s: float = field(default=20.0, metadata=meta("wall time of one generator run"))
+    solution_timeout_s: float = field(default=2.0, metadata=meta("wall time of one solution run"))
+    memory_mb: int = field(default=256, metadata=meta("memory of each run"))
+    compare: str = field(default="lines", metadata=meta("how outputs are compared", choices=COMPARE_MODES))
 
     def __post_init__(self) -> None:
         for name in ("num_inputs", "min_case_agreement", "min_solutions_passing", "memory_mb"):
@@ -338,34 +342,29 @@ def describe(report: ProblemReport) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from ckpt_common.cli_config import add_config_args
+
     p = argparse.ArgumentParser(
         prog="python -m sandbox.testgen", description="Generate and filter test cases (k1.5 recipe)."
     )
     p.add_argument("--problems", nargs="+", required=True, help="problem JSON files or dirs")
-    p.add_argument("--out", default=None, help="write <name>.json test sets and report.json here")
-    p.add_argument("--sandbox-url", default=None, help="use a running sandbox service (default: an in-process sandbox)")
-    p.add_argument("--num-inputs", type=int, default=50)
-    p.add_argument("--min-case-agreement", type=int, default=7)
-    p.add_argument("--min-solutions-passing", type=int, default=9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--out", help="write <name>.json test sets and report.json here")
+    p.add_argument("--sandbox-url", help="use a running sandbox service (default: an in-process sandbox)")
+    p.add_argument("--threads", type=int, help="runs at once (default: the usable cores)")
+    spec = add_config_args(p, TestGenConfig)
     args = p.parse_args(argv)
+    cfg = spec.build(args, p)  # a bad value: exit 2 naming the flag
+    threads = args.threads or len(os.sched_getaffinity(0))
 
     from ckpt_common.logs import setup_logging
 
     setup_logging("INFO")
-    cfg = TestGenConfig(
-        num_inputs=args.num_inputs,
-        min_case_agreement=args.min_case_agreement,
-        min_solutions_passing=args.min_solutions_passing,
-        seed=args.seed,
-    )
     problems = load_problems(args.problems)
-    runner, close = _make_runner(args.sandbox_url, args.threads)
+    runner, close = _make_runner(args.sandbox_url, threads)
     try:
         reports = []
         for problem in problems:
-            report = build_problem(runner, problem, cfg, args.threads)
+            report = build_problem(runner, problem, cfg, threads)
             reports.append(report)
             print("\n".join(describe(report)), flush=True)
     finally:

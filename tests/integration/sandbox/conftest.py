@@ -1,8 +1,9 @@
-"""Fixtures for the sandbox tests: a bubblewrap probe (skip with the reason where it cannot run)
-and the real service started as a subprocess on a free port."""
+"""Fixtures for the sandbox tests: a bubblewrap probe (skip with the reason where it cannot run),
+the real service started as a subprocess on a free port, and `request` (the project's JSON client)."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -10,14 +11,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ckpt_common.httpjson import status_json
 from ckpt_common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 SECRET_ENV_NAME = "SANDBOX_TEST_HOST_SECRET"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer of the service: its status and decoded JSON body."""
+
+    status_code: int
+    body: Any
+
+    def json(self) -> Any:
+        return self.body
+
+    @property
+    def text(self) -> str:
+        return json.dumps(self.body)
+
+
+def request(method: str, url: str, body: Any = None, timeout_s: float = 60.0) -> Answer:
+    """One request with the project's JSON client; an unreachable service raises OSError."""
+    return Answer(*status_json(method, url, body, timeout_s=timeout_s))
 
 
 @pytest.fixture(scope="session")
@@ -64,18 +88,17 @@ class Service:
         return self.log.read().decode(errors="replace")
 
     def wait_healthy(self, timeout_s: float = 60.0) -> dict:
-        import httpx
-
         deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sandbox service exited with {self.proc.returncode}: {self.log_text()}")
             try:
-                resp = httpx.get(self.url + "/health", timeout=2.0)
+                resp = request("GET", self.url + "/health", timeout_s=2.0)
                 if resp.status_code == 200:
                     return resp.json()
-            except httpx.HTTPError as exc:
+                last = resp.text
+            except OSError as exc:
                 last = exc
             time.sleep(0.1)  # polling a starting server, bounded by the deadline above
         raise RuntimeError(f"sandbox service not healthy within {timeout_s} s: {last}")

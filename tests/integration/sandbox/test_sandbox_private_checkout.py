@@ -15,7 +15,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
 import pytest
 
 from sandbox.bwrap import DEFAULT_PYTHON_PACKAGES, python_package_binds
@@ -23,7 +22,7 @@ from sandbox.config import SandboxConfig
 from sandbox.executor import Sandbox
 from sandbox.models import RunRequest
 
-from .conftest import start_service
+from .conftest import request, start_service
 
 pytestmark = pytest.mark.sandbox
 IS_ROOT = os.geteuid() == 0
@@ -85,8 +84,8 @@ def test_service_starts_from_a_private_checkout(bwrap_ok, private_dir, monkeypat
     assert probe.stdout.startswith(str(site)), probe.stdout
     service = start_service(["--workers", "1", "--pool-size", "1"])
     try:
-        resp = httpx.post(
-            service.url + "/run", json={"language": "python", "code": PROGRAM.format(host=str(site))}, timeout=30
+        resp = request(
+            "POST", service.url + "/run", {"language": "python", "code": PROGRAM.format(host=str(site))}, timeout_s=30
         )
         assert resp.status_code == 200, resp.text
         assert (resp.json()["status"], resp.json()["stdout"]) == ("ok", "cyaron True\nhost path visible False\n")

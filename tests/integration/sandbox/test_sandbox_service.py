@@ -6,6 +6,8 @@ Every hostile test ends by checking that the service still serves a correct prog
 from __future__ import annotations
 
 import ast
+import http.client
+import json
 import os
 import secrets
 import shutil
@@ -13,7 +15,6 @@ import textwrap
 import threading
 import time
 
-import httpx
 import psutil
 import pytest
 
@@ -21,13 +22,13 @@ from orchestrator.rewards.code_sandbox import code_reward
 from sandbox.client import SandboxClient
 from sandbox.models import TestCase
 
-from .conftest import SECRET_ENV_NAME, start_service
+from .conftest import SECRET_ENV_NAME, Answer, request, start_service
 
 pytestmark = pytest.mark.sandbox
 
 
-def post(service, path: str, body: dict, timeout_s: float = 60.0) -> httpx.Response:
-    return httpx.post(service.url + path, json=body, timeout=timeout_s)
+def post(service, path: str, body: dict, timeout_s: float = 60.0) -> Answer:
+    return request("POST", service.url + path, body, timeout_s)
 
 
 def run(service, code: str, **kw) -> dict:
@@ -182,7 +183,7 @@ def test_fork_bomb_is_contained(service):
     """,
         timeout_s=5.0,
     )
-    health = httpx.get(service.url + "/health").json()
+    health = request("GET", service.url + "/health").json()
     assert counted["status"] == "ok" and counted["request_s"] < 5, counted
     num_forked = int(counted["stdout"].split()[3])
     assert 0 < num_forked < health["sandbox"]["limits"]["max_processes"], counted
@@ -240,7 +241,7 @@ def test_sleeping_past_the_wall_limit_times_out(service):
 
 
 def test_flooding_stdout_hits_the_output_limit(service):
-    health = httpx.get(service.url + "/health").json()
+    health = request("GET", service.url + "/health").json()
     cap = health["sandbox"]["limits"]["max_stdout_bytes"]
     out = run(service, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout_s=10.0)
     assert out["status"] == "output_limit", {k: v for k, v in out.items() if k != "stdout"}
@@ -251,7 +252,7 @@ def test_flooding_stdout_hits_the_output_limit(service):
 
 
 def test_file_size_and_tmpfs_limits(service):
-    health = httpx.get(service.url + "/health").json()
+    health = request("GET", service.url + "/health").json()
     limits = health["sandbox"]["limits"]
     out = run(
         service,
@@ -373,7 +374,7 @@ def test_python_exit_keeps_python_semantics(service):
 
 
 def test_compiled_languages(service):
-    health = httpx.get(service.url + "/health").json()
+    health = request("GET", service.url + "/health").json()
     if "cpp" not in health["sandbox"]["languages"]:
         pytest.skip("no C++ compiler on this machine")
     cpp = "#include <iostream>\nint main(){long long a,b;std::cin>>a>>b;std::cout<<a*b<<'\\n';}"
@@ -433,8 +434,14 @@ def test_invalid_requests_get_a_clear_400(service, body, field):
 
 
 def test_malformed_json_gets_400(service):
-    resp = httpx.post(service.url + "/run", content=b"{not json", headers={"content-type": "application/json"})
-    assert resp.status_code == 400 and "JSON" in resp.json()["detail"]
+    conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
+    try:
+        conn.request("POST", "/run", body=b"{not json", headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        status, body = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert status == 400 and "JSON" in body["detail"]
 
 
 def test_judge_and_code_reward(service):
@@ -464,7 +471,7 @@ def test_overload_gets_503_and_service_recovers(bwrap_ok):
         bodies: list[dict] = []
 
         def one() -> None:
-            resp = httpx.post(small.url + "/run", json=body, timeout=60)
+            resp = request("POST", small.url + "/run", body)
             codes.append(resp.status_code)
             bodies.append(resp.json())
 
@@ -476,7 +483,7 @@ def test_overload_gets_503_and_service_recovers(bwrap_ok):
         assert sorted(codes).count(200) >= 1 and 503 in codes, codes
         rejected = [b for b, c in zip(bodies, codes) if c == 503]
         assert all(b["status"] == "rejected" and "capacity" in b["detail"] for b in rejected)
-        ok = httpx.post(small.url + "/run", json={"language": "python", "code": "print(2)"}, timeout=60).json()
+        ok = request("POST", small.url + "/run", {"language": "python", "code": "print(2)"}).json()
         assert ok["stdout"] == "2\n"
     finally:
         rc = small.stop()
