@@ -1,13 +1,16 @@
-"""The demo task as files: ``python -m demo export --out DIR [--num-train N] [--seed S]``.
+"""The demo task as files: ``python -m demo export --out DIR [--config JOB.json] [--num-train N] [--seed S]``.
 
-Writes the demo's own split in the JSONL problem format (``orchestrator.tasks.problems``):
+Writes the demo's own split in the JSONL problem format (``orchestrator.tasks.problems``), for the
+data section of ``--config`` (a job config such as configs/demo.json; default: the built-in one):
 
-- ``DIR/heldout.jsonl``: the RL job's held-out set, ``orchestrator.data.heldout_set(DataConfig())``
-  (``DataConfig``'s levels, sizes and seed), level by level;
-- ``DIR/train.jsonl``: ``N`` (default ``DataConfig().num_train_problems``, 4096) distinct training
-  problems drawn as the RL job draws its pool (``orchestrator.data.train_pool``, levels of
-  ``DataConfig().train_levels``, ``--seed`` as ``data.train_seed``, default its own); they come from
+- ``DIR/heldout.jsonl``: the RL job's held-out set, ``orchestrator.data.heldout_set(data)``
+  (the section's levels, sizes and seed), level by level;
+- ``DIR/train.jsonl``: ``N`` (default the section's ``num_train_problems``, 4096 built in) distinct
+  training problems drawn as the RL job draws its pool (``orchestrator.data.train_pool``, the
+  section's ``train_levels``, ``--seed`` as ``data.train_seed``, default its own); they come from
   the task's training split, and the files are checked disjoint (``check_disjoint``) before writing.
+  With ``--config`` and no other option the files are the job's own problems: RL on them
+  (``data.train_path``, ``data.heldout_path``) trains and evaluates on what the built-in task does.
 
 Each record: ``id`` = ``demo-<level>-<expression>`` (``demo-3-347+586``: stable, unique, the same for
 the same problem in every export); ``prompt`` = the text the model is given (``"347+586\\n"``);
@@ -37,24 +40,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--out", required=True, metavar="DIR", help="folder to write into (made if missing)")
     export.add_argument(
-        "--num-train", type=int, default=None, metavar="N", help="training problems to export (default: 4096)"
+        "--config",
+        default=None,
+        metavar="JOB.json",
+        help="export the data section of this RL job config (default: the built-in config)",
     )
     export.add_argument(
-        "--seed", type=int, default=None, metavar="S", help="seed of the training draw (default: data.train_seed, 1)"
+        "--num-train",
+        type=int,
+        default=None,
+        metavar="N",
+        help="training problems to export (default: the config's data.num_train_problems)",
+    )
+    export.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seed of the training draw (default: the config's data.train_seed)",
     )
     return parser
 
 
-def export(out: str | os.PathLike[str], num_train: int | None = None, seed: int | None = None) -> tuple[str, str]:
-    """Write ``out/train.jsonl`` and ``out/heldout.jsonl``; returns their paths."""
+def export(
+    out: str | os.PathLike[str],
+    num_train: int | None = None,
+    seed: int | None = None,
+    config_path: str | os.PathLike[str] | None = None,
+) -> tuple[str, str]:
+    """Write ``out/train.jsonl`` and ``out/heldout.jsonl`` (the data section of the job config at
+    ``config_path``, default the built-in one); returns their paths."""
     import dataclasses
 
     from demo import task
     from orchestrator import data
-    from orchestrator.config import DataConfig
+    from orchestrator.config import load_config
     from orchestrator.tasks import Problem, check_disjoint, write_problems
 
-    defaults = DataConfig()
+    defaults = load_config(config_path).data
+    if defaults.uses_files:
+        raise ValueError(f"{config_path}: its data section names problem files already (data.train_path)")
     config = dataclasses.replace(
         defaults,
         num_train_problems=defaults.num_train_problems if num_train is None else num_train,
@@ -84,7 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "export":
         if args.num_train is not None and args.num_train < 1:
             _parser().error(f"--num-train={args.num_train} must be >= 1")
-        export(args.out, args.num_train, args.seed)
+        try:
+            export(args.out, args.num_train, args.seed, args.config)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -19,13 +19,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from ckpt_common.logs import add_log_level_flag
+from ckpt_common.procs import DEFAULT_STOP_TIMEOUT_S
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator",
-        description="Kimi-k1.5-style RL on the arithmetic demo task: SFT warm-up (cached), then RL with "
-        "vLLM rollouts and checkpoint-engine weight sync after every iteration. Re-running "
-        "with the same --output-dir resumes.",
+        description="Kimi-k1.5-style RL on the arithmetic demo task (SFT warm-up, cached) or on your own "
+        "JSONL problem files (--set data.train_path=... --set data.heldout_path=...), with vLLM rollouts and "
+        "checkpoint-engine weight sync after every iteration. Re-running with the same --output-dir resumes.",
     )
     parser.add_argument("--config", default=None, help="JSON config file (default: built-in defaults)")
     parser.add_argument("--output-dir", required=True, help="where metrics, plot, summary and state go")
@@ -40,11 +43,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level_flag(parser)
     parser.add_argument(
         "--stop-timeout-s",
         type=float,
-        default=20.0,
+        default=DEFAULT_STOP_TIMEOUT_S,
         help="after Ctrl-C or SIGTERM the job ends within this many seconds, even if closing the "
         "engines hangs (it then prints every thread's stack); the saved state is kept either way",
     )
@@ -153,9 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from ckpt_common.dictconfig import to_dict
     from orchestrator.config import load_config
+    from orchestrator.tasks.factory import check_data_files
 
     try:
         config = load_config(args.config, args.overrides)
+        check_data_files(config)  # problem files (data.train_path): every line, before anything starts
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,8 @@ from orchestrator.length_penalty import LengthPenaltyConfig
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, check_rollout_fields
 from orchestrator.sampling import CurriculumConfig
-from trainer.sft import SFTConfig
+from orchestrator.tasks.template import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, template_error
+from trainer.sft import DEFAULT_CACHE_DIR, SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ RESUMABLE_CHANGES = (
 )
 
 
+# data fields that apply to problem files only (the demo writes its own prompts and answers)
+FILE_ONLY_FIELDS = ("prompt_template", "chat_template", "answer_markers")
+
+
 def _levels(owner: str, name: str, value: Sequence[int]) -> None:
     if not value or any(level not in task.LEVELS for level in value) or len(set(value)) != len(value):
         raise ValueError(f"{owner}.{name}={value!r} must be distinct levels from {sorted(task.LEVELS)}")
@@ -56,7 +61,16 @@ def _levels(owner: str, name: str, value: Sequence[int]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The training pool (drawn once from the training split) and the held-out evaluation set."""
+    """The problems RL trains and evaluates on: the demo's (a pool drawn once from its training split, a
+    held-out set per level: the level, size and seed fields), or your own JSONL problem files.
+
+    ``train_path`` and ``heldout_path`` (both, or neither): problem files (``orchestrator.tasks.problems``;
+    docs/rl-job.md "Your own problems"), read and checked before anything starts; the demo's fields are
+    then unused. ``prompt_template``: the text a problem's ``prompt`` becomes (``{prompt}`` filled in);
+    ``chat_template``: render through the model's chat template instead (needed for ``messages``);
+    ``answer_markers``: math answers are read after the last of these in a response (empty: math-verify
+    reads the whole response). The last three apply to problem files only.
+    """
 
     train_levels: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
     train_level_weights: tuple[float, ...] | None = None
@@ -65,8 +79,14 @@ class DataConfig:
     heldout_levels: tuple[int, ...] = task.RL_LEVELS
     num_heldout_per_level: int = 64
     heldout_seed: int = 0
+    train_path: str | None = None
+    heldout_path: str | None = None
+    prompt_template: str = DEFAULT_TEMPLATE
+    chat_template: bool = False
+    answer_markers: tuple[str, ...] = DEFAULT_ANSWER_MARKERS
 
     def __post_init__(self) -> None:
+        self._check_files()
         _levels("data", "train_levels", self.train_levels)
         _levels("data", "heldout_levels", self.heldout_levels)
         check_int("data.num_train_problems", self.num_train_problems)
@@ -76,6 +96,46 @@ class DataConfig:
             raise ValueError(
                 f"data.train_level_weights={w!r} must be {len(self.train_levels)} non-negative numbers, not all 0"
             )
+
+    @property
+    def uses_files(self) -> bool:
+        """Whether RL runs on problem files (``train_path``) rather than the demo."""
+        return self.train_path is not None
+
+    def _check_files(self) -> None:
+        for name in ("train_path", "heldout_path"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"data.{name}={value!r} must be the path of a JSONL problem file")
+        if (self.train_path is None) != (self.heldout_path is None):
+            given, missing = (
+                ("train_path", "heldout_path") if self.heldout_path is None else ("heldout_path", "train_path")
+            )
+            raise ValueError(
+                f"data.{given} is set but data.{missing} is not: RL on problem files needs both a training "
+                "and a held-out file (python -m demo export --out DIR writes an example pair)"
+            )
+        error = template_error(self.prompt_template)
+        if error is not None:
+            raise ValueError(f"data.prompt_template: {error}")
+        if not isinstance(self.chat_template, bool):
+            raise ValueError(f"data.chat_template={self.chat_template!r} must be true or false")
+        markers = self.answer_markers
+        if isinstance(markers, list):  # as config.json holds it
+            markers = tuple(markers)
+            object.__setattr__(self, "answer_markers", markers)
+        if not isinstance(markers, tuple) or not all(isinstance(m, str) and m.strip() for m in markers):
+            raise ValueError(
+                f"data.answer_markers={markers!r} must be a list of non-empty strings (empty list: the whole response)"
+            )
+        if not self.uses_files:
+            defaults = DataConfig.__dataclass_fields__
+            changed = [name for name in FILE_ONLY_FIELDS if getattr(self, name) != defaults[name].default]
+            if changed:
+                raise ValueError(
+                    f"data.{changed[0]} applies to problem files only (the demo task writes its own prompts "
+                    "and answers): set data.train_path and data.heldout_path, or leave it at its default"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +246,9 @@ class RewardConfig:
     """Which reward scores a response; ``correct_threshold`` turns a task reward into correct/wrong.
 
     type: "math_verify" (the demo), or "code_sandbox" (the ``sandbox/`` service,
-    ``orchestrator.rewards.code_sandbox``; problems carry ``test_cases``).
+    ``orchestrator.rewards.code_sandbox``; problems carry ``test_cases``). With problem files
+    (``data.train_path``) each problem's kind picks its reward: math-verify for an ``answer``, the
+    sandbox at ``sandbox_url`` for ``tests`` (a file with code problems needs ``sandbox_url``).
     reward_model: optional "module:factory" returning ``fn(problems, texts)``;
     its scores are added with ``reward_model_weight`` (k1.5's reward-model hook).
     """
@@ -347,7 +409,7 @@ class JobConfig:
     """The whole job: SFT warm-up (cached), then RL."""
 
     sft: SFTConfig = SFTConfig()
-    sft_cache_dir: str = ".cache/sft"
+    sft_cache_dir: str = DEFAULT_CACHE_DIR
     init_model_dir: str | None = None  # start RL from this HF model dir instead of the SFT warm-up
     data: DataConfig = DataConfig()
     rl: RLConfig = RLConfig()
@@ -363,6 +425,9 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self.partial_rollout()  # validates the budget against k and the segment size
+        if self.data.uses_files:  # prompt lengths are checked with the model's tokenizer (Task.check_prompt_lengths)
+            self._check_file_curriculum()
+            return
         longest_prompt = 1 + max(
             len(task.sample_problem(_FixedRng(), level).prompt)
             for level in set(self.data.train_levels) | set(self.data.heldout_levels)
@@ -373,6 +438,16 @@ class JobConfig:
                 f"engine.max_model_len={self.engine.max_model_len} is below the longest prompt "
                 f"({longest_prompt} tokens) plus rollout.max_response_tokens "
                 f"({self.rollout.max_response_tokens})"
+            )
+
+    def _check_file_curriculum(self) -> None:
+        curriculum = self.sampling.curriculum
+        if curriculum.min_difficulty > 1 and curriculum.easy_weight < 1:
+            raise ValueError(
+                f"sampling.curriculum.min_difficulty={curriculum.min_difficulty!r} is on the demo's level scale "
+                "(1-7), but problem files give difficulty in [0, 1] (0 easiest): set "
+                "sampling.curriculum.min_difficulty in [0, 1] (a problem without a difficulty counts as 1.0), "
+                "or sampling.curriculum.easy_weight=1 to turn the curriculum off"
             )
 
     def partial_rollout(self) -> PartialRolloutConfig:
@@ -398,7 +473,8 @@ class _FixedRng:
 
 
 def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults, then the JSON file (if any), then ``--set`` overrides; validated."""
+    """Defaults, then the JSON file (if any), then ``--set`` overrides; validated. The problem files it
+    names are read by ``orchestrator.tasks.factory.check_data_files`` (the entry point runs it next)."""
     data = to_dict(JobConfig())
     if path is not None:
         try:

@@ -11,11 +11,14 @@ from the model's own pass rate.
         ▼
     engine.generate  ── num_samples (10) per prompt at a high temperature, with chain of thought
         │                 ──▶ pass_rate = correct / num_samples, difficulty = 1 - pass_rate
-        └──────────── num_hack_tries (8) per prompt asked to answer directly (prompt + "#### ":
-                         no chain of thought) ──▶ any correct: dropped as "easy_to_hack"
+        └──────────── num_hack_tries (8) per prompt asked to answer directly (prompt + the task's
+                         answer marker, direct_answer_suffix "#### ": no chain of thought)
+                         ──▶ any correct: dropped as "easy_to_hack"
         ▼
     OUT.jsonl: every input line, with pass_rate, difficulty, num_correct, num_direct_correct,
                kept (bool) and reason ("kept" | the first filter that dropped it)
+    --problems-out FILE: the kept problems as a problem file (id, prompt, answer, difficulty =
+               1 - pass rate; orchestrator.tasks.problems): the RL job's data.train_path
 
 It codes against the rollout engine interface (``orchestrator.engines.base.RolloutEngine``), so tests
 run it on scripted engines; the CLI builds the same vLLM engine the RL loop uses and syncs the
@@ -35,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckpt_common.cli_config import ConfigArgs, add_config_args, meta
+from ckpt_common.logs import add_log_level_flag
 from demo import task
 
 logger = logging.getLogger(__name__)
@@ -61,7 +65,11 @@ class CurationConfig:
         default=1.0, metadata=meta('drop prompts solved more often than this ("too_easy"); 1.0 keeps all')
     )
     direct_answer_suffix: str = dataclasses.field(
-        default=task.ANSWER_PREFIX, metadata=meta("appended to the prompt: answer without a chain of thought")
+        default="#### ",
+        metadata=meta(
+            "the task's answer marker (the demo's and data.answer_markers' default): appended to the prompt to ask "
+            "for the answer without a chain of thought, and put before that answer when it is checked"
+        ),
     )
     request_chunk_problems: int = dataclasses.field(default=256, metadata=meta("problems per engine.generate call"))
     timeout_s: float = 900.0
@@ -124,7 +132,7 @@ def format_reason(
     if len(encode(problem)) > config.max_prompt_tokens:
         return "overlong_prompt"
     # the reference answer written the way a response writes it must pass the verifier
-    if not problem.answer.strip() or not is_correct(problem, task.ANSWER_PREFIX + problem.answer):
+    if not problem.answer.strip() or not is_correct(problem, config.direct_answer_suffix + problem.answer):
         return "uncheckable_answer"
     return None
 
@@ -211,7 +219,7 @@ def curate(
             config.hack_temperature,
             "d",
             config.timeout_s,
-            response_prefix=task.ANSWER_PREFIX,
+            response_prefix=config.direct_answer_suffix,
         )
         for (index, problem), num_correct, num_guessed in zip(chunk, solved, guessed):
             pass_rate = num_correct / config.num_samples
@@ -228,6 +236,28 @@ def curate(
                 "reason": reason,
             }
     return [r for r in out if r is not None]
+
+
+def kept_problems(results: Sequence[dict]) -> list:
+    """The kept problems as a problem file's records (``orchestrator.tasks.problems``, a valid
+    ``data.train_path``): id (the input's, else the stable id of the prompt), prompt, answer, and
+    difficulty = 1 - pass rate. A problem whose prompt or id came before is left out (logged)."""
+    from orchestrator.tasks.problems import Problem, stable_id
+
+    out, ids, prompts, skipped = [], set(), set(), 0
+    for r in results:
+        if not r.get("kept"):
+            continue
+        problem_id = str(r["id"]) if r.get("id") is not None else stable_id(prompt=r["prompt"])
+        if problem_id in ids or r["prompt"] in prompts:
+            skipped += 1
+            continue
+        ids.add(problem_id)
+        prompts.add(r["prompt"])
+        out.append(Problem(id=problem_id, prompt=r["prompt"], answer=str(r["answer"]), difficulty=1.0 - r["pass_rate"]))
+    if skipped:
+        logger.warning("%d kept problems repeat an earlier id or prompt: left out of the problem file", skipped)
+    return out
 
 
 def summarize(results: Sequence[dict]) -> dict:
@@ -258,6 +288,12 @@ def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs, ConfigArgs]:
     )
     p.add_argument("--problems", required=True, help="input JSONL, one problem per line (prompt, answer, ...)")
     p.add_argument("--out", required=True, help="output JSONL: every problem with pass_rate, kept and reason")
+    p.add_argument(
+        "--problems-out",
+        default=None,
+        metavar="FILE",
+        help="also write the kept problems as a problem file (difficulty = 1 - pass rate): a data.train_path",
+    )
     p.add_argument("--model", required=True, help="HF model directory (e.g. the SFT model)")
     config = add_config_args(p.add_argument_group("curation"), CurationConfig)
     p.add_argument(
@@ -266,7 +302,7 @@ def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs, ConfigArgs]:
         help="a running vLLM server that already serves the model (default: an in-process vLLM)",
     )
     engine = add_config_args(p, EngineConfig, only=("max_model_len", "enforce_eager"))
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level_flag(p)
     return p, config, engine
 
 
@@ -334,6 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in results))
+    if args.problems_out:
+        from orchestrator.tasks.problems import write_problems
+
+        kept = kept_problems(results)
+        if kept:
+            pathlib.Path(args.problems_out).parent.mkdir(parents=True, exist_ok=True)
+            write_problems(args.problems_out, kept)
+        else:
+            logger.warning("no problem was kept: %s not written", args.problems_out)
     print(json.dumps(summarize(results), sort_keys=True))
     return 0
 

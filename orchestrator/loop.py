@@ -31,7 +31,9 @@
 
 ``RLJob`` runs that order; the parts live beside it: ``loop_setup`` (resume check, sampler, trainers,
 engine and weight sync), ``loop_stages`` (rewards, training, the rollout's metrics) and ``loop_eval``
-(held-out evaluation, the SFT match check, summary.json).
+(held-out evaluation, the SFT match check, summary.json). Problems, prompts, rewards and curriculum
+labels come from the task (``orchestrator.tasks.make_task``: the demo, or problem files with
+``data.train_path``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt_common.dictconfig import to_dict
-from orchestrator import checkpointing, data, phases
+from orchestrator import checkpointing, phases
 from orchestrator.config import JobConfig
 from orchestrator.loop_eval import heldout_eval, job_summary, last_eval, sft_match
 from orchestrator.loop_setup import (
@@ -59,7 +61,8 @@ from orchestrator.loop_setup import (
 from orchestrator.loop_stages import iteration_rewards, rollout_record, train_on_groups
 from orchestrator.metrics import MetricsLog, plot_metrics, summary_line
 from orchestrator.replay import ReplayBuffer
-from orchestrator.scoring import make_reward_fn, score_response
+from orchestrator.scoring import score_response
+from orchestrator.tasks.factory import make_task
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class RLJob:
         self.initial_policy = None
         self.sync = None
         self.rollout = None
+        self.task = None
         self.progress: dict[str, Any] = {}
 
     # -- setup ------------------------------------------------------------------------------------
@@ -105,11 +109,18 @@ class RLJob:
         from trainer import sft
 
         c = self.config
+        if self.task is None:
+            self.task = make_task(c)
         if c.init_model_dir is not None:
             self.sft_model_dir = pathlib.Path(c.init_model_dir)
             done = self.sft_model_dir.parent / sft.DONE_FILE
             self.sft_summary = sft.sft_summary(self.sft_model_dir) if done.exists() else {}
         else:
+            if c.data.uses_files:
+                logger.warning(
+                    "problem files without init_model_dir: RL starts from the demo's SFT model (trained on the "
+                    "demo's arithmetic); set init_model_dir to start from your own model"
+                )
             phases.enter("SFT warm-up")
             self.sft_model_dir = sft.run_sft(c.sft, c.sft_cache_dir)
             phases.enter("start-up")
@@ -118,10 +129,11 @@ class RLJob:
         self.start_iteration = 0 if saved is None else saved.iteration
         self.trainer, self.initial_policy = make_trainers(c, self.sft_model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.sft_model_dir)
-        self.pool = data.train_pool(c.data)
+        self.task.check_prompt_lengths(self.tokenizer, c.engine.max_model_len - c.rollout.max_response_tokens)
+        self.pool = list(self.task.train_problems())
         self.problems = {p.id: p for p in self.pool}
-        self.heldout = data.heldout_set(c.data)
-        self.sampler = make_sampler(c, self.pool)
+        self.heldout = list(self.task.heldout_problems())
+        self.sampler = make_sampler(c, self.pool, self.task.difficulty)
         buffer = ReplayBuffer(c.partial_rollout())
         if saved is not None:
             load_weights(self.trainer, saved.model_dir)
@@ -132,7 +144,7 @@ class RLJob:
         dropped = self.metrics.truncate_after(self.start_iteration)
         if dropped:
             logger.info("dropped %d metrics lines written after the last checkpoint", dropped)
-        self.reward_fn = make_reward_fn(c.reward)
+        self.reward_fn = self.task.make_reward_fn(c.reward)
         phases.enter("engine start")
         self.engine = make_rollout_engine(c, self.sft_model_dir, self.out, self.engine_factory)
         self.sync = make_weight_sync(c, self.engine, self.engine_factory)
@@ -151,7 +163,7 @@ class RLJob:
         )
 
     def encode(self, problem) -> list[int]:
-        return list(self.tokenizer(problem.prompt)["input_ids"])
+        return self.task.encode(problem, self.tokenizer)
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -162,7 +174,14 @@ class RLJob:
     # -- evaluation -------------------------------------------------------------------------------
     def _evaluate(self, sampled: bool) -> dict[str, Any]:
         out, self._last_greedy = heldout_eval(
-            self.engine, self.heldout, self.encode, self.decode, self.is_correct, self.config, sampled
+            self.engine,
+            self.heldout,
+            self.encode,
+            self.decode,
+            self.is_correct,
+            self.config,
+            sampled,
+            self.task.level_of,
         )
         return out
 
@@ -170,7 +189,15 @@ class RLJob:
         before = self._evaluate(sampled=True)
         self.progress.update(
             before=before,
-            **sft_match(self.heldout, self._last_greedy, self.sft_summary, self.config, before),
+            **sft_match(
+                self.heldout,
+                self._last_greedy,
+                self.sft_summary,
+                self.config,
+                before,
+                self.task.level_of,
+                comparable=self.task.compares_with_sft,
+            ),
             rl_elapsed_s=0.0,
             sync_total_s=0.0,
             iteration_total_s=0.0,
@@ -260,6 +287,7 @@ class RLJob:
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        self.task = make_task(self.config)  # problem files: every line checked before anything is written
         self._prepare_output_dir()
         try:
             self._setup()

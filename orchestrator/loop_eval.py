@@ -38,8 +38,10 @@ def heldout_eval(
     is_correct: Callable[[Any, str], bool],
     c: JobConfig,
     sampled: bool,
+    level_of: Callable[[Any], int] = lambda p: p.level,
 ) -> tuple[dict[str, Any], Any]:
-    """The held-out fields of a metrics record (sampled pass@k too when ``sampled``), and the greedy result."""
+    """The held-out fields of a metrics record (sampled pass@k too when ``sampled``), and the greedy result;
+    ``level_of``: the task's bucket of a problem in ``heldout_accuracy_by_level``."""
     from orchestrator.engines.base import SamplingSettings
     from orchestrator.evaluate import Evaluator
 
@@ -47,7 +49,7 @@ def heldout_eval(
     evaluator = Evaluator(
         engine, encode, decode, is_correct, c.rollout.max_response_tokens, timeout_s=c.rollout.request_timeout_s
     )
-    greedy = evaluator.greedy(heldout)
+    greedy = evaluator.greedy(heldout, level_of)
     out: dict[str, Any] = {
         "heldout_accuracy": greedy.accuracy,
         "heldout_accuracy_by_level": greedy.accuracy_by_level,
@@ -66,28 +68,43 @@ def heldout_eval(
 
 
 def sft_match(
-    heldout: Sequence[Any], greedy: Any, sft_summary: Mapping[str, Any], c: JobConfig, before: Mapping[str, Any]
+    heldout: Sequence[Any],
+    greedy: Any,
+    sft_summary: Mapping[str, Any],
+    c: JobConfig,
+    before: Mapping[str, Any],
+    level_of: Callable[[Any], int] = lambda p: p.level,
+    *,
+    comparable: bool = True,
 ) -> dict[str, Any]:
-    """vLLM's greedy accuracy of the SFT model against transformers' (logged; a warning past the tolerance)."""
+    """vLLM's greedy accuracy of the SFT model against transformers' (logged; a warning past the tolerance).
+    ``comparable``: whether the task's held-out set is the SFT evaluation's (the demo's); else unchecked."""
     from orchestrator.evaluate import accuracy_by_level, compare_with_reference
 
     reference = sft_summary.get("heldout_accuracy_by_level", {})
     sft_config = sft_summary.get("config", {})
     # The SFT evaluation used the first n problems per level of the same held-out draw.
     n = sft_config.get("num_eval_problems_per_level")
-    same_set = (
+    same_set = comparable and (
         c.data.heldout_seed == sft_config.get("heldout_seed") and n is not None and c.data.num_heldout_per_level >= n
     )
-    measured = accuracy_by_level(heldout, greedy.correct, lambda p: p.level, n)
+    measured = accuracy_by_level(heldout, greedy.correct, level_of, n)
     ok, gap = compare_with_reference(measured, reference, c.eval.sft_match_tolerance) if same_set else (True, 0.0)
-    logger.info(
-        "before RL: held-out greedy accuracy %.1f%% by level %s (vLLM); on the SFT evaluation's "
-        "problems %s (vLLM) vs %s (transformers)",
-        100 * before["heldout_accuracy"],
-        before["heldout_accuracy_by_level"],
-        measured,
-        reference,
-    )
+    if not comparable:  # the task's held-out set is not the SFT evaluation's (problem files)
+        logger.info(
+            "before RL: held-out greedy accuracy %.1f%% by level %s (vLLM)",
+            100 * before["heldout_accuracy"],
+            before["heldout_accuracy_by_level"],
+        )
+    else:
+        logger.info(
+            "before RL: held-out greedy accuracy %.1f%% by level %s (vLLM); on the SFT evaluation's "
+            "problems %s (vLLM) vs %s (transformers)",
+            100 * before["heldout_accuracy"],
+            before["heldout_accuracy_by_level"],
+            measured,
+            reference,
+        )
     if not ok:
         logger.warning(
             "vLLM's greedy accuracy differs from transformers' by %.1f points on a level: check the weight sync",

@@ -14,12 +14,12 @@ import json
 import logging
 import pathlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ckpt_common.dictconfig import config_differences
-from orchestrator import checkpointing, data
-from orchestrator.config import RESUMABLE_CHANGES, JobConfig
+from ckpt_common.dictconfig import config_differences, to_dict
+from orchestrator import checkpointing
+from orchestrator.config import FILE_ONLY_FIELDS, RESUMABLE_CHANGES, DataConfig, JobConfig
 from orchestrator.replay import ReplayBuffer
 from orchestrator.sampling import CurriculumSampler, PrioritizedSampler, ProblemSampler, ProblemStats
 
@@ -39,6 +39,10 @@ def check_resumable(saved: dict, current: dict) -> None:
     engine = saved.get("engine")
     if isinstance(engine, dict) and "sleep_level" not in engine:  # saved before sleep mode: stop and start
         saved = {**saved, "engine": {**engine, "sleep_level": 0}}
+    data = saved.get("data")
+    if isinstance(data, dict) and "prompt_template" not in data:  # saved before problem files: the demo's data
+        defaults = to_dict(DataConfig())
+        saved = {**saved, "data": {**{k: defaults[k] for k in FILE_ONLY_FIELDS}, **data}}
     bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
     if bad:
         raise ValueError(
@@ -47,7 +51,8 @@ def check_resumable(saved: dict, current: dict) -> None:
         )
 
 
-def make_sampler(config: JobConfig, problems: list) -> ProblemSampler:
+def make_sampler(config: JobConfig, problems: Sequence[Any], difficulty: Callable[[Any], float]) -> ProblemSampler:
+    """The curriculum (``difficulty``: the task's label of a problem) times prioritized sampling."""
     s = config.sampling
     prioritized = None
     if s.prioritized:
@@ -55,7 +60,7 @@ def make_sampler(config: JobConfig, problems: list) -> ProblemSampler:
         prioritized = PrioritizedSampler(stats, s.priority_epsilon)
     return ProblemSampler(
         [p.id for p in problems],
-        curriculum=CurriculumSampler(data.difficulties(problems), s.curriculum),
+        curriculum=CurriculumSampler({p.id: difficulty(p) for p in problems}, s.curriculum),
         prioritized=prioritized,
         seed=s.seed,
     )

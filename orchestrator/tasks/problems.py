@@ -14,7 +14,7 @@ One JSON object per line, of either kind (a file may mix them)::
   content: the first 16 hex digits of the sha256 of the canonical JSON of ``{"prompt": ...}`` or
   ``{"messages": [...]}`` (sorted keys, no spaces), so the same problem gets the same id in every file;
 - ``difficulty``: a number in [0, 1], 0 the easiest and 1 the hardest (for instance 1 - pass rate of
-  a reference model); the curriculum will sort by it. Absent means unknown.
+  a reference model); the curriculum sorts by it. Absent means unknown (the RL job counts it as hard).
 
 Blank lines are skipped; any other field is an error. ``read_problems`` checks every line before it
 returns (a file is read whole or not at all): each error names ``path:line``, the field and what was
@@ -23,7 +23,8 @@ are listed in one ``ProblemFileError``. Two lines with the same id, or the same 
 errors naming both lines. ``check_disjoint`` keeps a held-out file apart from its training file;
 ``write_problems`` writes the same format back (fields in a fixed order, None fields left out), atomically.
 
-This slice only reads and writes the files: the RL job does not take them yet.
+The RL job takes these files through ``orchestrator.tasks.file_task.FileTask`` (``data.train_path``,
+``data.heldout_path``).
 """
 
 from __future__ import annotations

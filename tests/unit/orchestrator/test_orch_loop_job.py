@@ -40,7 +40,8 @@ class ScriptedEngine:
         expression = prompt.split("\n")[0]
         operation = "sub" if "-" in expression else "add"
         operands = [int(x) for x in expression.replace("-", "+").split("+")]
-        problem = task.make_problem(operation, operands, level=2 if operation == "add" else 4)
+        level = 7 if len(operands) == 3 else 2 if operation == "add" else 4  # the level only checks the operands
+        problem = task.make_problem(operation, operands, level=level)
         text = task.solution_text(problem)
         if int(hashlib.sha1(request.request_id.encode()).hexdigest(), 16) % 3 == 0:
             text = text[:-1] + str((int(text[-1]) + 1) % 10)  # a wrong last digit
@@ -82,28 +83,29 @@ def model_dir(tmp_path_factory):
 
 
 def _config(model_dir, num_iterations):
-    return load_config(
-        None,
-        [
-            f"init_model_dir={model_dir}",
-            f"rl.num_iterations={num_iterations}",
-            "rl.num_responses_per_prompt=2",
-            "rl.lr=1e-3",
-            "rl.num_threads=1",
-            "data.train_levels=[2,4]",
-            "data.num_train_problems=64",
-            "data.heldout_levels=[2]",
-            "data.num_heldout_per_level=6",
-            "rollout.iteration_token_budget=256",
-            "rollout.segment_max_tokens=16",
-            "rollout.max_response_tokens=64",
-            "eval.every_iterations=2",
-            "eval.num_sampled_problems=2",
-            "eval.num_samples_per_problem=2",
-            "sampling.curriculum.warmup_iterations=1",
-            "length_penalty.warmup_iterations=1",
-        ],
-    )
+    return load_config(None, _config_overrides(model_dir, num_iterations))
+
+
+def _config_overrides(model_dir, num_iterations):
+    return [
+        f"init_model_dir={model_dir}",
+        f"rl.num_iterations={num_iterations}",
+        "rl.num_responses_per_prompt=2",
+        "rl.lr=1e-3",
+        "rl.num_threads=1",
+        "data.train_levels=[2,4]",
+        "data.num_train_problems=64",
+        "data.heldout_levels=[2]",
+        "data.num_heldout_per_level=6",
+        "rollout.iteration_token_budget=256",
+        "rollout.segment_max_tokens=16",
+        "rollout.max_response_tokens=64",
+        "eval.every_iterations=2",
+        "eval.num_sampled_problems=2",
+        "eval.num_samples_per_problem=2",
+        "sampling.curriculum.warmup_iterations=1",
+        "length_penalty.warmup_iterations=1",
+    ]
 
 
 def test_job_runs_syncs_every_iteration_and_resumes(model_dir, tmp_path):
@@ -145,9 +147,28 @@ def test_job_runs_syncs_every_iteration_and_resumes(model_dir, tmp_path):
     assert summary["num_iterations"] == 5
 
 
-def test_a_changed_config_is_refused_on_resume(model_dir, tmp_path):
+def test_a_run_on_the_demos_exported_problem_files_and_a_changed_config_refused_on_resume(model_dir, tmp_path):
+    """The loop on `python -m demo export` files (data.train_path, data.heldout_path): one iteration, its
+    metrics and summary; then a changed config is refused in the same output dir."""
+    from demo.__main__ import export
+
+    job = tmp_path / "job.json"  # the data section of the runs above, as a job config to export
+    job.write_text(json.dumps({"data": {"train_levels": [2, 4], "heldout_levels": [2], "num_heldout_per_level": 6}}))
+    train_path, heldout_path = export(tmp_path / "data", num_train=64, config_path=job)
+    files = [
+        f"data.train_path={train_path}",
+        f"data.heldout_path={heldout_path}",
+        "sampling.curriculum.min_difficulty=0.3",  # the files' difficulty scale: (level - 1) / 6
+    ]
     out = tmp_path / "run"
-    run_job(_config(model_dir, 1), out, progress_bar=False, engine_factory=lambda c, p: ScriptedEngine(p))
-    changed = load_config(None, [f"init_model_dir={model_dir}", "rl.num_iterations=1", "rl.lr=0.5"])
+    config = load_config(None, [*_config_overrides(model_dir, 1), *files])
+    summary = run_job(config, out, progress_bar=False, engine_factory=lambda c, p: ScriptedEngine(p))
+    (record,) = read_jsonl(out / "metrics.jsonl")
+    assert all(k in record for k in REQUIRED_KEYS) and record["evaluated"]
+    # the scripted engine answers two in three requests right; held-out buckets are the files' difficulties
+    assert 0.0 < summary["heldout_accuracy_before"] < 1.0
+    assert list(record["heldout_accuracy_by_level"]) == ["17"]  # level 2: difficulty 1/6, as a JSON key
+    assert summary["sft_match_checked"] is False  # the held-out set is the files', not the SFT evaluation's
+    changed = load_config(None, [*_config_overrides(model_dir, 1), *files, "rl.lr=0.5"])
     with pytest.raises(ValueError, match="different config"):
         run_job(changed, out, progress_bar=False, engine_factory=lambda c, p: ScriptedEngine(p))

@@ -1,0 +1,34 @@
+"""The plain prompt template of problem files (``data.prompt_template``: a string with ``{prompt}``)
+and the default answer marker (``data.answer_markers``).
+
+Its own module, free of project imports, so that the job config (``orchestrator.config``) checks a
+template with the same rule the file task (``orchestrator.tasks.file_task``) renders it by.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = "{prompt}"  # the prompt as written
+DEFAULT_ANSWER_MARKERS: tuple[str, ...] = ("####",)  # the demo's: "#### 933"
+
+
+def template_error(template: Any) -> str | None:
+    """Why ``template`` is not a plain prompt template (a string with ``{prompt}`` and no other field), or None."""
+    if not isinstance(template, str):
+        return f"expected a string with {{prompt}} in it, got {template!r}"
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        return f"{template!r} is not a format string ({e}); write a literal brace as {{{{ or }}}}"
+    other = sorted({f for f in fields if f != "prompt"})
+    if other or "prompt" not in fields:
+        return (
+            f"{template!r} must contain {{prompt}} and no other field (found {other or 'no {prompt}'}); "
+            "write a literal brace as {{ or }}"
+        )
+    return None
