@@ -36,7 +36,9 @@ setup(
             "ckpt-sandbox = sandbox.__main__:main",
             "ckpt-vllm-launch = vllm_ext.launch:main",
             "ckpt-vllm-push = vllm_ext.push:main",
-        ]
+        ],
+        # vLLM runs these in each of its processes: `checkpoint_engine` as a weight-transfer backend
+        "vllm.general_plugins": ["checkpoint_engine = vllm_ext.weight_transfer.plugin:register"],
     },
     extras_require={
         # CPU machines: vLLM's CPU build and Mooncake's TCP-only transfer engine.
@@ -44,8 +46,9 @@ setup(
         # GPU machines: CUDA builds.
         "gpu": ["vllm>=0.11", "mooncake-transfer-engine>=0.3.6"],
         "etcd": ["etcd-sdk-python==0.0.7"],
-        # aiohttp: the daemon (`torchrun -m checkpoint_engine`); fastapi/uvicorn/httpx: the RL side's services
-        "server": ["aiohttp>=3.9", "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],
+        # aiohttp: the daemon (`torchrun -m checkpoint_engine`) and the sandbox service (vllm_ext's gate
+        # runs on the Starlette/uvicorn/httpx that vLLM brings)
+        "server": ["aiohttp>=3.9"],
         "rl": ["matplotlib>=3.7", "math-verify==0.9.0", "cyaron==0.7.0", "transformers>=4.45", "tokenizers>=0.19"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },

@@ -17,6 +17,9 @@ packing without the layerwise bookkeeping, allocations and copies (`"vllm"` forc
 Settings come from vLLM's additional config:
 `--additional-config '{"checkpoint_engine": {"timeout_s": 600, "reload_mode": "streaming"}}'`.
 
+With vLLM's weight-transfer backend `checkpoint_engine` also configured (`vllm_ext.weight_transfer.engine`),
+these methods act on that backend's receiver: one receiver per worker, whichever door an update uses.
+
 vLLM refuses an extension whose attribute names exist on the worker class, so every helper here
 carries the `_ckpt_engine_` prefix (`update_weights` would clash with vLLM's own transfer API).
 """
@@ -40,6 +43,8 @@ class VllmColocateWorkerExtension:
 
         Raises (and reports `incomplete` afterwards) when the update is aborted anywhere.
         """
+        if (target := self._ckpt_engine_target()) is not self:
+            return target.update_weights_from_ipc(zmq_handles)
         receiver = self._ckpt_engine_receiver()
         device = self.device
         is_cuda = getattr(device, "type", "cpu") == "cuda"
@@ -60,6 +65,8 @@ class VllmColocateWorkerExtension:
         return report
 
     def weights_state(self) -> dict:
+        if (target := self._ckpt_engine_target()) is not self:
+            return target.weights_state()
         report = self._ckpt_engine_receiver().report()
         direct = getattr(self, "_ckpt_engine_direct_obj", None)
         stats = direct.last_stats if direct is not None else None
@@ -74,12 +81,19 @@ class VllmColocateWorkerExtension:
         return report
 
     def weights_checksum(self) -> dict:
-        return self._ckpt_engine_receiver().checksum_report()
+        return self._ckpt_engine_target()._ckpt_engine_receiver().checksum_report()
 
     def arm_update_fault(self, spec: dict) -> dict:
-        return self._ckpt_engine_receiver().arm_fault(spec)
+        return self._ckpt_engine_target()._ckpt_engine_receiver().arm_fault(spec)
 
     # -- helpers (prefixed: see the module docstring) ----------------------------------------
+    def _ckpt_engine_target(self):
+        """Where this worker's receiver lives: on the worker, or, when vLLM also runs the
+        `checkpoint_engine` weight-transfer backend here (`vllm_ext.weight_transfer.engine`), on that engine's
+        view of the worker, so that both doors share one receiver."""
+        view = getattr(getattr(self, "weight_transfer_engine", None), "worker_view", None)
+        return view if isinstance(view, VllmColocateWorkerExtension) else self
+
     def _ckpt_engine_receiver(self):
         receiver = getattr(self, "_ckpt_engine_receiver_obj", None)
         if receiver is None:
@@ -181,13 +195,16 @@ class VllmColocateWorkerExtension:
 
 def _prepare_vllm_process() -> None:
     """vLLM imports this module in its worker before loading the model: make the `checkpoint_engine` load
-    format known there (also without a vLLM plugin entry point) and let the engine load its compiled model
-    from vLLM's cache (`vllm_ext.compile_cache`). Imported elsewhere, it stays light."""
+    format and weight-transfer backend known there (also without the package's `vllm.general_plugins`
+    entry point, e.g. when run from a checkout) and let the engine load its compiled model from vLLM's
+    cache (`vllm_ext.compile_cache`). Imported elsewhere, it stays light."""
     if "vllm" in sys.modules:
         from vllm_ext.compile_cache import repair_aot_cache_load
         from vllm_ext.loader import register_load_format
+        from vllm_ext.weight_transfer.plugin import register as register_weight_transfer_backend
 
         register_load_format()
+        register_weight_transfer_backend()
         repair_aot_cache_load()
 
 

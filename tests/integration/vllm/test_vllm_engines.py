@@ -2,12 +2,17 @@
 
 Four vLLM starts for the whole module, all at once (module fixtures):
   ref_a    LLM(A) started normally (+ extension), then updated in process to B via llm_req_func
-  ref_b    LLM(B) started normally                              } child processes running this file
+  ref_b    LLM(B) started normally with `weight_transfer_config={"backend": "checkpoint_engine"}`, then
+           updated in process to A through vLLM's own weight-transfer methods   } child processes running this file
+           (start_weight_update, update_weights, finish_weight_update: native_llm_req_func), then
+           back to B through vLLM's trainer API (trainer_init + send_weights: vllm_ext.weight_transfer.trainer)
   fast     `python -m vllm_ext.launch --model A` (vLLM's load step receives A from the launcher's
            parameter server: load format checkpoint_engine; holds early requests)
   gated    `python -m vllm_ext.launch --no-initial-push --no-weight-cache --reload-impl vllm` (dummy;
            refuses requests until a push; receives without a host copy: the PS's memory goes straight
-           to vLLM's own reload_weights, where `fast` and `ref_a` use the direct CPU reload)
+           to vLLM's own reload_weights, where `fast` and `ref_a` use the direct CPU reload); it also
+           runs vLLM's weight-transfer API with `--weight-transfer-config '{"backend":
+           "checkpoint_engine"}'`, so the extension's pushes and the RL routes share one receiver
 `fast` and `gated` are ranks 0 and 1 of the two-rank pushes (`python -m vllm_ext.push`).
 Tests run in file order: `test_gated_engine_refuses_before_weights` must see `gated` unpushed.
 """
@@ -36,7 +41,7 @@ pytestmark = pytest.mark.vllm
 
 
 # -- child process: reference engines (vLLM must be created under __main__) -------------------
-def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
+def _reference(model_dir: str, out_json: str, update_to: str | None, native_to: str | None = None) -> None:
     from vllm import SamplingParams
 
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
@@ -44,8 +49,10 @@ def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
     from testing.vllm_servers import cpu_llm
     from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import llm_req_func
+    from vllm_ext.weight_transfer.req import native_llm_req_func
 
-    llm = cpu_llm(model_dir, load_format="auto")  # started normally (+ extension)
+    native = {"weight_transfer_config": {"backend": "checkpoint_engine"}} if native_to else {}
+    llm = cpu_llm(model_dir, load_format="auto", **native)  # started normally (+ extension)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate():
@@ -64,7 +71,63 @@ def _reference(model_dir: str, out_json: str, update_to: str | None) -> None:
         out["updated_token_ids"] = generate()
         out["updated_state"] = llm.collective_rpc("weights_state")[0]
         out["updated_checksum"] = llm.collective_rpc("weights_checksum")[0]
+    if native_to:  # vLLM's weight-transfer API with the checkpoint_engine backend (issue 43)
+        t0 = time.monotonic()
+        ps = ParameterServer(
+            rank=0,
+            world_size=1,
+            config=ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES)),
+        )
+        ps.register_checkpoint("A", files=model_safetensors_files(native_to))
+        ps.gather_metas("A")
+        llm.init_weight_transfer_engine({"init_info": {}})
+        ps.update("A", native_llm_req_func(llm, weight_version="A-native"))
+        out["native_token_ids"] = generate()
+        out["native_weight_version"] = llm.get_weight_version()
+        out["native_s"] = time.monotonic() - t0
+        ps.close()
+        t0 = time.monotonic()  # vLLM's trainer API: the source's tensors (B) through our trainer backend
+        engine = _trainer_engine(llm, model_dir)
+        engine.send_weights()
+        engine.shutdown()
+        out["trainer_token_ids"] = generate()
+        out["trainer_weight_version"] = llm.get_weight_version()
+        out["trainer_s"] = time.monotonic() - t0
     Path(out_json).write_text(json.dumps(out))
+
+
+def _trainer_engine(llm, model_dir: str):
+    """vLLM's trainer API with the checkpoint_engine backend, over the in-process LLM's methods."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from demo.tiny_model import load_state_dict_from_dir
+    from vllm_ext.weight_transfer.trainer import CheckpointEngineTrainerInitInfo
+
+    tensors = load_state_dict_from_dir(model_dir)
+
+    class Source(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+        def __iter__(self):
+            return iter(tensors.items())
+
+    class LLMClient:  # a VLLMWeightSyncClient over the offline LLM's methods
+        def init_weight_transfer_engine(self, init_info):
+            llm.init_weight_transfer_engine({"init_info": init_info})
+
+        def start_weight_update(self):
+            llm.start_weight_update()
+
+        def update_weights(self, update_info):
+            llm.update_weights({"update_info": update_info})
+
+        def finish_weight_update(self, weight_version=None):
+            llm.finish_weight_update(weight_version=weight_version)
+
+    info = CheckpointEngineTrainerInitInfo(rank=0, transport="cpu")
+    return WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(), source=Source())
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -89,7 +152,7 @@ class _Refs:
         self.out = {k: workdir / f"ref_{k}.json" for k in ("a", "b")}
         args = {
             "a": [str(models["A"]), str(self.out["a"]), str(models["B"])],
-            "b": [str(models["B"]), str(self.out["b"])],
+            "b": [str(models["B"]), str(self.out["b"]), "", str(models["A"])],
         }
         self.logs = {k: workdir / f"ref_{k}.log" for k in args}
         self.procs = {}
@@ -111,7 +174,7 @@ class _Refs:
 @pytest.fixture(scope="module")
 def engines(workdir, models):
     """Start everything at once; return when the servers are up (the early request is in flight)."""
-    from testing.vllm_servers import LaunchedServer, post_completions
+    from testing.vllm_servers import CPU_ENGINE_ARGS, LaunchedServer, post_completions
 
     refs = _Refs(workdir, models)
     fast = LaunchedServer(
@@ -123,6 +186,7 @@ def engines(workdir, models):
         initial_push=False,
         engine_timeout_s=ENGINE_TIMEOUT_S,
         extra=["--no-weight-cache", "--reload-impl", "vllm"],
+        vllm_args=[*CPU_ENGINE_ARGS, "--weight-transfer-config", json.dumps({"backend": "checkpoint_engine"})],
     )
     early: dict = {}
     try:
@@ -286,6 +350,58 @@ def test_in_process_llm_update_matches_normal_start(engines, models):
     assert ref_a["updated_state"]["reload_impl"] == "direct"
 
 
+def test_native_routes_update_a_launched_server(engines, models):
+    """A PS in this process updates `gated` through vLLM's RL routes (behind the launcher's gate) to the other
+    checkpoint and back (so the shared engine ends as it began): after each, it answers as an engine
+    started from that checkpoint, /weight_info reports the version, and the extension's weights_state
+    (the same receiver) reports the update."""
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.ps import ParameterServer
+    from testing.vllm_servers import completion_token_ids, http_json
+    from vllm_ext.launch_config import model_safetensors_files
+    from vllm_ext.weight_transfer.req import native_http_req_func
+
+    gated = engines["gated"]
+    before = _states(engines)[1]
+    assert before["status"] == "ready" and before["checkpoint"] in ("A", "B"), before
+    other = "B" if before["checkpoint"] == "A" else "A"  # first the other one: the tokens must change
+    config = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES))
+    ps = ParameterServer(rank=0, world_size=1, config=config)
+    update_s = []
+    try:
+        for i, name in enumerate([other, before["checkpoint"]]):
+            ps.register_checkpoint(name, files=model_safetensors_files(models[name]))
+            ps.gather_metas(name)
+            t0 = time.monotonic()
+            version = f"{name}-native-{i}"
+            ps.update(name, native_http_req_func(gated.url, rank=0, weight_version=version, timeout_s=120))
+            update_s.append(time.monotonic() - t0)
+            ps.unregister_checkpoint(name)
+            tokens = completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS)
+            assert tokens == engines["refs"][name.lower()]["token_ids"], (name, tokens)
+            assert http_json("GET", gated.url + "/weight_info")[1] == {"weight_version": version}
+            state = _states(engines)[1]
+            assert (state["status"], state["checkpoint"]) == ("ready", name), state
+            assert state["version"] == before["version"] + i + 1, state
+            assert state["reload_impl"] == "vllm"  # vLLM's own reload, through the engine's view of the worker
+    finally:
+        ps.close()
+    print(f"updates through vLLM's routes: {', '.join(f'{s:.2f}' for s in update_s)} s")
+
+
+def test_native_weight_transfer_api_updates_in_process_llm(engines):
+    """ref_b (started from B with `weight_transfer_config={"backend": "checkpoint_engine"}`) took A through
+    vLLM's own start_weight_update / update_weights / finish_weight_update, driven by the PS."""
+    refs = engines["refs"]
+    assert refs["a"]["token_ids"] != refs["b"]["token_ids"]  # the check cannot pass by accident
+    assert refs["b"]["native_token_ids"] == refs["a"]["token_ids"]  # token for token: an LLM started from A
+    assert refs["b"]["native_weight_version"] == "A-native"  # what vLLM's /weight_info reports
+    # then B again through vLLM's trainer API (trainer_init + send_weights) with our trainer backend
+    assert refs["b"]["trainer_token_ids"] == refs["b"]["token_ids"]
+    assert refs["b"]["trainer_weight_version"] == "vllm-native-1"
+    print(f"ref_b: native update {refs['b']['native_s']:.2f} s, trainer API {refs['b']['trainer_s']:.2f} s")
+
+
 def test_engine_failure_aborts_update_then_next_update_restores(engines, models, tmp_path):
     from vllm_ext.req import collective_rpc
 
@@ -331,4 +447,4 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
 
 
 if __name__ == "__main__":
-    _reference(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+    _reference(sys.argv[1], sys.argv[2], (sys.argv[3:4] or [""])[0] or None, (sys.argv[4:5] or [""])[0] or None)

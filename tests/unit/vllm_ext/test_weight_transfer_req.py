@@ -1,0 +1,225 @@
+"""vllm_ext.weight_transfer.req: the route sequence a ParameterServer update drives through vLLM's weight-transfer
+API, against a fake vLLM server on a free loopback port (and fake in-process engines)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+
+import pytest
+
+from testing.http_stub import serve_stub
+from vllm_ext.weight_transfer.req import (
+    NativeRouteError,
+    client_req_func,
+    native_http_req_func,
+    native_llm_req_func,
+    update_payload,
+)
+
+SOCKETS = [
+    ("cpu-0", "ipc:///tmp/r0"),
+    ("cpu-1", "ipc:///tmp/r1"),
+    ("cpu-2", "ipc:///tmp/r2"),
+    ("cpu-3", "ipc:///tmp/r3"),
+]
+SEQUENCE = ["/pause?mode=abort", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+
+
+class FakeVllm(BaseHTTPRequestHandler):
+    """Records every POST (path, body); answers `fail[path_prefix] = (status, text)` or, for `slow`, late."""
+
+    calls: list = []
+    fail: dict = {}
+    slow: dict = {}
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        type(self).calls.append((self.path, body))
+        route = self.path.split("?")[0]
+        time.sleep(self.slow.get(route, 0.0))
+        status, text = self.fail.get(route, (200, json.dumps({"message": "ok"})))
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    with serve_stub(FakeVllm) as url:  # one server for the module (each shutdown waits for its poll)
+        yield url
+
+
+@pytest.fixture
+def fake(fake_url):
+    FakeVllm.calls, FakeVllm.fail, FakeVllm.slow = [], {}, {}
+    yield fake_url, FakeVllm
+
+
+def _paths(cls) -> list[str]:
+    return [p for p, _ in cls.calls]
+
+
+def test_routes_in_order_with_one_update_info_per_worker(fake):
+    url, cls = fake
+    # PS ranks 2 and 3 serve the second engine (two workers): rank 2 drives it, with its two sockets
+    native_http_req_func(url, rank=2, ranks_per_engine=2, weight_version="step-7", timeout_s=10)(SOCKETS)
+    assert _paths(cls) == SEQUENCE
+    bodies = dict(cls.calls)
+    mine = {"cpu-2": "ipc:///tmp/r2", "cpu-3": "ipc:///tmp/r3"}
+    assert bodies["/update_weights"] == {"update_info": [{"zmq_handles": mine}, {"zmq_handles": mine}]}
+    assert bodies["/finish_weight_update"] == {"weight_version": "step-7"}
+
+
+def test_only_the_first_rank_of_an_engine_drives_it(fake):
+    url, cls = fake
+    native_http_req_func(url, rank=3, ranks_per_engine=2)(SOCKETS)
+    assert cls.calls == []
+
+
+def test_pause_mode_wait_is_passed_on(fake):
+    url, cls = fake
+    native_http_req_func(url, rank=0, pause_mode="wait", timeout_s=10)(SOCKETS[:1])
+    assert _paths(cls)[0] == "/pause?mode=wait"
+
+
+@pytest.mark.parametrize(
+    "route, status, fragment",
+    [
+        ("/update_weights", 500, 'POST {url}/update_weights answered HTTP 500: {{"error": "worker failed"}}'),
+        ("/start_weight_update", 404, "VLLM_SERVER_DEV_MODE=1"),
+        ("/pause", 400, "POST {url}/pause?mode=abort answered HTTP 400"),
+    ],
+)
+def test_a_failed_route_is_named_stops_before_finish_and_resumes(fake, route, status, fragment):
+    url, cls = fake
+    cls.fail[route] = (status, json.dumps({"error": "worker failed"}))
+    with pytest.raises(NativeRouteError) as e:
+        native_http_req_func(url, rank=0, weight_version="v2", timeout_s=10)(SOCKETS[:1])
+    assert e.value.route.startswith(route)
+    assert fragment.format(url=url) in str(e.value)
+    paths = _paths(cls)
+    assert "/finish_weight_update" not in paths  # the version does not move
+    assert paths[-1] == "/resume" or route == "/pause"  # paused: resumed; not paused: nothing to resume
+    if route == "/pause":
+        assert paths == ["/pause?mode=abort"]
+
+
+def test_deadline_covers_the_sequence_and_resume_has_its_own(fake):
+    url, cls = fake
+    cls.slow["/update_weights"] = 2.0
+    t0 = time.monotonic()
+    with pytest.raises(NativeRouteError) as e:
+        native_http_req_func(url, rank=0, timeout_s=0.5)(SOCKETS[:1])
+    assert e.value.route == "/update_weights" and "timed out" in str(e.value).lower()
+    assert time.monotonic() - t0 < 1.8  # the POST gave up at the deadline, not when the server answered
+    deadline = time.monotonic() + 5
+    while "/resume" not in _paths(cls) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _paths(cls)[-1] == "/resume"
+
+
+def test_unreachable_engine_names_the_route():
+    with pytest.raises(NativeRouteError, match=r"POST http://127.0.0.1:9/pause\?mode=abort failed"):
+        native_http_req_func("http://127.0.0.1:9", rank=0, timeout_s=2)(SOCKETS[:1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"pause_mode": "keep"}, "needs the prefix cache invalidated"),
+        ({"pause_mode": "now"}, "pause_mode must be one of ['abort', 'wait']"),
+        ({"ranks_per_engine": 0}, "ranks_per_engine must be an integer >= 1"),
+        ({"timeout_s": 0}, "timeout_s must be a number > 0"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, fragment):
+    with pytest.raises(ValueError) as e:
+        native_http_req_func("http://127.0.0.1:9", rank=0, **kwargs)
+    assert fragment in str(e.value)
+
+
+def test_update_payload_one_entry_per_worker():
+    assert update_payload({"a": "ipc:///a"}, 2) == [{"zmq_handles": {"a": "ipc:///a"}}] * 2
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        update_payload({"a": "ipc:///a"}, 0)
+
+
+class _Recorder:
+    """An offline LLM / VLLMWeightSyncClient stand-in: records calls; `fail_on` raises there."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.calls: list = []
+        self.fail_on = fail_on
+        self.llm_engine = type("E", (), {"vllm_config": _config(world_size=2)})()
+
+    def _call(self, name, *args, **kwargs):
+        self.calls.append((name, args, kwargs))
+        if name == self.fail_on:
+            raise RuntimeError(f"{name} failed")
+
+    def start_weight_update(self):
+        self._call("start_weight_update")
+
+    def update_weights(self, request):
+        self._call("update_weights", request)
+
+    def finish_weight_update(self, weight_version=None):
+        self._call("finish_weight_update", weight_version=weight_version)
+
+    def init_weight_transfer_engine(self, init_info):
+        self._call("init_weight_transfer_engine", init_info)
+
+    def reset_prefix_cache(self):
+        self._call("reset_prefix_cache")
+
+
+def _config(world_size: int):
+    parallel = type("P", (), {"world_size": world_size})()
+    return type("C", (), {"parallel_config": parallel})()
+
+
+def test_offline_llm_methods_in_order():
+    llm = _Recorder()
+    native_llm_req_func(llm, weight_version="B")(SOCKETS[:2])
+    handles = {"cpu-0": "ipc:///tmp/r0", "cpu-1": "ipc:///tmp/r1"}
+    assert llm.calls == [
+        ("start_weight_update", (), {}),
+        ("update_weights", ({"update_info": [{"zmq_handles": handles}] * 2},), {}),
+        ("finish_weight_update", (), {"weight_version": "B"}),
+        ("reset_prefix_cache", (), {}),  # no pause cleared vLLM's caches in process
+    ]
+
+
+def test_offline_llm_failure_still_resets_the_prefix_cache():
+    llm = _Recorder(fail_on="update_weights")
+    with pytest.raises(RuntimeError, match="update_weights failed"):
+        native_llm_req_func(llm)(SOCKETS[:2])
+    assert [c[0] for c in llm.calls] == ["start_weight_update", "update_weights", "reset_prefix_cache"]
+
+
+def test_client_failure_skips_finish():
+    client = _Recorder(fail_on="update_weights")
+    with pytest.raises(RuntimeError, match="update_weights failed"):
+        client_req_func(client, weight_version="v3")(SOCKETS[:1])
+    assert [c[0] for c in client.calls] == ["start_weight_update", "update_weights"]
+
+
+def test_http_steps_run_on_the_ps_thread_while_it_pushes(fake):
+    """The PS runs req_func on a thread and pushes meanwhile: /update_weights must block only that thread."""
+    url, cls = fake
+    cls.slow["/update_weights"] = 0.3
+    t = threading.Thread(target=native_http_req_func(url, rank=0, timeout_s=10), args=(SOCKETS[:1],))
+    t0 = time.monotonic()
+    t.start()
+    assert time.monotonic() - t0 < 0.2
+    t.join(10)
+    assert not t.is_alive() and _paths(cls) == SEQUENCE

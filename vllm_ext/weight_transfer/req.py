@@ -1,0 +1,222 @@
+"""req_funcs that push a ParameterServer update through vLLM's own weight-transfer API (the engine runs
+`--weight-transfer-config '{"backend": "checkpoint_engine"}'`: `vllm_ext.weight_transfer.engine`).
+
+    ParameterServer.update(name, req_func) ──(background thread, every rank)──▶ req_func(socket_paths)
+        native_http_req_func (first PS rank of each engine; VLLM_SERVER_DEV_MODE=1):
+            POST /pause?mode=abort|wait            new requests wait; abort: running ones end now
+            POST /start_weight_update
+            POST /update_weights {"update_info": [info per worker]}   returns once every bucket is loaded
+            POST /finish_weight_update {"weight_version": ...}         /weight_info reports it afterwards
+            POST /resume                                               also after a failure, if paused
+        native_llm_req_func: the same methods of an in-process `vllm.LLM` (it has no pause/resume), then
+                            llm.reset_prefix_cache()
+        client_req_func: the same over a `VLLMWeightSyncClient` (vLLM's trainer API; `trainer.py`)
+
+Every worker's update_info carries the engine's sockets in PS rank order (`NativeUpdateInfo`); each
+worker takes its own. A failed route stops the sequence (no finish: the version does not move), and
+raises `NativeRouteError` naming the route, the HTTP status and the engine's answer. Over HTTP the
+whole sequence has one deadline (`timeout_s`), and each route gets what is left of it (/resume has
+`RESUME_TIMEOUT_S` of its own, so a late update never leaves the engine paused). vLLM's pause
+in abort/wait mode clears its prefix cache, so no KV block computed with the old weights is reused;
+`keep` (requests frozen across the update) needs the cache invalidated at finish and is refused here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from checkpoint_engine.types import ReqFunc
+from ckpt_common.httpjson import HTTPError, post_json
+from vllm_ext.req import EngineRpcError
+from vllm_ext.weight_transfer.infos import NativeUpdateInfo
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+ROUTES = ("/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume")
+RESUME_TIMEOUT_S = 30.0  # /resume has a deadline of its own: a late update must not leave the engine paused
+
+
+class NativeRouteError(EngineRpcError):
+    """A step of vLLM's weight-transfer sequence failed; `route` names it ("/update_weights", ...)."""
+
+    def __init__(self, route: str, message: str):
+        self.route = route
+        super().__init__(message)
+
+
+def update_payload(handles: Mapping[str, str], num_workers: int) -> list[dict[str, Any]]:
+    """`/update_weights`' update_info: one entry per worker (vLLM indexes it by the worker's rank), each
+    naming the engine's sockets in PS rank order; `select_handle` picks the worker's own."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    info = NativeUpdateInfo(zmq_handles=dict(handles)).to_dict()
+    return [info for _ in range(num_workers)]
+
+
+@dataclass(frozen=True)
+class NativeSteps:
+    """The calls of one engine's update; `pause`/`resume` None where the engine has none (offline LLM)."""
+
+    where: str
+    start: Callable[[], Any]
+    update: Callable[[list[dict[str, Any]]], Any]
+    finish: Callable[[str | None], Any]
+    pause: Callable[[], Any] | None = None
+    resume: Callable[[], Any] | None = None
+    # where no pause cleared vLLM's caches (offline LLM): reset the prefix cache after the update (a
+    # failed one too: it may have changed some layers), so no KV block of the old weights is reused
+    reset_prefix_cache: Callable[[], Any] | None = None
+
+
+def run_native_update(steps: NativeSteps, payload: list[dict[str, Any]], weight_version: str | None) -> None:
+    """pause -> start -> update -> finish(version) -> resume; resume (best effort) also after a failure;
+    the prefix cache reset (where the steps have one) after either."""
+    t0 = time.monotonic()
+    paused = False
+    try:
+        if steps.pause is not None:
+            steps.pause()
+            paused = True
+        steps.start()
+        steps.update(payload)
+        steps.finish(weight_version)
+        if steps.resume is not None:
+            paused = False
+            steps.resume()
+    finally:
+        if steps.reset_prefix_cache is not None:
+            try:
+                steps.reset_prefix_cache()
+            except Exception as e:  # noqa: BLE001 - the update's own outcome is what the caller must see
+                logger.warning("could not reset the prefix cache of %s: %s", steps.where, e)
+        if paused and steps.resume is not None:
+            try:
+                steps.resume()
+            except Exception as e:  # noqa: BLE001 - the update's own failure is what the caller must see
+                logger.error("could not resume %s after a failed update: %s", steps.where, e)
+    logger.info(
+        "%s: weights updated through vLLM's weight-transfer API in %.2f s (version %s)",
+        steps.where,
+        time.monotonic() - t0,
+        weight_version,
+    )
+
+
+def http_steps(endpoint: str, *, pause_mode: PauseMode, deadline: float) -> NativeSteps:
+    """The sequence over vLLM's dev-mode routes; each POST is bounded by what is left until `deadline`
+    (a monotonic time); /resume has `RESUME_TIMEOUT_S` of its own, also once that deadline passed."""
+    base = endpoint.rstrip("/")
+
+    def post(route: str, body: dict, *, own_timeout_s: float | None = None) -> Any:
+        timeout_s = own_timeout_s if own_timeout_s is not None else deadline - time.monotonic()
+        if timeout_s <= 0:
+            raise NativeRouteError(route, f"POST {base}{route}: the update's deadline passed before this step")
+        try:
+            return post_json(base + route, body, timeout_s=timeout_s)
+        except HTTPError as e:
+            hint = (
+                " (the route exists only with VLLM_SERVER_DEV_MODE=1; /update_weights needs "
+                '--weight-transfer-config \'{"backend": "checkpoint_engine"}\')'
+                if e.status == 404
+                else ""
+            )
+            raise NativeRouteError(
+                route, f"POST {base}{route} answered HTTP {e.status}: {e.text[:500]}{hint}"
+            ) from None
+        except (RuntimeError, OSError) as e:  # unreachable, non-JSON, or the deadline ran out
+            raise NativeRouteError(route, f"POST {base}{route} failed: {e}") from None
+
+    return NativeSteps(
+        where=f"engine {base}",
+        pause=lambda: post(f"/pause?mode={pause_mode}", {}),
+        start=lambda: post("/start_weight_update", {}),
+        update=lambda payload: post("/update_weights", {"update_info": payload}),
+        finish=lambda version: post("/finish_weight_update", {"weight_version": version}),
+        resume=lambda: post("/resume", {}, own_timeout_s=RESUME_TIMEOUT_S),
+    )
+
+
+def native_http_req_func(
+    endpoint: str,
+    *,
+    rank: int | None = None,
+    ranks_per_engine: int = 1,
+    weight_version: str | None = None,
+    pause_mode: PauseMode = "abort",
+    timeout_s: float = 600.0,
+) -> ReqFunc:
+    """req_func for PS rank `rank` whose vLLM server (`ranks_per_engine` workers) is at `endpoint`.
+
+    Only the first rank of each engine drives the routes (one call reaches all of its workers).
+    `weight_version` is what `/weight_info` reports afterwards (e.g. the checkpoint's name)."""
+    if rank is None:
+        rank = int(os.environ["RANK"])
+    _check_args(ranks_per_engine=ranks_per_engine, timeout_s=timeout_s, pause_mode=pause_mode)
+    first = rank // ranks_per_engine * ranks_per_engine
+
+    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+        if rank != first:
+            return
+        mine = dict(socket_paths[first : first + ranks_per_engine])
+        steps = http_steps(endpoint, pause_mode=pause_mode, deadline=time.monotonic() + timeout_s)
+        run_native_update(steps, update_payload(mine, ranks_per_engine), weight_version)
+
+    return req_func
+
+
+def native_llm_req_func(llm, *, weight_version: str | None = None) -> ReqFunc:
+    """req_func for an in-process `vllm.LLM` started with the backend (one PS rank per worker, every
+    worker of this LLM). Its methods take no deadline: the engine side's own (`timeout_s` of the
+    receiver settings) ends a wait for a PS that went silent, and the PS joins this call within its."""
+    num_workers = llm.llm_engine.vllm_config.parallel_config.world_size
+    steps = NativeSteps(
+        where="in-process LLM",
+        start=llm.start_weight_update,
+        update=lambda payload: llm.update_weights({"update_info": payload}),
+        finish=lambda version: llm.finish_weight_update(weight_version=version),
+        reset_prefix_cache=llm.reset_prefix_cache,
+    )
+
+    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+        run_native_update(steps, update_payload(dict(socket_paths), num_workers), weight_version)
+
+    return req_func
+
+
+def client_req_func(client, *, num_workers: int = 1, weight_version: str | None = None) -> ReqFunc:
+    """req_func over a `VLLMWeightSyncClient` (vLLM's `HTTPVLLMWeightSyncClient`, a Ray client, or any
+    object with its `start_weight_update` / `update_weights` / `finish_weight_update`); its deadlines
+    are the client's own (the HTTP client's `timeout`)."""
+    steps = NativeSteps(
+        where=f"vLLM through {type(client).__name__}",
+        start=client.start_weight_update,
+        update=client.update_weights,
+        finish=lambda version: client.finish_weight_update(weight_version=version),
+    )
+
+    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+        run_native_update(steps, update_payload(dict(socket_paths), num_workers), weight_version)
+
+    return req_func
+
+
+def _check_args(*, ranks_per_engine: int, timeout_s: float, pause_mode: str) -> None:
+    if isinstance(ranks_per_engine, bool) or not isinstance(ranks_per_engine, int) or ranks_per_engine < 1:
+        raise ValueError(f"ranks_per_engine must be an integer >= 1, got {ranks_per_engine!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    if pause_mode not in PAUSE_MODES:
+        hint = (
+            ": 'keep' (requests frozen across the update) needs the prefix cache invalidated at finish, "
+            "not done yet (issue 43)"
+            if pause_mode == "keep"
+            else ""
+        )
+        raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}{hint}")
