@@ -240,8 +240,9 @@ def curate(
 
 def kept_problems(results: Sequence[dict]) -> list:
     """The kept problems as a problem file's records (``orchestrator.tasks.problems``, a valid
-    ``data.train_path``): id (the input's, else the stable id of the prompt), prompt, answer, and
-    difficulty = 1 - pass rate. A problem whose prompt or id came before is left out (logged)."""
+    ``data.train_path``): id (the input's, else the stable id of the prompt), prompt, answer,
+    pass_rate (the prioritized sampler's starting success rate) and difficulty = 1 - pass rate. A
+    problem whose prompt or id came before is left out (logged)."""
     from orchestrator.tasks.problems import Problem, stable_id
 
     out, ids, prompts, skipped = [], set(), set(), 0
@@ -254,7 +255,15 @@ def kept_problems(results: Sequence[dict]) -> list:
             continue
         ids.add(problem_id)
         prompts.add(r["prompt"])
-        out.append(Problem(id=problem_id, prompt=r["prompt"], answer=str(r["answer"]), difficulty=1.0 - r["pass_rate"]))
+        out.append(
+            Problem(
+                id=problem_id,
+                prompt=r["prompt"],
+                answer=str(r["answer"]),
+                difficulty=1.0 - r["pass_rate"],
+                pass_rate=r["pass_rate"],
+            )
+        )
     if skipped:
         logger.warning("%d kept problems repeat an earlier id or prompt: left out of the problem file", skipped)
     return out

@@ -133,7 +133,7 @@ class RLJob:
         self.pool = list(self.task.train_problems())
         self.problems = {p.id: p for p in self.pool}
         self.heldout = list(self.task.heldout_problems())
-        self.sampler = make_sampler(c, self.pool, self.task.difficulty)
+        self.sampler = make_sampler(c, self.pool, self.task.difficulty, self.task.pass_rate)
         buffer = ReplayBuffer(c.partial_rollout())
         if saved is not None:
             load_weights(self.trainer, saved.model_dir)

@@ -51,12 +51,20 @@ def check_resumable(saved: dict, current: dict) -> None:
         )
 
 
-def make_sampler(config: JobConfig, problems: Sequence[Any], difficulty: Callable[[Any], float]) -> ProblemSampler:
-    """The curriculum (``difficulty``: the task's label of a problem) times prioritized sampling."""
+def make_sampler(
+    config: JobConfig,
+    problems: Sequence[Any],
+    difficulty: Callable[[Any], float],
+    pass_rate: Callable[[Any], float | None] | None = None,
+) -> ProblemSampler:
+    """The curriculum (``difficulty``: the task's label of a problem) times prioritized sampling, whose
+    success rates start from ``pass_rate`` where the task knows one (curation's, in a problem file)."""
     s = config.sampling
     prioritized = None
     if s.prioritized:
-        stats = ProblemStats(s.prior_success_rate, s.prior_weight, s.stats_decay)
+        rates = {p.id: pass_rate(p) for p in problems} if pass_rate is not None else {}
+        priors = {pid: rate for pid, rate in rates.items() if rate is not None}
+        stats = ProblemStats(s.prior_success_rate, s.prior_weight, s.stats_decay, priors=priors)
         prioritized = PrioritizedSampler(stats, s.priority_epsilon)
     return ProblemSampler(
         [p.id for p in problems],

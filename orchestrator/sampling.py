@@ -50,10 +50,18 @@ class ProblemStats:
 
     ``success_rate = (successes + prior_success_rate * prior_weight) / (attempts + prior_weight)``.
     ``decay`` in (0, 1] forgets old results: before a problem's new results are added, its
-    counts are multiplied by ``decay`` (1.0 keeps everything).
+    counts are multiplied by ``decay`` (1.0 keeps everything). ``priors`` gives some problems a
+    prior of their own (a problem file's ``pass_rate``: what curation measured), the others take
+    ``prior_success_rate``; they come from the problems each run, so they are not part of the saved state.
     """
 
-    def __init__(self, prior_success_rate: float = 0.5, prior_weight: float = 1.0, decay: float = 1.0) -> None:
+    def __init__(
+        self,
+        prior_success_rate: float = 0.5,
+        prior_weight: float = 1.0,
+        decay: float = 1.0,
+        priors: Mapping[str, float] | None = None,
+    ) -> None:
         if not (_is_number(prior_success_rate) and 0.0 <= prior_success_rate <= 1.0):
             raise ValueError(f"prior_success_rate must be in [0, 1], got {prior_success_rate!r}")
         if not (_is_number(prior_weight) and prior_weight > 0):
@@ -64,6 +72,11 @@ class ProblemStats:
         self.prior_weight = float(prior_weight)
         self.decay = float(decay)
         self._counts: dict[str, list[float]] = {}  # id -> [successes, attempts]
+        self.priors: dict[str, float] = {}
+        for pid, rate in (priors or {}).items():
+            if not (_is_number(rate) and 0.0 <= rate <= 1.0):
+                raise ValueError(f"priors[{pid!r}] must be in [0, 1], got {rate!r}")
+            self.priors[str(pid)] = float(rate)
 
     def record(self, problem_id: str, num_correct: float, num_attempts: int) -> None:
         """Add ``num_correct`` successes out of ``num_attempts`` rollouts of one problem."""
@@ -79,7 +92,8 @@ class ProblemStats:
 
     def success_rate(self, problem_id: str) -> float:
         successes, attempts = self._counts.get(problem_id, (0.0, 0.0))
-        return (successes + self.prior_success_rate * self.prior_weight) / (attempts + self.prior_weight)
+        prior = self.priors.get(problem_id, self.prior_success_rate)
+        return (successes + prior * self.prior_weight) / (attempts + self.prior_weight)
 
     def num_attempts(self, problem_id: str) -> float:
         return self._counts.get(problem_id, (0.0, 0.0))[1]

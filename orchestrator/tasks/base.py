@@ -73,6 +73,11 @@ class Task(abc.ABC):
     def difficulty(self, problem: Any) -> float:
         """The curriculum's label (``sampling.curriculum.min_difficulty`` is on the same scale)."""
 
+    def pass_rate(self, problem: Any) -> float | None:
+        """A measured share of samples that solved it (the prioritized sampler's starting success
+        rate), or None: the sampler's prior."""
+        return None
+
     @abc.abstractmethod
     def level_of(self, problem: Any) -> int:
         """The bucket of ``heldout_accuracy_by_level`` this problem counts in."""

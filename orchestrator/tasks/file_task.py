@@ -185,6 +185,9 @@ class FileTask(Task):
     def difficulty(self, problem: Problem) -> float:
         return 1.0 if problem.difficulty is None else problem.difficulty
 
+    def pass_rate(self, problem: Problem) -> float | None:
+        return problem.pass_rate
+
     def level_of(self, problem: Problem) -> int:
         return UNKNOWN_LEVEL if problem.difficulty is None else round(100 * problem.difficulty)
 

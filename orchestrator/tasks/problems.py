@@ -2,9 +2,10 @@
 
 One JSON object per line, of either kind (a file may mix them)::
 
-    math: {"id"?: str, "prompt" | "messages": ..., "answer": str,                        "difficulty"?: number}
+    math: {"id"?: str, "prompt" | "messages": ..., "answer": str,
+           "difficulty"?: number, "pass_rate"?: number}
     code: {"id"?: str, "prompt" | "messages": ..., "tests": [{"input": str, "output": str}, ...],
-           "difficulty"?: number}
+           "difficulty"?: number, "pass_rate"?: number}
 
 - exactly one of ``prompt`` (a non-empty string) and ``messages`` (a non-empty list of
   ``{"role": "system" | "user" | "assistant", "content": str}``, the last one from the user);
@@ -15,6 +16,9 @@ One JSON object per line, of either kind (a file may mix them)::
   ``{"messages": [...]}`` (sorted keys, no spaces), so the same problem gets the same id in every file;
 - ``difficulty``: a number in [0, 1], 0 the easiest and 1 the hardest (for instance 1 - pass rate of
   a reference model); the curriculum sorts by it. Absent means unknown (the RL job counts it as hard).
+- ``pass_rate``: a number in [0, 1], the share of a reference model's samples that solved it (what
+  ``python -m orchestrator.curation --problems-out`` writes); the prioritized sampler starts from it
+  as the problem's success rate. Absent: the sampler's ``prior_success_rate``.
 
 Blank lines are skipped; any other field is an error. ``read_problems`` checks every line before it
 returns (a file is read whole or not at all): each error names ``path:line``, the field and what was
@@ -38,7 +42,15 @@ from typing import Any, Literal, NamedTuple
 
 from ckpt_common.fsutil import atomic_write_text
 
-FIELDS: tuple[str, ...] = ("id", "prompt", "messages", "answer", "tests", "difficulty")  # also the write order
+FIELDS: tuple[str, ...] = (
+    "id",
+    "prompt",
+    "messages",
+    "answer",
+    "tests",
+    "difficulty",
+    "pass_rate",
+)  # also the write order
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
 MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
 TEST_FIELDS: tuple[str, ...] = ("input", "output")
@@ -70,6 +82,7 @@ class Problem:
     answer: str | None = None
     tests: tuple[CodeTest, ...] | None = None
     difficulty: float | None = None
+    pass_rate: float | None = None
     line: int | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +92,8 @@ class Problem:
             raise ValueError(f"problem {self.id!r}: exactly one of answer and tests must be given")
         if self.difficulty is not None and not 0.0 <= self.difficulty <= 1.0:
             raise ValueError(f"problem {self.id!r}: difficulty={self.difficulty!r} must be in [0, 1]")
+        if self.pass_rate is not None and not 0.0 <= self.pass_rate <= 1.0:
+            raise ValueError(f"problem {self.id!r}: pass_rate={self.pass_rate!r} must be in [0, 1]")
 
     @property
     def kind(self) -> ProblemKind:
@@ -102,6 +117,8 @@ class Problem:
             record["tests"] = [{"input": t.input, "output": t.output} for t in self.tests]
         if self.difficulty is not None:
             record["difficulty"] = self.difficulty
+        if self.pass_rate is not None:
+            record["pass_rate"] = self.pass_rate
         return record
 
 
@@ -305,19 +322,25 @@ def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> Prob
     else:
         errors.add(line, "answer", 'missing: expected "answer" (a string, math) or "tests" (a list, code)')
 
-    difficulty = record.get("difficulty")
-    if "difficulty" in record:
-        number = isinstance(difficulty, (int, float)) and not isinstance(difficulty, bool)
-        if not number or not 0.0 <= difficulty <= 1.0:
-            errors.add(line, "difficulty", f"expected a number in [0, 1] (0 easiest, 1 hardest), {_got(difficulty)}")
-        else:
-            difficulty = float(difficulty)
+    difficulty = _unit_number(record, "difficulty", "0 easiest, 1 hardest", line, errors)
+    pass_rate = _unit_number(record, "pass_rate", "the share of samples that solved it", line, errors)
 
     if errors.count > before:
         return None
     if problem_id is None:
         problem_id = stable_id(prompt, messages)
-    return Problem(problem_id, prompt, messages, answer, tests, difficulty, line=line)
+    return Problem(problem_id, prompt, messages, answer, tests, difficulty, pass_rate, line=line)
+
+
+def _unit_number(record: dict, field: str, meaning: str, line: int, errors: Any) -> float | None:
+    """``record[field]`` as a float in [0, 1], None when absent; an error naming the field otherwise."""
+    if field not in record:
+        return None
+    value = record[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        errors.add(line, field, f"expected a number in [0, 1] ({meaning}), {_got(value)}")
+        return None
+    return float(value)
 
 
 def parse_problem_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<problems>") -> list[Problem]:

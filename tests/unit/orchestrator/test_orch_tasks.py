@@ -349,6 +349,34 @@ def test_curations_kept_problems_are_a_train_file_whose_difficulty_is_the_pass_r
     problems = task.train_problems()
     assert [(p.id, p.answer) for p in problems] == [("a", "2"), (problems[1].id, "7")]
     assert [task.difficulty(p) for p in problems] == [pytest.approx(0.1), pytest.approx(0.8)]
+    assert [task.pass_rate(p) for p in problems] == [0.9, 0.2]
+
+
+def test_the_prioritized_sampler_starts_from_a_problem_files_pass_rates(tmp_path):
+    """Curation's pass rates are the sampler's starting success rates; a problem without one takes
+    sampling.prior_success_rate, and results recorded later move each from its own start."""
+    from orchestrator.config import load_config
+    from orchestrator.loop_setup import make_sampler
+    from orchestrator.tasks.problems import Problem, write_problems
+
+    train = tmp_path / "t.jsonl"
+    write_problems(
+        train,
+        [
+            Problem(id="easy", prompt="1+1\n", answer="2", pass_rate=0.9),
+            Problem(id="hard", prompt="9*9\n", answer="81", pass_rate=0.1),
+            Problem(id="new", prompt="2+2\n", answer="4"),
+        ],
+    )
+    task = FileTask(train, _write(tmp_path / "h.jsonl", MATH2))
+    config = load_config(None, ["sampling.prior_success_rate=0.5", "sampling.prior_weight=1.0"])
+    sampler = make_sampler(config, task.train_problems(), task.difficulty, task.pass_rate)
+    stats = sampler.prioritized.stats
+    assert [stats.success_rate(pid) for pid in ("easy", "hard", "new")] == [0.9, 0.1, 0.5]
+    stats.record("hard", 1, 1)  # (1 + 0.1 * 1) / (1 + 1)
+    assert stats.success_rate("hard") == pytest.approx(0.55)
+    weights = dict(zip(["easy", "hard", "new"], sampler.prioritized.weights(["easy", "hard", "new"])))
+    assert weights["easy"] < weights["new"] and weights["hard"] < 0.9
 
 
 def test_export_of_a_config_that_names_files_or_none_is_an_error(tmp_path, capsys):

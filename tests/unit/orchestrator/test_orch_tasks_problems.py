@@ -54,6 +54,8 @@ MALFORMED = [
     ("test output not a string", ['{"prompt": "x", "tests": [{"input": "", "output": 1}]}'], 1, "tests[0].output"),
     ("difficulty 1.5", ['{"prompt": "x", "answer": "1", "difficulty": 1.5}'], 1, "difficulty"),
     ("difficulty true", ['{"prompt": "x", "answer": "1", "difficulty": true}'], 1, "difficulty"),
+    ("pass_rate -0.1", ['{"prompt": "x", "answer": "1", "pass_rate": -0.1}'], 1, "pass_rate"),
+    ("pass_rate a string", ['{"prompt": "x", "answer": "1", "pass_rate": "0.5"}'], 1, "pass_rate"),
     (
         "duplicate id",
         ['{"id": "a", "prompt": "x", "answer": "1"}', '{"id": "a", "prompt": "y", "answer": "1"}'],
