@@ -9,6 +9,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_LOG_LEVEL = "INFO"
 
 
+def check_log_level(field: str, value: object) -> None:
+    """ValueError unless ``value`` is a logging level name in any case (a config's ``log_level`` field)."""
+    if not isinstance(value, str) or value.upper() not in logging.getLevelNamesMapping():
+        raise ValueError(f"{field}={value!r} must be a logging level name, e.g. INFO or DEBUG")
+
+
 def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
     """The one `--log-level` flag of every entry point (any case: `debug` is DEBUG)."""
     parser.add_argument(

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ckpt_common.cli_config import meta
-from ckpt_common.logs import DEFAULT_LOG_LEVEL
+from ckpt_common.logs import DEFAULT_LOG_LEVEL, check_log_level
 from ckpt_common.validate import check_int, check_literals, check_number
 
 from .models import RunRequest
@@ -156,5 +155,4 @@ class ServiceConfig:
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
         if not self.host:
             raise ValueError("host must be a non-empty address")
-        if not isinstance(self.log_level, str) or not isinstance(logging.getLevelName(self.log_level.upper()), int):
-            raise ValueError(f"log_level={self.log_level!r} must be a logging level name, e.g. INFO or DEBUG")
+        check_log_level("log_level", self.log_level)

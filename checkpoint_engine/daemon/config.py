@@ -15,7 +15,6 @@ process (the token, this rank's CPU list), so a bad flag exits 2 naming it befor
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from checkpoint_engine.config import MiB, P2PReader, ParameterServerConfig, Transport, UpdateConfig
@@ -23,7 +22,7 @@ from checkpoint_engine.engines.config import EngineConfig, parse_engine_cmd
 from checkpoint_engine.transport.mooncake import P2PConfig, P2PProtocol, parse_cpu_list
 from checkpoint_engine.types import RequestedMode
 from ckpt_common.cli_config import meta
-from ckpt_common.logs import DEFAULT_LOG_LEVEL
+from ckpt_common.logs import DEFAULT_LOG_LEVEL, check_log_level
 from ckpt_common.procs import DEFAULT_STOP_TIMEOUT_S
 from ckpt_common.validate import check_int, check_literals, check_number
 
@@ -170,8 +169,7 @@ class DaemonConfig:
         check_number("engine_start_timeout_s", self.engine_start_timeout_s)
         if self.bucket_size_mib is not None:
             check_int("bucket_size_mib", self.bucket_size_mib)
-        if not isinstance(self.log_level, str) or self.log_level.upper() not in logging.getLevelNamesMapping():
-            raise ValueError(f"log_level={self.log_level!r} must be a logging level name, e.g. INFO or DEBUG")
+        check_log_level("log_level", self.log_level)
         if self.p2p_cpus is not None:
             if not self.p2p_host:
                 raise ValueError("p2p_cpus places the transfer engine's threads: it needs --p2p-host")
