@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from checkpoint_engine.config import MiB, P2PReader, ParameterServerConfig, Transport, UpdateConfig
 from checkpoint_engine.engines.config import EngineConfig, parse_engine_cmd
-from checkpoint_engine.transport.mooncake import P2PConfig, P2PProtocol, parse_cpu_list
+from checkpoint_engine.transport.mooncake import P2PConfig, P2PProtocol, parse_rank_cpu_lists
 from checkpoint_engine.types import RequestedMode
 from ckpt_common.cli_config import meta
 from ckpt_common.logs import DEFAULT_LOG_LEVEL, check_log_level
@@ -174,8 +174,7 @@ class DaemonConfig:
             if not self.p2p_host:
                 raise ValueError("p2p_cpus places the transfer engine's threads: it needs --p2p-host")
             try:  # the syntax here; how many lists for how many local ranks when the rank starts
-                for part in self.p2p_cpus.split(";"):
-                    parse_cpu_list(part.strip())
+                parse_rank_cpu_lists(self.p2p_cpus)
             except ValueError as e:
                 raise ValueError(f"p2p_cpus: {e}") from None
         self.ps_config()  # the parameter server's and the update's own checks (EngineConfig's: engine_config)

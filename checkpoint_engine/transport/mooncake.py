@@ -44,18 +44,24 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def parse_rank_cpu_lists(spec: str) -> list[tuple[int, ...]]:
+    """The CPU lists of `spec`: one for every rank ('0-3'), or one per local rank separated by ';'
+    ('0-3;4-7'). Every list is checked, so every rank fails alike on a bad one."""
+    return [parse_cpu_list(part.strip()) for part in spec.split(";")]
+
+
 def rank_cpus(spec: str, local_rank: int, local_world_size: int) -> tuple[int, ...]:
-    """The CPUs of this rank's transfer-engine threads from `spec`: one CPU list for every rank
-    ('0-3'), or one per local rank separated by ';' ('0-3;4-7': local rank 1 gets 4-7)."""
-    parts = [p.strip() for p in spec.split(";")]
-    if len(parts) == 1:
-        return parse_cpu_list(parts[0])
-    if len(parts) != local_world_size:
+    """The CPUs of this rank's transfer-engine threads from `spec` (`parse_rank_cpu_lists`): the one
+    list, or local rank's own (with '0-3;4-7', local rank 1 gets 4-7)."""
+    lists = parse_rank_cpu_lists(spec)
+    if len(lists) == 1:
+        return lists[0]
+    if len(lists) != local_world_size:
         raise ValueError(
-            f"bad per-rank CPU lists {spec!r}: {len(parts)} lists for {local_world_size} local ranks "
+            f"bad per-rank CPU lists {spec!r}: {len(lists)} lists for {local_world_size} local ranks "
             "(give one list for every rank, or one per local rank separated by ';')"
         )
-    return [parse_cpu_list(p) for p in parts][local_rank]  # each list checked: every rank fails alike
+    return lists[local_rank]
 
 
 def is_cpu_set(cpus) -> bool:
