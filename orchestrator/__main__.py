@@ -180,9 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     spawn_children_through_here()
     summary = run_stoppable(lambda: _run(config, args.output_dir, not args.no_progress), args.output_dir)
     print(summary.pop("summary_line"))
+    tensorboard = os.path.join(args.output_dir, "tensorboard")  # the metrics again, as TensorBoard event files
     print(
         f"metrics: {os.path.join(args.output_dir, 'metrics.jsonl')}  plot: "
         f"{os.path.join(args.output_dir, 'metrics.png')}"
+        + (f"  tensorboard --logdir {tensorboard}" if config.metrics.tensorboard else "")
     )
     print(json.dumps(summary, sort_keys=True))
     return 0

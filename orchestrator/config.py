@@ -31,6 +31,7 @@ from ckpt_common.dictconfig import apply_overrides, from_dict, merge, to_dict
 from ckpt_common.validate import check_int, check_literals, check_number, check_qualname
 from demo import task
 from orchestrator.length_penalty import LengthPenaltyConfig
+from orchestrator.metric_sinks.sinks import WANDB_MISSING, wandb_importable
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, check_rollout_fields
 from orchestrator.sampling import CurriculumConfig
@@ -66,7 +67,9 @@ class DataConfig:
 
     ``train_path`` and ``heldout_path`` (both, or neither): problem files (``orchestrator.tasks.problems``;
     docs/rl-job.md "Your own problems"), read and checked before anything starts; the demo's fields are
-    then unused. ``prompt_template``: the text a problem's ``prompt`` becomes (``{prompt}`` filled in);
+    then unused. Or ``train_path`` alone with ``heldout_fraction`` (in (0, 1), instead of ``heldout_path``):
+    that share of its problems is held out, chosen by a hash of (``split_seed``, id) (``split_heldout``).
+    ``prompt_template``: the text a problem's ``prompt`` becomes (``{prompt}`` filled in);
     ``chat_template``: render through the model's chat template instead (needed for ``messages``);
     ``answer_markers``: math answers are read after the last of these in a response (empty: math-verify
     reads the whole response). The last three apply to problem files only.
@@ -81,6 +84,8 @@ class DataConfig:
     heldout_seed: int = 0
     train_path: str | None = None
     heldout_path: str | None = None
+    heldout_fraction: float | None = None
+    split_seed: int = 0
     prompt_template: str = DEFAULT_TEMPLATE
     chat_template: bool = False
     answer_markers: tuple[str, ...] = DEFAULT_ANSWER_MARKERS
@@ -97,6 +102,30 @@ class DataConfig:
                 f"data.train_level_weights={w!r} must be {len(self.train_levels)} non-negative numbers, not all 0"
             )
 
+    def _check_split(self) -> None:
+        fraction = self.heldout_fraction
+        if isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int):
+            raise ValueError(f"data.split_seed={self.split_seed!r} must be an int")
+        if fraction is None:
+            if self.split_seed != 0:
+                raise ValueError(
+                    f"data.split_seed={self.split_seed!r} applies to data.heldout_fraction only (the held-out share "
+                    "of data.train_path): set data.heldout_fraction, or leave data.split_seed at 0"
+                )
+            return
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+            raise ValueError(f"data.heldout_fraction={fraction!r} must be a number in (0, 1)")
+        if self.heldout_path is not None:
+            raise ValueError(
+                "data.heldout_path and data.heldout_fraction are both set: give one, a held-out file "
+                "(data.heldout_path) or the share of data.train_path to hold out (data.heldout_fraction)"
+            )
+        if self.train_path is None:
+            raise ValueError(
+                "data.heldout_fraction is set but data.train_path is not: it holds out a share of the "
+                "problem file data.train_path"
+            )
+
     @property
     def uses_files(self) -> bool:
         """Whether RL runs on problem files (``train_path``) rather than the demo."""
@@ -107,13 +136,18 @@ class DataConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"data.{name}={value!r} must be the path of a JSONL problem file")
-        if (self.train_path is None) != (self.heldout_path is None):
-            given, missing = (
-                ("train_path", "heldout_path") if self.heldout_path is None else ("heldout_path", "train_path")
-            )
+        self._check_split()
+        if self.train_path is None and self.heldout_path is not None:
             raise ValueError(
-                f"data.{given} is set but data.{missing} is not: RL on problem files needs both a training "
+                "data.heldout_path is set but data.train_path is not: RL on problem files needs both a training "
                 "and a held-out file (python -m demo export --out DIR writes an example pair)"
+            )
+        if self.train_path is not None and self.heldout_path is None and self.heldout_fraction is None:
+            raise ValueError(
+                "data.train_path is set but data.heldout_path is not, nor data.heldout_fraction: RL on problem "
+                "files needs held-out problems: a held-out file (data.heldout_path; python -m demo export --out "
+                "DIR writes an example pair), or a share of the training file held out (data.heldout_fraction, "
+                "in (0, 1), with data.split_seed)"
             )
         error = template_error(self.prompt_template)
         if error is not None:
@@ -405,6 +439,37 @@ class TrainerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where the per-iteration metrics go besides DIR/metrics.jsonl and DIR/metrics.png
+    (``orchestrator.metric_sinks``); a resumed run may change these (they do not touch training).
+
+    ``tensorboard``: event files in DIR/tensorboard (``tensorboard --logdir DIR/tensorboard``).
+    ``wandb``: also log to a Weights & Biases run in project ``wandb_project`` (needs ``pip install
+    wandb``); ``wandb_mode`` "offline" keeps it in DIR/wandb (``wandb sync`` uploads it later),
+    "online" sends it as the job runs.
+    """
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "ckpt-rl"
+    wandb_mode: Literal["offline", "online"] = "offline"
+
+    def __post_init__(self) -> None:
+        check_literals(self, "metrics.")
+        for name in ("tensorboard", "wandb"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"metrics.{name}={getattr(self, name)!r} must be true or false")
+        project = self.wandb_project
+        # W&B refuses these characters in a project name (and names over 128 characters)
+        if not isinstance(project, str) or not project.strip() or len(project) > 128 or set(project) & set("/\\#?%:"):
+            raise ValueError(
+                f"metrics.wandb_project={project!r} must be a W&B project name: 1-128 characters, none of / \\ # ? % :"
+            )
+        if self.wandb and not wandb_importable():  # before anything starts, not at the first iteration
+            raise ValueError(WANDB_MISSING)
+
+
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
     """The whole job: SFT warm-up (cached), then RL."""
 
@@ -422,8 +487,15 @@ class JobConfig:
     engine: EngineConfig = EngineConfig()
     sync: SyncConfig = SyncConfig()
     eval: EvalConfig = EvalConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def __post_init__(self) -> None:
+        if self.sft.data_path is not None and self.init_model_dir is None:
+            raise ValueError(
+                "sft.data_path is set but init_model_dir is not: an SFT file fine-tunes your own model (a Hugging "
+                "Face model directory in init_model_dir) before RL; without init_model_dir the job trains the "
+                "demo's tiny model on its arithmetic instead"
+            )
         self.partial_rollout()  # validates the budget against k and the segment size
         if self.data.uses_files:  # prompt lengths are checked with the model's tokenizer (Task.check_prompt_lengths)
             self._check_file_curriculum()

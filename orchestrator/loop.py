@@ -26,6 +26,7 @@
           (engine.num_engines >= 2: EnginePool of vLLM servers, PoolWeightSync: one update per engine)
           ▼
       evaluate on schedule (greedy accuracy, sampled pass@1) ──▶ metrics.jsonl, metrics.png
+          (then the metrics sinks: tensorboard/ event files, W&B when metrics.wandb is on)
           ▼
       save_state(i+1): model, sampler state, replay buffer, progress (atomic LATEST flip)
 
@@ -59,6 +60,7 @@ from orchestrator.loop_setup import (
     record_resume,
 )
 from orchestrator.loop_stages import iteration_rewards, rollout_record, train_on_groups
+from orchestrator.metric_sinks.sinks import MetricsSinks, make_sinks
 from orchestrator.metrics import MetricsLog, plot_metrics, summary_line
 from orchestrator.replay import ReplayBuffer
 from orchestrator.scoring import score_response
@@ -84,6 +86,7 @@ class RLJob:
         self.progress_bar = progress_bar
         self.engine_factory = engine_factory
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.sinks = MetricsSinks()  # TensorBoard, W&B (config.metrics): made by run()
         self.engine = None
         self.trainer = None
         self.initial_policy = None
@@ -113,6 +116,12 @@ class RLJob:
             self.task = make_task(c)
         if c.init_model_dir is not None:
             self.sft_model_dir = pathlib.Path(c.init_model_dir)
+            if c.sft.data_path is not None:  # your model fine-tuned on your SFT file first (cached)
+                from trainer.sft_file import run_file_sft
+
+                phases.enter("SFT warm-up")
+                self.sft_model_dir = run_file_sft(c.sft, self.sft_model_dir, c.sft_cache_dir)
+                phases.enter("start-up")
             done = self.sft_model_dir.parent / sft.DONE_FILE
             self.sft_summary = sft.sft_summary(self.sft_model_dir) if done.exists() else {}
         else:
@@ -144,6 +153,7 @@ class RLJob:
         dropped = self.metrics.truncate_after(self.start_iteration)
         if dropped:
             logger.info("dropped %d metrics lines written after the last checkpoint", dropped)
+        self.sinks.resume(self.start_iteration, self.metrics.records())  # same cut; catch up on what they lack
         self.reward_fn = self.task.make_reward_fn(c.reward)
         phases.enter("engine start")
         self.engine = make_rollout_engine(c, self.sft_model_dir, self.out, self.engine_factory)
@@ -289,6 +299,7 @@ class RLJob:
     def run(self) -> dict[str, Any]:
         self.task = make_task(self.config)  # problem files: every line checked before anything is written
         self._prepare_output_dir()
+        self.sinks = make_sinks(self.config.metrics, self.out, to_dict(self.config))  # wandb imported here
         try:
             self._setup()
             phases.enter("initial weight sync")
@@ -324,6 +335,7 @@ class RLJob:
                 record["rl_elapsed_s"] = self.progress["rl_elapsed_s"]
                 phases.enter("checkpoint write", i + 1)
                 self.metrics.append(record)  # then the state: a resume drops lines past its checkpoint
+                self.sinks.write(record)
                 self._save(i + 1)
                 phases.enter("plot", i + 1)
                 self._plot(self.metrics.records())
@@ -374,6 +386,7 @@ class RLJob:
         plot_metrics(records, self.out / "metrics.png", before["heldout_accuracy"], before.get("heldout_pass_at_1"))
 
     def close(self) -> None:
+        self.sinks.close()
         for name in ("rollout", "sync", "engine", "trainer"):
             component = getattr(self, name)
             if component is not None and hasattr(component, "close"):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from orchestrator.config import JobConfig
+from orchestrator.tasks.factory import task_kind
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ def job_summary(
     total = progress.get("iteration_total_s", 0.0)
     share = progress.get("sync_total_s", 0.0) / total if total > 0 else 0.0
     summary = {
+        "task": task_kind(c),  # "demo" or "file" (data.train_path)
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
         "heldout_gain_points": 100 * (after - before),

@@ -43,11 +43,19 @@ def check_resumable(saved: dict, current: dict) -> None:
     if isinstance(data, dict) and "prompt_template" not in data:  # saved before problem files: the demo's data
         defaults = to_dict(DataConfig())
         saved = {**saved, "data": {**{k: defaults[k] for k in FILE_ONLY_FIELDS}, **data}}
-    bad = [p for p in config_differences(saved, current) if p not in RESUMABLE_CHANGES]
+    data = saved.get("data")
+    if isinstance(data, dict) and "split_seed" not in data:  # saved before held-out fractions: none
+        saved = {**saved, "data": {"heldout_fraction": None, "split_seed": 0, **data}}
+    # metrics.* only says where the metrics go besides metrics.jsonl (and configs saved before it lack it)
+    bad = [
+        p
+        for p in config_differences(saved, current)
+        if p not in RESUMABLE_CHANGES and p != "metrics" and not p.startswith("metrics.")
+    ]
     if bad:
         raise ValueError(
             f"the output dir holds a run with a different config ({', '.join(bad)}); use another "
-            f"--output-dir or the saved config (only {', '.join(RESUMABLE_CHANGES)} may change)"
+            f"--output-dir or the saved config (only {', '.join(RESUMABLE_CHANGES)} and metrics.* may change)"
         )
 
 

@@ -98,6 +98,9 @@ class SFTConfig:
             choices=task.SOLUTION_STYLES,
         ),
     )
+    # trainer.sft_file's: fine-tune your own model (the job's init_model_dir) on this JSONL file instead of
+    # training the demo's; kept out of this key when None (the demo's keys predate it), and out of this CLI
+    data_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "batch_size", "num_threads", "num_layers", "hidden_size"):
@@ -123,6 +126,8 @@ class SFTConfig:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if self.data_path is not None and (not isinstance(self.data_path, str) or not self.data_path.strip()):
+            raise ValueError(f"data_path={self.data_path!r} must be the path of a JSONL SFT file")
 
     def resolved(self) -> SFTConfig:
         """This config with "auto" settings replaced by what this machine uses (part of the cache key)."""
@@ -137,6 +142,8 @@ class SFTConfig:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IN_CACHE_KEY}
         if self.solution_style == "short":
             del fields["solution_style"]  # the key of a short-CoT model predates the field
+        if self.data_path is None:
+            del fields["data_path"]  # the demo's keys predate the field
         payload = json.dumps({"recipe": SFT_RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -367,6 +374,11 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path, *, wait_s: float = 4
     Processes asking for the same config at once train it once: the others wait for it (up to
     ``wait_s``, then TimeoutError) and return the cached result.
     """
+    if config.data_path is not None:
+        raise ValueError(
+            f"data_path={config.data_path!r}: the demo's SFT trains its own tiny model on the arithmetic task; "
+            "an SFT file fine-tunes your model (trainer.sft_file.run_file_sft, the job's init_model_dir)"
+        )
     choice = resolve_autocast_dtype(config.autocast_dtype)
     config = config.resolved()
     root = pathlib.Path(out_dir)
@@ -422,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="SFT warm-up of the tiny model on the arithmetic task (cached by config hash)."
     )
     parser.add_argument("--out-dir", default=DEFAULT_CACHE_DIR, help="cache root (default: %(default)s)")
-    spec = add_config_args(parser, SFTConfig)  # every field a flag; defaults and help from SFTConfig
+    # every field a flag (but data_path: trainer.sft_file's); defaults and help from SFTConfig
+    spec = add_config_args(parser, SFTConfig, exclude=("data_path",))
     args = parser.parse_args(argv)
     config = spec.build(args, parser)
     from ckpt_common.logs import setup_logging

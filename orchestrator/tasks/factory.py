@@ -5,9 +5,10 @@
     JobConfig.data.train_path set ──▶ FileTask.from_config(data, reward)   (orchestrator.tasks.file_task)
                               unset ──▶ DemoTask(data)                      (orchestrator.tasks.demo_task)
 
-Each implementation is imported only when chosen. ``check_data_files`` is what ``load_config`` runs:
-building the file task reads and checks every line (and the train/held-out overlap), so a bad file is
-an error before anything starts.
+Each implementation is imported only when chosen. ``check_data_files`` is what the entry point runs
+after ``load_config``: building the file task reads and checks every line (and the train/held-out
+overlap), and so does reading the SFT file (``sft.data_path``), so a bad file is an error before
+anything starts.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def make_task(config: JobConfig) -> Task:
 
 
 def check_data_files(config: JobConfig) -> None:
-    """Read and check the config's problem files (nothing to do for the demo): raises ProblemFileError."""
+    """Read and check the config's problem files (nothing to do for the demo) and its SFT file
+    (``sft.data_path``, ``trainer.sft_file``): raises ProblemFileError."""
     if task_kind(config) == "file":
         make_task(config)
+    if config.sft.data_path is not None:
+        from trainer.sft_file import read_sft_examples
+
+        read_sft_examples(config.sft.data_path)

@@ -4,6 +4,8 @@
 
     train.jsonl, heldout.jsonl ──read_problems (every line checked)──▶ Problem (orchestrator.tasks.problems)
         ──check_disjoint──▶ no held-out problem is a training problem
+    or train.jsonl alone ──read_problems──split_heldout(data.heldout_fraction, data.split_seed)──▶
+        the same two lists, drawn from the one file by a hash of (seed, id)
         ──the config's checks──▶ "messages" need data.chat_template; "tests" need reward.sandbox_url
     prompt:  data.chat_template=false: data.prompt_template with {prompt} filled in ("messages" refused)
              data.chat_template=true:  the model's chat template (tokenizer.apply_chat_template, the
@@ -29,7 +31,15 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.tasks.base import Task
-from orchestrator.tasks.problems import CodeTest, Issue, Problem, ProblemFileError, check_disjoint, read_problems
+from orchestrator.tasks.problems import (
+    CodeTest,
+    Issue,
+    Problem,
+    ProblemFileError,
+    check_disjoint,
+    read_problems,
+    split_heldout,
+)
 from orchestrator.tasks.template import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, template_error
 
 if TYPE_CHECKING:
@@ -67,15 +77,18 @@ class FileReward:
 
 
 class FileTask(Task):
-    """Training and held-out problems read from two JSONL problem files (validated when built)."""
+    """Training and held-out problems read from two JSONL problem files, or from one file split by a
+    seeded held-out fraction (validated when built)."""
 
     name = "file"
 
     def __init__(
         self,
         train_path: str | os.PathLike[str],
-        heldout_path: str | os.PathLike[str],
+        heldout_path: str | os.PathLike[str] | None = None,
         *,
+        heldout_fraction: float | None = None,
+        split_seed: int = 0,
         prompt_template: str = DEFAULT_TEMPLATE,
         chat_template: bool = False,
         answer_markers: Sequence[str] = DEFAULT_ANSWER_MARKERS,
@@ -83,16 +96,25 @@ class FileTask(Task):
         error = template_error(prompt_template)
         if error is not None:
             raise ValueError(f"data.prompt_template: {error}")
-        self.train_path, self.heldout_path = os.fspath(train_path), os.fspath(heldout_path)
+        if (heldout_path is None) == (heldout_fraction is None):
+            raise ValueError(
+                "give exactly one of data.heldout_path (a held-out file) and data.heldout_fraction (a share of "
+                f"data.train_path held out), got heldout_path={heldout_path!r}, heldout_fraction={heldout_fraction!r}"
+            )
+        self.train_path = os.fspath(train_path)
+        self.heldout_path = self.train_path if heldout_path is None else os.fspath(heldout_path)
         self.prompt_template = prompt_template
         self.chat_template = chat_template
         self.answer_markers = tuple(answer_markers)
         train = _read(self.train_path, "data.train_path")
-        heldout = _read(self.heldout_path, "data.heldout_path")
-        check_disjoint(train, heldout, self.train_path, self.heldout_path)
+        if heldout_fraction is None:
+            heldout = _read(self.heldout_path, "data.heldout_path")
+            check_disjoint(train, heldout, self.train_path, self.heldout_path)
+        else:
+            train, heldout = split_heldout(train, heldout_fraction, split_seed, self.train_path)
         if not chat_template:
             self._refuse(
-                [(p, self.train_path) for p in train] + [(p, self.heldout_path) for p in heldout],
+                self._located(train, heldout),
                 lambda p: p.messages is not None,
                 "messages",
                 "a conversation is rendered by the model's chat template: set data.chat_template=true "
@@ -100,12 +122,14 @@ class FileTask(Task):
             )
         self._train, self._heldout = train, heldout
         self._path_of = {p.id: self.train_path for p in train} | {p.id: self.heldout_path for p in heldout}
+        split = "" if heldout_fraction is None else f" (data.heldout_fraction={heldout_fraction}, seed {split_seed})"
         logger.info(
-            "problem files: %d training problems from %s, %d held-out problems from %s",
+            "problem files: %d training problems from %s, %d held-out problems from %s%s",
             len(train),
             self.train_path,
             len(heldout),
             self.heldout_path,
+            split,
         )
 
     @classmethod
@@ -114,6 +138,8 @@ class FileTask(Task):
         task = cls(
             data.train_path,
             data.heldout_path,
+            heldout_fraction=data.heldout_fraction,
+            split_seed=data.split_seed,
             prompt_template=data.prompt_template,
             chat_template=data.chat_template,
             answer_markers=data.answer_markers,
@@ -126,12 +152,19 @@ class FileTask(Task):
         if reward.sandbox_url:
             return
         self._refuse(
-            [(p, self.train_path) for p in self._train] + [(p, self.heldout_path) for p in self._heldout],
+            self._located(self._train, self._heldout),
             lambda p: p.tests is not None,
             "tests",
             "a code problem is scored in the sandbox: set reward.type=code_sandbox and reward.sandbox_url "
             "(docs/sandbox.md)",
         )
+
+    def _located(self, train: Sequence[Problem], heldout: Sequence[Problem]) -> list[tuple[Problem, str]]:
+        """Each problem with its file; one split file's problems in line order."""
+        pairs = [(p, self.train_path) for p in train] + [(p, self.heldout_path) for p in heldout]
+        if self.heldout_path == self.train_path:
+            pairs.sort(key=lambda pair: pair[0].line or 0)
+        return pairs
 
     @staticmethod
     def _refuse(

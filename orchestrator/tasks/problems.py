@@ -24,7 +24,8 @@ Blank lines are skipped; any other field is an error. ``read_problems`` checks e
 returns (a file is read whole or not at all): each error names ``path:line``, the field and what was
 expected (``train.jsonl:7: field "answer": expected a non-empty string, got 42 (int)``), the first 20
 are listed in one ``ProblemFileError``. Two lines with the same id, or the same prompt/messages, are
-errors naming both lines. ``check_disjoint`` keeps a held-out file apart from its training file;
+errors naming both lines. ``check_disjoint`` keeps a held-out file apart from its training file; ``split_heldout``
+holds out a seeded share of one file instead (``data.heldout_fraction``, ``data.split_seed``);
 ``write_problems`` writes the same format back (fields in a fixed order, None fields left out), atomically.
 
 The RL job takes these files through ``orchestrator.tasks.file_task.FileTask`` (``data.train_path``,
@@ -222,7 +223,10 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _parse_messages(value: Any, line: int, errors: _Collector) -> tuple[dict, ...] | None:
+def _parse_messages(value: Any, line: int, errors: _Collector, last_role: str = "user") -> tuple[dict, ...] | None:
+    """The messages of a record, or None after adding their errors; the last one must be from ``last_role``
+    (a problem's conversation ends with the user's turn; an SFT record's, ``trainer.sft_file``, with the
+    assistant's answer)."""
     if not isinstance(value, list) or not value:
         errors.add(line, "messages", f"expected a non-empty list of {{role, content}} objects, {_got(value)}")
         return None
@@ -246,12 +250,12 @@ def _parse_messages(value: Any, line: int, errors: _Collector) -> tuple[dict, ..
             errors.add(line, f"{where}.content", f"expected a non-empty string, {_got(content)}")
             ok = False
         messages.append({"role": role, "content": content})
-    if ok and messages[-1]["role"] != "user":
+    if ok and messages[-1]["role"] != last_role:
         last = len(messages) - 1
         errors.add(
             line,
             f"messages[{last}].role",
-            f'expected the last message to be from "user", got "{messages[last]["role"]}"',
+            f'expected the last message to be from "{last_role}", got "{messages[last]["role"]}"',
         )
         ok = False
     return tuple(messages) if ok else None
@@ -420,6 +424,38 @@ def check_disjoint(
             how = f"the same {field}"
         errors.add(line, field, f'held-out problem "{problem.id}" is also a training problem ({how} as {other_line})')
     errors.raise_if_any()
+
+
+def split_heldout(
+    problems: Sequence[Problem], fraction: float, seed: int, path: str | os.PathLike[str] = "<problems>"
+) -> tuple[list[Problem], list[Problem]]:
+    """(training, held-out) problems of one file: ``round(fraction x len(problems))`` held out (halves
+    rounded up). Which ones depends only on the ids and ``seed``: each problem is ranked by the sha256 of
+    ``"<seed>:<id>"`` and the lowest ranks are held out, so the split does not change when the lines are
+    reordered (or a problem's other fields edited). Both lists keep the file's order.
+    ProblemFileError (naming ``path``, the fraction and the counts) when a side would be empty."""
+    count = len(problems)
+    num_heldout = int(fraction * count + 0.5)
+    if not 1 <= num_heldout <= count - 1:
+        sides = f"{count - num_heldout} training and {num_heldout} held-out"
+        raise ProblemFileError(
+            [
+                Issue(
+                    os.fspath(path),
+                    None,
+                    None,
+                    f"data.heldout_fraction={fraction!r} of its {count} problem(s) leaves {sides} problem(s): "
+                    "each side needs at least 1 (change data.heldout_fraction, or give a held-out file as "
+                    "data.heldout_path)",
+                )
+            ]
+        )
+
+    def rank(problem: Problem) -> tuple[str, str]:
+        return hashlib.sha256(f"{seed}:{problem.id}".encode()).hexdigest(), problem.id
+
+    heldout_ids = {p.id for p in sorted(problems, key=rank)[:num_heldout]}
+    return [p for p in problems if p.id not in heldout_ids], [p for p in problems if p.id in heldout_ids]
 
 
 def write_problems(path: str | os.PathLike[str], problems: Sequence[Problem]) -> None:

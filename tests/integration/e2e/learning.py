@@ -76,14 +76,20 @@ def greedy_drop_z(before: Sequence[bool], after: Sequence[bool]) -> tuple[int, i
     return lost, gained, (lost - gained) / math.sqrt(lost + gained) if lost + gained else 0.0
 
 
-def _heldout_and_last_model(run_dir: pathlib.Path) -> tuple[list, pathlib.Path]:
+def run_heldout(run_dir: str | pathlib.Path) -> list:
+    """The demo's held-out problems of the RL run in `run_dir`, rebuilt from its config.json's data section
+    (a run on the demo's exported files keeps the section's demo fields: the same draw as the file)."""
     from orchestrator.config import DataConfig
     from orchestrator.data import heldout_set
 
-    heldout = heldout_set(DataConfig(**json.loads((run_dir / "config.json").read_text())["data"]))
+    return list(heldout_set(DataConfig(**json.loads((pathlib.Path(run_dir) / "config.json").read_text())["data"])))
+
+
+def _heldout_and_last_model(run_dir: pathlib.Path) -> tuple[list, pathlib.Path]:
+    heldout = run_heldout(run_dir)
     saved = sorted((run_dir / "state").glob("*/model"))
     assert saved, f"no saved model under {run_dir / 'state'}"
-    return list(heldout), saved[-1]
+    return heldout, saved[-1]
 
 
 def run_greedy_drop(run_dir: str | pathlib.Path, start_model_dir: str | pathlib.Path) -> tuple[int, int, float]:

@@ -4,12 +4,15 @@ Each test runs ``python -m orchestrator`` in a child process on configs/demo.jso
 overrides that keep it short. The SFT warm-up is shared: a session fixture trains it once into the
 repository's cache (``.cache/sft/sft-<config hash>``, the same cache ``scripts/main.sh`` uses).
 
-1. a short RL run raises held-out accuracy (learning.py) (and vLLM's greedy accuracy of the SFT model, on dummy
-   weights plus the first sync, matches what transformers measured: the sync is real);
-2. one run stopped by Ctrl-C, resumed, SIGKILLed, resumed again: the Ctrl-C lands in a weight sync
-   (the engine asked to take the update) and the job ends within seconds with one line and exit 130,
-   no traceback; it resumes from its last checkpoint with the stored trajectories of its replay
-   buffer and finishes; the stopped runs' vLLM processes do not outlive them.
+1. a short RL run on the demo's problems exported as JSONL files (``python -m demo export``: the file
+   task's path, on a task that learns) raises held-out accuracy (learning.py), and vLLM's greedy
+   accuracy of the SFT model before RL, on dummy weights plus the first sync, matches transformers' on
+   the same held-out problems (the sync is real);
+2. one run of the built-in demo stopped by Ctrl-C, resumed, SIGKILLed, resumed again: the Ctrl-C lands
+   in a weight sync (the engine asked to take the update) and the job ends within seconds with one line
+   and exit 130, no traceback; it resumes from its last checkpoint with the stored trajectories of its
+   replay buffer and finishes; the stopped runs' vLLM processes do not outlive them; its vLLM greedy
+   accuracy of the SFT model matches the SFT's own evaluation (transformers) level by level.
 """
 
 from __future__ import annotations
@@ -152,23 +155,64 @@ def _check_metrics(out_dir: pathlib.Path, num_iterations: int) -> list[dict]:
     return records
 
 
+# vLLM's greedy held-out accuracy of the SFT model (after dummy weights and the first sync) against
+# transformers' on the same problems: a wrong sync loses far more; bf16 vs float32 ties flip a few
+SYNC_MATCH_TOLERANCE = 0.05
+
+
+def _export_demo_files(out_dir: pathlib.Path) -> list[str]:
+    """``python -m demo export`` of configs/demo.json into ``out_dir``: the overrides that make the job
+    run on those files instead of the built-in task (its curriculum on the files' [0, 1] scale:
+    difficulty (level - 1) / 6 >= 0.3 is the demo's level 3 and up)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "demo", "export", "--config", str(DEMO), "--out", str(out_dir)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = [
+        f"data.train_path={out_dir / 'train.jsonl'}",
+        f"data.heldout_path={out_dir / 'heldout.jsonl'}",
+        "sampling.curriculum.min_difficulty=0.3",
+    ]
+    return [arg for item in files for arg in ("--set", item)]
+
+
 @pytest.fixture(scope="module")
 def short_run(sft_model_dir, tmp_path_factory):
-    """One short RL run shared by the checks below."""
-    out = tmp_path_factory.mktemp("rl") / "run"
-    proc = subprocess.run(_job(out, GAIN_RUN), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    """One short RL run on the exported demo files, shared by the checks below."""
+    base = tmp_path_factory.mktemp("rl")
+    files = _export_demo_files(base / "data")
+    out = base / "run"
+    proc = subprocess.run(
+        _job(out, [*GAIN_RUN, *files]), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), out
 
 
+def _heldout_answers(path: pathlib.Path) -> list[str]:
+    return [json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()]
+
+
 @pytest.mark.e2e
 @pytest.mark.vllm
-def test_short_rl_run_syncs_real_weights_and_reports(short_run):
+def test_short_rl_run_syncs_real_weights_and_reports(short_run, sft_model_dir):
+    from tests.integration.e2e.learning import greedy_correct, run_heldout
+
     summary, out = short_run
     records = _check_metrics(out, GAIN_ITERATIONS)
-    assert summary["sft_match_checked"] is True
-    assert summary["sft_match_ok"] is True, (
-        f"vLLM {summary['sft_vllm_by_level']} vs transformers {summary['sft_transformers_by_level']}"
+    assert summary["task"] == "file" and summary["sft_match_checked"] is False  # the demo's own check: test 2
+    heldout = run_heldout(out)  # the demo's held-out problems, rebuilt from the run's config: the file's
+    assert [p.answer for p in heldout] == _heldout_answers(out.parent / "data" / "heldout.jsonl")
+    transformers_accuracy = sum(greedy_correct(sft_model_dir, heldout)) / len(heldout)
+    vllm_accuracy = summary["heldout_accuracy_before"]
+    assert abs(vllm_accuracy - transformers_accuracy) <= SYNC_MATCH_TOLERANCE, (
+        f"held-out greedy accuracy of the SFT model: vLLM {vllm_accuracy:.3f} vs transformers "
+        f"{transformers_accuracy:.3f} on {len(heldout)} problems: check the weight sync"
     )
     assert summary["heldout_accuracy_after"] == records[-1]["heldout_accuracy"] and records[-1]["evaluated"]
     assert 0 < summary["weight_sync_share"] < 0.5
@@ -340,3 +384,8 @@ def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_tra
     assert records[saved_iteration]["num_continued"] >= 1  # the first resumed iteration continued them
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["num_iterations"] == RESUME_ITERATIONS
+    # measured before RL by the first (Ctrl-C'd) run and carried through both resumes
+    assert summary["sft_match_checked"] is True
+    assert summary["sft_match_ok"] is True, (
+        f"vLLM {summary['sft_vllm_by_level']} vs transformers {summary['sft_transformers_by_level']}"
+    )

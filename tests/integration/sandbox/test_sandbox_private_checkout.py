@@ -21,8 +21,7 @@ from sandbox.bwrap import DEFAULT_PYTHON_PACKAGES, python_package_binds
 from sandbox.config import SandboxConfig
 from sandbox.executor import Sandbox
 from sandbox.models import RunRequest
-
-from .conftest import request, start_service
+from testing.sandbox_service import request, start_service
 
 pytestmark = pytest.mark.sandbox
 IS_ROOT = os.geteuid() == 0

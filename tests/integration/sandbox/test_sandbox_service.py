@@ -21,8 +21,7 @@ import pytest
 from orchestrator.rewards.code_sandbox import code_reward
 from sandbox.client import SandboxClient
 from sandbox.models import TestCase
-
-from .conftest import SECRET_ENV_NAME, Answer, request, start_service
+from testing.sandbox_service import SECRET_ENV_NAME, Answer, request, start_service
 
 pytestmark = pytest.mark.sandbox
 

@@ -16,6 +16,7 @@ from demo import tiny_model as tm
 from orchestrator.config import load_config
 from orchestrator.engines.base import GenResult
 from orchestrator.loop import run_job
+from orchestrator.metric_sinks.tb_events import event_files, read_events
 from orchestrator.metrics import REQUIRED_KEYS, read_jsonl
 
 SMALL = tm.TinyModelConfig(
@@ -137,14 +138,29 @@ def test_job_runs_syncs_every_iteration_and_resumes(model_dir, tmp_path):
     assert summary["num_iterations"] == 3 and summary["heldout_accuracy_before"] is not None
     assert json.loads((out / "summary.json").read_text())["num_iterations"] == 3
     assert (out / "metrics.png").stat().st_size > 0
+    assert _tensorboard(out) == [(r["iteration"], pytest.approx(r["heldout_accuracy"])) for r in records]
 
     # resume with more iterations: continues from the checkpoint, the weights it pushes first are the saved ones
     summary = run_job(_config(model_dir, 5), out, progress_bar=False, engine_factory=factory)
-    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]
+    # the resumed run's own event file: each step in one file only, under the JSONL keys
+    assert _tensorboard(out) == [(r["iteration"], pytest.approx(r["heldout_accuracy"])) for r in records]
+    assert len(event_files(out / "tensorboard")) == 2
     resume = [json.loads(line) for line in (out / "resume.jsonl").read_text().splitlines()]
     assert resume[0]["iteration"] == 3 and resume[0]["num_trajectories"] > 0
     assert all(torch.equal(engines[1].received[0][k], saved[k]) for k in saved)
     assert summary["num_iterations"] == 5
+
+
+def _tensorboard(out):
+    """(step, heldout_accuracy) of every scalar event in DIR/tensorboard, files oldest first."""
+    return [
+        (e.step, e.scalars["heldout_accuracy"])
+        for path in event_files(out / "tensorboard")
+        for e in read_events(path)
+        if e.scalars
+    ]
 
 
 def test_a_run_on_the_demos_exported_problem_files_and_a_changed_config_refused_on_resume(model_dir, tmp_path):

@@ -1,0 +1,256 @@
+"""The per-iteration metrics where RL users look: TensorBoard and Weights & Biases, beside metrics.jsonl.
+
+::
+
+    loop ──record──▶ MetricsLog.append (DIR/metrics.jsonl, the source of truth) ──▶ MetricsSinks.write
+                                                                                      │ scalars(record)
+        TensorBoardSink ──▶ DIR/tensorboard/events.out.tfevents.*   (tag = JSONL key, step = iteration)
+        WandbSink       ──▶ wandb.init(id from DIR/wandb_run.json, resume="allow") ──▶ run.log(step=)
+
+    start / resume at checkpoint iteration N, with metrics.jsonl already cut to N:
+        TensorBoardSink.resume: every old event file loses its steps > N; steps <= N of metrics.jsonl
+            that no file holds are written to the new file; no step is ever in two files
+        WandbSink.resume: the same W&B run continues; only steps > the last one it logged are sent
+
+Every number of a record (int, float, bool; finite) is a scalar named by its JSONL key; a nested mapping
+(e.g. heldout_accuracy_by_level) gives ``key/subkey``; None, strings and lists are skipped. ``wandb``
+is imported only when ``metrics.wandb`` is on (tests pass a stand-in module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import pathlib
+import secrets
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpt_common.fsutil import atomic_write_text, fsync_dir
+from orchestrator.metric_sinks.tb_events import EventFileWriter, event_files, truncate_events
+
+logger = logging.getLogger(__name__)
+
+TENSORBOARD_DIR = "tensorboard"
+WANDB_STATE_FILE = "wandb_run.json"  # {"id", "project", "last_step"}: the W&B run a resumed job continues
+WANDB_MISSING = (
+    "metrics.wandb=true needs the wandb package, which cannot be imported here: pip install wandb "
+    "(or set metrics.wandb=false)"
+)
+
+
+def scalars(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The record's finite numbers by name: ``key`` or, inside a nested mapping, ``key/subkey``."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(scalars(value, f"{name}/"))
+        elif isinstance(value, (bool, int, float)) and math.isfinite(value):
+            out[name] = float(value)
+    return out
+
+
+class MetricsSink:
+    """Where iteration records go besides metrics.jsonl (written after it, so it is never behind)."""
+
+    name = "sink"
+
+    def resume(self, iteration: int, history: Sequence[Mapping[str, Any]]) -> None:
+        """Called once before the first ``write``: ``iteration`` is the checkpoint the run starts from
+        (0: a fresh run), ``history`` the records of metrics.jsonl up to it. The sink forgets what it
+        holds past ``iteration`` and catches up on what it lacks of ``history``."""
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink(MetricsSink):
+    """Scalars in TensorBoard event files in ``logdir``; each start of the job writes a new file."""
+
+    name = "tensorboard"
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        self.logdir = pathlib.Path(logdir)
+        self.writer = EventFileWriter(self.logdir)
+
+    def resume(self, iteration: int, history: Sequence[Mapping[str, Any]]) -> None:
+        old_files = event_files(self.logdir)
+        wall_times: dict[int, float] = {}  # step -> when it was first written, for a rewrite
+        counts: dict[int, int] = {}  # step -> how many kept events (over all files) hold it
+        for path in old_files:
+            kept, dropped = truncate_events(path, iteration)
+            if dropped:
+                logger.info("%s: dropped %d steps written after checkpoint %d", path, dropped, iteration)
+            for event in kept:
+                if event.scalars:
+                    wall_times.setdefault(event.step, event.wall_time)
+                    counts[event.step] = counts.get(event.step, 0) + 1
+        wanted = [r for r in history if r["iteration"] <= iteration]
+        missing = [r for r in wanted if r["iteration"] not in counts]
+        duplicated = sorted(step for step, n in counts.items() if n > 1)
+        hole = missing and counts and min(r["iteration"] for r in missing) < max(counts)
+        if duplicated or hole:
+            # an older step appended now would come after later ones (TensorBoard then discards those);
+            # a step in two files is drawn twice: start the history over from metrics.jsonl instead
+            logger.warning(
+                "%s: the event files %s; rewriting them from metrics.jsonl",
+                self.logdir,
+                f"hold steps {duplicated[:5]} twice" if duplicated else "miss steps of metrics.jsonl",
+            )
+            for path in event_files(self.logdir):
+                path.unlink()
+            fsync_dir(self.logdir)
+            missing = wanted
+        for record in missing:
+            step = record["iteration"]
+            self.writer.add_scalars(step, scalars(record), wall_time=wall_times.get(step, time.time()))
+        if missing:
+            logger.info("%s: wrote %d steps of metrics.jsonl it lacked", self.logdir, len(missing))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self.writer.add_scalars(record["iteration"], scalars(record))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def wandb_importable() -> bool:
+    """Whether ``import wandb`` can work, without importing it (slow; the config check runs it)."""
+    if "wandb" in sys.modules:
+        return sys.modules["wandb"] is not None
+    return importlib.util.find_spec("wandb") is not None
+
+
+def import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as e:  # installed but broken, or blocked: the reason is part of the message
+        raise ValueError(f"{WANDB_MISSING} [{type(e).__name__}: {e}]") from e
+    return wandb
+
+
+class WandbSink(MetricsSink):
+    """Scalars logged to a Weights & Biases run, step = iteration. The run id lives in
+    DIR/wandb_run.json, so a resumed job continues the same run (``resume="allow"``); W&B keeps a run's
+    steps increasing, so steps it already has (logged before a crash, past the checkpoint) are not sent
+    again: their values from the rerun are in metrics.jsonl and TensorBoard."""
+
+    name = "wandb"
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        project: str,
+        mode: str,
+        run_config: Mapping[str, Any] | None = None,
+        wandb: Any = None,
+    ) -> None:
+        """``wandb``: the module (default: imported now, ValueError naming metrics.wandb if it cannot be)."""
+        self.out = pathlib.Path(out)
+        self.project = project
+        self.mode = mode
+        self.run_config = dict(run_config) if run_config is not None else None
+        self.wandb = wandb if wandb is not None else import_wandb()
+        self.state_path = self.out / WANDB_STATE_FILE
+        self.run = None
+        self.run_id: str | None = None
+        self.last_step = 0
+
+    def resume(self, iteration: int, history: Sequence[Mapping[str, Any]]) -> None:
+        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else None
+        resumed = state is not None and state.get("project") == self.project
+        if resumed:
+            self.run_id, self.last_step = state["id"], int(state["last_step"])
+        else:  # a new W&B run (first start, W&B turned on at a resume, or another project)
+            self.run_id, self.last_step = secrets.token_hex(8), 0
+        self.run = self.wandb.init(
+            project=self.project,
+            id=self.run_id,
+            resume="allow",
+            mode=self.mode,
+            dir=str(self.out),
+            config=None if resumed else self.run_config,
+        )
+        self._save_state()
+        if self.last_step > iteration:
+            logger.warning(
+                "W&B run %s already holds steps %d-%d, logged before the restart from iteration %d: W&B keeps "
+                "those values (the rerun's are in metrics.jsonl and TensorBoard)",
+                self.run_id,
+                iteration + 1,
+                self.last_step,
+                iteration,
+            )
+        for record in history:
+            if self.last_step < record["iteration"] <= iteration:
+                self._log(record)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if record["iteration"] > self.last_step:
+            self._log(record)
+        else:
+            logger.debug("W&B run %s already has step %d: not sent again", self.run_id, record["iteration"])
+
+    def _log(self, record: Mapping[str, Any]) -> None:
+        self.run.log(scalars(record), step=record["iteration"])
+        self.last_step = record["iteration"]
+        self._save_state()
+
+    def _save_state(self) -> None:
+        state = {"id": self.run_id, "project": self.project, "last_step": self.last_step}
+        atomic_write_text(self.state_path, json.dumps(state) + "\n")
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class MetricsSinks:
+    """The configured sinks as one: a sink that fails to write is logged and the run goes on (the
+    record is in metrics.jsonl; the sink's next start catches up on it)."""
+
+    def __init__(self, sinks: Sequence[MetricsSink] = ()) -> None:
+        self.sinks = list(sinks)
+
+    def resume(self, iteration: int, history: Sequence[Mapping[str, Any]]) -> None:
+        for sink in self.sinks:
+            sink.resume(iteration, history)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            try:
+                sink.write(record)
+            except Exception as e:  # noqa: BLE001 - the metrics are in metrics.jsonl; training goes on
+                logger.warning("metrics sink %s could not write iteration %s: %s", sink.name, record["iteration"], e)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001 - close the others too
+                logger.warning("closing metrics sink %s: %s", sink.name, e)
+        self.sinks = []
+
+
+def make_sinks(
+    metrics: Any, out: str | os.PathLike[str], run_config: Mapping[str, Any] | None = None, wandb: Any = None
+) -> MetricsSinks:
+    """The sinks ``metrics`` (a ``MetricsConfig``) turns on for the output dir ``out``; ``run_config``:
+    the job's config, stored with a new W&B run."""
+    out = pathlib.Path(out)
+    sinks: list[MetricsSink] = []
+    if metrics.tensorboard:
+        sinks.append(TensorBoardSink(out / TENSORBOARD_DIR))
+    if metrics.wandb:
+        sinks.append(WandbSink(out, metrics.wandb_project, metrics.wandb_mode, run_config, wandb))
+    return MetricsSinks(sinks)

@@ -1,0 +1,372 @@
+"""SFT warm-up of your own model on a JSONL file (``sft.data_path``, with the job's ``init_model_dir``).
+
+::
+
+    sft.data_path ──read_sft_examples (every line checked first)──▶ SFTExample(prompt | messages, response)
+        │
+        ▼  key = hash(recipe, file sha256, init model dir identity, lr/steps/batch/warmup/... fields)
+    <cache_dir>/sft-file-<key>/ complete? ──yes──▶ its model/ at once
+        │ no (one trainer per key: a file lock; the others wait, then reuse it)
+        ▼
+    HFTrainer(init_model_dir, float32, AdamW) ◀── batches of encode_example(...): prompt ids + response
+        │      ids (+ eos); loss = -mean log p over the response tokens only; warmup + cosine lr
+        ▼
+    trainer.save() ──▶ model/ (weights in the source's dtypes, config and tokenizer copied: vLLM-servable),
+                       metrics.jsonl, sft_done.json ──atomic rename into place──▶ the job's RL starts from it
+
+Records, one JSON object a line (blank lines skipped)::
+
+    {"prompt": str, "response": str}
+    {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
+
+A ``prompt`` is the model's input as written (the tokenizer's own special tokens added, a BOS for
+instance); ``messages`` end with the assistant's turn, which is the response: the turns before it are
+rendered by the model's chat template (``apply_chat_template(..., add_generation_prompt=True)``). The
+response gets the tokenizer's eos appended; only response tokens carry loss. Errors name
+``path:line``, the field and what was expected, like problem files (``orchestrator.tasks.problems``:
+``ProblemFileError``), and every line is checked before anything trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from orchestrator.tasks.problems import (
+    Issue,
+    ProblemFileError,
+    _Collector,
+    _got,
+    _is_text,
+    _no_duplicate_keys,
+    _parse_messages,
+)
+from trainer.sft import DONE_FILE, SFTConfig, _training_lock, lr_at
+
+logger = logging.getLogger(__name__)
+
+# Bump when the recipe below changes: old cache entries become stale.
+SFT_FILE_RECIPE_VERSION = 1
+RECORD_FIELDS: tuple[str, ...] = ("prompt", "response", "messages")
+# The SFTConfig fields this recipe uses (the rest are the demo's: levels, model shape, evaluation).
+KEY_FIELDS: tuple[str, ...] = (
+    "lr",
+    "num_steps",
+    "batch_size",
+    "warmup_steps",
+    "min_lr_ratio",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+    "num_threads",
+)
+_HASHED_WHOLE_BYTES = 1 << 20  # model dir files up to this size are hashed whole; larger: name, size, mtime
+_READ_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    """One record: ``prompt`` (plain text) or ``messages`` (the conversation before the response), and
+    the ``response`` the model learns; ``line`` is where it was read (1-based)."""
+
+    response: str
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    line: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedExample:
+    """Token ids of one example: the prompt's (no loss) and the response's (eos included, the loss)."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.response_ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 on the response tokens, 0 on the prompt's, aligned with ``input_ids``."""
+        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+
+
+# -- reading and checking --------------------------------------------------------------------------
+
+
+def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> SFTExample | None:
+    before = errors.count
+    unknown = [key for key in record if key not in RECORD_FIELDS]
+    if unknown:
+        errors.add(line, unknown[0], f"unknown field(s) {unknown}; allowed: {list(RECORD_FIELDS)}")
+    if "messages" in record:
+        if "prompt" in record or "response" in record:
+            both = "prompt" if "prompt" in record else "response"
+            errors.add(line, both, 'expected either "prompt" and "response", or "messages", got both')
+            return None
+        messages = _parse_messages(record["messages"], line, errors, last_role="assistant")
+        if messages is not None and len(messages) < 2:
+            errors.add(line, "messages", "expected the conversation before the final assistant message, got only it")
+        if errors.count > before or messages is None:
+            return None
+        return SFTExample(messages[-1]["content"], messages=messages[:-1], line=line)
+    if "prompt" not in record and "response" not in record:
+        errors.add(
+            line,
+            "prompt",
+            'missing: expected "prompt" and "response" (strings), or "messages" (a list ending with the assistant)',
+        )
+        return None
+    for name in ("prompt", "response"):
+        if name not in record:
+            errors.add(line, name, "missing, expected a non-empty string")
+        elif not _is_text(record[name]):
+            errors.add(line, name, f"expected a non-empty string, {_got(record[name])}")
+    if errors.count > before:
+        return None
+    return SFTExample(record["response"], prompt=record["prompt"], line=line)
+
+
+def parse_sft_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<sft>") -> list[SFTExample]:
+    """The examples of a JSONL text given as lines (line 1 first); ProblemFileError listing every error
+    (up to 20) if any line is not valid. ``path`` only names the source in errors."""
+    errors = _Collector(os.fspath(path))
+    examples: list[SFTExample] = []
+    for line_number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except ValueError as e:  # json.JSONDecodeError, or a field given twice
+            errors.add(line_number, None, f"invalid JSON: {e}")
+            continue
+        if not isinstance(record, dict):
+            errors.add(line_number, None, f"expected a JSON object {{...}}, {_got(record)}")
+            continue
+        example = _parse_record(record, line_number, errors)
+        if example is not None:
+            examples.append(example)
+    if not examples and not errors.count:
+        errors.add(None, None, "no examples: the file is empty (an SFT file needs at least one line)")
+    errors.raise_if_any()
+    return examples
+
+
+def read_sft_examples(path: str | os.PathLike[str]) -> list[SFTExample]:
+    """Every example of the SFT file at ``path`` (UTF-8), or ProblemFileError naming what is wrong."""
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as f:
+            text = f.read()
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        issue = Issue(name, None, None, f"cannot read it ({e.strerror}): check sft.data_path")
+        raise ProblemFileError([issue]) from None
+    except UnicodeDecodeError as e:
+        raise ProblemFileError([Issue(name, None, None, f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+    return parse_sft_lines(text.splitlines(), name)
+
+
+# -- tokens ------------------------------------------------------------------------------------------
+
+
+def encode_example(example: SFTExample, tokenizer: Any) -> EncodedExample:
+    """Prompt ids (a ``prompt`` as written with the tokenizer's special tokens; ``messages`` through the
+    chat template, generation prompt added) and response ids (+ eos)."""
+    if example.messages is None:
+        prompt_ids = tokenizer(example.prompt)["input_ids"]
+    else:
+        text = tokenizer.apply_chat_template(list(example.messages), tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no eos token to end responses")
+    response_ids = [*tokenizer(example.response, add_special_tokens=False)["input_ids"], eos]
+    return EncodedExample(tuple(prompt_ids), tuple(response_ids))
+
+
+def check_encodable(examples: Sequence[SFTExample], tokenizer: Any, max_tokens: int | None, path: str) -> None:
+    """ProblemFileError naming each line whose example the model cannot take: ``messages`` without a chat
+    template, or more than ``max_tokens`` tokens (the model's context; None: unchecked)."""
+    errors = _Collector(path)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    for example in examples:
+        if example.messages is not None and not has_template:
+            errors.add(
+                example.line,
+                "messages",
+                f"the model's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template to render "
+                'them: give "prompt" and "response", or add one to its tokenizer_config.json',
+            )
+            continue
+        if max_tokens is not None:
+            length = len(encode_example(example, tokenizer).input_ids)
+            if length > max_tokens:
+                errors.add(example.line, None, f"{length} tokens, longer than the model's context ({max_tokens})")
+    errors.raise_if_any()
+
+
+def iter_batches(num_examples: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """Endless batches of example indices: seeded shuffled passes over the file, one after another."""
+    rng = random.Random(f"sft-file/{seed}")
+    order: list[int] = []
+    while True:
+        batch = []
+        while len(batch) < batch_size:
+            if not order:
+                order = list(range(num_examples))
+                rng.shuffle(order)
+            batch.append(order.pop())
+        yield batch
+
+
+# -- the cache key -----------------------------------------------------------------------------------
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_dir_identity(model_dir: str | os.PathLike[str]) -> str:
+    """A hash of a model directory's files: small ones (config, tokenizer, chat template) by content,
+    large ones (weights) by name, size and modification time, so a model changed in place is new."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in pathlib.Path(model_dir).iterdir() if p.is_file()):
+        stat = path.stat()
+        digest.update(path.name.encode() + b"\0")
+        if stat.st_size <= _HASHED_WHOLE_BYTES:
+            digest.update(path.read_bytes())
+        else:
+            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def cache_key(config: SFTConfig, data_sha256: str, model_identity: str) -> str:
+    """Hash of the recipe, the data file's content, the initial model and ``KEY_FIELDS`` of ``config``
+    (its thread count resolved: it changes float reduction order)."""
+    fields = {name: getattr(config, name) for name in KEY_FIELDS}
+    payload = {"recipe": SFT_FILE_RECIPE_VERSION, "data": data_sha256, "model": model_identity, **fields}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# -- training ----------------------------------------------------------------------------------------
+
+
+def run_file_sft(
+    config: SFTConfig,
+    init_model_dir: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str],
+    *,
+    wait_s: float = 4 * 3600.0,
+) -> pathlib.Path:
+    """Fine-tune ``init_model_dir`` on ``config.data_path`` (or reuse the cached result); the model dir.
+
+    Results live in ``<cache_dir>/sft-file-<key>/``: ``model/`` (HF dir), ``metrics.jsonl`` (loss per
+    step), ``sft_done.json`` (the key's inputs, timings, first and last loss). Processes asking for the
+    same key at once train it once (the others wait up to ``wait_s``, then TimeoutError).
+    """
+    from trainer.cpu import num_threads_for
+
+    if config.data_path is None:
+        raise ValueError("run_file_sft needs sft.data_path (a JSONL SFT file)")
+    data_path = os.fspath(config.data_path)
+    examples = read_sft_examples(data_path)  # every line checked before anything else
+    config = dataclasses.replace(config, num_threads=num_threads_for(config.num_threads))
+    key = cache_key(config, file_sha256(data_path), model_dir_identity(init_model_dir))
+    root = pathlib.Path(cache_dir)
+    final = root / f"sft-file-{key}"
+    if (final / DONE_FILE).exists():
+        logger.info("SFT cache hit: %s", final)
+        return final / "model"
+    root.mkdir(parents=True, exist_ok=True)
+    with _training_lock(final.with_name(final.name + ".lock"), wait_s):
+        if (final / DONE_FILE).exists():
+            logger.info("SFT cache hit once the other trainer finished: %s", final)
+            return final / "model"
+        work_dir = pathlib.Path(tempfile.mkdtemp(prefix=".sft-file-tmp-", dir=root))
+        try:
+            summary = _train(config, examples, pathlib.Path(init_model_dir), data_path, work_dir)
+            summary.update(model_dir=str(final / "model"), key=key)
+            (work_dir / DONE_FILE).write_text(json.dumps(summary, indent=2))
+            try:
+                work_dir.rename(final)
+            except OSError:
+                if not (final / DONE_FILE).exists():
+                    raise
+                logger.info("another process finished the same SFT first; using %s", final)
+        finally:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return final / "model"
+
+
+def _train(
+    config: SFTConfig, examples: Sequence[SFTExample], init_dir: pathlib.Path, data_path: str, work_dir: pathlib.Path
+) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from trainer.base import TrainerConfig
+    from trainer.hf import HFTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    trainer = HFTrainer(
+        init_dir,
+        TrainerConfig(
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            num_threads=config.num_threads,
+            seed=config.seed,
+            autocast_dtype="float32",
+        ),
+    )
+    check_encodable(examples, tokenizer, getattr(trainer.model.config, "max_position_embeddings", None), data_path)
+    encoded = [encode_example(example, tokenizer) for example in examples]
+    batches = iter_batches(len(encoded), config.batch_size, config.seed)
+    logger.info(
+        "SFT of %s on %d examples of %s: %d steps of %d",
+        init_dir,
+        len(encoded),
+        data_path,
+        config.num_steps,
+        config.batch_size,
+    )
+    losses: list[float] = []
+    start = time.monotonic()
+    with open(work_dir / "metrics.jsonl", "w") as metrics:
+        for step in range(config.num_steps):
+            batch = [encoded[i] for i in next(batches)]
+            trainer.set_lr(lr_at(step, config))
+            logprobs = trainer.sequence_logprobs([e.prompt_ids for e in batch], [e.response_ids for e in batch])
+            loss = -logprobs.sum() / sum(len(e.response_ids) for e in batch)
+            stats = trainer.step(loss)
+            losses.append(loss.item())
+            record = {"step": step, "loss": losses[-1], **stats, "elapsed_s": time.monotonic() - start}
+            metrics.write(json.dumps(record) + "\n")
+    train_s = time.monotonic() - start
+    trainer.save(work_dir / "model")
+    logger.info("SFT done in %.0f s: loss %.4f -> %.4f", train_s, losses[0], losses[-1])
+    return {
+        "data_path": data_path,
+        "num_examples": len(encoded),
+        "init_model_dir": str(init_dir),
+        "config": {name: getattr(config, name) for name in KEY_FIELDS},
+        "recipe": SFT_FILE_RECIPE_VERSION,
+        "train_s": train_s,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
