@@ -28,7 +28,7 @@ from orchestrator.metrics import read_jsonl
 from testing.sandbox_service import request, start_service
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.sandbox, pytest.mark.timeout(1800)]
 
 # The model's own chat template (ChatML-like); the job renders every prompt through it (data.chat_template)
 CHAT_TEMPLATE = (
