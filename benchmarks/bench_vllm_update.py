@@ -153,7 +153,7 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
     from checkpoint_engine.ps import ParameterServer
     from ckpt_common.hf_dir import safetensors_files
     from testing.vllm_servers import completion_token_ids
-    from vllm_ext.req import collective_rpc, reset_prefix_cache_http, vllm_http_req_func
+    from vllm_ext.req import collective_rpc, vllm_http_req_func
 
     ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
     t0 = time.perf_counter()
@@ -164,12 +164,11 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
     disk, update, engine_side, save, ps_side = [], [], [], [], []
     try:
         ps.update("bench", req)  # warm-up: allocates the engine's cache once (reused by later updates)
-        collective_rpc(url, "reload_weights", kwargs={"weights_path": str(model_dir)}, timeout_s=600.0)
+        reload_from_disk(url, model_dir)
         ps.update("bench", req)  # one untimed pair more: the first pair after a switch of paths is slower
         for _ in range(repeats):
-            t0 = time.perf_counter()  # the same service as an update: new weights, no stale prefix KV
-            collective_rpc(url, "reload_weights", kwargs={"weights_path": str(model_dir)}, timeout_s=600.0)
-            reset_prefix_cache_http(url)
+            t0 = time.perf_counter()
+            reload_from_disk(url, model_dir)
             disk.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             ps.update("bench", req)
@@ -198,6 +197,15 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
         "ps_side_last": ps_side[-1],
         "save_to_disk_s": statistics.median(save),
     }
+
+
+def reload_from_disk(url: str, model_dir: Path, timeout_s: float = 600.0) -> None:
+    """vLLM's own in-place reload of the server's weights from the safetensors in `model_dir`, then the
+    prefix-cache reset: the same service as an update (new weights, no stale prefix KV)."""
+    from vllm_ext.req import collective_rpc, reset_prefix_cache_http
+
+    collective_rpc(url, "reload_weights", kwargs={"weights_path": str(model_dir)}, timeout_s=timeout_s)
+    reset_prefix_cache_http(url)
 
 
 def measure_variant(key: str, receiver: dict, model_dir: Path, out: Path, bench, reference: list) -> dict:
@@ -260,15 +268,22 @@ def save_copy_s(model_dir: Path) -> float:
 
 
 def timed_disk_start(
-    model_dir: Path, log: Path, timeout_s: float, receiver: dict | None = None, extension: bool = True
+    model_dir: Path,
+    log: Path,
+    timeout_s: float,
+    receiver: dict | None = None,
+    extension: bool = True,
+    vllm_args: tuple[str, ...] = ENGINE_ARGS,
 ):
+    """`vllm serve model_dir` (dev mode, the worker extension unless `extension` is False); returns the
+    server, the seconds to its first answer and that answer's token ids."""
     from ckpt_common.ports import free_port
     from testing.vllm_servers import ServerProcess, child_env, vllm_serve_command
 
     port = free_port()
     t0 = time.monotonic()
     extra = {"checkpoint_engine": receiver} if receiver else None
-    cmd = vllm_serve_command(model_dir, port, vllm_args=ENGINE_ARGS, additional_config=extra, extension=extension)
+    cmd = vllm_serve_command(model_dir, port, vllm_args=vllm_args, additional_config=extra, extension=extension)
     server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log, env=child_env(VLLM_SERVER_DEV_MODE="1"))
     try:
         ready_s, answer = first_answer_s(server, server.url, str(model_dir), t0, timeout_s)

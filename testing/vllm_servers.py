@@ -6,16 +6,19 @@ to files so a failure can show the server's last lines.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckpt_common.httpjson import status_json
+from ckpt_common.httpjson import post_sse, status_json
 from ckpt_common.ports import free_port
 from ckpt_common.procs import (
     die_with_parent,
@@ -102,6 +105,104 @@ def completion_token_ids(
     if status != 200:
         raise RuntimeError(f"completions at {base_url} answered {status}: {str(body)[:500]}")
     return [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+
+
+class StreamedCompletion:
+    """One greedy completion streamed on a thread, one event per token, each token's arrival time
+    noted: a request in flight while the weights change (`pause_across` measures what it saw).
+
+    `prompt` is a string or a list of token ids. Every wait has a deadline; `timeout_s` also bounds
+    each socket read (a stream that stalls longer fails)."""
+
+    def __init__(
+        self, base_url: str, model: str, prompt: str | list[int], max_tokens: int, *, timeout_s: float = 120.0
+    ):
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.arrivals: list[tuple[float, int]] = []  # (monotonic time, token id), in order
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self._done = False
+        self._cond = threading.Condition()
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_interval": 1,
+        }
+        url = base_url.rstrip("/") + "/v1/completions"
+        self.started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, args=(url, body), name="streamed-completion", daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            for event in post_sse(url, body, timeout_s=self.timeout_s):
+                now = time.monotonic()
+                for choice in event.get("choices") or ():
+                    with self._cond:
+                        self.arrivals += [(now, int(t)) for t in choice.get("token_ids") or ()]
+                        if choice.get("finish_reason") is not None:
+                            self.finish_reason = choice["finish_reason"]
+                        self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread (result / wait_tokens)
+            self.error = e
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    @property
+    def token_ids(self) -> list[int]:
+        with self._cond:
+            return [t for _, t in self.arrivals]
+
+    def wait_tokens(self, n: int, timeout_s: float) -> None:
+        """Return once `n` tokens arrived; RuntimeError if the stream ended or failed first, TimeoutError
+        after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self.arrivals) < n:
+                if self._done:
+                    raise RuntimeError(
+                        f"the stream ended after {len(self.arrivals)} of the {n} tokens waited for "
+                        f"(finish_reason {self.finish_reason}, error {self.error!r})"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self.arrivals)} of {n} streamed tokens within {timeout_s:.0f} s")
+                self._cond.wait(left)
+
+    def result(self, timeout_s: float) -> list[int]:
+        """All token ids once the stream ended; its error re-raised, TimeoutError after `timeout_s`."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the streamed completion did not end within {timeout_s:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(f"the streamed completion failed: {self.error!r}") from self.error
+        return self.token_ids
+
+    def pause_across(self, t0: float, t1: float) -> dict:
+        """What the request saw of an event between monotonic times t0 and t1 (an update): the longest gap
+        between two tokens with the event in between (or overlapping it), the typical gap (median of the
+        others; the first token's wait is not a gap), and how many tokens came before t0 and after t1."""
+        times = [t for t, _ in self.arrivals]
+        events = [t for i, t in enumerate(times) if i == 0 or t != times[i - 1]]  # tokens of one event: one time
+        gaps = list(itertools.pairwise(events))
+        across = [b - a for a, b in gaps if a < t1 and b > t0]
+        others = [b - a for a, b in gaps if not (a < t1 and b > t0)]
+        return {
+            "max_gap_across_s": round(max(across), 4) if across else None,
+            "typical_gap_s": round(statistics.median(others), 4) if others else None,
+            "tokens_before": sum(1 for t in times if t < t0),
+            "tokens_after": sum(1 for t in times if t > t1),
+            "tokens": len(times),
+            "finish_reason": self.finish_reason,
+        }
 
 
 class ServerProcess:

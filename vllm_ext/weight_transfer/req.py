@@ -3,10 +3,13 @@
 
     ParameterServer.update(name, req_func) ──(background thread, every rank)──▶ req_func(socket_paths)
         native_http_req_func (first PS rank of each engine; VLLM_SERVER_DEV_MODE=1):
-            POST /pause?mode=abort|wait            new requests wait; abort: running ones end now
+            POST /pause?mode=abort|wait|keep       new requests wait; abort: running ones end now;
+                                                   wait: they finish first; keep: they freeze
             POST /start_weight_update
             POST /update_weights {"update_info": [info per worker]}   returns once every bucket is loaded
             POST /finish_weight_update {"weight_version": ...}         /weight_info reports it afterwards
+            POST /reset_prefix_cache?reset_running_requests=true       keep only: no KV of the old weights
+                                                                       survives (see below)
             POST /resume                                               also after a failure, if paused
         native_llm_req_func: the same methods of an in-process `vllm.LLM` (it has no pause/resume), then
                             llm.reset_prefix_cache()
@@ -16,9 +19,18 @@ Every worker's update_info carries the engine's sockets in PS rank order (`Nativ
 worker takes its own. A failed route stops the sequence (no finish: the version does not move), and
 raises `NativeRouteError` naming the route, the HTTP status and the engine's answer. Over HTTP the
 whole sequence has one deadline (`timeout_s`), and each route gets what is left of it (/resume has
-`RESUME_TIMEOUT_S` of its own, so a late update never leaves the engine paused). vLLM's pause
-in abort/wait mode clears its prefix cache, so no KV block computed with the old weights is reused;
-`keep` (requests frozen across the update) needs the cache invalidated at finish and is refused here.
+`RESUME_TIMEOUT_S` of its own, so a late update never leaves the engine paused).
+
+KV computed with the old weights must not be reused once the new ones are in. vLLM's pause in
+abort/wait mode clears its prefix cache (nothing runs by then). In keep mode the frozen requests may
+hold KV blocks of the old weights across the update (vLLM's /pause documents its cache clearing as
+ignored for keep; 0.32 still clears, preempting them: this does not rely on either), so after finish,
+before /resume, the prefix cache is reset with `reset_running_requests`:
+the frozen requests give their blocks back and, on /resume, recompute their prompt and the tokens
+they already have with the new weights (one prefill each), then go on; no cached block of the old
+weights is left for a request that starts later. A reset vLLM refuses (`{"success": false}`) fails
+the update (`NativeRouteError` naming /reset_prefix_cache) after the version moved; the engine is
+resumed all the same.
 """
 
 from __future__ import annotations
@@ -37,9 +49,19 @@ from vllm_ext.weight_transfer.infos import NativeUpdateInfo
 
 logger = logging.getLogger(__name__)
 
-PauseMode = Literal["abort", "wait"]
+PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
-ROUTES = ("/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume")
+ROUTES = (
+    "/pause",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/reset_prefix_cache",
+    "/resume",
+)
+# keep mode's step after finish: vLLM preempts the frozen requests (they recompute with the new weights)
+# and drops every cached block
+RESET_KV_ROUTE = "/reset_prefix_cache?reset_running_requests=true"
 RESUME_TIMEOUT_S = 30.0  # /resume has a deadline of its own: a late update must not leave the engine paused
 
 
@@ -73,45 +95,72 @@ class NativeSteps:
     # where no pause cleared vLLM's caches (offline LLM): reset the prefix cache after the update (a
     # failed one too: it may have changed some layers), so no KV block of the old weights is reused
     reset_prefix_cache: Callable[[], Any] | None = None
+    # pause mode keep: drop every KV block of the old weights, the frozen requests' too, after finish and
+    # before resume; raises if the engine refuses (a failed update: best effort, before the resume)
+    drop_kv: Callable[[], Any] | None = None
 
 
-def run_native_update(steps: NativeSteps, payload: list[dict[str, Any]], weight_version: str | None) -> None:
-    """pause -> start -> update -> finish(version) -> resume; resume (best effort) also after a failure;
-    the prefix cache reset (where the steps have one) after either."""
+def run_native_update(
+    steps: NativeSteps, payload: list[dict[str, Any]], weight_version: str | None
+) -> dict[str, float]:
+    """pause -> start -> update -> finish(version) [-> drop_kv] -> resume; resume (best effort) also after a
+    failure, after a best-effort drop_kv; the prefix cache reset (where the steps have one) after either.
+    Returns each step's seconds ({"pause": ..., "start": ..., ...}), also in the log line."""
     t0 = time.monotonic()
+    step_s: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[..., Any], *args: Any) -> None:
+        t = time.monotonic()
+        try:
+            fn(*args)
+        finally:
+            step_s[name] = round(time.monotonic() - t, 4)
+
     paused = False
+    kv_dropped = False
     try:
         if steps.pause is not None:
-            steps.pause()
+            timed("pause", steps.pause)
             paused = True
-        steps.start()
-        steps.update(payload)
-        steps.finish(weight_version)
+        timed("start", steps.start)
+        timed("update", steps.update, payload)
+        timed("finish", steps.finish, weight_version)
+        if steps.drop_kv is not None:
+            kv_dropped = True  # tried: a refused reset is not retried below
+            timed("drop_kv", steps.drop_kv)
         if steps.resume is not None:
             paused = False
-            steps.resume()
+            timed("resume", steps.resume)
     finally:
         if steps.reset_prefix_cache is not None:
             try:
-                steps.reset_prefix_cache()
+                timed("reset_prefix_cache", steps.reset_prefix_cache)
             except Exception as e:  # noqa: BLE001 - the update's own outcome is what the caller must see
                 logger.warning("could not reset the prefix cache of %s: %s", steps.where, e)
+        if paused and steps.drop_kv is not None and not kv_dropped:  # a failed update may have changed layers
+            try:
+                steps.drop_kv()
+            except Exception as e:  # noqa: BLE001 - the update's own failure is what the caller must see
+                logger.warning("could not drop the KV cache of %s after a failed update: %s", steps.where, e)
         if paused and steps.resume is not None:
             try:
                 steps.resume()
             except Exception as e:  # noqa: BLE001 - the update's own failure is what the caller must see
                 logger.error("could not resume %s after a failed update: %s", steps.where, e)
     logger.info(
-        "%s: weights updated through vLLM's weight-transfer API in %.2f s (version %s)",
+        "%s: weights updated through vLLM's weight-transfer API in %.2f s (%s; version %s)",
         steps.where,
         time.monotonic() - t0,
+        ", ".join(f"{name} {sec:.3f}" for name, sec in step_s.items()),
         weight_version,
     )
+    return step_s
 
 
 def http_steps(endpoint: str, *, pause_mode: PauseMode, deadline: float) -> NativeSteps:
     """The sequence over vLLM's dev-mode routes; each POST is bounded by what is left until `deadline`
-    (a monotonic time); /resume has `RESUME_TIMEOUT_S` of its own, also once that deadline passed."""
+    (a monotonic time); /resume has `RESUME_TIMEOUT_S` of its own, also once that deadline passed.
+    `pause_mode="keep"` adds the KV drop after finish (`RESET_KV_ROUTE`)."""
     base = endpoint.rstrip("/")
 
     def post(route: str, body: dict, *, own_timeout_s: float | None = None) -> Any:
@@ -133,6 +182,17 @@ def http_steps(endpoint: str, *, pause_mode: PauseMode, deadline: float) -> Nati
         except (RuntimeError, OSError) as e:  # unreachable, non-JSON, or the deadline ran out
             raise NativeRouteError(route, f"POST {base}{route} failed: {e}") from None
 
+    def drop_kv() -> None:
+        answer = post(RESET_KV_ROUTE, {})
+        if not isinstance(answer, dict) or answer.get("success") is not True:
+            raise NativeRouteError(
+                RESET_KV_ROUTE,
+                f"POST {base}{RESET_KV_ROUTE} answered {str(answer)[:300]}, not {{'success': True}}: vLLM kept "
+                "KV blocks computed with the old weights (it refuses while blocks are still held, e.g. by a "
+                "KV transfer in flight); the weights are updated and the engine is resumed, but requests may "
+                "reuse that KV",
+            )
+
     return NativeSteps(
         where=f"engine {base}",
         pause=lambda: post(f"/pause?mode={pause_mode}", {}),
@@ -140,6 +200,7 @@ def http_steps(endpoint: str, *, pause_mode: PauseMode, deadline: float) -> Nati
         update=lambda payload: post("/update_weights", {"update_info": payload}),
         finish=lambda version: post("/finish_weight_update", {"weight_version": version}),
         resume=lambda: post("/resume", {}, own_timeout_s=RESUME_TIMEOUT_S),
+        drop_kv=drop_kv if pause_mode == "keep" else None,
     )
 
 
@@ -151,11 +212,16 @@ def native_http_req_func(
     weight_version: str | None = None,
     pause_mode: PauseMode = "abort",
     timeout_s: float = 600.0,
+    step_times: list[dict[str, float]] | None = None,
 ) -> ReqFunc:
     """req_func for PS rank `rank` whose vLLM server (`ranks_per_engine` workers) is at `endpoint`.
 
     Only the first rank of each engine drives the routes (one call reaches all of its workers).
-    `weight_version` is what `/weight_info` reports afterwards (e.g. the checkpoint's name)."""
+    `weight_version` is what `/weight_info` reports afterwards (e.g. the checkpoint's name).
+    `pause_mode`: what happens to the requests running when the update starts: "abort" (they end at
+    once, with what they have), "wait" (the update waits until they finish), "keep" (they freeze and
+    go on after the update, recomputing their KV with the new weights: see the module's docstring).
+    `step_times`: a list that gets each completed update's seconds per route (`run_native_update`)."""
     if rank is None:
         rank = int(os.environ["RANK"])
     _check_args(ranks_per_engine=ranks_per_engine, timeout_s=timeout_s, pause_mode=pause_mode)
@@ -166,7 +232,9 @@ def native_http_req_func(
             return
         mine = dict(socket_paths[first : first + ranks_per_engine])
         steps = http_steps(endpoint, pause_mode=pause_mode, deadline=time.monotonic() + timeout_s)
-        run_native_update(steps, update_payload(mine, ranks_per_engine), weight_version)
+        step_s = run_native_update(steps, update_payload(mine, ranks_per_engine), weight_version)
+        if step_times is not None:
+            step_times.append(step_s)
 
     return req_func
 
@@ -213,10 +281,4 @@ def _check_args(*, ranks_per_engine: int, timeout_s: float, pause_mode: str) -> 
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
     if pause_mode not in PAUSE_MODES:
-        hint = (
-            ": 'keep' (requests frozen across the update) needs the prefix cache invalidated at finish, "
-            "not done yet (issue 43)"
-            if pause_mode == "keep"
-            else ""
-        )
-        raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}{hint}")
+        raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")

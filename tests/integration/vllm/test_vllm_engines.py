@@ -13,6 +13,7 @@ Four vLLM starts for the whole module, all at once (module fixtures):
            to vLLM's own reload_weights, where `fast` and `ref_a` use the direct CPU reload); it also
            runs vLLM's weight-transfer API with `--weight-transfer-config '{"backend":
            "checkpoint_engine"}'`, so the extension's pushes and the RL routes share one receiver
+           (the routes' tests, pause modes abort and keep, run on it)
 `fast` and `gated` are ranks 0 and 1 of the two-rank pushes (`python -m vllm_ext.push`).
 Tests run in file order: `test_gated_engine_refuses_before_weights` must see `gated` unpushed.
 """
@@ -33,6 +34,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = ["12+34=", "Hello world\n", "a", "The quick brown fox"]
 MAX_TOKENS = 16
+# longer than one KV block (128 tokens on CPU; a token per character): the prefix cache keeps its KV
+LONG_PROMPT = (
+    "Weights move from the trainer into the inference engine while requests keep running. This prompt "
+    "is long enough to fill one block of the prefix cache."
+)
+INFLIGHT_TOKENS = 96  # the long prompt's tokens and these fit --max-model-len 256
 ENGINE_TIMEOUT_S = 15.0  # engine-side deadline per PS message: bounds the rank-death test
 STARTUP_TIMEOUT_S = 600.0
 SMALL_BUCKET_BYTES = 1 << 20  # ~16 buckets for the tiny model: faults land mid-update
@@ -55,10 +62,11 @@ def _reference(model_dir: str, out_json: str, update_to: str | None, native_to: 
     llm = cpu_llm(model_dir, load_format="auto", **native)  # started normally (+ extension)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-    def generate():
-        return [list(r.outputs[0].token_ids) for r in llm.generate(PROMPTS, params, use_tqdm=False)]
+    def generate(prompts=PROMPTS):
+        return [list(r.outputs[0].token_ids) for r in llm.generate(prompts, params, use_tqdm=False)]
 
     out = {"token_ids": generate(), "state": llm.collective_rpc("weights_state")[0]}
+    out["long_token_ids"] = generate([LONG_PROMPT])[0]
     if update_to:
         ps = ParameterServer(
             rank=0,
@@ -387,6 +395,92 @@ def test_native_routes_update_a_launched_server(engines, models):
     finally:
         ps.close()
     print(f"updates through vLLM's routes: {', '.join(f'{s:.2f}' for s in update_s)} s")
+
+
+def _prefix_cache_hits(url: str) -> float:
+    """vLLM's count of prompt tokens served from the prefix cache (its Prometheus counter)."""
+    from testing.vllm_servers import http_json
+
+    status, body = http_json("GET", url + "/metrics")
+    assert status == 200, body
+    lines = [line for line in body["raw"].splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert lines, "vLLM's /metrics has no vllm:prefix_cache_hits_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def _common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_native_keep_update_holds_a_request_in_flight_and_drops_the_old_kv(engines, models):
+    """Pause mode keep on `gated`: a request streaming when the update starts freezes, the update lands,
+    and after /resume it goes on with the new weights from the tokens it has (its KV recomputed: exactly
+    what a request with those tokens as its prompt answers now). A request after the update answers
+    exactly as an engine started from the new checkpoint, although the old weights' KV of its long
+    prompt was in the prefix cache (the request in flight was served from it). Then back, so the
+    shared engine ends as it began."""
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.ps import ParameterServer
+    from testing.vllm_servers import StreamedCompletion, completion_token_ids, http_json, post_completions
+    from vllm_ext.launch_config import model_safetensors_files
+    from vllm_ext.weight_transfer.req import native_http_req_func
+
+    gated, refs = engines["gated"], engines["refs"]
+    old = _states(engines)[1]["checkpoint"]
+    new = "B" if old == "A" else "A"
+    want_old, want_new = refs[old.lower()], refs[new.lower()]
+    assert want_old["long_token_ids"] != want_new["long_token_ids"]  # the checks cannot pass by accident
+    assert want_old["token_ids"] != want_new["token_ids"]
+
+    ps = ParameterServer(
+        rank=0,
+        world_size=1,
+        config=ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES)),
+    )
+    try:
+        for name in (new, old):
+            ps.register_checkpoint(name, files=model_safetensors_files(models[name]))
+            ps.gather_metas(name)
+        # the old weights' continuation of the long prompt; its KV (one full block) stays in the prefix cache
+        status, body = post_completions(gated.url, gated.model, [LONG_PROMPT], INFLIGHT_TOKENS)
+        assert status == 200, body
+        prompt_ids, old_tokens = body["choices"][0]["prompt_token_ids"], body["choices"][0]["token_ids"]
+        assert old_tokens[:MAX_TOKENS] == want_old["long_token_ids"]
+        hits = _prefix_cache_hits(gated.url)
+        stream = StreamedCompletion(gated.url, gated.model, prompt_ids, INFLIGHT_TOKENS, timeout_s=120.0)
+        stream.wait_tokens(2, timeout_s=120.0)
+        t0 = time.monotonic()
+        req = native_http_req_func(gated.url, rank=0, weight_version=f"{new}-keep", pause_mode="keep", timeout_s=120)
+        ps.update(new, req)
+        t1 = time.monotonic()
+        got = stream.result(timeout_s=120.0)
+        seen = stream.pause_across(t0, t1)
+        # it was served from the old weights' cached KV (its recompute after the reset found no block)
+        assert _prefix_cache_hits(gated.url) >= hits + 128
+        assert (len(got), stream.finish_reason) == (INFLIGHT_TOKENS, "length"), seen  # it completed
+        assert seen["tokens_before"] >= 2 and seen["tokens_after"] > 0, seen  # in flight across the update
+        # old weights until the pause (its first tokens are the old continuation), new ones after
+        split = _common_prefix(got, old_tokens)
+        assert seen["tokens_before"] <= split < INFLIGHT_TOKENS, (split, seen)
+        rest = completion_token_ids(gated.url, gated.model, [prompt_ids + got[:split]], INFLIGHT_TOKENS - split)
+        assert got[split:] == rest[0], (split, seen)
+        # a request after the update: exactly the new checkpoint's answer, the long prompt's too
+        after = completion_token_ids(gated.url, gated.model, [*PROMPTS, LONG_PROMPT], MAX_TOKENS)
+        assert after == [*want_new["token_ids"], want_new["long_token_ids"]]
+        assert http_json("GET", gated.url + "/weight_info")[1] == {"weight_version": f"{new}-keep"}
+        state = _states(engines)[1]
+        assert (state["status"], state["checkpoint"]) == ("ready", new), state
+
+        # back to where it began, in keep mode with nothing in flight
+        ps.update(old, native_http_req_func(gated.url, rank=0, weight_version=f"{old}-keep", pause_mode="keep"))
+        after = completion_token_ids(gated.url, gated.model, [*PROMPTS, LONG_PROMPT], MAX_TOKENS)
+        assert after == [*want_old["token_ids"], want_old["long_token_ids"]]
+    finally:
+        ps.close()
+    print(
+        f"keep-mode update under a request in flight: {t1 - t0:.2f} s; its longest gap {seen['max_gap_across_s']} s "
+        f"vs typical {seen['typical_gap_s']} s; {seen['tokens_before']} tokens before, {split} of the old weights"
+    )
 
 
 def test_native_weight_transfer_api_updates_in_process_llm(engines):

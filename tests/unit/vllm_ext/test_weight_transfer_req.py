@@ -12,6 +12,7 @@ import pytest
 
 from testing.http_stub import serve_stub
 from vllm_ext.weight_transfer.req import (
+    RESET_KV_ROUTE,
     NativeRouteError,
     client_req_func,
     native_http_req_func,
@@ -26,10 +27,19 @@ SOCKETS = [
     ("cpu-3", "ipc:///tmp/r3"),
 ]
 SEQUENCE = ["/pause?mode=abort", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+KEEP_SEQUENCE = [
+    "/pause?mode=keep",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/reset_prefix_cache?reset_running_requests=true",
+    "/resume",
+]
 
 
 class FakeVllm(BaseHTTPRequestHandler):
-    """Records every POST (path, body); answers `fail[path_prefix] = (status, text)` or, for `slow`, late."""
+    """Records every POST (path, body); answers `fail[route] = (status, text)` or, for `slow`, late; else
+    200 with what vLLM answers there ({"success": true} for /reset_prefix_cache)."""
 
     calls: list = []
     fail: dict = {}
@@ -40,7 +50,8 @@ class FakeVllm(BaseHTTPRequestHandler):
         type(self).calls.append((self.path, body))
         route = self.path.split("?")[0]
         time.sleep(self.slow.get(route, 0.0))
-        status, text = self.fail.get(route, (200, json.dumps({"message": "ok"})))
+        ok = {"success": True} if route == "/reset_prefix_cache" else {"message": "ok"}
+        status, text = self.fail.get(route, (200, json.dumps(ok)))
         data = text.encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -91,6 +102,39 @@ def test_pause_mode_wait_is_passed_on(fake):
     assert _paths(cls)[0] == "/pause?mode=wait"
 
 
+def test_pause_mode_keep_drops_every_kv_block_after_finish_before_resume(fake):
+    """Frozen requests hold KV of the old weights: after finish, vLLM preempts them (they recompute) and
+    drops every cached block, before /resume lets anything run on the new weights."""
+    url, cls = fake
+    step_times: list = []
+    req = native_http_req_func(url, rank=0, pause_mode="keep", weight_version="v9", timeout_s=10, step_times=step_times)
+    req(SOCKETS[:1])
+    assert _paths(cls) == KEEP_SEQUENCE
+    assert KEEP_SEQUENCE[4] == RESET_KV_ROUTE
+    assert [list(s) for s in step_times] == [["pause", "start", "update", "finish", "drop_kv", "resume"]]
+    assert all(0 <= sec < 5 for sec in step_times[0].values())
+
+
+def test_pause_mode_keep_refused_reset_is_named_and_the_engine_resumed(fake):
+    url, cls = fake
+    cls.fail["/reset_prefix_cache"] = (200, json.dumps({"success": False}))
+    with pytest.raises(NativeRouteError) as e:
+        native_http_req_func(url, rank=0, pause_mode="keep", timeout_s=10)(SOCKETS[:1])
+    assert e.value.route == RESET_KV_ROUTE
+    assert f"POST {url}{RESET_KV_ROUTE} answered {{'success': False}}" in str(e.value)
+    assert "KV blocks computed with the old weights" in str(e.value)
+    assert _paths(cls) == KEEP_SEQUENCE  # tried once, not again; resumed all the same
+
+
+def test_pause_mode_keep_failed_update_drops_the_kv_then_resumes(fake):
+    url, cls = fake
+    cls.fail["/update_weights"] = (500, json.dumps({"error": "worker failed"}))
+    with pytest.raises(NativeRouteError, match="/update_weights answered HTTP 500"):
+        native_http_req_func(url, rank=0, pause_mode="keep", timeout_s=10)(SOCKETS[:1])
+    # no finish (the version does not move); the layers it changed may have been read: KV dropped
+    assert _paths(cls) == [p for p in KEEP_SEQUENCE if p != "/finish_weight_update"]
+
+
 @pytest.mark.parametrize(
     "route, status, fragment",
     [
@@ -135,8 +179,7 @@ def test_unreachable_engine_names_the_route():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"pause_mode": "keep"}, "needs the prefix cache invalidated"),
-        ({"pause_mode": "now"}, "pause_mode must be one of ['abort', 'wait']"),
+        ({"pause_mode": "now"}, "pause_mode must be one of ['abort', 'wait', 'keep'], got 'now'"),
         ({"ranks_per_engine": 0}, "ranks_per_engine must be an integer >= 1"),
         ({"timeout_s": 0}, "timeout_s must be a number > 0"),
     ],
