@@ -16,6 +16,15 @@
         └─ evaluate --models [LABEL=]DIR ... ── greedy on held-out problems ──▶ summary.json
                (accuracy, mean response tokens per model) + token_efficiency.png (one labelled point each)
 
+Problems: the demo's arithmetic by default (``--num-problems``, ``--levels``, ``--seed``); or any task's,
+named as in the RL job: ``--config JOB.json`` and/or its ``--set`` overrides of ``data.train_path`` and
+``data.heldout_path`` (or ``data.heldout_fraction``): JSONL problem files (``orchestrator.tasks.file_task``). Then
+shortest-rejection and dpo sample every training problem and evaluate every held-out one; prompts are
+the task's (``task.encode(problem, tokenizer)``: its template or the model's chat template), a
+response is correct when the task's reward reaches ``reward.correct_threshold``, and records carry
+the problem's stable id (and the ``prompt_ids`` sampled from, which ``sft-on`` trains on). A bad
+file is an error naming ``file:line`` (exit 2) before any engine starts.
+
 Every command works on HF model directories and writes one (``merge``, ``sft-on``, ``dpo``) or data.
 This module is the command line; the work is in ``long2short_merge`` (merge, the INFO_FILE each
 command writes), ``long2short_sample`` (sampling, shortest rejection), ``long2short_train`` (SFT on
@@ -50,7 +59,7 @@ import logging
 import os
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckpt_common.cli_config import ConfigArgs, add_config_args
@@ -61,11 +70,13 @@ from orchestrator.long2short.merge import DEFAULT_ALPHA, merge_model_dirs
 from orchestrator.long2short.sample import (
     ProblemSetConfig,
     SamplingConfig,
+    demo_problem_fields,
     group_stats,
     sample_groups,
     shortest_rejection_records,
 )
 from orchestrator.long2short.train import DpoConfig, TrainConfig, run_dpo, sft_on
+from orchestrator.tasks.factory import add_task_args, file_task_from_sections, job_sections
 from trainer import dpo
 
 logger = logging.getLogger(__name__)
@@ -91,8 +102,18 @@ def _add_sampling(p: argparse.ArgumentParser, specs: dict[str, ConfigArgs]) -> N
     p.add_argument("--model", required=True, help="HF model directory to sample from (and to train, for dpo)")
     specs["sampling"] = add_config_args(p, SamplingConfig)
     specs["problems"] = add_config_args(p.add_argument_group("problems (training split)"), ProblemSetConfig)
+    _add_task(p)
     p.add_argument(
         "--endpoint", default=None, help="a running vLLM server that already serves --model (default: in-process)"
+    )
+
+
+def _add_task(p: argparse.ArgumentParser) -> None:
+    """The task's flags, the RL job's: a job config and its overrides (problem files: data.train_path, ...)."""
+    add_task_args(
+        p,
+        "any task, as the RL job names it: with data.train_path set, its problems replace the demo's "
+        "(--num-problems, --levels and the problem --seed are then unused)",
     )
 
 
@@ -150,6 +171,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Commands]:
         rename={"seed": "heldout-seed"},
         defaults={"num_problems": 192},
     )
+    _add_task(p)
     commands["evaluate"] = (p, specs)
     return parser, commands
 
@@ -200,28 +222,99 @@ def _setup(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if args.log_level == "INFO" else args.log_level)
 
 
-def _codec(model_dir: str):
+def _tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _codec(tokenizer):
     return (
         lambda text: list(tokenizer(text)["input_ids"]),
         lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
     )
 
 
-def _sample(args: argparse.Namespace, configs: dict[str, Any]) -> tuple[list[task.Problem], list[list[dpo.Sample]]]:
-    problem_set: ProblemSetConfig = configs["problems"]
-    problems = task.training_problems(problem_set.seed, problem_set.num_problems, problem_set.levels)
-    encode, decode = _codec(args.model)
+@dataclasses.dataclass(frozen=True)
+class Problems:
+    """A command's problems and how to ask and judge them: the demo's (``source`` None) or a task's."""
+
+    problems: Sequence[Any]
+    source: Any = None  # orchestrator.tasks.base.Task, or None: the demo's arithmetic (demo.task)
+    is_correct: Callable[[Any, str], bool] = task.is_correct
+
+    def encode_problem(self, tokenizer: Any) -> Callable[[Any], list[int]] | None:
+        """problem -> prompt ids (None: the demo's prompt text, encoded by the caller)."""
+        if self.source is None:
+            return None
+        return lambda p: self.source.encode(p, tokenizer)
+
+    def level_of(self, problem: Any) -> int:
+        return problem.level if self.source is None else self.source.level_of(problem)
+
+    def fields(self, tokenizer: Any) -> Callable[[Any], dict[str, Any]]:
+        """A shortest-rejection record's problem fields: the demo's, or a task's (id, the rendered prompt
+        and its ids, the answer (None for code), the level)."""
+        if self.source is None:
+            return demo_problem_fields
+        t = self.source
+
+        def fields(p: Any) -> dict[str, Any]:
+            reference = t.reference(p)
+            return {
+                "id": p.id,
+                "prompt": t.prompt_text(p, tokenizer),
+                "prompt_ids": t.encode(p, tokenizer),
+                "answer": reference if isinstance(reference, str) else None,
+                "level": t.level_of(p),
+            }
+
+        return fields
+
+
+def _task_problems(args: argparse.Namespace, problem_set: ProblemSetConfig, split: str) -> Problems:
+    """The ``split`` ("train" or "heldout") problems: the job config's task when it names problem files
+    (ProblemFileError, a ValueError naming file:line, for a bad one), else the demo's draw."""
+    if args.config is not None or args.overrides:
+        data, reward = job_sections(args.config, args.overrides)
+        if data.train_path is None:
+            raise ValueError(
+                "--config/--set name no problem files (data.train_path): the demo's problems come from "
+                "--num-problems, --levels and --seed"
+            )
+        chosen = file_task_from_sections(data, reward)
+        problems = chosen.train_problems() if split == "train" else chosen.heldout_problems()
+        if not problems:
+            raise ValueError(f"the task has no {split} problems")
+        return Problems(list(problems), chosen, chosen.make_is_correct(reward))
+    if split == "train":
+        return Problems(task.training_problems(problem_set.seed, problem_set.num_problems, problem_set.levels))
+    return Problems(
+        task.heldout_problems(problem_set.seed, problem_set.num_problems, problem_set.levels, allow_fewer=True)
+    )
+
+
+def _sample(args: argparse.Namespace, configs: dict[str, Any]) -> tuple[Problems, Any, list[list[dpo.Sample]]]:
+    """(the problems, the model's tokenizer, the sampled groups)."""
+    chosen = _task_problems(args, configs["problems"], "train")
+    tokenizer = _tokenizer(args.model)
+    encode, decode = _codec(tokenizer)
     engine = _Engine(args.model, args.endpoint, configs["engine"])
     try:
         if not args.endpoint:
             engine.load(args.model)  # vLLM started on dummy weights
-        groups = sample_groups(engine.engine, problems, encode, decode, configs["sampling"])
+        groups = sample_groups(
+            engine.engine,
+            chosen.problems,
+            encode,
+            decode,
+            configs["sampling"],
+            chosen.is_correct,
+            encode_problem=chosen.encode_problem(tokenizer),
+        )
     finally:
         engine.close()
-    return problems, groups
+    return chosen, tokenizer, groups
 
 
 def _configs(args: argparse.Namespace, commands: Commands) -> dict[str, Any]:
@@ -242,8 +335,8 @@ def _run(args: argparse.Namespace, configs: dict[str, Any]) -> dict[str, Any]:
         return sft_on(args.model, records, args.out, configs["train"])
     _setup(args)
     if args.command == "shortest-rejection":
-        problems, groups = _sample(args, configs)
-        records = shortest_rejection_records(problems, groups)
+        chosen, tokenizer, groups = _sample(args, configs)
+        records = shortest_rejection_records(chosen.problems, groups, chosen.fields(tokenizer))
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
@@ -255,25 +348,29 @@ def _run(args: argparse.Namespace, configs: dict[str, Any]) -> dict[str, Any]:
             "mean_kept_tokens": sum(kept) / len(kept) if kept else None,
         }
     if args.command == "dpo":
-        problems, groups = _sample(args, configs)
-        result = run_dpo(args.model, args.out, problems, groups, configs["dpo"])
+        chosen, _, groups = _sample(args, configs)
+        encode_problem = None if chosen.source is None else chosen.source.encode
+        result = run_dpo(args.model, args.out, chosen.problems, groups, configs["dpo"], encode_problem)
         return {**result, "samples": group_stats(groups)}
     # evaluate
     models = [parse_model_spec(spec) for spec in args.models]
-    problem_set: ProblemSetConfig = configs["problems"]
-    problems = task.heldout_problems(problem_set.seed, problem_set.num_problems, problem_set.levels, allow_fewer=True)
-    encode, decode = _codec(models[0][1])
+    chosen = _task_problems(args, configs["problems"], "heldout")
+    tokenizer = _tokenizer(models[0][1])
+    encode, decode = _codec(tokenizer)
     engine = _Engine(models[0][1], None, configs["engine"])
     try:
         summary = evaluate_models(
             models,
             engine.engine,
             engine.load,
-            problems,
+            chosen.problems,
             encode,
             decode,
             configs["sampling"].max_response_tokens,
             timeout_s=configs["sampling"].timeout_s,
+            encode_problem=chosen.encode_problem(tokenizer),
+            is_correct=chosen.is_correct,
+            level_of=chosen.level_of,
         )
     finally:
         engine.close()

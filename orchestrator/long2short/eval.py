@@ -18,14 +18,20 @@ def evaluate_models(
     models: Sequence[tuple[str, str]],
     engine: Any,
     load_weights: Callable[[str], None],
-    problems: Sequence[task.Problem],
+    problems: Sequence[Any],
     encode: Callable[[str], Sequence[int]],
     decode: Callable[[Sequence[int]], str],
     max_response_tokens: int = 128,
     timeout_s: float = 900.0,
+    *,
+    encode_problem: Callable[[Any], Sequence[int]] | None = None,
+    is_correct: Callable[[Any, str], bool] = task.is_correct,
+    level_of: Callable[[Any], int] = lambda p: p.level,
 ) -> dict[str, Any]:
     """Greedy held-out accuracy and mean response tokens of each (label, model dir): ``load_weights(dir)``
-    puts a model into ``engine``, then ``orchestrator.evaluate.Evaluator.greedy`` runs on it."""
+    puts a model into ``engine``, then ``orchestrator.evaluate.Evaluator.greedy`` runs on it. Problems
+    are the demo's by default (``encode(problem.prompt)``, ``demo.task.is_correct``, ``problem.level``);
+    a task's problems come with its ``encode_problem``, ``is_correct`` and ``level_of``."""
     from orchestrator.evaluate import Evaluator
 
     if not models:
@@ -33,13 +39,15 @@ def evaluate_models(
     labels = [label for label, _ in models]
     if len(set(labels)) != len(labels):
         raise ValueError(f"model labels must be distinct, got {labels}")
+    if encode_problem is None:
+        encode_problem = lambda p: encode(p.prompt)
     evaluator = Evaluator(
-        engine, lambda p: list(encode(p.prompt)), decode, task.is_correct, max_response_tokens, timeout_s=timeout_s
+        engine, lambda p: list(encode_problem(p)), decode, is_correct, max_response_tokens, timeout_s=timeout_s
     )
     rows = []
     for label, model_dir in models:
         load_weights(model_dir)
-        result = evaluator.greedy(problems)
+        result = evaluator.greedy(problems, level_of)
         rows.append(
             {
                 "label": label,

@@ -1,5 +1,11 @@
 """long2short sampling: n responses per problem through the rollout engine, and k1.5's shortest
-rejection sampling over them (the shortest correct response per problem, as SFT records)."""
+rejection sampling over them (the shortest correct response per problem, as SFT records).
+
+Problems are any task's (``orchestrator.tasks.base.Task``); by default the demo's (``demo.task.Problem``:
+the prompt text is encoded, ``demo.task.is_correct`` judges). The CLI passes a problem file task's
+``encode_problem`` (``task.encode(problem, tokenizer)``: its template or chat template), its reward
+against ``reward.correct_threshold`` as ``is_correct``, and ``problem_fields`` (the record's
+id/prompt/answer fields)."""
 
 from __future__ import annotations
 
@@ -54,19 +60,23 @@ class ProblemSetConfig:
 
 def sample_groups(
     engine: Any,
-    problems: Sequence[task.Problem],
+    problems: Sequence[Any],
     encode: Callable[[str], Sequence[int]],
     decode: Callable[[Sequence[int]], str],
     config: SamplingConfig = SamplingConfig(),
     is_correct: Callable[[Any, str], bool] = task.is_correct,
+    encode_problem: Callable[[Any], Sequence[int]] | None = None,
 ) -> list[list[dpo.Sample]]:
     """``config.num_samples`` responses per problem: one group of ``dpo.Sample(Response, correct, num_tokens)``
-    per problem, in order (num_tokens: the generated token count, eos included)."""
+    per problem, in order (num_tokens: the generated token count, eos included). A problem's prompt ids:
+    ``encode_problem(problem)``, else ``encode(problem.prompt)`` (the demo's)."""
     from orchestrator.engines.base import GenRequest, SamplingSettings
 
+    if encode_problem is None:
+        encode_problem = lambda p: encode(p.prompt)
     n = config.num_samples
     requests = [
-        GenRequest(f"l2s-{i}.{c}", tuple(encode(p.prompt)), config.max_response_tokens)
+        GenRequest(f"l2s-{i}.{c}", tuple(encode_problem(p)), config.max_response_tokens)
         for i, p in enumerate(problems)
         for c in range(n)
     ]
@@ -86,8 +96,18 @@ def sample_groups(
     return groups
 
 
-def shortest_rejection_records(problems: Sequence[task.Problem], groups: Sequence[Sequence[dpo.Sample]]) -> list[dict]:
-    """SFT records (one per problem with a correct sample): the shortest correct response of its group."""
+def demo_problem_fields(problem: task.Problem) -> dict[str, Any]:
+    """A demo problem's fields in a shortest-rejection record."""
+    return {"id": problem.id, "prompt": problem.prompt, "answer": problem.answer, "level": problem.level}
+
+
+def shortest_rejection_records(
+    problems: Sequence[Any],
+    groups: Sequence[Sequence[dpo.Sample]],
+    problem_fields: Callable[[Any], dict[str, Any]] = demo_problem_fields,
+) -> list[dict]:
+    """SFT records (one per problem with a correct sample): ``problem_fields(problem)`` (id, prompt, ...)
+    and the shortest correct response of its group."""
     records = []
     for problem, group in zip(problems, groups):
         index = dpo.shortest_correct_index(group)
@@ -96,10 +116,7 @@ def shortest_rejection_records(problems: Sequence[task.Problem], groups: Sequenc
         best = group[index]
         records.append(
             {
-                "id": problem.id,
-                "prompt": problem.prompt,
-                "answer": problem.answer,
-                "level": problem.level,
+                **problem_fields(problem),
                 "response": best.response.text,
                 "response_ids": list(best.response.token_ids),
                 "num_tokens": best.num_tokens,

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckpt_common.cli_config import meta
 from ckpt_common.validate import check_int, check_number
-from demo import task
 from orchestrator.long2short.merge import write_info
 from trainer import dpo
 
@@ -67,11 +66,15 @@ def _trainer(model_dir: str | pathlib.Path, config: TrainConfig):
 
 
 def sft_examples(tokenizer, records: Sequence[Mapping[str, Any]]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids with bos, response ids) per record: ``response_ids`` as sampled when present, else the
-    ``response`` text tokenized plus eos."""
+    """(prompt ids with bos, response ids) per record: ``prompt_ids`` as sampled when present (a problem
+    file task's records: its template or chat template applied), else the ``prompt`` text tokenized;
+    ``response_ids`` as sampled when present, else the ``response`` text tokenized plus eos."""
     out = []
     for record in records:
-        prompt = list(tokenizer(record["prompt"])["input_ids"])
+        if record.get("prompt_ids"):
+            prompt = [int(t) for t in record["prompt_ids"]]
+        else:
+            prompt = list(tokenizer(record["prompt"])["input_ids"])
         if record.get("response_ids"):
             response = [int(t) for t in record["response_ids"]]
         else:
@@ -124,13 +127,21 @@ def sft_on(
 
 
 def dpo_token_pairs(
-    tokenizer, problems: Sequence[task.Problem], groups: Sequence[Sequence[dpo.Sample]], length_ratio: float = 1.5
+    tokenizer,
+    problems: Sequence[Any],
+    groups: Sequence[Sequence[dpo.Sample]],
+    length_ratio: float = 1.5,
+    encode_problem: Callable[[Any, Any], Sequence[int]] | None = None,
 ) -> tuple[list[dpo.TokenPair], dict[str, int]]:
     """``dpo.build_dpo_pairs`` per problem, in token ids (the responses' ids as sampled); and the count of
-    pairs per reason ("wrong", "long")."""
+    pairs per reason ("wrong", "long"). Prompt ids: ``encode_problem(problem, tokenizer)`` (a task's
+    ``encode``), else the demo's ``tokenizer(problem.prompt)``."""
     pairs, reasons = [], {"wrong": 0, "long": 0}
     for problem, group in zip(problems, groups):
-        prompt = tuple(tokenizer(problem.prompt)["input_ids"])
+        if encode_problem is not None:
+            prompt = tuple(encode_problem(problem, tokenizer))
+        else:
+            prompt = tuple(tokenizer(problem.prompt)["input_ids"])
         for pair in dpo.build_dpo_pairs(group, length_ratio=length_ratio):
             pairs.append(dpo.TokenPair(prompt, pair.chosen.token_ids, pair.rejected.token_ids))
             reasons[pair.reason] += 1
@@ -150,16 +161,18 @@ def pair_margin(trainer: Any, reference: Any, pairs: Sequence[dpo.TokenPair]) ->
 def run_dpo(
     model_dir: str | pathlib.Path,
     out_dir: str | pathlib.Path,
-    problems: Sequence[task.Problem],
+    problems: Sequence[Any],
     groups: Sequence[Sequence[dpo.Sample]],
     config: DpoConfig = DpoConfig(),
+    encode_problem: Callable[[Any, Any], Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """DPO of ``model_dir`` on the pairs of ``groups`` (samples of ``problems``) against a frozen copy of
-    itself; saves the result to ``out_dir`` and returns stats (loss, the pairs' margin before and after)."""
+    itself; saves the result to ``out_dir`` and returns stats (loss, the pairs' margin before and after).
+    ``encode_problem(problem, tokenizer)``: a task's prompt ids (default: the demo's prompt text)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pairs, reasons = dpo_token_pairs(tokenizer, problems, groups, config.length_ratio)
+    pairs, reasons = dpo_token_pairs(tokenizer, problems, groups, config.length_ratio, encode_problem)
     if not pairs:
         raise ValueError("no DPO pairs: no problem had a correct sample next to a wrong or a long one")
     train = TrainConfig(lr=config.lr, seed=config.seed, num_threads=config.num_threads)

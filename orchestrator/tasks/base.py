@@ -6,8 +6,10 @@
          ──heldout_problems()──▶ the evaluation set (disjoint from the pool)
          ──encode(p, tokenizer)▶ prompt token ids (the rendered prompt: a plain template, or the
          │                       model's chat template through its tokenizer)
+         ──encode_direct_answer▶ the prompt + ``direct_answer_prefix`` (curation's easy-to-hack probe)
          ──reference(p)────────▶ the reference: an answer string (math) or the code tests
          ──make_reward_fn(cfg)─▶ RewardFn(problem, response text) -> float (math-verify, the sandbox)
+         ──make_is_correct(cfg)▶ (problem, response text) -> bool: the reward >= reward.correct_threshold
          ──difficulty(p)───────▶ the curriculum's label (larger is harder)
          ──level_of(p)─────────▶ the bucket of ``heldout_accuracy_by_level``
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -61,9 +63,18 @@ class Task(abc.ABC):
     def prompt_text(self, problem: Any, tokenizer: Any = None) -> str:
         """The text the model is given for ``problem`` (its template applied)."""
 
+    def encode_text(self, text: str, tokenizer: Any) -> list[int]:
+        """The token ids of a rendered prompt (by default: ``tokenizer(text)``, special tokens added)."""
+        return list(tokenizer(text)["input_ids"])
+
     def encode(self, problem: Any, tokenizer: Any) -> list[int]:
-        """The prompt's token ids (by default: ``tokenizer(prompt_text)``, the tokenizer's special tokens added)."""
-        return list(tokenizer(self.prompt_text(problem, tokenizer))["input_ids"])
+        """The prompt's token ids: ``encode_text(prompt_text)``."""
+        return self.encode_text(self.prompt_text(problem, tokenizer), tokenizer)
+
+    def encode_direct_answer(self, problem: Any, tokenizer: Any) -> list[int]:
+        """The prompt followed by ``direct_answer_prefix``, encoded as one text: asks for the final answer
+        at once, without a chain of thought (curation's easy-to-hack probe)."""
+        return self.encode_text(self.prompt_text(problem, tokenizer) + self.direct_answer_prefix, tokenizer)
 
     @abc.abstractmethod
     def reference(self, problem: Any) -> str | tuple[CodeTest, ...]:
@@ -85,6 +96,17 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def make_reward_fn(self, reward: RewardConfig) -> RewardFn:
         """The RewardFn scoring (problem, response text) for this task under the ``reward`` section."""
+
+    def make_is_correct(self, reward: RewardConfig) -> Callable[[Any, str], bool]:
+        """(problem, response text) -> correct: the task's reward (``make_reward_fn(reward)``, built once)
+        reaches ``reward.correct_threshold``, as the RL job counts a response correct."""
+        reward_fn = self.make_reward_fn(reward)
+        threshold = reward.correct_threshold
+
+        def is_correct(problem: Any, response_text: str) -> bool:
+            return float(reward_fn(problem, response_text)) >= threshold
+
+        return is_correct
 
     @property
     @abc.abstractmethod

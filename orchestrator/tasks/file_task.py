@@ -92,11 +92,15 @@ class FileTask(Task):
         prompt_template: str = DEFAULT_TEMPLATE,
         chat_template: bool = False,
         answer_markers: Sequence[str] = DEFAULT_ANSWER_MARKERS,
+        hold_out: bool = True,
     ) -> None:
         error = template_error(prompt_template)
         if error is not None:
             raise ValueError(f"data.prompt_template: {error}")
-        if (heldout_path is None) == (heldout_fraction is None):
+        if not hold_out:  # one file whole (``of_file``): every problem a training problem, none held out
+            if heldout_path is not None or heldout_fraction is not None:
+                raise ValueError("hold_out=False reads one file whole: give no heldout_path and no heldout_fraction")
+        elif (heldout_path is None) == (heldout_fraction is None):
             raise ValueError(
                 "give exactly one of data.heldout_path (a held-out file) and data.heldout_fraction (a share of "
                 f"data.train_path held out), got heldout_path={heldout_path!r}, heldout_fraction={heldout_fraction!r}"
@@ -107,7 +111,9 @@ class FileTask(Task):
         self.chat_template = chat_template
         self.answer_markers = tuple(answer_markers)
         train = _read(self.train_path, "data.train_path")
-        if heldout_fraction is None:
+        if not hold_out:
+            heldout: list[Problem] = []
+        elif heldout_fraction is None:
             heldout = _read(self.heldout_path, "data.heldout_path")
             check_disjoint(train, heldout, self.train_path, self.heldout_path)
         else:
@@ -143,6 +149,21 @@ class FileTask(Task):
             prompt_template=data.prompt_template,
             chat_template=data.chat_template,
             answer_markers=data.answer_markers,
+        )
+        task.check_reward(reward)
+        return task
+
+    @classmethod
+    def of_file(cls, path: str | os.PathLike[str], data: DataConfig, reward: RewardConfig) -> FileTask:
+        """Every problem of the one file ``path`` (none held out; curation's input), rendered and scored
+        as the ``data`` section says (its template, chat template and answer markers; its file paths are
+        unused), checked against the ``reward`` section."""
+        task = cls(
+            path,
+            prompt_template=data.prompt_template,
+            chat_template=data.chat_template,
+            answer_markers=data.answer_markers,
+            hold_out=False,
         )
         task.check_reward(reward)
         return task
@@ -206,8 +227,7 @@ class FileTask(Task):
             )
         return tokenizer.apply_chat_template(self.messages(problem), tokenize=False, add_generation_prompt=True)
 
-    def encode(self, problem: Problem, tokenizer: Any) -> list[int]:
-        text = self.prompt_text(problem, tokenizer)
+    def encode_text(self, text: str, tokenizer: Any) -> list[int]:
         if self.chat_template:  # the template writes the special tokens itself (a BOS among them)
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(tokenizer(text)["input_ids"])

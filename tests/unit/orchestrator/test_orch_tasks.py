@@ -230,6 +230,45 @@ def test_math_rewards_read_the_answer_after_the_tasks_marker(tmp_path, markers, 
     assert task.direct_answer_prefix == (f"{markers[0]} " if markers else "")
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_direct_answer_prompt_is_the_prompt_and_the_tasks_marker(tmp_path, chat):
+    """Curation's easy-to-hack probe: the rendered prompt followed by direct_answer_prefix, encoded as the
+    prompt is (no BOS after a chat template); is_correct: the reward against reward.correct_threshold."""
+    train, held = _write(tmp_path / "t.jsonl", MATH), _write(tmp_path / "h.jsonl", MATH2)
+    task = FileTask(train, held, chat_template=chat, answer_markers=("Answer:",))
+    problem = task.train_problems()[0]
+    tokenizer = CharTokenizer(chat_template="{{ messages }}" if chat else None)
+    text = task.prompt_text(problem, tokenizer) + "Answer: "
+    assert task.encode_direct_answer(problem, tokenizer) == [1] * (not chat) + [ord(c) for c in text]
+    assert task.make_is_correct(RewardConfig())(problem, "Answer: 5")
+    assert not task.make_is_correct(RewardConfig())(problem, "#### 5")
+    assert not task.make_is_correct(RewardConfig(correct_threshold=1.5))(problem, "Answer: 5")
+    demo_task = DemoTask(DataConfig(num_heldout_per_level=1))
+    demo_problem = demo_task.heldout_problems()[0]
+    assert demo_task.encode_direct_answer(demo_problem, CharTokenizer()) == [
+        1,
+        *map(ord, demo_problem.prompt + "#### "),
+    ]
+
+
+def test_one_file_whole_is_a_task_with_no_held_out_problems(tmp_path):
+    from orchestrator.tasks.factory import file_task_from_sections, job_sections
+
+    path = _write(tmp_path / "in.jsonl", MATH, MATH2, CHAT)
+    data, reward = job_sections(None, ["data.chat_template=true", 'data.answer_markers=["Answer:"]'], path)
+    task = file_task_from_sections(data, reward, path)
+    assert [p.line for p in task.train_problems()] == [1, 2, 3] and list(task.heldout_problems()) == []
+    assert (
+        task.chat_template
+        and task.direct_answer_prefix == "Answer: "
+        and task.where(task.train_problems()[2]) == f"{path}:3"
+    )
+    with pytest.raises(ValueError, match="hold_out=False reads one file whole"):
+        FileTask(path, path, hold_out=False)
+    with pytest.raises(ProblemFileError, match=r'in.jsonl:3: field "messages"'):
+        file_task_from_sections(*job_sections(None, [], path), path)  # messages need data.chat_template
+
+
 def test_code_problems_go_to_the_sandbox_reward_with_their_tests(tmp_path):
     task = FileTask(_write(tmp_path / "t.jsonl", MATH, CODE), _write(tmp_path / "h.jsonl", MATH2))
     seen = []
