@@ -32,13 +32,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ckpt_common.cli_config import add_config_args, meta
 from ckpt_common.validate import check_int
 from demo import task
-from trainer.cpu import AUTOCAST_DTYPES, DtypeChoice, num_threads_for, resolve_autocast_dtype
+from trainer.cpu import AUTOCAST_DTYPES, num_threads_for, resolve_autocast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -381,44 +381,57 @@ def run_sft(config: SFTConfig, out_dir: str | pathlib.Path, *, wait_s: float = 4
         )
     choice = resolve_autocast_dtype(config.autocast_dtype)
     config = config.resolved()
-    root = pathlib.Path(out_dir)
-    final = root / f"sft-{config.cache_key()}"
-    if (final / DONE_FILE).exists():
-        logger.info("SFT cache hit: %s", final)
-        return final / "model"
-    root.mkdir(parents=True, exist_ok=True)
-    with _training_lock(final.with_name(final.name + ".lock"), wait_s):
-        if (final / DONE_FILE).exists():
-            logger.info("SFT cache hit once the other trainer finished: %s", final)
-            return final / "model"
-        _train_into(config, choice, final)
-    return final / "model"
+    final = pathlib.Path(out_dir) / f"sft-{config.cache_key()}"
 
-
-def _train_into(config: SFTConfig, choice: DtypeChoice, final: pathlib.Path) -> None:
-    """Train in a temporary folder beside ``final``, then rename it to ``final`` (atomic: a cache entry
-    is complete or absent)."""
-    work_dir = pathlib.Path(tempfile.mkdtemp(prefix=".sft-tmp-", dir=final.parent))
-    try:
+    def train(work_dir: pathlib.Path) -> dict[str, Any]:
         summary = _train(config, work_dir)
         _plot_loss(work_dir)
-        summary["model_dir"] = str(final / "model")
         summary["config"] = dataclasses.asdict(config)
         summary["autocast"] = choice.to_dict()
-        (work_dir / DONE_FILE).write_text(json.dumps(summary, indent=2))
         logger.info(
             "SFT done in %.0f s; held-out accuracy by level %s",
             summary["train_s"],
             summary["heldout_accuracy_by_level"],
         )
+        return summary
+
+    return cached_training(final, train, wait_s, tmp_prefix=".sft-tmp-")
+
+
+def cached_training(
+    final: pathlib.Path,
+    train: Callable[[pathlib.Path], dict[str, Any]],
+    wait_s: float,
+    *,
+    tmp_prefix: str,
+) -> pathlib.Path:
+    """``final/model`` of the cache entry ``final`` (complete once ``final/DONE_FILE`` exists); on a miss,
+    under the entry's lock (one trainer per entry, the others wait up to ``wait_s``), ``train(work_dir)``
+    fills a temporary folder beside ``final`` and returns the summary written to DONE_FILE, and the
+    folder is renamed to ``final`` (atomic: a cache entry is complete or absent). Shared by ``run_sft``
+    and ``trainer.sft_file.run_file_sft``."""
+    if (final / DONE_FILE).exists():
+        logger.info("SFT cache hit: %s", final)
+        return final / "model"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _training_lock(final.with_name(final.name + ".lock"), wait_s):
+        if (final / DONE_FILE).exists():
+            logger.info("SFT cache hit once the other trainer finished: %s", final)
+            return final / "model"
+        work_dir = pathlib.Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=final.parent))
         try:
-            work_dir.rename(final)
-        except OSError:
-            if not (final / DONE_FILE).exists():
-                raise
-            logger.info("another process finished the same SFT first; using %s", final)
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+            summary = train(work_dir)
+            summary["model_dir"] = str(final / "model")
+            (work_dir / DONE_FILE).write_text(json.dumps(summary, indent=2))
+            try:
+                work_dir.rename(final)
+            except OSError:
+                if not (final / DONE_FILE).exists():
+                    raise
+                logger.info("another process finished the same SFT first; using %s", final)
+        finally:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return final / "model"
 
 
 def sft_summary(model_dir: str | pathlib.Path) -> dict[str, Any]:

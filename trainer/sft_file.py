@@ -36,8 +36,6 @@ import logging
 import os
 import pathlib
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -51,7 +49,7 @@ from orchestrator.tasks.problems import (
     _no_duplicate_keys,
     _parse_messages,
 )
-from trainer.sft import DONE_FILE, SFTConfig, _training_lock, lr_at
+from trainer.sft import SFTConfig, cached_training, lr_at
 
 logger = logging.getLogger(__name__)
 
@@ -288,30 +286,12 @@ def run_file_sft(
     examples = read_sft_examples(data_path)  # every line checked before anything else
     config = dataclasses.replace(config, num_threads=num_threads_for(config.num_threads))
     key = cache_key(config, file_sha256(data_path), model_dir_identity(init_model_dir))
-    root = pathlib.Path(cache_dir)
-    final = root / f"sft-file-{key}"
-    if (final / DONE_FILE).exists():
-        logger.info("SFT cache hit: %s", final)
-        return final / "model"
-    root.mkdir(parents=True, exist_ok=True)
-    with _training_lock(final.with_name(final.name + ".lock"), wait_s):
-        if (final / DONE_FILE).exists():
-            logger.info("SFT cache hit once the other trainer finished: %s", final)
-            return final / "model"
-        work_dir = pathlib.Path(tempfile.mkdtemp(prefix=".sft-file-tmp-", dir=root))
-        try:
-            summary = _train(config, examples, pathlib.Path(init_model_dir), data_path, work_dir)
-            summary.update(model_dir=str(final / "model"), key=key)
-            (work_dir / DONE_FILE).write_text(json.dumps(summary, indent=2))
-            try:
-                work_dir.rename(final)
-            except OSError:
-                if not (final / DONE_FILE).exists():
-                    raise
-                logger.info("another process finished the same SFT first; using %s", final)
-        finally:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    return final / "model"
+    final = pathlib.Path(cache_dir) / f"sft-file-{key}"
+
+    def train(work_dir: pathlib.Path) -> dict[str, Any]:
+        return {**_train(config, examples, pathlib.Path(init_model_dir), data_path, work_dir), "key": key}
+
+    return cached_training(final, train, wait_s, tmp_prefix=".sft-file-tmp-")
 
 
 def _train(
