@@ -46,8 +46,8 @@ from orchestrator.tasks.problems import (
     _Collector,
     _got,
     _is_text,
-    _no_duplicate_keys,
     _parse_messages,
+    json_object_lines,
 )
 from trainer.sft import SFTConfig, cached_training, lr_at
 
@@ -141,17 +141,7 @@ def parse_sft_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<sft>"
     (up to 20) if any line is not valid. ``path`` only names the source in errors."""
     errors = _Collector(os.fspath(path))
     examples: list[SFTExample] = []
-    for line_number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-        except ValueError as e:  # json.JSONDecodeError, or a field given twice
-            errors.add(line_number, None, f"invalid JSON: {e}")
-            continue
-        if not isinstance(record, dict):
-            errors.add(line_number, None, f"expected a JSON object {{...}}, {_got(record)}")
-            continue
+    for line_number, record in json_object_lines(lines, errors):
         example = _parse_record(record, line_number, errors)
         if example is not None:
             examples.append(example)

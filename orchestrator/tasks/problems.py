@@ -38,7 +38,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 from ckpt_common.fsutil import atomic_write_text
@@ -347,14 +347,10 @@ def _unit_number(record: dict, field: str, meaning: str, line: int, errors: Any)
     return float(value)
 
 
-def parse_problem_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<problems>") -> list[Problem]:
-    """The problems of a JSONL text given as lines (line 1 first); raises ProblemFileError listing every
-    error (up to MAX_ERRORS) if any line is not valid. ``path`` only names the source in errors."""
-    name = os.fspath(path)
-    errors = _Collector(name)
-    problems: list[Problem] = []
-    id_lines: dict[str, int] = {}
-    content_lines: dict[str, int] = {}
+def json_object_lines(lines: Iterable[str], errors: _Collector) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSONL text that is one JSON object (a field
+    given twice is invalid); every other line goes to ``errors`` and is skipped. Shared by problem files
+    and SFT files (``trainer.sft_file``)."""
     for line_number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -366,6 +362,18 @@ def parse_problem_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<p
         if not isinstance(record, dict):
             errors.add(line_number, None, f"expected a JSON object {{...}}, {_got(record)}")
             continue
+        yield line_number, record
+
+
+def parse_problem_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<problems>") -> list[Problem]:
+    """The problems of a JSONL text given as lines (line 1 first); raises ProblemFileError listing every
+    error (up to MAX_ERRORS) if any line is not valid. ``path`` only names the source in errors."""
+    name = os.fspath(path)
+    errors = _Collector(name)
+    problems: list[Problem] = []
+    id_lines: dict[str, int] = {}
+    content_lines: dict[str, int] = {}
+    for line_number, record in json_object_lines(lines, errors):
         problem = _parse_record(record, line_number, errors)
         if problem is None:
             continue
