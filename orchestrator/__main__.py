@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from ckpt_common.logs import add_log_level_flag
 from ckpt_common.procs import DEFAULT_STOP_TIMEOUT_S
+from orchestrator.tasks.factory import add_job_config_args, check_data_files
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -30,17 +31,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "JSONL problem files (--set data.train_path=... --set data.heldout_path=...), with vLLM rollouts and "
         "checkpoint-engine weight sync after every iteration. Re-running with the same --output-dir resumes.",
     )
-    parser.add_argument("--config", default=None, help="JSON config file (default: built-in defaults)")
+    add_job_config_args(parser, example="rl.num_iterations=40")
     parser.add_argument("--output-dir", required=True, help="where metrics, plot, summary and state go")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config value, e.g. --set rl.num_iterations=40 (value parsed as "
-        "JSON, else taken as a string); repeatable",
-    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_log_level_flag(parser)
@@ -156,7 +148,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from ckpt_common.dictconfig import to_dict
     from orchestrator.config import load_config
-    from orchestrator.tasks.factory import check_data_files
 
     try:
         config = load_config(args.config, args.overrides)

@@ -40,15 +40,8 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from orchestrator.tasks.problems import (
-    Issue,
-    ProblemFileError,
-    _Collector,
-    _got,
-    _is_text,
-    _parse_messages,
-    json_object_lines,
-)
+from orchestrator.tasks.problems import Collector, Issue, ProblemFileError, parse_messages
+from orchestrator.tasks.records import got, is_text, json_object_lines
 from trainer.sft import SFTConfig, cached_training, lr_at
 
 logger = logging.getLogger(__name__)
@@ -103,7 +96,7 @@ class EncodedExample:
 # -- reading and checking --------------------------------------------------------------------------
 
 
-def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> SFTExample | None:
+def _parse_record(record: dict[str, Any], line: int, errors: Collector) -> SFTExample | None:
     before = errors.count
     unknown = [key for key in record if key not in RECORD_FIELDS]
     if unknown:
@@ -113,7 +106,7 @@ def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> SFTE
             both = "prompt" if "prompt" in record else "response"
             errors.add(line, both, 'expected either "prompt" and "response", or "messages", got both')
             return None
-        messages = _parse_messages(record["messages"], line, errors, last_role="assistant")
+        messages = parse_messages(record["messages"], line, errors, last_role="assistant")
         if messages is not None and len(messages) < 2:
             errors.add(line, "messages", "expected the conversation before the final assistant message, got only it")
         if errors.count > before or messages is None:
@@ -129,8 +122,8 @@ def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> SFTE
     for name in ("prompt", "response"):
         if name not in record:
             errors.add(line, name, "missing, expected a non-empty string")
-        elif not _is_text(record[name]):
-            errors.add(line, name, f"expected a non-empty string, {_got(record[name])}")
+        elif not is_text(record[name]):
+            errors.add(line, name, f"expected a non-empty string, {got(record[name])}")
     if errors.count > before:
         return None
     return SFTExample(record["response"], prompt=record["prompt"], line=line)
@@ -139,7 +132,7 @@ def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> SFTE
 def parse_sft_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<sft>") -> list[SFTExample]:
     """The examples of a JSONL text given as lines (line 1 first); ProblemFileError listing every error
     (up to 20) if any line is not valid. ``path`` only names the source in errors."""
-    errors = _Collector(os.fspath(path))
+    errors = Collector(os.fspath(path))
     examples: list[SFTExample] = []
     for line_number, record in json_object_lines(lines, errors):
         example = _parse_record(record, line_number, errors)
@@ -186,7 +179,7 @@ def encode_example(example: SFTExample, tokenizer: Any) -> EncodedExample:
 def check_encodable(examples: Sequence[SFTExample], tokenizer: Any, max_tokens: int | None, path: str) -> None:
     """ProblemFileError naming each line whose example the model cannot take: ``messages`` without a chat
     template, or more than ``max_tokens`` tokens (the model's context; None: unchecked)."""
-    errors = _Collector(path)
+    errors = Collector(path)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     for example in examples:
         if example.messages is not None and not has_template:

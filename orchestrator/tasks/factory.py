@@ -13,7 +13,7 @@ anything starts.
 The commands around the job (``python -m orchestrator.long2short``, ``python -m orchestrator.curation``)
 name a task the way the job does, with the same helpers::
 
-    add_task_args(parser)  ──▶ --config JOB.json, --set KEY=VALUE (repeatable)
+    add_task_args(parser)  ──▶ --config JOB.json, --set KEY=VALUE (repeatable): add_job_config_args, the RL job's own
     job_sections(config, overrides[, problems_path]) ──▶ (DataConfig, RewardConfig): only those two
         sections are read (problems_path: a command's own file stands for data.train_path)
     file_task_from_sections(data, reward[, problems_path]) ──▶ FileTask of data.train_path (and its
@@ -73,21 +73,33 @@ def check_data_files(config: JobConfig) -> None:
 # -- the task of a command around the job (long2short, curation) -------------------------------------
 
 
-def add_task_args(
-    parser: argparse.ArgumentParser, description: str, example: str = "data.train_path=train.jsonl"
-) -> None:
-    """The task's flags, the RL job's: a job config (``args.config``) and its overrides (``args.overrides``;
-    ``example``: the one --help shows)."""
-    g = parser.add_argument_group("task (problem files)", description)
-    g.add_argument("--config", default=None, help="RL job config JSON (its data and reward sections are read)")
-    g.add_argument(
+def add_job_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, example: str) -> None:
+    """``--config`` (``args.config``: the job config file, None for the defaults) and ``--set KEY=VALUE``
+    (``args.overrides``, repeatable), what ``orchestrator.config.load_config`` and ``job_sections`` take:
+    the RL job's flags (``python -m orchestrator``) and the task flags of the commands around it
+    (``add_task_args``), defined here once. ``example``: the override --help shows."""
+    parser.add_argument("--config", default=None, help="RL job config, a JSON file (default: built-in defaults)")
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help=f"override a job config field, e.g. --set {example} (repeatable)",
+        help=f"override one config value, e.g. --set {example} (value parsed as JSON, else taken as a "
+        "string); repeatable",
     )
+
+
+def add_task_args(
+    parser: argparse.ArgumentParser, description: str, example: str = "data.train_path=train.jsonl"
+) -> None:
+    """The task's flags, the RL job's (``add_job_config_args``): a job config (``args.config``) and its
+    overrides (``args.overrides``; ``example``: the one --help shows), of which only the data and reward
+    sections are read (``job_sections``)."""
+    g = parser.add_argument_group(
+        "task (problem files)", f"{description}; of the job config only the data and reward sections are read"
+    )
+    add_job_config_args(g, example)
 
 
 def job_sections(

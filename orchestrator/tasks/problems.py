@@ -27,6 +27,8 @@ are listed in one ``ProblemFileError``. Two lines with the same id, or the same 
 errors naming both lines. ``check_disjoint`` keeps a held-out file apart from its training file; ``split_heldout``
 holds out a seeded share of one file instead (``data.heldout_fraction``, ``data.split_seed``);
 ``write_problems`` writes the same format back (fields in a fixed order, None fields left out), atomically.
+SFT files (``trainer.sft_file``) are checked the same way: with the JSONL reading and value checks of
+``orchestrator.tasks.records``, ``parse_messages``, and a ``Collector`` that raises ``ProblemFileError``.
 
 The RL job takes these files through ``orchestrator.tasks.file_task.FileTask`` (``data.train_path``,
 ``data.heldout_path``).
@@ -38,10 +40,11 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from ckpt_common.fsutil import atomic_write_text
+from orchestrator.tasks.records import got, is_text, json_object_lines
 
 FIELDS: tuple[str, ...] = (
     "id",
@@ -171,8 +174,10 @@ class ProblemFileError(ValueError):
         super().__init__(message)
 
 
-class _Collector:
-    """Issues of one file, the first MAX_ERRORS kept, all counted."""
+class Collector:
+    """Issues of one file, the first MAX_ERRORS kept, all counted; ``raise_if_any`` raises them as one
+    ProblemFileError. The ``IssueSink`` (``orchestrator.tasks.records``) of problem files and SFT files
+    (``trainer.sft_file``) alike."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -189,53 +194,19 @@ class _Collector:
             raise ProblemFileError(self.issues, self.count)
 
 
-def _got(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False) if _is_json(value) else repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"got {text} ({_type_name(value)})"
-
-
-def _is_json(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _type_name(value: Any) -> str:
-    return {dict: "object", list: "list", str: "string", bool: "bool", type(None): "null"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _is_text(value: Any) -> bool:
-    return isinstance(value, str) and value.strip() != ""
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f'field "{key}" appears twice')
-        out[key] = value
-    return out
-
-
-def _parse_messages(value: Any, line: int, errors: _Collector, last_role: str = "user") -> tuple[dict, ...] | None:
+def parse_messages(value: Any, line: int, errors: Collector, last_role: str = "user") -> tuple[dict, ...] | None:
     """The messages of a record, or None after adding their errors; the last one must be from ``last_role``
     (a problem's conversation ends with the user's turn; an SFT record's, ``trainer.sft_file``, with the
     assistant's answer)."""
     if not isinstance(value, list) or not value:
-        errors.add(line, "messages", f"expected a non-empty list of {{role, content}} objects, {_got(value)}")
+        errors.add(line, "messages", f"expected a non-empty list of {{role, content}} objects, {got(value)}")
         return None
     ok = True
     messages = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            errors.add(line, where, f'expected an object {{"role": ..., "content": ...}}, {_got(message)}')
+            errors.add(line, where, f'expected an object {{"role": ..., "content": ...}}, {got(message)}')
             ok = False
             continue
         unknown = sorted(set(message) - set(MESSAGE_FIELDS))
@@ -244,10 +215,10 @@ def _parse_messages(value: Any, line: int, errors: _Collector, last_role: str = 
             ok = False
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            errors.add(line, f"{where}.role", f"expected one of {list(ROLES)}, {_got(role)}")
+            errors.add(line, f"{where}.role", f"expected one of {list(ROLES)}, {got(role)}")
             ok = False
-        if not _is_text(content):
-            errors.add(line, f"{where}.content", f"expected a non-empty string, {_got(content)}")
+        if not is_text(content):
+            errors.add(line, f"{where}.content", f"expected a non-empty string, {got(content)}")
             ok = False
         messages.append({"role": role, "content": content})
     if ok and messages[-1]["role"] != last_role:
@@ -261,16 +232,16 @@ def _parse_messages(value: Any, line: int, errors: _Collector, last_role: str = 
     return tuple(messages) if ok else None
 
 
-def _parse_tests(value: Any, line: int, errors: _Collector) -> tuple[CodeTest, ...] | None:
+def _parse_tests(value: Any, line: int, errors: Collector) -> tuple[CodeTest, ...] | None:
     if not isinstance(value, list) or not value:
-        errors.add(line, "tests", f'expected a non-empty list of {{"input": str, "output": str}}, {_got(value)}')
+        errors.add(line, "tests", f'expected a non-empty list of {{"input": str, "output": str}}, {got(value)}')
         return None
     ok = True
     tests = []
     for i, test in enumerate(value):
         where = f"tests[{i}]"
         if not isinstance(test, dict):
-            errors.add(line, where, f'expected an object {{"input": str, "output": str}}, {_got(test)}')
+            errors.add(line, where, f'expected an object {{"input": str, "output": str}}, {got(test)}')
             ok = False
             continue
         unknown = sorted(set(test) - set(TEST_FIELDS))
@@ -283,7 +254,7 @@ def _parse_tests(value: Any, line: int, errors: _Collector) -> tuple[CodeTest, .
                 errors.add(
                     line,
                     f"{where}.{name}",
-                    "missing, expected a string" if missing else f"expected a string, {_got(test[name])}",
+                    "missing, expected a string" if missing else f"expected a string, {got(test[name])}",
                 )
                 ok = False
         if ok:
@@ -291,7 +262,7 @@ def _parse_tests(value: Any, line: int, errors: _Collector) -> tuple[CodeTest, .
     return tuple(tests) if ok else None
 
 
-def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> Problem | None:
+def _parse_record(record: dict[str, Any], line: int, errors: Collector) -> Problem | None:
     """The Problem of one JSON object, or None after adding its errors."""
     before = errors.count
     unknown = [key for key in record if key not in FIELDS]
@@ -299,18 +270,18 @@ def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> Prob
         errors.add(line, unknown[0], f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
 
     problem_id = record.get("id")
-    if "id" in record and not _is_text(problem_id):
-        errors.add(line, "id", f"expected a non-empty string, {_got(problem_id)}")
+    if "id" in record and not is_text(problem_id):
+        errors.add(line, "id", f"expected a non-empty string, {got(problem_id)}")
 
     prompt = messages = None
     if "prompt" in record and "messages" in record:
         errors.add(line, "prompt", 'expected exactly one of "prompt" and "messages", got both')
     elif "prompt" in record:
         prompt = record["prompt"]
-        if not _is_text(prompt):
-            errors.add(line, "prompt", f"expected a non-empty string, {_got(prompt)}")
+        if not is_text(prompt):
+            errors.add(line, "prompt", f"expected a non-empty string, {got(prompt)}")
     elif "messages" in record:
-        messages = _parse_messages(record["messages"], line, errors)
+        messages = parse_messages(record["messages"], line, errors)
     else:
         errors.add(line, "prompt", 'missing: expected "prompt" (a string) or "messages" (a list)')
 
@@ -319,8 +290,8 @@ def _parse_record(record: dict[str, Any], line: int, errors: _Collector) -> Prob
         errors.add(line, "answer", 'expected exactly one of "answer" (math) and "tests" (code), got both')
     elif "answer" in record:
         answer = record["answer"]
-        if not _is_text(answer):
-            errors.add(line, "answer", f"expected a non-empty string, {_got(answer)}")
+        if not is_text(answer):
+            errors.add(line, "answer", f"expected a non-empty string, {got(answer)}")
     elif "tests" in record:
         tests = _parse_tests(record["tests"], line, errors)
     else:
@@ -342,34 +313,16 @@ def _unit_number(record: dict, field: str, meaning: str, line: int, errors: Any)
         return None
     value = record[field]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        errors.add(line, field, f"expected a number in [0, 1] ({meaning}), {_got(value)}")
+        errors.add(line, field, f"expected a number in [0, 1] ({meaning}), {got(value)}")
         return None
     return float(value)
-
-
-def json_object_lines(lines: Iterable[str], errors: _Collector) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-blank line of a JSONL text that is one JSON object (a field
-    given twice is invalid); every other line goes to ``errors`` and is skipped. Shared by problem files
-    and SFT files (``trainer.sft_file``)."""
-    for line_number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-        except ValueError as e:  # json.JSONDecodeError, or a field given twice
-            errors.add(line_number, None, f"invalid JSON: {e}")
-            continue
-        if not isinstance(record, dict):
-            errors.add(line_number, None, f"expected a JSON object {{...}}, {_got(record)}")
-            continue
-        yield line_number, record
 
 
 def parse_problem_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<problems>") -> list[Problem]:
     """The problems of a JSONL text given as lines (line 1 first); raises ProblemFileError listing every
     error (up to MAX_ERRORS) if any line is not valid. ``path`` only names the source in errors."""
     name = os.fspath(path)
-    errors = _Collector(name)
+    errors = Collector(name)
     problems: list[Problem] = []
     id_lines: dict[str, int] = {}
     content_lines: dict[str, int] = {}
@@ -417,7 +370,7 @@ def check_disjoint(
     train_name, heldout_name = os.fspath(train_path), os.fspath(heldout_path)
     by_id = {p.id: p for p in train}
     by_content = {p.content_key(): p for p in train}
-    errors = _Collector(heldout_name)
+    errors = Collector(heldout_name)
     for index, problem in enumerate(heldout):
         line = problem.line if problem.line is not None else index + 1
         same_id, same_content = by_id.get(problem.id), by_content.get(problem.content_key())
