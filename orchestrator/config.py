@@ -330,6 +330,14 @@ class EngineConfig:
     ``enforce_eager``: vLLM's flag: run the model without torch.compile (and CUDA graphs). vLLM keys its
     compile cache by the model's folder, so an engine on a folder it has not seen compiles at start
     (about 45 s on a 2-core CPU for the demo's model); eager decoding is slower (about 1.3x there).
+    ``update_route``: how each weight version reaches vLLM. ``native``: vLLM's own weight-transfer API
+    with this project as its backend (``--weight-transfer-config '{"backend": "checkpoint_engine"}'``;
+    ``vllm_ext.weight_transfer``): start, update and finish (with the version, ``policy-vN``, that vLLM
+    reports in ``/weight_info`` and with each output afterwards). ``extension``: the worker extension's
+    ``collective_rpc`` (the engines run without the backend). ``auto``: native for the engines the job
+    starts (in process, a pool), and what an external server offers (``vllm_http``: a launcher says so
+    in GET /launcher/status, any other server gets ``extension``). The daemon's engines take updates
+    the way the daemon is told (``--engine-update-route``).
     """
 
     type: Literal["vllm_async", "vllm_http", "daemon"] = "vllm_async"
@@ -347,6 +355,7 @@ class EngineConfig:
     colocated: bool = False
     sleep_level: int = 0  # colocated: 0 stop/start, 1 or 2 vLLM sleep level
     enforce_eager: bool = False
+    update_route: Literal["auto", "native", "extension"] = "auto"
 
     def __post_init__(self) -> None:
         check_literals(self, "engine.")

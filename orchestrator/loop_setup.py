@@ -162,7 +162,7 @@ def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, s
         return PoolWeightSync(c.sync, engine)
     from orchestrator.engines.weight_sync import WeightSync
 
-    return WeightSync(c.sync, engine.weight_req_func(c.sync.timeout_s))
+    return WeightSync.for_engine(c.sync, engine)
 
 
 def record_resume(out: pathlib.Path, saved: checkpointing.SavedState, buffer: ReplayBuffer) -> None:

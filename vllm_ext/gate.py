@@ -9,7 +9,8 @@
 
 The gate opens when every worker reports weights version >= 1 (a complete update), learned from
 vLLM's load step (once vLLM is healthy), the launcher's own push, a proxied
-`update_weights_from_ipc` answer, or by polling. It never
+`update_weights_from_ipc` answer, the workers' reports asked for right after a proxied
+`/finish_weight_update` (vLLM's weight-transfer API), or by polling. It never
 closes again: a later aborted update leaves the engine serving and reporting `incomplete`.
 """
 
@@ -35,6 +36,17 @@ CONTROL_PATHS = (
     "/sleep",
     "/wake_up",
     "/is_sleeping",
+    # vLLM's weight-transfer API (its RL routes; vllm_ext.weight_transfer): a first update may come this way
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
 )
 # what a client beyond loopback may reach with remote_serving_only (--gate-remote-routes serving):
 # generation and read-only routes; vLLM's dev-mode routes (weights, sleep, RPC into the workers) stay
@@ -151,11 +163,13 @@ def make_app(
     wait_s: float = 0.0,
     proxy_timeout_s: float = 600.0,
     remote_serving_only: bool = False,
+    status_extra: dict | None = None,
 ):
     """The Starlette app of the gate (imports starlette/httpx lazily: the CLI's --help stays fast).
 
     `remote_serving_only`: a client beyond loopback reaches only what `served_to_remote` admits
-    (403 naming the route otherwise)."""
+    (403 naming the route otherwise). `status_extra`: more fields of GET /launcher/status (the
+    launcher's "update_route")."""
     import httpx
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
@@ -184,7 +198,7 @@ def make_app(
             await state["client"].aclose()
 
     async def status(request: Request):
-        return JSONResponse({**gate.snapshot(), "engine_url": engine_url})
+        return JSONResponse({**gate.snapshot(), "engine_url": engine_url, **(status_extra or {})})
 
     async def health(request: Request):
         if gate.is_open:
@@ -231,6 +245,12 @@ def make_app(
             await resp.aclose()
             _observe_rpc(gate, body, resp.status_code, data)
             return Response(data, status_code=resp.status_code, headers=out_headers)
+        if path == "/finish_weight_update":  # an update through vLLM's API: open before answering
+            data = await resp.aread()
+            await resp.aclose()
+            if resp.status_code == 200 and not gate.is_open:
+                await _ask_weights_state(state["client"], gate)
+            return Response(data, status_code=resp.status_code, headers=out_headers)
         return StreamingResponse(
             resp.aiter_raw(), status_code=resp.status_code, headers=out_headers, background=BackgroundTask(resp.aclose)
         )
@@ -256,6 +276,20 @@ async def _wait_open(gate: Gate, opened, wait_s: float) -> bool:
     finally:
         gate.count_held(-1)
     return gate.is_open
+
+
+async def _ask_weights_state(client, gate: Gate) -> None:
+    """The workers' reports (the extension's `weights_state`, the same receiver as the backend's), for
+    the gate; a failure leaves it to the launcher's polling."""
+    body = json.dumps({"method": "weights_state", "args": [], "kwargs": {}, "timeout": 30.0}).encode()
+    try:
+        resp = await client.post(
+            "/collective_rpc", content=body, headers={"Content-Type": "application/json"}, timeout=40.0
+        )
+    except Exception as e:  # noqa: BLE001 - the launcher polls the same reports every 2 s
+        logger.debug("weights_state after /finish_weight_update failed: %s", e)
+        return
+    _observe_rpc(gate, body, resp.status_code, resp.content)
 
 
 def _observe_rpc(gate: Gate, request_body: bytes, status_code: int, data: bytes) -> None:

@@ -11,7 +11,10 @@
 `--initial-mode push` starts vLLM with dummy weights instead and pushes once it is healthy (any
 vLLM, no loader registration; slower: dummy initialisation and a second packing on the path).
 
-Later updates go through the same public port (`POST /collective_rpc` is proxied). With
+Later updates go through the same public port, by either route (both proxied): vLLM's own weight-transfer
+routes (/pause, /start_weight_update, /update_weights, /finish_weight_update, /resume; vLLM runs with
+`--weight-transfer-config '{"backend": "checkpoint_engine"}'` unless --no-weight-transfer, and GET
+/launcher/status says "update_route": "native") or the worker extension's `POST /collective_rpc`. With
 `--no-initial-push` the launcher only gates: the gate opens when an external parameter server
 (e.g. the trainer's) completes the first update. With `--load-rendezvous ADDR` vLLM's load step
 waits at ADDR for an external parameter server (the checkpoint-engine daemon's `{rendezvous}`), so
@@ -97,6 +100,7 @@ class Launcher:
             self.engine_url,
             wait_s=self.cfg.gate_wait_s,
             remote_serving_only=self.cfg.gate_remote_routes == "serving",
+            status_extra={"update_route": self.cfg.update_route},
         )
         config = uvicorn.Config(
             app,
@@ -165,7 +169,7 @@ class Launcher:
             self._ps_error = e
 
     def push(self, registering: threading.Thread) -> dict:
-        from vllm_ext.req import vllm_http_req_func
+        from vllm_ext.weight_transfer.req import engine_req_func
 
         registering.join(self.cfg.push_timeout_s)
         if registering.is_alive():
@@ -173,7 +177,13 @@ class Launcher:
         if self._ps_error is not None:
             raise RuntimeError(f"registering {self.cfg.model} failed: {self._ps_error}") from self._ps_error
         self.gate.set_phase("pushing_weights", f"pushing checkpoint {self.cfg.name!r} into the engine")
-        req = vllm_http_req_func(self.engine_url, rank=0, timeout_s=self.cfg.push_timeout_s)
+        req = engine_req_func(
+            self.engine_url,
+            route=self.cfg.update_route,
+            rank=0,
+            timeout_s=self.cfg.push_timeout_s,
+            weight_version=self.cfg.name,
+        )
         return self._ps.update(self.cfg.name, req).to_dict()
 
     def load_into_engine(self, registering: threading.Thread) -> None:

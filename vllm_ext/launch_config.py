@@ -32,6 +32,10 @@ RESERVED_VLLM_FLAGS = (
     "--additional-config",
     "--model-loader-extra-config",
 )
+# vLLM's weight-transfer API with this project as its backend (vllm_ext.weight_transfer): the launcher
+# passes it unless --no-weight-transfer, and then it is the user's to pass
+WEIGHT_TRANSFER_FLAG = "--weight-transfer-config"
+WEIGHT_TRANSFER_CONFIG = {"backend": "checkpoint_engine"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,15 @@ class LaunchConfig:
     push_timeout_s: float = 600.0
     engine_timeout_s: float = field(default=600.0, metadata=meta("engine-side deadline per PS message"))
     reload_mode: Literal["streaming", "end"] = "streaming"
+    weight_transfer: bool = field(
+        default=True,
+        metadata=meta(
+            'start vLLM with --weight-transfer-config \'{"backend": "checkpoint_engine"}\': updates may use '
+            "vLLM's own routes (/pause, /start_weight_update, /update_weights, /finish_weight_update, "
+            "/resume) besides the worker extension's /collective_rpc; GET /launcher/status then says "
+            '"update_route": "native". --no-weight-transfer: the extension\'s route only'
+        ),
+    )
     weight_cache: bool = field(
         default=True,
         metadata=meta(
@@ -176,9 +189,18 @@ class LaunchConfig:
                 f"initial_mode 'load' feeds one tensor-parallel rank from one parameter-server rank, "
                 f"got --tensor-parallel-size {tp}; use initial_mode 'push' or an external PS"
             )
-        clash = [a for a in self.vllm_args if a.split("=")[0] in RESERVED_VLLM_FLAGS]
+        reserved = (*RESERVED_VLLM_FLAGS, WEIGHT_TRANSFER_FLAG) if self.weight_transfer else RESERVED_VLLM_FLAGS
+        clash = [a for a in self.vllm_args if a.split("=")[0] in reserved]
         if clash:
-            raise ValueError(f"vllm_args must not set {clash}: the launcher sets {list(RESERVED_VLLM_FLAGS)}")
+            raise ValueError(
+                f"vllm_args must not set {clash}: the launcher sets {list(reserved)}"
+                + (" (--no-weight-transfer leaves --weight-transfer-config to you)" if self.weight_transfer else "")
+            )
+
+    @property
+    def update_route(self) -> str:
+        """How updates reach this launcher's vLLM by default (`vllm_ext.weight_transfer.req.UpdateRoute`)."""
+        return "native" if self.weight_transfer else "extension"
 
     @property
     def own_ps(self) -> bool:
@@ -269,6 +291,8 @@ def vllm_command(cfg: LaunchConfig, engine_port: int, rendezvous: str | None = N
     settings = engine_settings(cfg)
     if settings:
         cmd += ["--additional-config", json.dumps({"checkpoint_engine": settings})]
+    if cfg.weight_transfer:
+        cmd += [WEIGHT_TRANSFER_FLAG, json.dumps(WEIGHT_TRANSFER_CONFIG)]
     return [*cmd, *cfg.vllm_args]
 
 

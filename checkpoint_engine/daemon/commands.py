@@ -356,7 +356,20 @@ def _req_func(ps: ParameterServer, cmd: dict):
     endpoints = cmd["endpoints"]
     per = int(cmd.get("ranks_per_engine", 1))
     endpoint = endpoints[ps.rank // per] if isinstance(endpoints, list) else endpoints
-    return http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=timeout_s)
+    route = cmd.get("route") or "auto"
+    if route == "extension":
+        return http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=timeout_s)
+    from vllm_ext.weight_transfer.req import engine_req_func
+
+    return engine_req_func(  # native, or auto: native where the engine's launcher says it serves the routes
+        endpoint,
+        route=route,
+        rank=ps.rank,
+        ranks_per_engine=per,
+        timeout_s=timeout_s,
+        weight_version=cmd.get("weight_version") or cmd["name"],
+        pause_mode=cmd.get("pause_mode") or "abort",
+    )
 
 
 def is_int_list(value) -> bool:
@@ -421,7 +434,9 @@ def validate(cmd: dict) -> dict:
             raise CommandError("update: 'uds' must be a unix socket path or null", "uds")
         if not is_int_list(cmd.get("inference_group_ranks", [])):
             raise CommandError("update: 'inference_group_ranks' must be a list of ints", "inference_group_ranks")
-    elif op == "update" and not cmd.get("managed"):
+    if op == "update":
+        _check_route_fields(cmd)
+    if op == "update" and not cmd.get("managed") and "update_url" not in cmd:
         eps = cmd.get("endpoints")
         if not (isinstance(eps, str) or (isinstance(eps, list) and eps and all(isinstance(e, str) for e in eps))):
             raise CommandError(
@@ -430,6 +445,32 @@ def validate(cmd: dict) -> dict:
                 "endpoints",
             )
     return cmd
+
+
+ROUTES = ("auto", "native", "extension")  # POST /update's "route"
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's /pause?mode=
+
+
+def _check_route_fields(cmd: dict) -> None:
+    """POST /update's "route", "pause_mode" and "weight_version": for 'endpoints' only (the managed engines
+    take the daemon's --engine-update-route; MoonshotAI's 'update_url' keeps its /collective_rpc)."""
+    given = [k for k in ("route", "pause_mode", "weight_version") if cmd.get(k) is not None]
+    if given and "endpoints" not in cmd:
+        raise CommandError(
+            f"update: {given} apply to 'endpoints' only (the managed engines take --engine-update-route; "
+            "'update_url' is MoonshotAI's /collective_rpc route)",
+            given[0],
+        )
+    if cmd.get("route") is not None and cmd["route"] not in ROUTES:
+        raise CommandError(f"update: 'route' must be one of {list(ROUTES)}, got {cmd['route']!r}", "route")
+    if cmd.get("pause_mode") is not None and cmd["pause_mode"] not in PAUSE_MODES:
+        raise CommandError(
+            f"update: 'pause_mode' must be one of {list(PAUSE_MODES)}, got {cmd['pause_mode']!r}", "pause_mode"
+        )
+    if cmd.get("route") == "extension" and cmd.get("pause_mode") is not None:
+        raise CommandError("update: 'pause_mode' applies to the native route only (vLLM's /pause)", "pause_mode")
+    if cmd.get("weight_version") is not None and not (isinstance(cmd["weight_version"], str) and cmd["weight_version"]):
+        raise CommandError("update: 'weight_version' must be a non-empty string", "weight_version")
 
 
 def serve_rank(

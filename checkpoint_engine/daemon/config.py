@@ -38,6 +38,7 @@ _ENGINE_FIELDS = {
     "log_dir": "engine_log_dir",
     "update_timeout_s": "collective_timeout_s",
     "p2p_host": "p2p_host",
+    "update_route": "engine_update_route",
 }
 
 
@@ -142,6 +143,17 @@ class DaemonConfig:
     engine_health_path: str = field(
         default=EngineConfig.health_path, metadata=meta("GET path answering 200 once an engine is up")
     )
+    engine_update_route: str = field(
+        default=EngineConfig.update_route,
+        metadata=meta(
+            "how updates reach the serving engines: native (vLLM's weight-transfer routes /pause, "
+            "/start_weight_update, /update_weights, /finish_weight_update with the checkpoint's name as the "
+            'version, /resume; the engine runs --weight-transfer-config \'{"backend": "checkpoint_engine"}\'), '
+            "extension (the worker extension's /collective_rpc), auto (native where the engine's GET "
+            "/launcher/status says so, as `vllm_ext.launch` does by default; extension otherwise)",
+            choices=("auto", "native", "extension"),
+        ),
+    )
     engine_start_timeout_s: float = field(
         default=EngineConfig.start_timeout_s, metadata=meta("engine start -> healthy deadline")
     )
@@ -211,4 +223,5 @@ class DaemonConfig:
             log_dir=self.engine_log_dir,
             update_timeout_s=self.collective_timeout_s,
             p2p_host=self.p2p_host,
+            update_route=self.engine_update_route,
         )

@@ -40,6 +40,9 @@ UPDATE_FIELDS = (
     "update_url",
     "inference_group_ranks",
     "uds",
+    "route",
+    "pause_mode",
+    "weight_version",
 )
 # POST /metas takes what GET /metas/NAME answered as its rank 0 result (jobs.GlobalMetas.to_dict)
 METAS_REQUIRED = ("checkpoint", "ranks", "device_ids", "pids", "hosts")

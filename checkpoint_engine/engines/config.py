@@ -113,6 +113,9 @@ def engine_env(environ: dict[str, str] | None = None, device: str = "cpu") -> di
     return env
 
 
+UPDATE_ROUTES = ("auto", "native", "extension")  # EngineConfig.update_route
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}, {rendezvous}, {p2p_host}
@@ -134,6 +137,11 @@ class EngineConfig:
     segment_ledger_dir: str | None = None
     # what `{p2p_host}` in `cmd` stands for: the daemon's --p2p-host (a template that uses it needs one)
     p2p_host: str | None = None
+    # how updates reach a serving engine: native (vLLM's weight-transfer routes; the engine runs the
+    # checkpoint_engine backend), extension (the worker extension's /collective_rpc), auto (native where
+    # the engine says it serves them in GET /launcher/status: `vllm_ext.launch` does by default;
+    # extension otherwise: a plain engine, a bare `vllm serve`); asked at each update
+    update_route: str = "auto"
 
     @property
     def loads_from_ps(self) -> bool:
@@ -160,3 +168,5 @@ class EngineConfig:
         for name in ("start_timeout_s", "stop_grace_s", "poll_interval_s", "update_timeout_s"):
             check_number(f"EngineConfig.{name}", getattr(self, name))
         check_int("EngineConfig.max_heal_attempts", self.max_heal_attempts, low=0)
+        if self.update_route not in UPDATE_ROUTES:
+            raise ValueError(f"EngineConfig.update_route={self.update_route!r} must be one of {list(UPDATE_ROUTES)}")

@@ -54,12 +54,15 @@ which opens only after the first update.
 from __future__ import annotations
 
 import json
+import logging
 
 from checkpoint_engine.daemon.store_wait import wait_for_keys
 from checkpoint_engine.engines.config import (
     EngineConfig,
 )
 from checkpoint_engine.engines.process import ManagedEngine, Watchdog
+
+logger = logging.getLogger(__name__)
 
 
 class EngineHost:
@@ -187,13 +190,35 @@ def _start_loading(host: EngineHost, ps, cmd: dict, ranks: list[int]) -> dict:
     }
 
 
+def engine_update_req_func(host: EngineHost, name: str, timeout_s: float):
+    """The update request into this rank's serving engine, by `config.update_route` (auto: the route the
+    engine offers, asked at the update: `vllm_ext.weight_transfer.req.served_route`). Native: vLLM's
+    weight-transfer routes, with `name` as the version vLLM reports; extension: /collective_rpc."""
+    from checkpoint_engine.api import http_req_func
+
+    url, route = host.engine.url, host.config.update_route
+    extension = http_req_func(url, rank=host.rank, ranks_per_engine=1, timeout_s=timeout_s)
+    if route == "extension":
+        return extension
+    from vllm_ext.weight_transfer.req import native_http_req_func, served_route
+
+    native = native_http_req_func(url, rank=host.rank, ranks_per_engine=1, timeout_s=timeout_s, weight_version=name)
+    if route == "native":
+        return native
+
+    def req_func(paths) -> None:
+        chosen = served_route(url)
+        logger.info("rank %d: update of %r into %s through the %s route", host.rank, name, url, chosen)
+        (native if chosen == "native" else extension)(paths)
+
+    return req_func
+
+
 def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, timeout_s: float | None) -> dict:
     """`ps.update(name)` into the managed engines of `ranks` (all by default): updating -> serving/incomplete.
 
     Every rank calls it. The receivers first agree that each of their engines can take an update, so
     a stopped engine refuses the update on all ranks instead of leaving the others in a collective."""
-    from checkpoint_engine.api import http_req_func
-
     members = sorted(set(ranks)) if ranks else list(range(host.world_size))
     mine = host.rank in members
     refused = _agree(host, host.engine.update_refusal() if mine else None, host.AGREE_MARGIN_S)
@@ -207,11 +232,7 @@ def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, tim
         except RuntimeError:
             pass  # it died since the agreement: the update below fails on every rank through its engine
     timeout_s = float(timeout_s or host.config.update_timeout_s)
-    req_func = (
-        http_req_func(host.engine.url, rank=host.rank, ranks_per_engine=1, timeout_s=timeout_s)
-        if mine
-        else (lambda paths: None)
-    )
+    req_func = engine_update_req_func(host, name, timeout_s) if mine else (lambda paths: None)
     pull_ranks = None if len(members) == host.world_size else members
     try:
         metrics = ps.update(name, req_func, timeout=timeout_s, ranks=pull_ranks)

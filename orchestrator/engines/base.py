@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from checkpoint_engine.types import ReqFunc
 from orchestrator.repeat import RepeatConfig
+
+if TYPE_CHECKING:
+    from vllm_ext.weight_transfer.req import WeightVersion
 
 # vLLM's finish reasons -> ours (None: the request ended without one)
 VLLM_FINISH = {"stop": "stop", "length": "length", "abort": "abort", None: "abort"}
@@ -133,7 +137,10 @@ class RolloutEngine:
     def _generate(self, call: GenCall) -> list[GenResult]:
         raise NotImplementedError
 
-    def weight_req_func(self, timeout_s: float) -> ReqFunc:
+    def weight_req_func(self, timeout_s: float, weight_version: WeightVersion = None) -> ReqFunc:
+        """req_func for ParameterServer.update into this engine, bounded by `timeout_s`;
+        `weight_version`: what the engine reports after each update where it reports versions (a
+        name, or a callable asked at each update)."""
         raise NotImplementedError
 
     def close(self) -> None:

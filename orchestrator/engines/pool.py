@@ -306,7 +306,7 @@ class EnginePool(PoolMembers, RolloutEngine):
         with self._cond:
             return {m.name: m.server.endpoint for m in self.members if m.server is not None}
 
-    def weight_req_func(self, timeout_s: float) -> ReqFunc:
+    def weight_req_func(self, timeout_s: float, weight_version=None) -> ReqFunc:
         raise TypeError(
             "an engine pool takes one update per engine: sync it with orchestrator.engines.pool_sync.PoolWeightSync"
         )

@@ -108,12 +108,17 @@ class PoolMembers:
         with self._cond:
             return [(m, m.epoch) for m in self.members if m.state in (WAITING, SERVING)]
 
-    def weight_req_func_of(self, member: Member, timeout_s: float) -> ReqFunc:
+    def weight_req_func_of(self, member: Member, timeout_s: float, weight_version: str | None = None) -> ReqFunc:
+        """The update of ``member``: through the route its launcher offers (``served_route``: vLLM's
+        weight-transfer routes unless the pool started it with --no-weight-transfer), ``weight_version``
+        what vLLM reports afterwards."""
         if member.server is not None:
-            from vllm_ext.req import vllm_http_req_func
+            from vllm_ext.weight_transfer.req import engine_req_func
 
-            return vllm_http_req_func(member.server.endpoint, rank=0, timeout_s=timeout_s)
-        return member.engine.weight_req_func(timeout_s)
+            return engine_req_func(
+                member.server.endpoint, route="auto", rank=0, timeout_s=timeout_s, weight_version=weight_version
+            )
+        return member.engine.weight_req_func(timeout_s, weight_version)
 
     def weights_in(self, member: Member, version: int | None, epoch: int) -> None:
         """``member`` (incarnation ``epoch``) holds weights ``version`` now: it serves."""

@@ -82,6 +82,7 @@ def launch_command(model_dir: str, config: EngineConfig, port: int) -> list[str]
         "--no-initial-push",
         "--startup-timeout-s",
         str(float(config.start_timeout_s)),
+        *(["--no-weight-transfer"] if config.update_route == "extension" else []),
         "--",
         "--dtype",
         config.dtype,

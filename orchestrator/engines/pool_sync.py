@@ -61,7 +61,7 @@ class PoolWeightSync(WeightSync):
             for member, epoch in self.pool.sync_targets():
                 t0 = time.monotonic()
                 try:
-                    metrics = self.ps.update(name, self.pool.weight_req_func_of(member, self.timeout_s))
+                    metrics = self.ps.update(name, self.pool.weight_req_func_of(member, self.timeout_s, name))
                 except Exception as e:  # noqa: BLE001 - one engine's failure must not stop the others' update
                     self.pool.report_failure(member, epoch, f"weight update to v{version}: {e}")
                     continue
@@ -92,7 +92,7 @@ class PoolWeightSync(WeightSync):
             epoch = member.epoch
             if self._current is None:
                 return
-            self.ps.update(self._current, self.pool.weight_req_func_of(member, self.timeout_s))
+            self.ps.update(self._current, self.pool.weight_req_func_of(member, self.timeout_s, self._current))
             self.pool.weights_in(member, self._version, epoch)
 
     def close(self) -> None:

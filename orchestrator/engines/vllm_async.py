@@ -6,7 +6,11 @@
         token deltas ──▶ _StreamStopper (a RepeatDetector seeded with the earlier segments)
             fires ──▶ the request aborted in the engine, finish "repeat"
         on_result(result) as each request finishes
-    weight_req_func ──▶ collective_rpc(update_weights_from_ipc) on the workers, then a prefix-cache reset
+    weight_req_func ──▶ update_route native (default): vLLM's weight-transfer methods of the AsyncLLM
+                        (start_weight_update, update_weights, finish_weight_update(version)), the engine
+                        running the checkpoint_engine backend (vllm_ext.weight_transfer);
+                        extension: collective_rpc(update_weights_from_ipc) on the workers;
+                        then a prefix-cache reset either way
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_engine.types import ReqFunc
 from ckpt_common.procs import block_sigint, stop_signal
@@ -33,6 +37,9 @@ from orchestrator.engines.base import (
     SamplingSettings,
 )
 from orchestrator.repeat import RepeatConfig
+
+if TYPE_CHECKING:
+    from vllm_ext.weight_transfer.req import WeightVersion
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,7 @@ class AsyncVllmEngine(RolloutEngine):
 
     def __init__(self, model_dir: str, config: EngineConfig) -> None:
         self.config = config
+        self.native = config.update_route != "extension"  # auto: native, the engine is ours to start
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -93,7 +101,7 @@ class AsyncVllmEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vllm_ext.launch_config import EXTENSION
+        from vllm_ext.launch_config import EXTENSION, WEIGHT_TRANSFER_CONFIG
 
         c = self.config
         args = AsyncEngineArgs(
@@ -108,6 +116,7 @@ class AsyncVllmEngine(RolloutEngine):
             enforce_eager=c.enforce_eager,
             worker_extension_cls=EXTENSION,
             disable_log_stats=True,
+            **({"weight_transfer_config": dict(WEIGHT_TRANSFER_CONFIG)} if self.native else {}),
         )
         return AsyncLLM.from_engine_args(args)
 
@@ -201,16 +210,44 @@ class AsyncVllmEngine(RolloutEngine):
             on_result(result)
         return result
 
-    def weight_req_func(self, timeout_s: float) -> ReqFunc:
+    def weight_req_func(self, timeout_s: float, weight_version: WeightVersion = None) -> ReqFunc:
+        """``weight_version``: the version vLLM reports after each update (native only; a callable is
+        asked at each update)."""
+
+        def reset_prefix_cache() -> None:  # KV blocks computed with the old weights must not be reused
+            self._call(self._llm.reset_prefix_cache(), 60.0, "prefix cache reset")
+
+        if self.native:
+            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+            from vllm_ext.weight_transfer.req import NativeSteps, run_native_update, update_payload, version_now
+
+            num_workers = self._llm.vllm_config.parallel_config.world_size
+
+            def step(coro, what: str) -> Any:
+                return self._call(coro, timeout_s + 30.0, what)
+
+            steps = NativeSteps(
+                where="in-process vLLM",
+                start=lambda: step(self._llm.start_weight_update(), "start_weight_update"),
+                update=lambda payload: step(
+                    self._llm.update_weights(WeightTransferUpdateRequest(update_info=payload)), "update_weights"
+                ),
+                finish=lambda version: step(self._llm.finish_weight_update(version), "finish_weight_update"),
+                reset_prefix_cache=reset_prefix_cache,
+            )
+
+            def native_req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+                run_native_update(steps, update_payload(dict(socket_paths), num_workers), version_now(weight_version))
+
+            return native_req_func
+
         from vllm_ext.req import rpc_req_func
 
         def collective_rpc(method: str, *, timeout: float, args: tuple) -> list:
             return self._call(
                 self._llm.collective_rpc(method, timeout=timeout, args=args), timeout + 30.0, "weight update"
             )
-
-        def reset_prefix_cache() -> None:  # KV blocks computed with the old weights must not be reused
-            self._call(self._llm.reset_prefix_cache(), 60.0, "prefix cache reset")
 
         return rpc_req_func(collective_rpc, reset_prefix_cache, "in-process vLLM", timeout_s=timeout_s)
 

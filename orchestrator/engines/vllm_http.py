@@ -7,7 +7,9 @@
             a batch cut off by its engine's death raises PartialGeneration with the tokens so far)
         ──▶ each answer cut at its first repeat (over the earlier segments too), after the fact
         on_result(result) as each batch ends; as_completed also ends on requests close() cancelled
-    weight_req_func ──▶ the server's /collective_rpc routes (vllm_ext.req.vllm_http_req_func)
+    weight_req_func ──▶ the server's weight-transfer routes (engine.update_route native; auto: where a
+                        launcher says it serves them) or its /collective_rpc (extension)
+                        (vllm_ext.weight_transfer.req.engine_req_func)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from checkpoint_engine.types import ReqFunc
 from ckpt_common.httpjson import HTTPError
@@ -31,6 +34,9 @@ from orchestrator.engines.base import (
     SamplingSettings,
 )
 from orchestrator.repeat import RepeatConfig, first_repeat_end
+
+if TYPE_CHECKING:
+    from vllm_ext.weight_transfer.req import WeightVersion
 
 MAX_POOL_CLIENT_WORKERS = 256
 # Tokens per streamed event (vLLM's per-request ``stream_interval``): one event per token cost a pool
@@ -217,10 +223,14 @@ class HttpVllmEngine(RolloutEngine):
             ) from None
         return [results[r.request_id] for r in requests]
 
-    def weight_req_func(self, timeout_s: float) -> ReqFunc:
-        from vllm_ext.req import vllm_http_req_func
+    def weight_req_func(self, timeout_s: float, weight_version: WeightVersion = None) -> ReqFunc:
+        """The server's route: ``engine.update_route`` (auto: what the server says it offers at each
+        update, ``served_route``)."""
+        from vllm_ext.weight_transfer.req import engine_req_func
 
-        return vllm_http_req_func(self.endpoint, rank=0, timeout_s=timeout_s)
+        return engine_req_func(
+            self.endpoint, route=self.config.update_route, rank=0, timeout_s=timeout_s, weight_version=weight_version
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -40,7 +40,7 @@ class SyncResult:
 class WeightSync:
     """Owns the in-process ParameterServer; ``push`` makes the engine serve the given weights."""
 
-    def __init__(self, config: SyncConfig, req_func: ReqFunc) -> None:
+    def __init__(self, config: SyncConfig, req_func: ReqFunc | None) -> None:
         update = UpdateConfig(
             bucket_size_bytes=config.bucket_size_bytes,
             engine_timeout_s=config.timeout_s,
@@ -54,6 +54,16 @@ class WeightSync:
         )
         self.req_func = req_func
         self._current: str | None = None
+        self.updating: str | None = None  # the version being pushed now ("policy-vN"), for `for_engine`
+
+    @classmethod
+    def for_engine(cls, config: SyncConfig, engine) -> WeightSync:
+        """The sync of one ``RolloutEngine``: its req_func, told each version's name (what vLLM reports
+        in /weight_info and with its outputs, where the engine takes updates through its weight-transfer
+        API)."""
+        sync = cls(config, None)
+        sync.req_func = engine.weight_req_func(config.timeout_s, weight_version=lambda: sync.updating)
+        return sync
 
     def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> SyncResult:
         name = f"policy-v{version}"
@@ -62,6 +72,7 @@ class WeightSync:
             self.ps.unregister_checkpoint(name)
         self.ps.register_checkpoint(name, named_tensors=dict(named_tensors))
         self.ps.gather_metas(name)
+        self.updating = name
         metrics = self.ps.update(name, self._req_func)
         if self._current is not None and self._current != name:
             self.ps.unregister_checkpoint(self._current)

@@ -14,6 +14,10 @@
         native_llm_req_func: the same methods of an in-process `vllm.LLM` (it has no pause/resume), then
                             llm.reset_prefix_cache()
         client_req_func: the same over a `VLLMWeightSyncClient` (vLLM's trainer API; `trainer.py`)
+        engine_req_func: the way into a vLLM server by name: "native" (the above over HTTP) or
+                         "extension" (the worker extension's /collective_rpc, `vllm_ext.req`)
+        served_route:    which of the two a server offers: a launcher (`vllm_ext.launch`) says so
+                         in GET /launcher/status ("update_route"); any other server: "extension"
 
 Every worker's update_info carries the engine's sockets in PS rank order (`NativeUpdateInfo`); each
 worker takes its own. A failed route stops the sequence (no finish: the version does not move), and
@@ -43,14 +47,18 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from checkpoint_engine.types import ReqFunc
-from ckpt_common.httpjson import HTTPError, post_json
-from vllm_ext.req import EngineRpcError
+from ckpt_common.httpjson import HTTPError, post_json, status_json
+from vllm_ext.req import EngineRpcError, vllm_http_req_func
 from vllm_ext.weight_transfer.infos import NativeUpdateInfo
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+# how a ParameterServer update reaches a vLLM server: vLLM's weight-transfer routes (this backend), or
+# the worker extension's /collective_rpc (MoonshotAI's door; any server started with the extension)
+UpdateRoute = Literal["native", "extension"]
+UPDATE_ROUTES: tuple[str, ...] = get_args(UpdateRoute)
 ROUTES = (
     "/pause",
     "/start_weight_update",
@@ -62,6 +70,9 @@ ROUTES = (
 # keep mode's step after finish: vLLM preempts the frozen requests (they recompute with the new weights)
 # and drops every cached block
 RESET_KV_ROUTE = "/reset_prefix_cache?reset_running_requests=true"
+# what /weight_info reports after an update: a name, or a callable asked at each update (a job whose
+# req_func outlives one version: `orchestrator.engines.weight_sync`), or None (the version stays)
+WeightVersion = str | Callable[[], str | None] | None
 RESUME_TIMEOUT_S = 30.0  # /resume has a deadline of its own: a late update must not leave the engine paused
 
 
@@ -209,7 +220,7 @@ def native_http_req_func(
     *,
     rank: int | None = None,
     ranks_per_engine: int = 1,
-    weight_version: str | None = None,
+    weight_version: WeightVersion = None,
     pause_mode: PauseMode = "abort",
     timeout_s: float = 600.0,
     step_times: list[dict[str, float]] | None = None,
@@ -217,7 +228,8 @@ def native_http_req_func(
     """req_func for PS rank `rank` whose vLLM server (`ranks_per_engine` workers) is at `endpoint`.
 
     Only the first rank of each engine drives the routes (one call reaches all of its workers).
-    `weight_version` is what `/weight_info` reports afterwards (e.g. the checkpoint's name).
+    `weight_version` is what `/weight_info` reports afterwards (e.g. the checkpoint's name; a callable:
+    asked at each update).
     `pause_mode`: what happens to the requests running when the update starts: "abort" (they end at
     once, with what they have), "wait" (the update waits until they finish), "keep" (they freeze and
     go on after the update, recomputing their KV with the new weights: see the module's docstring).
@@ -232,7 +244,7 @@ def native_http_req_func(
             return
         mine = dict(socket_paths[first : first + ranks_per_engine])
         steps = http_steps(endpoint, pause_mode=pause_mode, deadline=time.monotonic() + timeout_s)
-        step_s = run_native_update(steps, update_payload(mine, ranks_per_engine), weight_version)
+        step_s = run_native_update(steps, update_payload(mine, ranks_per_engine), version_now(weight_version))
         if step_times is not None:
             step_times.append(step_s)
 
@@ -275,6 +287,11 @@ def client_req_func(client, *, num_workers: int = 1, weight_version: str | None 
     return req_func
 
 
+def version_now(weight_version: WeightVersion) -> str | None:
+    """The version to report for the update starting now."""
+    return weight_version() if callable(weight_version) else weight_version
+
+
 def _check_args(*, ranks_per_engine: int, timeout_s: float, pause_mode: str) -> None:
     if isinstance(ranks_per_engine, bool) or not isinstance(ranks_per_engine, int) or ranks_per_engine < 1:
         raise ValueError(f"ranks_per_engine must be an integer >= 1, got {ranks_per_engine!r}")
@@ -282,3 +299,59 @@ def _check_args(*, ranks_per_engine: int, timeout_s: float, pause_mode: str) -> 
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
     if pause_mode not in PAUSE_MODES:
         raise ValueError(f"pause_mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
+
+
+def engine_req_func(
+    endpoint: str,
+    *,
+    route: UpdateRoute | Literal["auto"],
+    rank: int | None = None,
+    ranks_per_engine: int = 1,
+    timeout_s: float = 600.0,
+    weight_version: WeightVersion = None,
+    pause_mode: PauseMode = "abort",
+) -> ReqFunc:
+    """req_func for PS rank `rank` into the vLLM server at `endpoint` by `route`: "native"
+    (`native_http_req_func`: pause, start, update, finish with `weight_version`, resume), "extension"
+    (`vllm_ext.req.vllm_http_req_func`: /collective_rpc, then a prefix-cache reset; `weight_version`
+    and `pause_mode` do not apply there: the caller keeps the engine idle), or "auto": the one the
+    server offers (`served_route`), asked at each update (a restarted server may offer another)."""
+    if route not in (*UPDATE_ROUTES, "auto"):
+        raise ValueError(f"route must be one of {[*UPDATE_ROUTES, 'auto']}, got {route!r}")
+    if rank is None:
+        rank = int(os.environ["RANK"])
+    native = native_http_req_func(
+        endpoint,
+        rank=rank,
+        ranks_per_engine=ranks_per_engine,
+        weight_version=weight_version,
+        pause_mode=pause_mode,
+        timeout_s=timeout_s,
+    )
+    extension = vllm_http_req_func(endpoint, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s)
+    if route != "auto":
+        return native if route == "native" else extension
+    sender = rank % ranks_per_engine == 0  # the engine's first rank asks (and sends)
+
+    def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
+        if not sender:
+            return
+        chosen = native if served_route(endpoint) == "native" else extension
+        chosen(socket_paths)
+
+    return req_func
+
+
+def served_route(endpoint: str, *, timeout_s: float = 5.0) -> UpdateRoute:
+    """The route the server at `endpoint` takes updates by: "native" where it is a launcher whose vLLM runs
+    this backend (GET /launcher/status answers "update_route": "native"), else "extension" (a plain
+    `vllm serve` with the worker extension, the project's plain engine, an older launcher). An
+    unreachable server raises `EngineRpcError`: there is nothing to update."""
+    url = endpoint.rstrip("/") + "/launcher/status"
+    try:
+        status, body = status_json("GET", url, timeout_s=timeout_s)
+    except (RuntimeError, OSError) as e:
+        raise EngineRpcError(f"GET {url} failed: {e}") from None
+    if status == 200 and isinstance(body, dict) and body.get("update_route") in UPDATE_ROUTES:
+        return body["update_route"]
+    return "extension"

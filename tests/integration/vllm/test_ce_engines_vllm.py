@@ -26,7 +26,7 @@ STARTUP_TIMEOUT_S = 600.0
 
 def test_daemon_heals_a_killed_vllm_engine(tmp_path):
     from demo.tiny_model import TinyModelConfig, make_tiny_model
-    from testing.vllm_servers import CPU_ENGINE_ARGS, child_env, completion_token_ids
+    from testing.vllm_servers import CPU_ENGINE_ARGS, child_env, completion_token_ids, http_json
     from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import collective_rpc
 
@@ -95,6 +95,18 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         # rendezvous: the pull itself probed none
         last = healed_state["last_update"]
         assert (last["probed_ahead"], last["probed_in_update"]) == (last["num_tensors"], 0), last
+
+        # a managed update goes through vLLM's own weight-transfer routes (--engine-update-route auto: the
+        # launchers say they serve them), the checkpoint's name the version vLLM reports afterwards
+        code, res = call("POST", "/checkpoints", {"name": "A2", "files": model_safetensors_files(str(model))})
+        assert code == 200 and res["ok"], res
+        code, res = call("POST", "/update", {"name": "A2"})
+        assert code == 200 and res["ok"], res
+        for e in engines(daemon.url):
+            assert (e["state"], e["checkpoint"]) == ("serving", "A2"), e
+            assert http_json("GET", e["url"] + "/launcher/status")[1]["update_route"] == "native"
+            assert http_json("GET", e["url"] + "/weight_info")[1] == {"weight_version": "A2"}, e
+            assert completion_token_ids(e["url"], str(model), PROMPTS, MAX_TOKENS) == tokens[0]
 
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res

@@ -11,9 +11,9 @@ Four vLLM starts for the whole module, all at once (module fixtures):
   gated    `python -m vllm_ext.launch --no-initial-push --no-weight-cache --reload-impl vllm` (dummy;
            refuses requests until a push; receives without a host copy: the PS's memory goes straight
            to vLLM's own reload_weights, where `fast` and `ref_a` use the direct CPU reload); it also
-           runs vLLM's weight-transfer API with `--weight-transfer-config '{"backend":
-           "checkpoint_engine"}'`, so the extension's pushes and the RL routes share one receiver
-           (the routes' tests, pause modes abort and keep, run on it)
+           runs vLLM's weight-transfer API (`--weight-transfer-config '{"backend": "checkpoint_engine"}'`,
+           which the launcher passes by default, as it does to `fast`), so the extension's pushes and
+           the RL routes share one receiver (the routes' tests, pause modes abort and keep, run on it)
 `fast` and `gated` are ranks 0 and 1 of the two-rank pushes (`python -m vllm_ext.push`).
 Tests run in file order: `test_gated_engine_refuses_before_weights` must see `gated` unpushed.
 """
@@ -194,7 +194,6 @@ def engines(workdir, models):
         initial_push=False,
         engine_timeout_s=ENGINE_TIMEOUT_S,
         extra=["--no-weight-cache", "--reload-impl", "vllm"],
-        vllm_args=[*CPU_ENGINE_ARGS, "--weight-transfer-config", json.dumps({"backend": "checkpoint_engine"})],
     )
     early: dict = {}
     try:
@@ -367,9 +366,11 @@ def test_native_routes_update_a_launched_server(engines, models):
     from checkpoint_engine.ps import ParameterServer
     from testing.vllm_servers import completion_token_ids, http_json
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.weight_transfer.req import native_http_req_func
+    from vllm_ext.weight_transfer.req import engine_req_func, native_http_req_func
 
     gated = engines["gated"]
+    for server in (engines["fast"], gated):  # the launcher says which route it serves
+        assert http_json("GET", server.url + "/launcher/status")[1]["update_route"] == "native"
     before = _states(engines)[1]
     assert before["status"] == "ready" and before["checkpoint"] in ("A", "B"), before
     other = "B" if before["checkpoint"] == "A" else "A"  # first the other one: the tokens must change
@@ -382,7 +383,11 @@ def test_native_routes_update_a_launched_server(engines, models):
             ps.gather_metas(name)
             t0 = time.monotonic()
             version = f"{name}-native-{i}"
-            ps.update(name, native_http_req_func(gated.url, rank=0, weight_version=version, timeout_s=120))
+            if i == 0:  # route "auto": the one the launcher offers (what the daemon and the RL job use)
+                req = engine_req_func(gated.url, route="auto", rank=0, weight_version=version, timeout_s=120)
+            else:
+                req = native_http_req_func(gated.url, rank=0, weight_version=version, timeout_s=120)
+            ps.update(name, req)
             update_s.append(time.monotonic() - t0)
             ps.unregister_checkpoint(name)
             tokens = completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS)

@@ -26,6 +26,9 @@ from vllm_ext.req import EngineRpcError, check_reports, collective_rpc, vllm_htt
 REPO = Path(__file__).resolve().parents[3]
 
 
+NATIVE_ROUTES = ("/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume")
+
+
 class FakeEngine:
     """Answers /collective_rpc, /reset_prefix_cache, /v1/completions; records what it was asked."""
 
@@ -46,6 +49,8 @@ class FakeEngine:
                     return self.reply(200, {"success": True})
                 if self.path == "/v1/completions":
                     return self.reply(200, {"choices": [{"index": 0, "text": "hi", "token_ids": [1, 2]}]})
+                if self.path.split("?")[0] in NATIVE_ROUTES and dev_mode:  # vLLM's weight-transfer API
+                    return self.reply(200, {"message": "ok"})
                 return self.reply(404, {"detail": "Not Found"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -162,6 +167,34 @@ def test_gate_refuses_generation_until_an_update_lands(engine):
         r = c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [1, 2]
         assert c.get("/launcher/status").json()["ready"] is True
+
+
+def test_gate_passes_the_weight_transfer_routes_and_opens_on_their_finish(engine):
+    """vLLM's RL routes reach a closed gate's engine (a first update may come this way); a finish that
+    answers 200 makes the gate ask the workers' reports before it answers, so it opens at once."""
+    gate = Gate()
+    with _client(gate, engine.url) as c:
+        for route in NATIVE_ROUTES[:3]:
+            assert c.post(route, json={}).status_code == 200, route
+            assert not gate.is_open
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+        assert c.post("/finish_weight_update", json={"weight_version": "v1"}).status_code == 200
+        assert gate.is_open  # before /resume: the caller sees the engine serving once the sequence returns
+        assert [p for p, _ in engine.calls][-2:] == ["/finish_weight_update", "/collective_rpc"]
+        assert engine.calls[-1][1]["method"] == "weights_state"
+        assert c.post("/resume", json={}).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_gate_stays_closed_after_a_finish_whose_reports_show_no_weights():
+    e = FakeEngine(report={"version": 0, "status": "incomplete"})
+    try:
+        gate = Gate()
+        with _client(gate, e.url) as c:
+            assert c.post("/finish_weight_update", json={}).status_code == 200
+            assert not gate.is_open and c.post("/v1/completions", json={}).status_code == 503
+    finally:
+        e.close()
 
 
 def test_gate_stays_closed_on_unfinished_update():
@@ -304,6 +337,18 @@ def test_vllm_command_starts_dummy_with_extension(tmp_path):
     assert cmd[cmd.index("--worker-extension-cls") + 1] == "vllm_ext.worker.VllmColocateWorkerExtension"
     assert json.loads(cmd[cmd.index("--additional-config") + 1])["checkpoint_engine"]["timeout_s"] == 7
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[-2:] == ["--dtype", "float32"]
+    # vLLM's weight-transfer API with this backend, by default; the user's to pass with --no-weight-transfer
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "checkpoint_engine"}
+    assert cfg.update_route == "native"
+    own = ("--weight-transfer-config", '{"backend": "checkpoint_engine"}')
+    with pytest.raises(ValueError, match=r"--weight-transfer-config.*--no-weight-transfer leaves"):
+        LaunchConfig(model=str(tmp_path), vllm_args=own)
+    cfg = LaunchConfig(model=str(tmp_path), weight_transfer=False, vllm_args=own)
+    cmd = vllm_command(cfg, 1234)
+    assert cmd.count("--weight-transfer-config") == 1 and cmd[-2:] == list(own)
+    assert cfg.update_route == "extension"
+    args = build_parser().parse_args(["--model", str(tmp_path), "--no-weight-transfer"])
+    assert args.weight_transfer is False
 
 
 def test_vllm_env_places_the_engine_core_as_configured(tmp_path, capsys):

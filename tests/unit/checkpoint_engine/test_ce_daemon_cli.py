@@ -41,6 +41,7 @@ FLAGS = {
     "--auto-heal": (True, None),
     "--engine-url-host": (None, None),
     "--engine-health-path": ("/health", None),
+    "--engine-update-route": ("auto", ["auto", "native", "extension"]),
     "--engine-start-timeout-s": (300.0, None),
     "--engine-log-dir": (None, None),
     "--stop-timeout-s": (20.0, None),
@@ -61,6 +62,7 @@ SHARED = {
     "--auto-heal": EngineConfig(cmd=("e", "{port}")).auto_heal,
     "--engine-url-host": EngineConfig(cmd=("e", "{port}")).url_host,
     "--engine-health-path": EngineConfig(cmd=("e", "{port}")).health_path,
+    "--engine-update-route": EngineConfig(cmd=("e", "{port}")).update_route,
     "--engine-start-timeout-s": EngineConfig(cmd=("e", "{port}")).start_timeout_s,
     "--engine-log-dir": EngineConfig(cmd=("e", "{port}")).log_dir,
 }

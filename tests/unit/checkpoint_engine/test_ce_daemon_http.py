@@ -128,6 +128,9 @@ def test_every_documented_field_is_accepted():
     }
     assert one(driver, "POST", "/update", update)[0] == 200
     assert driver.cmds[-1] == {"op": "update", **update}
+    native = {"name": "m", "endpoints": "http://e", "route": "native", "pause_mode": "keep", "weight_version": "v9"}
+    assert one(driver, "POST", "/update", native)[0] == 200
+    assert driver.cmds[-1] == {"op": "update", **native}
     moonshot_style = {"name": "m", "update_url": "http://e", "inference_group_ranks": [0], "uds": None, "ranks": [0]}
     assert one(driver, "POST", "/update", moonshot_style)[0] == 200
     assert driver.cmds[-1]["world_size"] == WORLD
@@ -157,12 +160,27 @@ def test_metas_missing_field_is_named():
         ({"ranks_per_engine": 3}, "ranks_per_engine"),
         ({"endpoints": ["http://only-one"]}, "endpoints"),
         ({"timeout_s": -1}, "timeout_s"),
+        ({"route": "nccl"}, "route"),
+        ({"pause_mode": "freeze"}, "pause_mode"),
+        ({"route": "extension", "pause_mode": "keep"}, "pause_mode"),
+        ({"weight_version": ""}, "weight_version"),
+        ({"weight_version": 7}, "weight_version"),
     ],
 )
 def test_update_bad_value_is_400_naming_the_field(body, field):
     driver = StubDriver()
     status, answer = one(driver, "POST", "/update", {**GOOD["/update"], **body})
     assert status == 400 and f"'{field}'" in answer["error"] and answer.get("field") == field, answer
+    assert driver.cmds == []
+
+
+@pytest.mark.parametrize("field", ["route", "pause_mode", "weight_version"])
+def test_route_fields_apply_to_endpoints_only(field):
+    """MoonshotAI's update_url keeps its /collective_rpc; managed engines take --engine-update-route."""
+    driver = StubDriver()
+    value = {"route": "native", "pause_mode": "wait", "weight_version": "v1"}[field]
+    status, answer = one(driver, "POST", "/update", {"name": "m", "update_url": "http://e", field: value})
+    assert status == 400 and answer.get("field") == field and "'endpoints' only" in answer["error"], answer
     assert driver.cmds == []
 
 

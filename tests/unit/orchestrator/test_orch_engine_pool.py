@@ -81,7 +81,7 @@ class ScriptedEngine:
     def kill(self) -> None:
         self.alive = False
 
-    def weight_req_func(self, timeout_s):
+    def weight_req_func(self, timeout_s, weight_version=None):
         raise NotImplementedError
 
     def close(self) -> None:

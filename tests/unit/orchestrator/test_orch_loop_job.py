@@ -61,7 +61,7 @@ class ScriptedEngine:
             results.append(result)
         return results
 
-    def weight_req_func(self, timeout_s):
+    def weight_req_func(self, timeout_s, weight_version=None):
         def req_func(socket_paths):
             weights = {}
 

@@ -15,6 +15,7 @@ from vllm_ext.weight_transfer.req import (
     RESET_KV_ROUTE,
     NativeRouteError,
     client_req_func,
+    engine_req_func,
     native_http_req_func,
     native_llm_req_func,
     update_payload,
@@ -44,6 +45,13 @@ class FakeVllm(BaseHTTPRequestHandler):
     calls: list = []
     fail: dict = {}
     slow: dict = {}
+    launcher_status: dict | None = None  # GET /launcher/status answers it (None: 404, not a launcher)
+
+    def do_GET(self):
+        if self.path == "/launcher/status" and self.launcher_status is not None:
+            self._answer(200, json.dumps(self.launcher_status))
+        else:
+            self._answer(404, json.dumps({"detail": "Not Found"}))
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -51,7 +59,12 @@ class FakeVllm(BaseHTTPRequestHandler):
         route = self.path.split("?")[0]
         time.sleep(self.slow.get(route, 0.0))
         ok = {"success": True} if route == "/reset_prefix_cache" else {"message": "ok"}
+        if route == "/collective_rpc":  # the worker extension's update: one report per worker
+            ok = {"results": [{"status": "ready", "version": 1}]}
         status, text = self.fail.get(route, (200, json.dumps(ok)))
+        self._answer(status, text)
+
+    def _answer(self, status: int, text: str) -> None:
         data = text.encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -71,7 +84,7 @@ def fake_url():
 
 @pytest.fixture
 def fake(fake_url):
-    FakeVllm.calls, FakeVllm.fail, FakeVllm.slow = [], {}, {}
+    FakeVllm.calls, FakeVllm.fail, FakeVllm.slow, FakeVllm.launcher_status = [], {}, {}, None
     yield fake_url, FakeVllm
 
 
@@ -88,6 +101,43 @@ def test_routes_in_order_with_one_update_info_per_worker(fake):
     mine = {"cpu-2": "ipc:///tmp/r2", "cpu-3": "ipc:///tmp/r3"}
     assert bodies["/update_weights"] == {"update_info": [{"zmq_handles": mine}, {"zmq_handles": mine}]}
     assert bodies["/finish_weight_update"] == {"weight_version": "step-7"}
+
+
+def test_auto_route_asks_the_server_at_each_update(fake):
+    """route "auto": a server that is no launcher (404) gets the extension's /collective_rpc; a launcher
+    saying "update_route": "native" gets vLLM's routes, with the version asked at that update."""
+    url, cls = fake
+    versions = iter(["policy-v1", "policy-v2"])
+    req = engine_req_func(url, route="auto", rank=0, timeout_s=10, weight_version=lambda: next(versions))
+    req(SOCKETS[:1])
+    assert _paths(cls) == ["/collective_rpc", "/reset_prefix_cache"]
+    assert cls.calls[0][1]["args"] == [{"cpu-0": "ipc:///tmp/r0"}]
+    cls.calls, cls.launcher_status = [], {"ready": True, "update_route": "native"}
+    req(SOCKETS[:1])
+    assert _paths(cls) == SEQUENCE
+    assert dict(cls.calls)["/finish_weight_update"] == {"weight_version": "policy-v1"}  # asked now, not before
+    cls.calls, cls.launcher_status = [], {"ready": True, "update_route": "extension"}
+    req(SOCKETS[:1])
+    assert _paths(cls) == ["/collective_rpc", "/reset_prefix_cache"]
+    cls.calls = []
+    engine_req_func(url, route="auto", rank=1, ranks_per_engine=2)(SOCKETS[:2])  # not the engine's first rank
+    assert cls.calls == []
+
+
+@pytest.mark.parametrize(
+    ("route", "expected"),
+    [("native", SEQUENCE), ("extension", ["/collective_rpc", "/reset_prefix_cache"])],
+)
+def test_a_named_route_is_taken_without_asking(fake, route, expected):
+    url, cls = fake
+    cls.launcher_status = {"update_route": "extension" if route == "native" else "native"}
+    engine_req_func(url, route=route, rank=0, timeout_s=10)(SOCKETS[:1])
+    assert _paths(cls) == expected
+
+
+def test_an_unknown_route_is_named():
+    with pytest.raises(ValueError, match=r"route must be one of \['native', 'extension', 'auto'\], got 'nccl'"):
+        engine_req_func("http://127.0.0.1:9", route="nccl", rank=0)
 
 
 def test_only_the_first_rank_of_an_engine_drives_it(fake):
