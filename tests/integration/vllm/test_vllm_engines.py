@@ -182,7 +182,7 @@ class _Refs:
 @pytest.fixture(scope="module")
 def engines(workdir, models):
     """Start everything at once; return when the servers are up (the early request is in flight)."""
-    from testing.vllm_servers import CPU_ENGINE_ARGS, LaunchedServer, post_completions
+    from testing.vllm_servers import LaunchedServer, post_completions
 
     refs = _Refs(workdir, models)
     fast = LaunchedServer(
