@@ -11,7 +11,13 @@ The gate opens when every worker reports weights version >= 1 (a complete update
 vLLM's load step (once vLLM is healthy), the launcher's own push, a proxied
 `update_weights_from_ipc` answer, the workers' reports asked for right after a proxied
 `/finish_weight_update` (vLLM's weight-transfer API), or by polling. It never
-closes again: a later aborted update leaves the engine serving and reporting `incomplete`.
+closes again, but while a worker reports `incomplete` (a later update that failed part-way: its
+layers hold a mix of two versions, or undefined values) generation is refused with 503 until a
+complete update: never an answer from a half-loaded model. The gate learns it from the workers'
+reports it asks for after a proxied update that failed (`/collective_rpc` update_weights_from_ipc,
+`/update_weights`, `/finish_weight_update`), and from the launcher's polling. `/health` keeps
+answering 200 (the engine is up and takes the next update); GET /launcher/status says
+`"serving": false` and why.
 """
 
 from __future__ import annotations
@@ -73,6 +79,17 @@ HOP_BY_HOP = {
 }
 
 
+def incomplete_update(reports: list) -> str | None:
+    """Why the workers' weights are not one whole version (a report with status `incomplete`), else None."""
+    for r in reports:
+        if isinstance(r, dict) and r.get("status") == "incomplete":
+            return (
+                f"the last weight update (of {r.get('checkpoint')!r}) did not complete: {r.get('last_error')}; "
+                "generation is refused until a complete update"
+            )
+    return None
+
+
 def weights_loaded(reports: list) -> bool:
     """True when every worker's report shows a completed update (version >= 1)."""
     return bool(reports) and all(isinstance(r, dict) and int(r.get("version", 0)) >= 1 for r in reports)
@@ -87,6 +104,9 @@ class Gate:
         self._phase = "starting_engine"
         self._detail = "vLLM is starting with dummy weights"
         self._weights: list = []
+        self._incomplete: str | None = None  # incomplete_update of the last reports
+        self._incomplete_logged: str | None = None
+        self._update_seen = False  # an update passed through since the last reports: its outcome is due
         self._t0 = time.monotonic()
         self._ready_after_s: float | None = None
         self._num_held = 0  # requests waiting for the gate right now
@@ -105,6 +125,21 @@ class Gate:
     def is_open(self) -> bool:
         return self._opened.is_set()
 
+    def update_started(self) -> None:
+        """A proxied update began: the launcher polls the reports until they show how it ended (the
+        client that sent it may die before the answer, which would tell the gate)."""
+        self._update_seen = True
+
+    @property
+    def outcome_due(self) -> bool:
+        """An update began and no report since showed its end."""
+        return self._update_seen
+
+    @property
+    def refusal(self) -> str | None:
+        """Why an open gate refuses generation now (the last update did not complete), else None."""
+        return self._incomplete
+
     def set_phase(self, phase: str, detail: str) -> None:
         with self._lock:
             if not self._opened.is_set():
@@ -116,6 +151,15 @@ class Gate:
         """Record the engine's weight reports; open the gate once they show loaded weights."""
         with self._lock:
             self._weights = reports
+            incomplete = self._incomplete = incomplete_update(reports)
+            if not any(isinstance(r, dict) and r.get("status") == "receiving" for r in reports):
+                self._update_seen = False
+            if incomplete != self._incomplete_logged:
+                self._incomplete_logged = incomplete
+                if incomplete:
+                    logger.warning("gate: refusing generation: %s", incomplete)
+                elif self._opened.is_set():
+                    logger.info("gate: a complete update is in: serving again")
             if self._opened.is_set() or not weights_loaded(reports):
                 return self._opened.is_set()
             self._phase, self._detail = "ready", "weights loaded"
@@ -138,6 +182,8 @@ class Gate:
         with self._lock:
             return {
                 "ready": self._opened.is_set(),
+                "serving": self._opened.is_set() and self._incomplete is None,
+                "incomplete_update": self._incomplete,
                 "phase": self._phase,
                 "detail": self._detail,
                 "weights": self._weights,
@@ -154,6 +200,10 @@ def not_ready_body(snap: dict) -> dict:
         "generation requests are served once the first weight update has completed"
     )
     return {"error": {"message": msg, "type": "ServiceUnavailable", "code": 503, "phase": snap["phase"]}}
+
+
+def incomplete_body(why: str) -> dict:
+    return {"error": {"message": why, "type": "ServiceUnavailable", "code": 503, "phase": "incomplete_update"}}
 
 
 def make_app(
@@ -221,7 +271,11 @@ def make_app(
         if not control and not gate.is_open:
             if not await _wait_open(gate, state["opened"], wait_s):
                 return JSONResponse(not_ready_body(gate.snapshot()), status_code=503, headers={"Retry-After": "5"})
+        if not control and (why := gate.refusal) is not None:
+            return JSONResponse(incomplete_body(why), status_code=503, headers={"Retry-After": "5"})
         body = await request.body()
+        if path in ("/start_weight_update", "/update_weights") or (path == "/collective_rpc" and _is_update_rpc(body)):
+            gate.update_started()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         upstream = state["client"].build_request(
             request.method, path, params=request.query_params, headers=headers, content=body
@@ -243,13 +297,15 @@ def make_app(
         if path == "/collective_rpc":
             data = await resp.aread()
             await resp.aclose()
-            _observe_rpc(gate, body, resp.status_code, data)
+            if not _observe_rpc(gate, body, resp.status_code, data) and _is_update_rpc(body):
+                await _ask_weights_state(state["client"], gate)  # a failed update: what did it leave?
             return Response(data, status_code=resp.status_code, headers=out_headers)
-        if path == "/finish_weight_update":  # an update through vLLM's API: open before answering
+        if path == "/finish_weight_update" or (path == "/update_weights" and resp.status_code != 200):
+            # an update through vLLM's API: its outcome in the gate before the answer returns (a finish
+            # opens it, or lets it serve again; a failure makes it refuse generation)
             data = await resp.aread()
             await resp.aclose()
-            if resp.status_code == 200 and not gate.is_open:
-                await _ask_weights_state(state["client"], gate)
+            await _ask_weights_state(state["client"], gate)
             return Response(data, status_code=resp.status_code, headers=out_headers)
         return StreamingResponse(
             resp.aiter_raw(), status_code=resp.status_code, headers=out_headers, background=BackgroundTask(resp.aclose)
@@ -280,26 +336,43 @@ async def _wait_open(gate: Gate, opened, wait_s: float) -> bool:
 
 async def _ask_weights_state(client, gate: Gate) -> None:
     """The workers' reports (the extension's `weights_state`, the same receiver as the backend's), for
-    the gate; a failure leaves it to the launcher's polling."""
+    the gate. Tried twice: after a failed update vLLM's server may have closed the pooled connection the
+    first try takes (httpx.ReadError); a second failure leaves it to the launcher's polling."""
+    import httpx
+
     body = json.dumps({"method": "weights_state", "args": [], "kwargs": {}, "timeout": 30.0}).encode()
+    for attempt in (1, 2):
+        try:
+            resp = await client.post(
+                "/collective_rpc", content=body, headers={"Content-Type": "application/json"}, timeout=40.0
+            )
+        except httpx.TransportError as e:
+            if attempt == 1:
+                continue
+            logger.warning("could not ask the workers' weights_state after an update (%s: %s)", type(e).__name__, e)
+            return
+        _observe_rpc(gate, body, resp.status_code, resp.content)
+        return
+
+
+def _is_update_rpc(request_body: bytes) -> bool:
     try:
-        resp = await client.post(
-            "/collective_rpc", content=body, headers={"Content-Type": "application/json"}, timeout=40.0
-        )
-    except Exception as e:  # noqa: BLE001 - the launcher polls the same reports every 2 s
-        logger.debug("weights_state after /finish_weight_update failed: %s", e)
-        return
-    _observe_rpc(gate, body, resp.status_code, resp.content)
+        return json.loads(request_body or b"{}").get("method") == "update_weights_from_ipc"
+    except (json.JSONDecodeError, AttributeError):
+        return False
 
 
-def _observe_rpc(gate: Gate, request_body: bytes, status_code: int, data: bytes) -> None:
-    """Open the gate when a proxied update (or state query) shows loaded weights."""
+def _observe_rpc(gate: Gate, request_body: bytes, status_code: int, data: bytes) -> bool:
+    """Give the gate the workers' reports a proxied update (or state query) answered; False when the
+    answer held none (an error)."""
     if status_code != 200:
-        return
+        return False
     try:
         method = json.loads(request_body or b"{}").get("method")
         results = json.loads(data or b"{}").get("results")
     except (json.JSONDecodeError, AttributeError):
-        return
+        return False
     if method in ("update_weights_from_ipc", "weights_state") and isinstance(results, list):
         gate.observe(results)
+        return True
+    return False

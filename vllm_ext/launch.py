@@ -303,7 +303,9 @@ class Launcher:
         return self._supervise()
 
     def _supervise(self) -> int:
-        """Wait for vLLM to exit or for a stop signal; poll the gate while it is closed."""
+        """Wait for vLLM to exit or for a stop signal; poll the gate while it is closed or refuses
+        generation after a failed update (an update that did not pass through it: the next one's
+        reports let it serve again)."""
         self._supervising = True
         self._ledger.note(shm_segments([self.proc.pid, *descendants(self.proc.pid)]))
         while not self._stop.is_set():
@@ -311,7 +313,8 @@ class Launcher:
             if code is not None:
                 logger.error("vLLM exited with code %s", code)
                 return code or 1
-            if not self.gate.is_open:
+            # closed, refusing after a failed update, or an update passed whose outcome no report showed yet
+            if not self.gate.is_open or self.gate.refusal is not None or self.gate.outcome_due:
                 try:
                     self.refresh_gate()
                 except Exception as e:  # noqa: BLE001 - the engine may be busy receiving; retry

@@ -274,6 +274,23 @@ def _assert_ready_and_kv_cleared_only_where_undefined_weights_were_served(engine
     assert states[1]["last_update"]["kv_cache_cleared_bytes"] > 0, states[1]["last_update"]
 
 
+def _assert_generation_refused(engines, fragment: str) -> None:
+    """After a failed update no engine answers from its half-loaded weights: each gate answers 503 naming
+    the failure (it learns it from the workers' reports: asked after a failed update it proxied, or by
+    the launcher's polling while an update's outcome is due)."""
+    from testing.vllm_servers import post_completions
+
+    for key in ("fast", "gated"):
+        deadline = time.monotonic() + 30
+        while True:
+            status, body = post_completions(engines[key].url, engines[key].model, PROMPTS, MAX_TOKENS)
+            if status == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert status == 503, (key, status, body)
+        assert fragment in body["error"]["message"] and body["error"]["phase"] == "incomplete_update", (key, body)
+
+
 def _retry_push_restores_b(models, engines, tag: str) -> None:
     """After a failed push: the same push again succeeds on both ranks, both engines answer as ref_b, and
     only the engines that had served undefined weights cleared their KV cache."""
@@ -488,6 +505,48 @@ def test_native_keep_update_holds_a_request_in_flight_and_drops_the_old_kv(engin
     )
 
 
+def test_native_update_failing_mid_bucket_is_refused_until_the_next_update(engines, models):
+    """Failure injection through vLLM's routes: a fault in bucket 3 fails the update (named); no finish is
+    sent, so /weight_info keeps its version; the engine is resumed but its gate answers no generation from
+    the half-loaded weights; the next update through the routes brings it back, token for token."""
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.errors import UpdateFailed
+    from checkpoint_engine.ps import ParameterServer
+    from testing.vllm_servers import completion_token_ids, http_json, post_completions
+    from vllm_ext.launch_config import model_safetensors_files
+    from vllm_ext.req import collective_rpc
+    from vllm_ext.weight_transfer.req import native_http_req_func
+
+    gated = engines["gated"]
+    if _states(engines)[1]["status"] != "ready":
+        _ensure(models, engines, "A")
+    before = _states(engines)[1]
+    back, other = before["checkpoint"], "B" if before["checkpoint"] == "A" else "A"
+    version_before = http_json("GET", gated.url + "/weight_info")[1]
+    config = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES))
+    ps = ParameterServer(rank=0, world_size=1, config=config)
+    try:
+        for name in (other, back):
+            ps.register_checkpoint(name, files=model_safetensors_files(models[name]))
+            ps.gather_metas(name)
+        collective_rpc(gated.url, "arm_update_fault", args=[{"kind": "raise", "bucket": 3}])
+        with pytest.raises(UpdateFailed, match="injected fault in bucket 3"):
+            ps.update(other, native_http_req_func(gated.url, rank=0, weight_version="never", timeout_s=120))
+        assert http_json("GET", gated.url + "/weight_info")[1] == version_before  # the version did not move
+        status, body = post_completions(gated.url, gated.model, PROMPTS, MAX_TOKENS)
+        assert status == 503 and body["error"]["phase"] == "incomplete_update", body
+        assert "injected fault in bucket 3" in body["error"]["message"], body
+        state = _states(engines)[1]
+        assert (state["status"], state["version"]) == ("incomplete", before["version"]), state
+        ps.update(back, native_http_req_func(gated.url, rank=0, weight_version=f"{back}-recovered", timeout_s=120))
+        tokens = completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS)
+        assert tokens == engines["refs"][back.lower()]["token_ids"]
+        assert http_json("GET", gated.url + "/weight_info")[1] == {"weight_version": f"{back}-recovered"}
+        assert _states(engines)[1]["status"] == "ready"
+    finally:
+        ps.close()
+
+
 def test_native_weight_transfer_api_updates_in_process_llm(engines):
     """ref_b (started from B with `weight_transfer_config={"backend": "checkpoint_engine"}`) took A through
     vLLM's own start_weight_update / update_weights / finish_weight_update, driven by the PS."""
@@ -513,7 +572,7 @@ def test_engine_failure_aborts_update_then_next_update_restores(engines, models,
     for state, version in zip(_states(engines), versions):
         assert (state["status"], state["weights_complete"], state["version"]) == ("incomplete", False, version)
         assert "injected fault" in state["last_error"]
-    assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving (mixed weights)
+    _assert_generation_refused(engines, "injected fault in bucket 3")  # never from the mixed weights
     _retry_push_restores_b(models, engines, tag="fault-raise-retry")
 
 
@@ -541,7 +600,7 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
     assert results[1][0] == -signal.SIGKILL and results[0][0] != 0, results
     for state in _states(engines):  # waits for the engine side to give up (ENGINE_TIMEOUT_S)
         assert (state["status"], state["weights_complete"]) == ("incomplete", False), state
-    assert all(len(o) == len(PROMPTS) for o in _outputs(engines))  # still serving
+    _assert_generation_refused(engines, "did not complete")
     _retry_push_restores_b(models, engines, tag="rank-death-retry")
 
 

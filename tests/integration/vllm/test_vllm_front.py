@@ -35,6 +35,7 @@ class FakeEngine:
     def __init__(self, *, rpc_status: int = 200, report: dict | None = None, dev_mode: bool = True):
         self.calls: list[tuple[str, dict]] = []
         self.report = report if report is not None else {"version": 1, "status": "ready"}
+        self.failing: dict[str, int] = {}  # an update method or route -> the status it answers (the rest: 200)
         engine = self
 
         class Handler(JsonRequestHandler):
@@ -42,6 +43,8 @@ class FakeEngine:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 engine.calls.append((self.path, body))
                 if self.path == "/collective_rpc" and dev_mode:
+                    if body.get("method") in engine.failing:
+                        return self.reply(engine.failing[body["method"]], {"error": "Worker failed: injected"})
                     if rpc_status != 200:
                         return self.reply(rpc_status, {"error": "Worker failed with error 'injected'"})
                     return self.reply(200, {"results": [engine.report]})
@@ -50,7 +53,7 @@ class FakeEngine:
                 if self.path == "/v1/completions":
                     return self.reply(200, {"choices": [{"index": 0, "text": "hi", "token_ids": [1, 2]}]})
                 if self.path.split("?")[0] in NATIVE_ROUTES and dev_mode:  # vLLM's weight-transfer API
-                    return self.reply(200, {"message": "ok"})
+                    return self.reply(engine.failing.get(self.path, 200), {"message": "ok"})
                 return self.reply(404, {"detail": "Not Found"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -195,6 +198,52 @@ def test_gate_stays_closed_after_a_finish_whose_reports_show_no_weights():
             assert not gate.is_open and c.post("/v1/completions", json={}).status_code == 503
     finally:
         e.close()
+
+
+INCOMPLETE = {"version": 1, "status": "incomplete", "checkpoint": "B", "last_error": "injected fault in bucket 3"}
+
+
+@pytest.mark.parametrize(
+    "fail",
+    [
+        ("/collective_rpc", "update_weights_from_ipc"),  # the worker extension's update
+        ("/update_weights", None),  # vLLM's weight-transfer API: the update fails ...
+        ("/finish_weight_update", None),  # ... or its finish is refused
+    ],
+)
+def test_an_open_gate_refuses_generation_after_a_failed_update_until_a_complete_one(engine, fail):
+    """A failed update may leave a mix of two versions: the gate asks the workers' reports and refuses
+    generation (503 naming the failure) while they say incomplete; /health stays up (the engine takes the
+    next update); a complete update lets it serve again."""
+    gate = Gate()
+    gate.observe([{"version": 1, "status": "ready"}])
+    route, method = fail
+    with _client(gate, engine.url) as c:
+        engine.report = INCOMPLETE
+        engine.failing = {method or route: 500}
+        if method:
+            r = c.post(route, json={"method": method, "args": [{}]})
+        else:
+            r = c.post(route, json={})
+        assert r.status_code == 500
+        assert engine.calls[-1] == (
+            "/collective_rpc",
+            {"method": "weights_state", "args": [], "kwargs": {}, "timeout": 30.0},
+        )
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "injected fault in bucket 3" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["phase"] == "incomplete_update"
+        assert not any(p == "/v1/completions" for p, _ in engine.calls)  # never reached the mixed weights
+        assert c.get("/health").status_code == 200
+        status = c.get("/launcher/status").json()
+        assert status["serving"] is False and "did not complete" in status["incomplete_update"], status
+        engine.report, engine.failing = {"version": 2, "status": "ready"}, {}  # the next update is complete
+        if method:
+            assert c.post(route, json={"method": method, "args": [{}]}).status_code == 200
+        else:
+            assert c.post("/finish_weight_update", json={}).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert c.get("/launcher/status").json()["serving"] is True
 
 
 def test_gate_stays_closed_on_unfinished_update():
