@@ -448,7 +448,7 @@ def validate(cmd: dict) -> dict:
 
 
 ROUTES = ("auto", "native", "extension")  # POST /update's "route"
-PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's /pause?mode=
+PAUSE_MODES = ("abort", "wait", "keep", "none")  # vLLM's /pause?mode= (none: no pause, the caller keeps it idle)
 
 
 def _check_route_fields(cmd: dict) -> None:

@@ -53,7 +53,7 @@ from vllm_ext.weight_transfer.infos import NativeUpdateInfo
 
 logger = logging.getLogger(__name__)
 
-PauseMode = Literal["abort", "wait", "keep"]
+PauseMode = Literal["abort", "wait", "keep", "none"]
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 # how a ParameterServer update reaches a vLLM server: vLLM's weight-transfer routes (this backend), or
 # the worker extension's /collective_rpc (MoonshotAI's door; any server started with the extension)
@@ -204,6 +204,14 @@ def http_steps(endpoint: str, *, pause_mode: PauseMode, deadline: float) -> Nati
                 "reuse that KV",
             )
 
+    if pause_mode == "none":  # the caller keeps the engine idle (no request runs across the update)
+        return NativeSteps(
+            where=f"engine {base}",
+            start=lambda: post("/start_weight_update", {}),
+            update=lambda payload: post("/update_weights", {"update_info": payload}),
+            finish=lambda version: post("/finish_weight_update", {"weight_version": version}),
+            reset_prefix_cache=lambda: post("/reset_prefix_cache", {}),
+        )
     return NativeSteps(
         where=f"engine {base}",
         pause=lambda: post(f"/pause?mode={pause_mode}", {}),
@@ -232,7 +240,9 @@ def native_http_req_func(
     asked at each update).
     `pause_mode`: what happens to the requests running when the update starts: "abort" (they end at
     once, with what they have), "wait" (the update waits until they finish), "keep" (they freeze and
-    go on after the update, recomputing their KV with the new weights: see the module's docstring).
+    go on after the update, recomputing their KV with the new weights: see the module's docstring),
+    "none" (no /pause and no /resume, as through the worker extension: the caller keeps the engine
+    idle; the prefix cache is reset after the update, a failed one too).
     `step_times`: a list that gets each completed update's seconds per route (`run_native_update`)."""
     if rank is None:
         rank = int(os.environ["RANK"])

@@ -152,6 +152,16 @@ def test_pause_mode_wait_is_passed_on(fake):
     assert _paths(cls)[0] == "/pause?mode=wait"
 
 
+def test_pause_mode_none_sends_no_pause_and_resets_the_prefix_cache_after(fake):
+    url, cls = fake
+    native_http_req_func(url, rank=0, pause_mode="none", timeout_s=10)(SOCKETS[:1])
+    assert _paths(cls) == ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    cls.calls, cls.fail = [], {"/update_weights": (500, '{"error": "injected"}')}
+    with pytest.raises(NativeRouteError, match="/update_weights"):
+        native_http_req_func(url, rank=0, pause_mode="none", timeout_s=10)(SOCKETS[:1])
+    assert _paths(cls) == ["/start_weight_update", "/update_weights", "/reset_prefix_cache"]  # no finish
+
+
 def test_pause_mode_keep_drops_every_kv_block_after_finish_before_resume(fake):
     """Frozen requests hold KV of the old weights: after finish, vLLM preempts them (they recompute) and
     drops every cached block, before /resume lets anything run on the new weights."""
@@ -229,7 +239,7 @@ def test_unreachable_engine_names_the_route():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"pause_mode": "now"}, "pause_mode must be one of ['abort', 'wait', 'keep'], got 'now'"),
+        ({"pause_mode": "now"}, "pause_mode must be one of ['abort', 'wait', 'keep', 'none'], got 'now'"),
         ({"ranks_per_engine": 0}, "ranks_per_engine must be an integer >= 1"),
         ({"timeout_s": 0}, "timeout_s must be a number > 0"),
     ],
