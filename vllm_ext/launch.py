@@ -65,8 +65,9 @@ class Launcher:
 
     def __init__(self, cfg: LaunchConfig):
         from vllm_ext.gate import Gate
+        from vllm_ext.launch_config import with_installed_vllm
 
-        self.cfg = cfg
+        self.cfg = cfg = with_installed_vllm(cfg)
         self.engine_port = cfg.engine_port or free_port()
         self.engine_url = f"http://127.0.0.1:{self.engine_port}"
         self.gate = Gate()

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -210,6 +210,30 @@ class LaunchConfig:
     @property
     def name(self) -> str:
         return self.checkpoint_name or Path(self.model).resolve().name
+
+
+def vllm_has_weight_transfer() -> bool:
+    """Whether the installed vLLM has the weight-transfer API (`vllm.distributed.weight_transfer`, vLLM
+    0.32 and later), looked up on disk without importing vLLM (the launcher starts it before anything
+    heavy loads). No vLLM at all: True (the start fails on its own, naming vLLM)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")  # the top-level package's location; vLLM is not imported
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    return any((Path(root) / "distributed" / "weight_transfer").is_dir() for root in spec.submodule_search_locations)
+
+
+def with_installed_vllm(cfg: LaunchConfig) -> LaunchConfig:
+    """`cfg`, without the weight-transfer backend where the installed vLLM predates its API (the worker
+    extension's route only, with a warning) instead of a vLLM that refuses the unknown flag."""
+    if cfg.weight_transfer and not vllm_has_weight_transfer():
+        logger.warning(
+            "the installed vLLM has no weight-transfer API (vllm.distributed.weight_transfer, vLLM >= 0.32): "
+            "starting it without --weight-transfer-config; updates take the worker extension's /collective_rpc"
+        )
+        return replace(cfg, weight_transfer=False)
+    return cfg
 
 
 def tensor_parallel_size(vllm_args: tuple[str, ...]) -> int:

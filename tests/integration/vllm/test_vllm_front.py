@@ -647,3 +647,26 @@ def test_only_the_first_signal_unwinds_the_launchers_start(tmp_path):
     closing.close(grace_s=1)  # no vLLM started: only marks the close
     closing.stop(signal.SIGTERM)  # returns: close() is under way (or done)
     assert closing._stop.is_set()
+
+
+def test_a_vllm_without_the_weight_transfer_api_starts_without_the_backend(tmp_path, monkeypatch, caplog):
+    """An older vLLM (no vllm.distributed.weight_transfer) would refuse --weight-transfer-config: the
+    launcher leaves it out, says so, and its updates take the worker extension's route."""
+    import importlib.machinery
+    import importlib.util
+
+    from vllm_ext import launch_config
+
+    assert launch_config.vllm_has_weight_transfer()  # the vLLM installed here has it
+    old = tmp_path / "site" / "vllm"
+    (old / "distributed").mkdir(parents=True)
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(old)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "vllm" else None)
+    assert not launch_config.vllm_has_weight_transfer()
+    cfg = launch_config.with_installed_vllm(LaunchConfig(model=str(tmp_path)))
+    assert cfg.weight_transfer is False and cfg.update_route == "extension"
+    assert "--weight-transfer-config" not in vllm_command(cfg, 1234)
+    assert "no weight-transfer API" in caplog.text
+    (old / "distributed" / "weight_transfer").mkdir()
+    assert launch_config.with_installed_vllm(LaunchConfig(model=str(tmp_path))).weight_transfer is True
