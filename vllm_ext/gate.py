@@ -84,7 +84,8 @@ def incomplete_update(reports: list) -> str | None:
     for r in reports:
         if isinstance(r, dict) and r.get("status") == "incomplete":
             return (
-                f"the last weight update (of {r.get('checkpoint')!r}) did not complete: {r.get('last_error')}; "
+                f"the last weight update (of {r.get('pending_checkpoint') or r.get('checkpoint')!r}) did not "
+                f"complete: {r.get('last_error')}; "
                 "generation is refused until a complete update"
             )
     return None

@@ -34,7 +34,9 @@ the frozen requests give their blocks back and, on /resume, recompute their prom
 they already have with the new weights (one prefill each), then go on; no cached block of the old
 weights is left for a request that starts later. A reset vLLM refuses (`{"success": false}`) fails
 the update (`NativeRouteError` naming /reset_prefix_cache) after the version moved; the engine is
-resumed all the same.
+resumed all the same. A keep-mode update that fails (a refused reset too) ends the frozen requests
+before /resume (`/pause?mode=abort`: they finish with the tokens they have, all computed with the
+old weights, and vLLM clears its caches), so none goes on with a half-loaded model.
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ class NativeSteps:
     # pause mode keep: drop every KV block of the old weights, the frozen requests' too, after finish and
     # before resume; raises if the engine refuses (a failed update: best effort, before the resume)
     drop_kv: Callable[[], Any] | None = None
+    # pause mode keep, after a failed update: end the frozen requests (with the tokens they have, all of
+    # the old weights) instead of letting them go on with a half-loaded model; vLLM's abort pause also
+    # clears its caches. Best effort; drop_kv is the fallback
+    abort_frozen: Callable[[], Any] | None = None
 
 
 def run_native_update(
@@ -148,6 +154,12 @@ def run_native_update(
                 timed("reset_prefix_cache", steps.reset_prefix_cache)
             except Exception as e:  # noqa: BLE001 - the update's own outcome is what the caller must see
                 logger.warning("could not reset the prefix cache of %s: %s", steps.where, e)
+        if paused and steps.abort_frozen is not None:  # a failed update: no frozen request goes on
+            try:
+                steps.abort_frozen()
+                kv_dropped = True  # vLLM's abort pause clears its caches
+            except Exception as e:  # noqa: BLE001 - the update's own failure is what the caller must see
+                logger.warning("could not end the frozen requests of %s after a failed update: %s", steps.where, e)
         if paused and steps.drop_kv is not None and not kv_dropped:  # a failed update may have changed layers
             try:
                 steps.drop_kv()
@@ -200,8 +212,8 @@ def http_steps(endpoint: str, *, pause_mode: PauseMode, deadline: float) -> Nati
                 RESET_KV_ROUTE,
                 f"POST {base}{RESET_KV_ROUTE} answered {str(answer)[:300]}, not {{'success': True}}: vLLM kept "
                 "KV blocks computed with the old weights (it refuses while blocks are still held, e.g. by a "
-                "KV transfer in flight); the weights are updated and the engine is resumed, but requests may "
-                "reuse that KV",
+                "KV transfer in flight); the weights are updated, the requests the pause froze are ended "
+                "(/pause?mode=abort) and the engine is resumed; a request that starts later may reuse that KV",
             )
 
     if pause_mode == "none":  # the caller keeps the engine idle (no request runs across the update)
@@ -220,6 +232,9 @@ def http_steps(endpoint: str, *, pause_mode: PauseMode, deadline: float) -> Nati
         finish=lambda version: post("/finish_weight_update", {"weight_version": version}),
         resume=lambda: post("/resume", {}, own_timeout_s=RESUME_TIMEOUT_S),
         drop_kv=drop_kv if pause_mode == "keep" else None,
+        abort_frozen=(lambda: post("/pause?mode=abort", {}, own_timeout_s=RESUME_TIMEOUT_S))
+        if pause_mode == "keep"
+        else None,
     )
 
 

@@ -200,7 +200,13 @@ def test_gate_stays_closed_after_a_finish_whose_reports_show_no_weights():
         e.close()
 
 
-INCOMPLETE = {"version": 1, "status": "incomplete", "checkpoint": "B", "last_error": "injected fault in bucket 3"}
+INCOMPLETE = {
+    "version": 1,
+    "status": "incomplete",
+    "checkpoint": "A",  # the last complete update's
+    "pending_checkpoint": "B",  # the one that failed
+    "last_error": "injected fault in bucket 3",
+}
 
 
 @pytest.mark.parametrize(
@@ -233,6 +239,7 @@ def test_an_open_gate_refuses_generation_after_a_failed_update_until_a_complete_
         r = c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and "injected fault in bucket 3" in r.json()["error"]["message"], r.text
         assert r.json()["error"]["phase"] == "incomplete_update"
+        assert "the last weight update (of 'B') did not complete" in r.json()["error"]["message"]
         assert not any(p == "/v1/completions" for p, _ in engine.calls)  # never reached the mixed weights
         assert c.get("/health").status_code == 200
         status = c.get("/launcher/status").json()

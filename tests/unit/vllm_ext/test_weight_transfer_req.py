@@ -46,6 +46,7 @@ class FakeVllm(BaseHTTPRequestHandler):
     fail: dict = {}
     slow: dict = {}
     launcher_status: dict | None = None  # GET /launcher/status answers it (None: 404, not a launcher)
+    fail_after: dict = {}  # route -> calls answered 200 before `fail` applies
 
     def do_GET(self):
         if self.path == "/launcher/status" and self.launcher_status is not None:
@@ -61,7 +62,11 @@ class FakeVllm(BaseHTTPRequestHandler):
         ok = {"success": True} if route == "/reset_prefix_cache" else {"message": "ok"}
         if route == "/collective_rpc":  # the worker extension's update: one report per worker
             ok = {"results": [{"status": "ready", "version": 1}]}
-        status, text = self.fail.get(route, (200, json.dumps(ok)))
+        earlier = sum(1 for path, _ in type(self).calls[:-1] if path.split("?")[0] == route)
+        if earlier < self.fail_after.get(route, 0):  # this route fails only after that many calls
+            status, text = 200, json.dumps(ok)
+        else:
+            status, text = self.fail.get(route, (200, json.dumps(ok)))
         self._answer(status, text)
 
     def _answer(self, status: int, text: str) -> None:
@@ -85,6 +90,7 @@ def fake_url():
 @pytest.fixture
 def fake(fake_url):
     FakeVllm.calls, FakeVllm.fail, FakeVllm.slow, FakeVllm.launcher_status = [], {}, {}, None
+    FakeVllm.fail_after = {}
     yield fake_url, FakeVllm
 
 
@@ -183,16 +189,35 @@ def test_pause_mode_keep_refused_reset_is_named_and_the_engine_resumed(fake):
     assert e.value.route == RESET_KV_ROUTE
     assert f"POST {url}{RESET_KV_ROUTE} answered {{'success': False}}" in str(e.value)
     assert "KV blocks computed with the old weights" in str(e.value)
-    assert _paths(cls) == KEEP_SEQUENCE  # tried once, not again; resumed all the same
+    # tried once, not again; the frozen requests ended (they would read that KV), resumed all the same
+    assert _paths(cls) == [*KEEP_SEQUENCE[:-1], "/pause?mode=abort", "/resume"]
 
 
-def test_pause_mode_keep_failed_update_drops_the_kv_then_resumes(fake):
+def test_pause_mode_keep_failed_update_ends_the_frozen_requests_then_resumes(fake):
     url, cls = fake
     cls.fail["/update_weights"] = (500, json.dumps({"error": "worker failed"}))
     with pytest.raises(NativeRouteError, match="/update_weights answered HTTP 500"):
         native_http_req_func(url, rank=0, pause_mode="keep", timeout_s=10)(SOCKETS[:1])
-    # no finish (the version does not move); the layers it changed may have been read: KV dropped
-    assert _paths(cls) == [p for p in KEEP_SEQUENCE if p != "/finish_weight_update"]
+    # no finish (the version does not move); no frozen request goes on with the half-loaded layers:
+    # vLLM's abort pause ends them (with their tokens of the old weights) and clears the caches
+    assert _paths(cls) == [
+        "/pause?mode=keep",
+        "/start_weight_update",
+        "/update_weights",
+        "/pause?mode=abort",
+        "/resume",
+    ]
+
+
+def test_pause_mode_keep_failed_update_falls_back_to_dropping_the_kv(fake):
+    url, cls = fake
+    cls.fail["/update_weights"] = (500, json.dumps({"error": "worker failed"}))
+    cls.fail["/pause"] = (500, json.dumps({"error": "refused"}))  # the abort pause too (the keep pause is done)
+    cls.fail_after = {"/pause": 1}
+    with pytest.raises(NativeRouteError, match="/update_weights answered HTTP 500"):
+        native_http_req_func(url, rank=0, pause_mode="keep", timeout_s=10)(SOCKETS[:1])
+    tried = ["/pause?mode=keep", "/start_weight_update", "/update_weights", "/pause?mode=abort"]
+    assert _paths(cls) == [*tried, RESET_KV_ROUTE, "/resume"]
 
 
 @pytest.mark.parametrize(
