@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from _common import cpu_model  # benchmarks/ is first on sys.path
 from bench_vllm_update import ENGINE_ARGS, MAX_TOKENS, PROMPTS, reload_from_disk, timed_disk_start
 
+from checkpoint_engine.types import PAUSE_MODES  # no vLLM or torch
 from ckpt_common.cli_config import add_config_args, meta  # after the path insert: run as a script
 from ckpt_common.validate import check_int, check_number
-from vllm_ext.weight_transfer.req import PAUSE_MODES  # no vLLM or torch: the req side is plain HTTP
 
 PATHS = ("native", "extension", "disk")
 INFLIGHT_PROMPT = "Hello world\n"

@@ -28,3 +28,14 @@ Mode = Literal[SelectableMode, "p2p", "p2p_engine"]  # what an update runs as (L
 MODES: tuple[Mode, ...] = get_args(Mode)
 RequestedMode = Literal["auto", SelectableMode]  # `UpdateConfig.mode`, daemon `--mode`
 REQUESTED_MODES: tuple[RequestedMode, ...] = get_args(RequestedMode)
+
+# How an update reaches a vLLM server (vllm_ext.weight_transfer.req): vLLM's weight-transfer routes
+# (the checkpoint_engine backend) or the worker extension's /collective_rpc; "auto": the one the
+# server says it offers. The daemon's --engine-update-route and POST /update's "route" take these.
+UpdateRoute = Literal["native", "extension"]
+UPDATE_ROUTES: tuple[UpdateRoute, ...] = get_args(UpdateRoute)
+RequestedRoute = Literal["auto", UpdateRoute]
+REQUESTED_ROUTES: tuple[RequestedRoute, ...] = get_args(RequestedRoute)
+# What the requests running when a native update starts see (vLLM's /pause?mode=; "none": no pause)
+PauseMode = Literal["abort", "wait", "keep", "none"]
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)

@@ -275,7 +275,8 @@ def make_app(
         if not control and (why := gate.refusal) is not None:
             return JSONResponse(incomplete_body(why), status_code=503, headers={"Retry-After": "5"})
         body = await request.body()
-        if path in ("/start_weight_update", "/update_weights") or (path == "/collective_rpc" and _is_update_rpc(body)):
+        update_rpc = path == "/collective_rpc" and _is_update_rpc(body)  # the extension's update
+        if update_rpc or path in ("/start_weight_update", "/update_weights"):
             gate.update_started()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         upstream = state["client"].build_request(
@@ -298,7 +299,7 @@ def make_app(
         if path == "/collective_rpc":
             data = await resp.aread()
             await resp.aclose()
-            if not _observe_rpc(gate, body, resp.status_code, data) and _is_update_rpc(body):
+            if not _observe_rpc(gate, body, resp.status_code, data) and update_rpc:
                 await _ask_weights_state(state["client"], gate)  # a failed update: what did it leave?
             return Response(data, status_code=resp.status_code, headers=out_headers)
         if path == "/finish_weight_update" or (path == "/update_weights" and resp.status_code != 200):

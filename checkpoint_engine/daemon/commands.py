@@ -47,6 +47,7 @@ from checkpoint_engine.host_memory import read_safetensors_index
 from checkpoint_engine.jobs import GlobalMetas
 from checkpoint_engine.plan import check_global_metas
 from checkpoint_engine.ps import ParameterServer
+from checkpoint_engine.types import PAUSE_MODES, REQUESTED_ROUTES
 
 logger = logging.getLogger(__name__)
 
@@ -356,19 +357,17 @@ def _req_func(ps: ParameterServer, cmd: dict):
     endpoints = cmd["endpoints"]
     per = int(cmd.get("ranks_per_engine", 1))
     endpoint = endpoints[ps.rank // per] if isinstance(endpoints, list) else endpoints
-    route = cmd.get("route") or "auto"
-    if route == "extension":
-        return http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=timeout_s)
     from vllm_ext.weight_transfer.req import engine_req_func
 
-    return engine_req_func(  # native, or auto: native where the engine's launcher says it serves the routes
+    return engine_req_func(  # auto: native where the engine's launcher says it serves vLLM's routes
         endpoint,
-        route=route,
+        route=cmd.get("route") or "auto",
         rank=ps.rank,
         ranks_per_engine=per,
         timeout_s=timeout_s,
         weight_version=cmd.get("weight_version") or cmd["name"],
         pause_mode=cmd.get("pause_mode") or "abort",
+        extension=http_req_func(endpoint, rank=ps.rank, ranks_per_engine=per, timeout_s=timeout_s),
     )
 
 
@@ -447,10 +446,6 @@ def validate(cmd: dict) -> dict:
     return cmd
 
 
-ROUTES = ("auto", "native", "extension")  # POST /update's "route"
-PAUSE_MODES = ("abort", "wait", "keep", "none")  # vLLM's /pause?mode= (none: no pause, the caller keeps it idle)
-
-
 def _check_route_fields(cmd: dict) -> None:
     """POST /update's "route", "pause_mode" and "weight_version": for 'endpoints' only (the managed engines
     take the daemon's --engine-update-route; MoonshotAI's 'update_url' keeps its /collective_rpc)."""
@@ -461,8 +456,8 @@ def _check_route_fields(cmd: dict) -> None:
             "'update_url' is MoonshotAI's /collective_rpc route)",
             given[0],
         )
-    if cmd.get("route") is not None and cmd["route"] not in ROUTES:
-        raise CommandError(f"update: 'route' must be one of {list(ROUTES)}, got {cmd['route']!r}", "route")
+    if cmd.get("route") is not None and cmd["route"] not in REQUESTED_ROUTES:
+        raise CommandError(f"update: 'route' must be one of {list(REQUESTED_ROUTES)}, got {cmd['route']!r}", "route")
     if cmd.get("pause_mode") is not None and cmd["pause_mode"] not in PAUSE_MODES:
         raise CommandError(
             f"update: 'pause_mode' must be one of {list(PAUSE_MODES)}, got {cmd['pause_mode']!r}", "pause_mode"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from checkpoint_engine.config import MiB, P2PReader, ParameterServerConfig, Transport, UpdateConfig
 from checkpoint_engine.engines.config import EngineConfig, parse_engine_cmd
 from checkpoint_engine.transport.mooncake import P2PConfig, P2PProtocol, parse_rank_cpu_lists
-from checkpoint_engine.types import RequestedMode
+from checkpoint_engine.types import REQUESTED_ROUTES, RequestedMode
 from ckpt_common.cli_config import meta
 from ckpt_common.logs import DEFAULT_LOG_LEVEL, check_log_level
 from ckpt_common.procs import DEFAULT_STOP_TIMEOUT_S
@@ -151,7 +151,7 @@ class DaemonConfig:
             'version, /resume; the engine runs --weight-transfer-config \'{"backend": "checkpoint_engine"}\'), '
             "extension (the worker extension's /collective_rpc), auto (native where the engine's GET "
             "/launcher/status says so, as `vllm_ext.launch` does by default; extension otherwise)",
-            choices=("auto", "native", "extension"),
+            choices=REQUESTED_ROUTES,
         ),
     )
     engine_start_timeout_s: float = field(

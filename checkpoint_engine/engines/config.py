@@ -20,6 +20,8 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from checkpoint_engine.types import REQUESTED_ROUTES
+
 PLACEHOLDERS = ("{port}", "{rank}", "{device}", "{rendezvous}", "{p2p_host}")
 
 
@@ -113,9 +115,6 @@ def engine_env(environ: dict[str, str] | None = None, device: str = "cpu") -> di
     return env
 
 
-UPDATE_ROUTES = ("auto", "native", "extension")  # EngineConfig.update_route
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     cmd: tuple[str, ...]  # argv template with {port} (required), {rank}, {device}, {rendezvous}, {p2p_host}
@@ -168,5 +167,5 @@ class EngineConfig:
         for name in ("start_timeout_s", "stop_grace_s", "poll_interval_s", "update_timeout_s"):
             check_number(f"EngineConfig.{name}", getattr(self, name))
         check_int("EngineConfig.max_heal_attempts", self.max_heal_attempts, low=0)
-        if self.update_route not in UPDATE_ROUTES:
-            raise ValueError(f"EngineConfig.update_route={self.update_route!r} must be one of {list(UPDATE_ROUTES)}")
+        if self.update_route not in REQUESTED_ROUTES:
+            raise ValueError(f"EngineConfig.update_route={self.update_route!r} must be one of {list(REQUESTED_ROUTES)}")

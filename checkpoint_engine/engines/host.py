@@ -54,15 +54,12 @@ which opens only after the first update.
 from __future__ import annotations
 
 import json
-import logging
 
 from checkpoint_engine.daemon.store_wait import wait_for_keys
 from checkpoint_engine.engines.config import (
     EngineConfig,
 )
 from checkpoint_engine.engines.process import ManagedEngine, Watchdog
-
-logger = logging.getLogger(__name__)
 
 
 class EngineHost:
@@ -195,23 +192,17 @@ def engine_update_req_func(host: EngineHost, name: str, timeout_s: float):
     engine offers, asked at the update: `vllm_ext.weight_transfer.req.served_route`). Native: vLLM's
     weight-transfer routes, with `name` as the version vLLM reports; extension: /collective_rpc."""
     from checkpoint_engine.api import http_req_func
+    from vllm_ext.weight_transfer.req import engine_req_func
 
-    url, route = host.engine.url, host.config.update_route
-    extension = http_req_func(url, rank=host.rank, ranks_per_engine=1, timeout_s=timeout_s)
-    if route == "extension":
-        return extension
-    from vllm_ext.weight_transfer.req import native_http_req_func, served_route
-
-    native = native_http_req_func(url, rank=host.rank, ranks_per_engine=1, timeout_s=timeout_s, weight_version=name)
-    if route == "native":
-        return native
-
-    def req_func(paths) -> None:
-        chosen = served_route(url)
-        logger.info("rank %d: update of %r into %s through the %s route", host.rank, name, url, chosen)
-        (native if chosen == "native" else extension)(paths)
-
-    return req_func
+    url = host.engine.url
+    return engine_req_func(
+        url,
+        route=host.config.update_route,
+        rank=host.rank,
+        timeout_s=timeout_s,
+        weight_version=name,
+        extension=http_req_func(url, rank=host.rank, ranks_per_engine=1, timeout_s=timeout_s),
+    )
 
 
 def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, timeout_s: float | None) -> dict:

@@ -46,21 +46,23 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
-from checkpoint_engine.types import ReqFunc
+from checkpoint_engine.types import (
+    PAUSE_MODES,
+    REQUESTED_ROUTES,
+    UPDATE_ROUTES,
+    PauseMode,
+    ReqFunc,
+    RequestedRoute,
+    UpdateRoute,
+)
 from ckpt_common.httpjson import HTTPError, post_json, status_json
 from vllm_ext.req import EngineRpcError, vllm_http_req_func
 from vllm_ext.weight_transfer.infos import NativeUpdateInfo
 
 logger = logging.getLogger(__name__)
 
-PauseMode = Literal["abort", "wait", "keep", "none"]
-PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
-# how a ParameterServer update reaches a vLLM server: vLLM's weight-transfer routes (this backend), or
-# the worker extension's /collective_rpc (MoonshotAI's door; any server started with the extension)
-UpdateRoute = Literal["native", "extension"]
-UPDATE_ROUTES: tuple[str, ...] = get_args(UpdateRoute)
 ROUTES = (
     "/pause",
     "/start_weight_update",
@@ -329,19 +331,22 @@ def _check_args(*, ranks_per_engine: int, timeout_s: float, pause_mode: str) -> 
 def engine_req_func(
     endpoint: str,
     *,
-    route: UpdateRoute | Literal["auto"],
+    route: RequestedRoute,
     rank: int | None = None,
     ranks_per_engine: int = 1,
     timeout_s: float = 600.0,
     weight_version: WeightVersion = None,
     pause_mode: PauseMode = "abort",
+    extension: ReqFunc | None = None,
 ) -> ReqFunc:
     """req_func for PS rank `rank` into the vLLM server at `endpoint` by `route`: "native"
     (`native_http_req_func`: pause, start, update, finish with `weight_version`, resume), "extension"
     (`vllm_ext.req.vllm_http_req_func`: /collective_rpc, then a prefix-cache reset; `weight_version`
     and `pause_mode` do not apply there: the caller keeps the engine idle), or "auto": the one the
-    server offers (`served_route`), asked at each update (a restarted server may offer another)."""
-    if route not in (*UPDATE_ROUTES, "auto"):
+    server offers (`served_route`), asked at each update (a restarted server may offer another).
+    `extension`: the req_func of the extension route instead of `vllm_http_req_func` (the daemon's
+    MoonshotAI-compatible request)."""
+    if route not in REQUESTED_ROUTES:
         raise ValueError(f"route must be one of {[*UPDATE_ROUTES, 'auto']}, got {route!r}")
     if rank is None:
         rank = int(os.environ["RANK"])
@@ -353,7 +358,8 @@ def engine_req_func(
         pause_mode=pause_mode,
         timeout_s=timeout_s,
     )
-    extension = vllm_http_req_func(endpoint, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s)
+    if extension is None:
+        extension = vllm_http_req_func(endpoint, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s)
     if route != "auto":
         return native if route == "native" else extension
     sender = rank % ranks_per_engine == 0  # the engine's first rank asks (and sends)
@@ -361,8 +367,9 @@ def engine_req_func(
     def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
         if not sender:
             return
-        chosen = native if served_route(endpoint) == "native" else extension
-        chosen(socket_paths)
+        chosen = served_route(endpoint)
+        logger.info("update into %s through the %s route", endpoint, chosen)
+        (native if chosen == "native" else extension)(socket_paths)
 
     return req_func
 
