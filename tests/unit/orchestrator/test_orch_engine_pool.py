@@ -52,10 +52,14 @@ class ScriptedEngine:
             self.inflight += len(requests)
             self.max_inflight = max(self.max_inflight, self.inflight)
         try:
+            # held past the caller's deadline: time out as an HTTP client does (answering then would race
+            # the pool's own deadline, which the deadline test checks)
             deadline = time.monotonic() + timeout_s
             while not self.release.wait(0.01):
-                if not self.alive or time.monotonic() > deadline:
+                if not self.alive:
                     break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"POST http://{self.name}/v1/completions timed out after {timeout_s:.0f} s")
             if self.reject:
                 raise HTTPError("POST", f"http://{self.name}/v1/completions", 400, "prompt too long")
             if not self.alive and self.break_off is not None:
@@ -311,11 +315,13 @@ def test_every_engine_down_without_healing_is_an_error(pools):
 
 
 def test_deadline_is_bounded(pools):
-    pool = pools([ScriptedEngine("a", hold=True)])
+    engine = ScriptedEngine("a", hold=True)
+    pool = pools([engine])
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 1 s"):
         pool.generate(_requests(2), SAMPLING, timeout_s=1.0)
     assert time.monotonic() - start < 5
+    engine.release.set()
 
 
 def test_a_pool_has_no_single_req_func(pools):
