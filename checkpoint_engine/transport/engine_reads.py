@@ -29,6 +29,13 @@ It is safe because a destination is memory that only this tensor's bytes go to (
 refuses any other op that touches it), so when its bytes land relative to other tensors' loads does
 not matter; an update that fails midway leaves the engine incomplete, as it would anyway.
 
+Sharded reads (`set_slices`, an engine rank under tensor or expert parallelism): a tensor read into
+scratch is read only in the byte ranges of the slices this rank's loaders consume
+(`vllm_ext.shard_probe.ShardProbe`, `checkpoint_engine.sharding`); the scratch keeps the whole
+tensor's shape, so the loaders narrow it as usual and find their rows there; the rest of it is never
+read, and its pages never touched. A tensor the rank consumes none of is not read at all. The stats
+count the bytes read (`scratch_bytes`) and those left out (`sliced_out_bytes`).
+
 CPU memory only: a CUDA destination would need GPUDirect registration (RDMA), not written yet.
 """
 
@@ -43,6 +50,8 @@ from dataclasses import dataclass
 import torch
 
 from checkpoint_engine import protocol as P
+from checkpoint_engine.sharding.plan import byte_ranges
+from checkpoint_engine.sharding.slices import SourceSlice
 from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore, PendingReads
 from ckpt_common.dtypes import dtype_from_name
 
@@ -51,6 +60,8 @@ logger = logging.getLogger(__name__)
 # [(name, dtype, shape)] of one bucket -> for each, a contiguous tensor of exactly that dtype and shape
 # to read into, or None
 Destination = Callable[[list[tuple[str, torch.dtype, tuple[int, ...]]]], "list[torch.Tensor | None]"]
+# [(name, dtype, shape)] -> for each name, the slices this rank's loaders read (() for none)
+Slices = Callable[[list[tuple[str, torch.dtype, tuple[int, ...]]]], "dict[str, tuple[SourceSlice, ...]]"]
 SCRATCH_ALIGN_BYTES = 64
 
 
@@ -65,7 +76,9 @@ class EngineReadStats:
     placed_tensors: int = 0  # read straight into their destination
     placed_bytes: int = 0
     scratch_tensors: int = 0  # read into scratch, then loaded
-    scratch_bytes: int = 0
+    scratch_bytes: int = 0  # bytes read into scratch (only the rank's slices when sharded)
+    sliced_tensors: int = 0  # scratch tensors read in part (sharded), or not at all
+    sliced_out_bytes: int = 0  # bytes of those tensors not read: the other ranks' slices
 
     def report(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -118,6 +131,8 @@ class EngineReads:
         self._in_flight: list[BucketReads] = []
         self._ahead: dict[str, tuple[P.WireTensor, torch.Tensor, PendingReads]] = {}  # submitted at begin
         self._cpus: tuple[int, ...] | None = None
+        self._slices: Slices | None = None
+        self._sliced: dict[str, tuple[SourceSlice, ...]] = {}  # asked once per name while set
         self.stats = EngineReadStats()
 
     def _config(self, p2p_host: str) -> P2PConfig:
@@ -149,6 +164,35 @@ class EngineReads:
 
     def set_destination(self, destination: Destination | None) -> None:
         self._destination = destination
+
+    def set_slices(self, slices: Slices | None) -> None:
+        """Read only these slices of each scratch tensor (see the module docstring); None: whole tensors."""
+        if slices is not self._slices:
+            self._sliced = {}
+        self._slices = slices
+
+    def _read_ranges(self, tensors: list[tuple[P.WireTensor, torch.dtype, int]]) -> list[list[tuple[int, int]]]:
+        """For each (tensor, dtype, nbytes) going to scratch: the byte ranges to read from it."""
+        if self._slices is None:
+            return [[(0, nbytes)] if nbytes else [] for _, _, nbytes in tensors]
+        todo = [(t.name, d, tuple(t.shape)) for t, d, _ in tensors if t.name not in self._sliced]
+        if todo:
+            found = self._slices(todo)
+            self._sliced.update((n, tuple(found.get(n, (SourceSlice(n),)))) for n, _, _ in todo)
+        out = []
+        for t, _, nbytes in tensors:
+            ranges: list[tuple[int, int]] = []
+            for s in self._sliced[t.name]:
+                ranges += byte_ranges(s, t.shape, t.dtype)
+            ranges = sorted(set(ranges))
+            read = sum(hi - lo for lo, hi in ranges)
+            if read > nbytes:  # overlapping slices: read the whole tensor once
+                ranges, read = [(0, nbytes)], nbytes
+            if read < nbytes:
+                self.stats.sliced_tensors += 1
+                self.stats.sliced_out_bytes += nbytes - read
+            out.append(ranges)
+        return out
 
     def begin(self, handles: tuple[P.BufferHandle, ...], p2p_host: str, tensors: tuple[P.WireTensor, ...] = ()) -> None:
         """Start the transfer engine (once) and open a connection to every owner (in parallel).
@@ -242,6 +286,13 @@ class EngineReads:
                 raise P.ProtocolError(f"tensor {t.name!r} of a bucket differs from Hello's plan: {t} vs {planned}")
             sizes.append(None if planned is not None else _check_range(t, handles[t.buffer], dtype))
         ahead: list[PendingReads] = []
+        to_scratch = [
+            (t, dtype, nbytes)
+            for t, dtype, nbytes in zip(tensors, dtypes, sizes, strict=True)
+            if nbytes is not None and _landing(self._planned.get(t.name), dtype, t.shape) is None
+        ]
+        ranges_of = dict(zip((id(t) for t, _, _ in to_scratch), self._read_ranges(to_scratch), strict=True))
+        targets: list[int] = []  # scratch offset of each placeholder local address (-1 - index)
         for t, dtype, nbytes in zip(tensors, dtypes, sizes, strict=True):
             if nbytes is None:  # read since Hello; taken from `_ahead` once this bucket is in flight
                 _, dst, pending_read = self._ahead[t.name]
@@ -251,9 +302,9 @@ class EngineReads:
             h = handles[t.buffer]
             dst = _landing(self._planned.get(t.name), dtype, t.shape)
             locals_, remotes, lengths = by_peer.setdefault(h.peer, ([], [], []))
-            remotes.append(h.ptr + t.offset_bytes)
-            lengths.append(nbytes)
             if dst is not None:
+                remotes.append(h.ptr + t.offset_bytes)
+                lengths.append(nbytes)
                 storage = dst.untyped_storage()
                 self._store.register(storage.data_ptr(), storage.nbytes())
                 locals_.append(dst.data_ptr())
@@ -263,11 +314,15 @@ class EngineReads:
             else:
                 offset = -(-scratch_bytes // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
                 scratch_bytes = offset + nbytes
-                locals_.append(-1 - len(pending))  # patched once the scratch is sized
+                for lo, hi in ranges_of[id(t)]:  # the whole tensor, or this rank's slices of it
+                    remotes.append(h.ptr + t.offset_bytes + lo)
+                    lengths.append(hi - lo)
+                    locals_.append(-1 - len(targets))  # patched once the scratch is sized
+                    targets.append(offset + lo)
+                    self.stats.scratch_bytes += hi - lo
                 pending.append((len(out), offset, nbytes))
                 out.append((t.name, None))
                 self.stats.scratch_tensors += 1
-                self.stats.scratch_bytes += nbytes
         scratch = None
         if pending:
             scratch = self._scratch_of(self._next_scratch, scratch_bytes)
@@ -275,9 +330,9 @@ class EngineReads:
         for locals_, _, _ in by_peer.values():
             for i, ptr in enumerate(locals_):
                 if ptr < 0:
-                    locals_[i] = scratch.data_ptr() + pending[-1 - ptr][1]
+                    locals_[i] = scratch.data_ptr() + targets[-1 - ptr]
         # every owner's reads in flight together
-        reads = [self._store.submit(peer, *lists) for peer, lists in by_peer.items()]
+        reads = [self._store.submit(peer, *lists) for peer, lists in by_peer.items() if lists[2]]
         for t, nbytes in zip(tensors, sizes, strict=True):
             if nbytes is None:
                 self._ahead.pop(t.name, None)

@@ -408,3 +408,35 @@ def test_a_bucket_that_fails_to_start_leaves_hello_s_reads_to_end():
         reads.start(REMOTE_ONLY, list(PLAN[:2]))  # w read since Hello; b needs scratch, refused
     reads.end()  # still waits for w's read before it unregisters
     assert torch.equal(held["w"], torch.arange(4.0)) and store.registered == {}
+
+
+def test_sharded_reads_take_only_this_ranks_slices_into_whole_shaped_scratch():
+    """A TP rank's slices: rows 1 of b (2, 2) (its dim-0 shard), column 1 of a (4, 2) view of v (two
+    4-byte ranges), nothing of w; the bytes read are counted by the reader, the rest never read."""
+    from checkpoint_engine.sharding.slices import SourceSlice
+
+    store = FakeStore(owners())
+    v_as_matrix = P.WireTensor("m", "float32", (4, 2), 2, 0)  # owner 2's 8 floats as a 4x2 matrix
+    asked = []
+
+    def slices(items):
+        asked.append([n for n, _, _ in items])
+        return {"w": (), "b": (SourceSlice("b", 0, 1, 2),), "m": (SourceSlice("m", 1, 1, 2),)}
+
+    reads = EngineReads(store_factory=lambda cfg: store)
+    reads.set_slices(slices)
+    reads.begin(HANDLES, "")
+    got = dict(reads.start(HANDLES, [TENSORS[0], TENSORS[2], v_as_matrix]).finish())
+    assert asked == [["w", "b", "m"]]
+    assert got["b"].shape == (2, 2) and torch.equal(got["b"][1], torch.tensor([6.0, 7.0]))
+    assert got["m"].shape == (4, 2) and torch.equal(got["m"][:, 1], torch.tensor([101.0, 103.0, 105.0, 107.0]))
+    s = reads.stats
+    assert (s.scratch_tensors, s.scratch_bytes, s.sliced_tensors, s.sliced_out_bytes) == (3, 8 + 16, 3, 16 + 8 + 16)
+    assert sorted(store.batches) == [("10.0.0.1:1", 1), ("10.0.0.3:3", 4)]  # w: no read at all
+    # asked once per name: the next update reuses the answers
+    reads.start(HANDLES, [TENSORS[2]]).finish()
+    assert asked == [["w", "b", "m"]]
+    reads.set_slices(None)  # whole tensors again
+    got = dict(reads.start(HANDLES, [TENSORS[2]]).finish())
+    assert torch.equal(got["b"], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
+    reads.end()
