@@ -48,8 +48,8 @@ from typing import Any, TypeVar
 from checkpoint_engine.plan import TensorSpec
 from checkpoint_engine.sharding.slices import EngineLayout, SourceSlice
 from ckpt_common.dtypes import itemsize
-from trainer.megatron.layout import NormStyle, hf_sources, sources_of_slice
-from trainer.megatron.shapes import ModelShape, Parallelism, Piece, hf_param_shapes
+from trainer.megatron.layout import hf_sources, sources_of_slice
+from trainer.megatron.shapes import ModelShape, NormStyle, Parallelism, Piece, hf_param_shapes
 
 Dest = tuple[int, int]  # (tp_rank, ep_rank), as EngineLayout.ranks names it
 SpecLike = TensorSpec | tuple[str, Sequence[int]]  # a TensorSpec, or (dtype, shape)
