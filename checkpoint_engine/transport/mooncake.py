@@ -12,6 +12,7 @@ the bytes, which over TCP on a few cores slows the read itself (benchmarks/RESUL
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 CONNECT_BYTES = 8  # what `P2PStore.connect` reads to open the connection to a peer
 POLL_S = 0.0005  # between two looks at the reads in flight
+# Transfers one PendingReads keeps in flight; the rest wait in its queue and go out as earlier ones
+# end. Mooncake's TCP transport queues at most 1024 transfers per peer and fails those past it
+# (status -1); a sharded read of row-parallel tensors is one range per row, thousands per bucket.
+MAX_IN_FLIGHT = 256
 P2PProtocol = Literal["tcp", "rdma"]  # `P2PConfig.protocol`, daemon `--p2p-protocol`
 
 
@@ -112,9 +117,10 @@ class P2PConfig:
 class PendingReads:
     """Reads from one peer in flight (`P2PStore.submit`): `poll` looks once, `wait` polls every
     POLL_S until all are done. Either raises once one failed or the deadline passed; after a failure
-    the reads still in flight are waited for first, so their memory may be reused."""
+    the reads still in flight are waited for first, so their memory may be reused. At most
+    MAX_IN_FLIGHT ranges are submitted at a time; each look submits more as earlier ones end."""
 
-    def __init__(self, engine, remote_addr: str, nbytes: int, timeout_s: float):
+    def __init__(self, engine, remote_addr: str, nbytes: int, timeout_s: float, ranges=()):
         self._engine = engine
         self.remote_addr = remote_addr
         self.nbytes = nbytes
@@ -123,6 +129,21 @@ class PendingReads:
         self.batches: list[int] = []
         self.refused = False  # a read could not be submitted
         self._failed: str | None = None
+        self._queued = collections.deque(ranges)  # (local, remote, nbytes) not submitted yet
+        self._feed()
+
+    def _feed(self) -> None:
+        """Submit queued ranges while fewer than MAX_IN_FLIGHT are in flight (none after a failure)."""
+        while self._queued and len(self.batches) < MAX_IN_FLIGHT and not (self.refused or self._failed):
+            local, remote, n = self._queued.popleft()
+            # one batch per range: Mooncake's non-blocking status covers a batch's first range only
+            batch = self._engine.batch_transfer_async_read(self.remote_addr, [local], [remote], [n])
+            if not batch:  # not submitted (peer unreachable): the wait lets those that were finish, then fails
+                self.refused = True
+                break
+            self.batches.append(batch)
+        if self.refused or self._failed:
+            self._queued.clear()
 
     def poll(self) -> bool:
         """True once every read is done; raises if one failed (RuntimeError) or time ran out (TimeoutError)."""
@@ -134,6 +155,8 @@ class PendingReads:
             elif status != 1:
                 self._failed = self._failed or f"status {status}"
         self.batches = pending
+        self._feed()
+        pending = self.batches
         if pending:
             if time.monotonic() > self.deadline:
                 raise TimeoutError(
@@ -215,15 +238,8 @@ class P2PStore:
         """Start `read_batch`'s reads and return at once; the deadline starts now."""
         if not len(local_ptrs) == len(remote_ptrs) == len(lengths):
             raise ValueError(f"read_batch: {len(local_ptrs)} local, {len(remote_ptrs)} remote, {len(lengths)} lengths")
-        pending = PendingReads(self._engine, remote_addr, sum(lengths), self.cfg.read_timeout_s)
-        for local, remote, n in zip(local_ptrs, remote_ptrs, lengths, strict=True):
-            # one batch per range: Mooncake's non-blocking status covers a batch's first range only
-            batch = self._engine.batch_transfer_async_read(remote_addr, [local], [remote], [n])
-            if not batch:  # not submitted (peer unreachable): the wait lets those that were finish, then fails
-                pending.refused = True
-                break
-            pending.batches.append(batch)
-        return pending
+        ranges = list(zip(local_ptrs, remote_ptrs, lengths, strict=True))
+        return PendingReads(self._engine, remote_addr, sum(lengths), self.cfg.read_timeout_s, ranges)
 
     def connect(self, remote_addr: str, remote_ptr: int) -> None:
         """Open the transfer engine's connection to peer `remote_addr` (segment handshake, TCP connect)
