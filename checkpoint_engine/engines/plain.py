@@ -74,6 +74,7 @@ class PlainEngine:
         return out
 
     def update_weights_from_ipc(self, zmq_handles: dict[str, str]) -> dict:
+        from checkpoint_engine.sharding.delta_sync import DeltaReceiver
         from checkpoint_engine.worker import update_weights_from_ipc
 
         if len(zmq_handles) != 1:
@@ -84,6 +85,9 @@ class PlainEngine:
                 raise RuntimeError("the weights are asleep: wake them (POST /wake_up?tags=weights) before an update")
             self.num_updates_started += 1
             bucket = {"i": 0}
+            # a delta update (checkpoint_engine.sharding.delta_sync) is applied after its last bucket,
+            # onto the version held now, every base checksum checked before anything is written
+            delta, held = DeltaReceiver(), self.state.report()["checkpoint"]
 
             def run(named):
                 i = bucket["i"]
@@ -95,6 +99,8 @@ class PlainEngine:
                 if self.load_delay_s:
                     time.sleep(self.load_delay_s)
                 for name, t in named:
+                    if delta.take(name, t):
+                        continue
                     dst = self.weights.get(name)
                     if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
                         self.weights[name] = t.to(self.device, copy=True)
@@ -107,6 +113,7 @@ class PlainEngine:
                 handle,
                 device_id,
                 run=run,
+                post_hook=lambda: delta.finish(self.weights, held),
                 state=self.state,
                 timeout_s=self.timeout_s,
                 mapping_cache=self.mappings,
