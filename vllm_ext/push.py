@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from checkpoint_engine.config import ParameterServerConfig, Transport, UpdateConfig
+from checkpoint_engine.config import P2PReader, ParameterServerConfig, Transport, UpdateConfig
 from ckpt_common.cli_config import ConfigArgs, add_config_args, meta
 from ckpt_common.validate import check_int, check_literals, check_number
 
@@ -53,6 +53,14 @@ class PushConfig:
     )
     transport: Transport = field(
         default=ParameterServerConfig.transport, metadata=meta("the parameter server's transport (cpu, cuda, auto)")
+    )
+    p2p_reader: P2PReader | None = field(
+        default=None,
+        metadata=meta(
+            "pull over Mooncake (TCP on 127.0.0.1) instead of the broadcast: every engine reads the owners' "
+            "registered memory; rank: each rank reads for its engine, engine: the engine reads it itself "
+            "(a tensor-parallel worker then reads only the slices its loaders take). None: broadcast"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -110,8 +118,16 @@ def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_
         engine_connect_timeout_s=timeout_s,
         engine_timeout_s=timeout_s,
         req_func_timeout_s=timeout_s,
+        p2p_reader=cfg.p2p_reader or UpdateConfig.p2p_reader,
+        # a pull that moves bytes: Mooncake, also when the engines could map the owners' chunks in place
+        mode="collective" if cfg.p2p_reader is not None else UpdateConfig.mode,
     )
-    ps_cfg = ParameterServerConfig(transport=cfg.transport, collective_timeout_s=timeout_s, update=update)
+    p2p = None
+    if cfg.p2p_reader is not None:
+        from checkpoint_engine.transport.mooncake import P2PConfig
+
+        p2p = P2PConfig(read_timeout_s=timeout_s)
+    ps_cfg = ParameterServerConfig(transport=cfg.transport, collective_timeout_s=timeout_s, update=update, p2p=p2p)
     ps = ParameterServer(
         rank=rank,
         world_size=world_size,
@@ -125,7 +141,9 @@ def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_
         ps.gather_metas(name)
         register_s = time.perf_counter() - t0
         metrics = ps.update(
-            name, vllm_http_req_func(engine_url, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s)
+            name,
+            vllm_http_req_func(engine_url, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s),
+            ranks=list(range(world_size)) if cfg.p2p_reader is not None else None,
         )
         return {**metrics.to_dict(), "register_s": round(register_s, 4)}
     finally:

@@ -298,6 +298,19 @@ class WeightReceiver:
                 "num_tensors": 0,
                 "definition": "unavailable: the engine runs with weight_cache off (no copy of the weights)",
             }
+        sliced = ((self.last_update or {}).get("engine_reads") or {}).get("sliced_tensors", 0)
+        if sliced:  # a tensor-parallel worker's sharded pull: the cache holds this rank's slices only
+            return {
+                "checksum": None,
+                "version": s["version"],
+                "status": s["status"],
+                "weights_complete": s["weights_complete"],
+                "num_tensors": len(self.cache),
+                "definition": (
+                    f"unavailable: the last update read only this rank's slices of {sliced} tensors "
+                    "(sharded pull); the weight cache holds those slices only"
+                ),
+            }
         return {
             "checksum": self.cache.checksum(),
             "version": s["version"],

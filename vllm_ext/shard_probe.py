@@ -117,3 +117,31 @@ class ShardProbe:
             else:
                 out[name] = merge_slices(name, reads[name])
         return out
+
+
+def meta_model_probe(vllm_config) -> ShardProbe:
+    """A ShardProbe over a second copy of this worker's model built on the meta device: its loaders
+    narrow exactly as the serving model's do (same config, same TP/EP rank), it costs no memory, and
+    the serving model, repacked for the CPU after loading, is never touched. Built on first use.
+
+    Building a model registers its attention layers in the compilation config's forward context;
+    the copy's go into a throwaway dict, so the serving model's context is left as it was."""
+    state: dict[str, ShardProbe] = {}
+
+    def load(weights):
+        if "probe" not in state:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.utils import initialize_model
+
+            compilation = vllm_config.compilation_config
+            context = compilation.static_forward_context
+            compilation.static_forward_context = {}
+            try:
+                with set_current_vllm_config(vllm_config), torch.device("meta"):
+                    model = initialize_model(vllm_config=vllm_config)
+            finally:
+                compilation.static_forward_context = context
+            state["probe"] = model.load_weights
+        state["probe"](weights)
+
+    return ShardProbe(load)

@@ -110,6 +110,7 @@ class VllmColocateWorkerExtension:
                 )
                 self._ckpt_engine_receiver_obj = receiver
                 logger.info("checkpoint-engine receiver taken over from the load step (%s)", receiver.config)
+                self._ckpt_engine_shard_reads(receiver)
                 return receiver
             extra = getattr(self.vllm_config, "additional_config", None) or {}
             settings = extra.get("checkpoint_engine") if isinstance(extra, Mapping) else None
@@ -123,7 +124,20 @@ class VllmColocateWorkerExtension:
             )
             self._ckpt_engine_receiver_obj = receiver
             logger.info("checkpoint-engine receiver ready (%s)", receiver.config)
+        self._ckpt_engine_shard_reads(receiver)
         return receiver
+
+    def _ckpt_engine_shard_reads(self, receiver) -> None:
+        """Under tensor parallelism a pull this worker reads itself (remote buffers) reads only the
+        slices its loaders take (`vllm_ext.shard_probe`, on a meta-device copy of the model); set once."""
+        if getattr(self, "_ckpt_engine_shards_set", False):
+            return
+        self._ckpt_engine_shards_set = True
+        if tp_rank_and_size()[1] > 1:
+            from vllm_ext.shard_probe import meta_model_probe
+
+            receiver.remote_reads.set_slices(meta_model_probe(self.vllm_config))
+            logger.info("checkpoint-engine: pulls this worker reads itself take only its tensor-parallel slices")
 
     def _ckpt_engine_reload(self, weights_iterator) -> None:
         direct = self._ckpt_engine_direct()

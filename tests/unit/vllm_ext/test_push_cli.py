@@ -22,6 +22,7 @@ FLAGS = {
     "--bucket-size-bytes": (UpdateConfig().bucket_size_bytes, None, False),
     "--timeout-s": (300.0, None, False),
     "--transport": (ParameterServerConfig().transport, ["auto", "cpu", "cuda"], False),
+    "--p2p-reader": (None, ["rank", "engine"], False),
 }
 
 
@@ -50,6 +51,8 @@ def test_the_flags_build_the_config_and_engine_urls_keep_their_order():
     cfg = spec.build(args, parser, engine_urls=tuple(args.engine_url))
     assert cfg == PushConfig("m", ("u",), 1, 2, 9, "c", 4096, 5.0, "cpu")
     assert cfg.layout({}) == (1, 2, 2)
+    args = parser.parse_args(["--model", "m", "--engine-url", "u", "--p2p-reader", "engine"])
+    assert spec.build(args, parser, engine_urls=("u",)).p2p_reader == "engine"
 
 
 def test_rank_and_world_come_from_torchrun_when_not_given():

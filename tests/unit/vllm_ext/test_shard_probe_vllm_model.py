@@ -55,6 +55,7 @@ def demo(tmp_path_factory):
         with set_current_vllm_config(config), torch.device("cpu"):
             return initialize_model(vllm_config=config)
 
+    build.config = config
     yield model_dir, state, build
     patch.undo()
 
@@ -113,3 +114,22 @@ def test_sharded_pull_into_vllms_tp2_qwen2_reads_half_and_loads_the_same(demo, s
     assert sharded.keys() == whole.keys()
     for name, param in whole.items():
         assert torch.equal(sharded[name], param), name
+
+
+def test_the_workers_probe_on_a_meta_copy_of_the_model_learns_the_same_and_leaves_the_engine_be(demo):
+    """What a TP worker sets on its pulls (`meta_model_probe`): a copy of the model on the meta device,
+    its forward context kept apart from the serving model's."""
+    from vllm_ext.shard_probe import meta_model_probe
+
+    model_dir, state, build = demo
+    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    items = [(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+    for rank in range(TP):
+        build(rank)  # the "serving" model of this rank (sets the TP stub to rank r)
+        context = build.config.compilation_config.static_forward_context
+        before = dict(context)
+        learned = meta_model_probe(build.config)(items)
+        assert {s for slices in learned.values() for s in slices} == set(
+            plan_hf(shape, EngineLayout(tp_size=TP)).slices((rank, 0))
+        )
+        assert build.config.compilation_config.static_forward_context is context and context == before
