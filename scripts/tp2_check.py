@@ -44,6 +44,12 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in out]), flush
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--p2p-reader", choices=["engine", "rank", "none"], default="engine")
+    p.add_argument(
+        "--max-ranges",
+        type=int,
+        default=None,
+        help="the launcher's --sharded-max-ranges-per-tensor (default: its own, 64; 0: every slice row by row)",
+    )
     p.add_argument("--work-dir", default=None, help="where the models and logs go (default: a new temporary one)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="bound on each step")
     args = p.parse_args(argv)
@@ -74,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = json.loads(lines[-1][len("TOKENS ") :])
     reference_s = time.perf_counter() - t0
 
+    launcher_extra = [] if args.max_ranges is None else ["--sharded-max-ranges-per-tensor", str(args.max_ranges)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     launch_log = open(work / "launcher.log", "w")
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             "--no-initial-push",
             "--gate-wait-s",
             "0",
+            *launcher_extra,
             "--",
             *ENGINE_ARGS,
         ],

@@ -19,6 +19,7 @@ from ckpt_common.cli_config import meta
 from ckpt_common.ports import free_port as free_port
 from ckpt_common.validate import check_literals
 from vllm_ext.engine_core_cpus import ENV as ENGINE_CORE_CPUS_ENV
+from vllm_ext.settings import ReceiverConfig
 from vllm_ext.start_method import ENV as START_METHOD_ENV
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,13 @@ class LaunchConfig:
             "where it applies; see vllm_ext.direct_reload)"
         ),
     )
+    sharded_max_ranges_per_tensor: int = field(
+        default=ReceiverConfig.sharded_max_ranges_per_tensor,
+        metadata=meta(
+            "tensor-parallel engines reading a pull themselves read only their slices; a slice of more "
+            "byte ranges (a row-parallel tensor: one per row) is read as one covering range (0: row by row)"
+        ),
+    )
     transport: Literal["auto", "cpu", "cuda"] = "auto"
     bucket_size_bytes: int | None = None
     register_nice: int = field(
@@ -173,6 +181,9 @@ class LaunchConfig:
                 raise ValueError("p2p_cpus places the engine's transfer engine: it needs p2p_host")
             cpus = parse_cpu_list(self.p2p_cpus)  # ValueError naming the bad part
             object.__setattr__(self, "p2p_cpu_list", cpus)
+        v = self.sharded_max_ranges_per_tensor
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"sharded_max_ranges_per_tensor must be an int >= 0 (0: no limit), got {v!r}")
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
         tp = tensor_parallel_size(self.vllm_args)
@@ -262,14 +273,13 @@ def engine_settings(cfg: LaunchConfig) -> dict:
     Only non-defaults are passed: vLLM hashes `additional_config` into its compile-cache key, so
     passing defaults would make the fast start miss a cache filled by a plain `vllm serve`.
     """
-    from vllm_ext.settings import ReceiverConfig  # no torch: vLLM is spawned before anything heavy loads
-
     defaults = ReceiverConfig()
     wanted = {
         "timeout_s": float(cfg.engine_timeout_s),
         "reload_mode": cfg.reload_mode,
         "weight_cache": cfg.weight_cache,
         "reload_impl": cfg.reload_impl,
+        "sharded_max_ranges_per_tensor": cfg.sharded_max_ranges_per_tensor,
     }
     return {k: v for k, v in wanted.items() if v != getattr(defaults, k)}
 

@@ -29,6 +29,11 @@ class ReceiverConfig:
     # Which reload the vLLM worker runs: "direct" (vllm_ext.direct_reload: CPU backend, unquantized,
     # one TP rank), "vllm" (vLLM's reload_weights), "auto" (direct where it applies, else vLLM's).
     reload_impl: ReloadImpl = "auto"
+    # A tensor-parallel worker's pull it reads itself reads only its slices; a slice needing more
+    # byte ranges than this (a row-parallel tensor: one per row) is read as the one range covering
+    # them: over TCP thousands of row-sized reads cost more than the bytes they save
+    # (benchmarks/bench_sharded.py). 0: every slice row by row (RDMA).
+    sharded_max_ranges_per_tensor: int = 64
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "reload_timeout_s"):
@@ -39,6 +44,9 @@ class ReceiverConfig:
             raise ValueError(f"weight_cache must be true or false, got {self.weight_cache!r}")
         if not isinstance(self.keep_mappings, bool):
             raise ValueError(f"keep_mappings must be true or false, got {self.keep_mappings!r}")
+        v = self.sharded_max_ranges_per_tensor
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"sharded_max_ranges_per_tensor must be an int >= 0 (0: no limit), got {v!r}")
         check_literals(self)
 
     @classmethod

@@ -132,6 +132,7 @@ class EngineReads:
         self._ahead: dict[str, tuple[P.WireTensor, torch.Tensor, PendingReads]] = {}  # submitted at begin
         self._cpus: tuple[int, ...] | None = None
         self._slices: Slices | None = None
+        self._max_ranges = 0
         self._sliced: dict[str, tuple[SourceSlice, ...]] = {}  # asked once per name while set
         self.stats = EngineReadStats()
 
@@ -165,11 +166,14 @@ class EngineReads:
     def set_destination(self, destination: Destination | None) -> None:
         self._destination = destination
 
-    def set_slices(self, slices: Slices | None) -> None:
-        """Read only these slices of each scratch tensor (see the module docstring); None: whole tensors."""
+    def set_slices(self, slices: Slices | None, max_ranges_per_tensor: int = 0) -> None:
+        """Read only these slices of each scratch tensor (see the module docstring); None: whole tensors.
+        `max_ranges_per_tensor` (0: no limit): a tensor whose slices need more byte ranges (a
+        row-parallel slice is one per row) is read as the one range that covers them."""
         if slices is not self._slices:
             self._sliced = {}
         self._slices = slices
+        self._max_ranges = max_ranges_per_tensor
 
     def _read_ranges(self, tensors: list[tuple[P.WireTensor, torch.dtype, int]]) -> list[list[tuple[int, int]]]:
         """For each (tensor, dtype, nbytes) going to scratch: the byte ranges to read from it."""
@@ -185,6 +189,8 @@ class EngineReads:
             for s in self._sliced[t.name]:
                 ranges += byte_ranges(s, t.shape, t.dtype)
             ranges = sorted(set(ranges))
+            if self._max_ranges and len(ranges) > self._max_ranges:
+                ranges = [(ranges[0][0], max(hi for _, hi in ranges))]  # one read covering them all
             read = sum(hi - lo for lo, hi in ranges)
             if read > nbytes:  # overlapping slices: read the whole tensor once
                 ranges, read = [(0, nbytes)], nbytes

@@ -440,3 +440,21 @@ def test_sharded_reads_take_only_this_ranks_slices_into_whole_shaped_scratch():
     got = dict(reads.start(HANDLES, [TENSORS[2]]).finish())
     assert torch.equal(got["b"], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
     reads.end()
+
+
+def test_a_slice_of_many_ranges_is_read_as_their_covering_range_past_the_limit():
+    """Column 1 of m (4, 2): 4 ranges of 4 bytes; with at most 2 ranges per tensor it is read from
+    its first to its last byte in one read (the rows' other column comes along)."""
+    from checkpoint_engine.sharding.slices import SourceSlice
+
+    store = FakeStore(owners())
+    m = P.WireTensor("m", "float32", (4, 2), 2, 0)
+    reads = EngineReads(store_factory=lambda cfg: store)
+    reads.set_slices(lambda items: {"m": (SourceSlice("m", 1, 1, 2),)}, max_ranges_per_tensor=2)
+    reads.begin(HANDLES, "")
+    got = dict(reads.start(HANDLES, [m]).finish())
+    assert torch.equal(got["m"][:, 1], torch.tensor([101.0, 103.0, 105.0, 107.0]))
+    assert store.batches == [("10.0.0.3:3", 1)]  # one read, bytes 4..32
+    s = reads.stats
+    assert (s.scratch_bytes, s.sliced_tensors, s.sliced_out_bytes) == (28, 1, 4)
+    reads.end()
