@@ -133,7 +133,8 @@ class EngineReads:
         self._cpus: tuple[int, ...] | None = None
         self._slices: Slices | None = None
         self._max_ranges = 0
-        self._sliced: dict[str, tuple[SourceSlice, ...]] = {}  # asked once per name while set
+        # (name, dtype, shape) -> the byte ranges to read: asked of `_slices` and computed once while set
+        self._ranges: dict[tuple[str, str, tuple[int, ...]], list[tuple[int, int]]] = {}
         self.stats = EngineReadStats()
 
     def _config(self, p2p_host: str) -> P2PConfig:
@@ -170,8 +171,8 @@ class EngineReads:
         """Read only these slices of each scratch tensor (see the module docstring); None: whole tensors.
         `max_ranges_per_tensor` (0: no limit): a tensor whose slices need more byte ranges (a
         row-parallel slice is one per row) is read as the one range that covers them."""
-        if slices is not self._slices:
-            self._sliced = {}
+        if slices is not self._slices or max_ranges_per_tensor != self._max_ranges:
+            self._ranges = {}
         self._slices = slices
         self._max_ranges = max_ranges_per_tensor
 
@@ -179,26 +180,30 @@ class EngineReads:
         """For each (tensor, dtype, nbytes) going to scratch: the byte ranges to read from it."""
         if self._slices is None:
             return [[(0, nbytes)] if nbytes else [] for _, _, nbytes in tensors]
-        todo = [(t.name, d, tuple(t.shape)) for t, d, _ in tensors if t.name not in self._sliced]
+        key = {id(t): (t.name, t.dtype, tuple(t.shape)) for t, _, _ in tensors}
+        todo = [(t, d, nbytes) for t, d, nbytes in tensors if key[id(t)] not in self._ranges]
         if todo:
-            found = self._slices(todo)
-            self._sliced.update((n, tuple(found.get(n, (SourceSlice(n),)))) for n, _, _ in todo)
+            found = self._slices([(t.name, d, tuple(t.shape)) for t, d, _ in todo])
+            for t, _, nbytes in todo:
+                self._ranges[key[id(t)]] = self._ranges_of(t, found.get(t.name, (SourceSlice(t.name),)), nbytes)
         out = []
         for t, _, nbytes in tensors:
-            ranges: list[tuple[int, int]] = []
-            for s in self._sliced[t.name]:
-                ranges += byte_ranges(s, t.shape, t.dtype)
-            ranges = sorted(set(ranges))
-            if self._max_ranges and len(ranges) > self._max_ranges:
-                ranges = [(ranges[0][0], max(hi for _, hi in ranges))]  # one read covering them all
+            ranges = self._ranges[key[id(t)]]
             read = sum(hi - lo for lo, hi in ranges)
-            if read > nbytes:  # overlapping slices: read the whole tensor once
-                ranges, read = [(0, nbytes)], nbytes
             if read < nbytes:
                 self.stats.sliced_tensors += 1
                 self.stats.sliced_out_bytes += nbytes - read
             out.append(ranges)
         return out
+
+    def _ranges_of(self, t: P.WireTensor, slices: tuple[SourceSlice, ...], nbytes: int) -> list[tuple[int, int]]:
+        """The byte ranges of `t` that `slices` cover, within `max_ranges_per_tensor`."""
+        ranges = sorted({r for s in slices for r in byte_ranges(s, t.shape, t.dtype)})
+        if self._max_ranges and len(ranges) > self._max_ranges:
+            ranges = [(ranges[0][0], max(hi for _, hi in ranges))]  # one read covering them all
+        if sum(hi - lo for lo, hi in ranges) > nbytes:  # overlapping slices: read the whole tensor once
+            ranges = [(0, nbytes)]
+        return ranges
 
     def begin(self, handles: tuple[P.BufferHandle, ...], p2p_host: str, tensors: tuple[P.WireTensor, ...] = ()) -> None:
         """Start the transfer engine (once) and open a connection to every owner (in parallel).
