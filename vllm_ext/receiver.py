@@ -289,35 +289,25 @@ class WeightReceiver:
 
     def checksum_report(self) -> dict:
         s = self._state_report()
-        if not self.config.weight_cache:
-            return {
-                "checksum": None,
-                "version": s["version"],
-                "status": s["status"],
-                "weights_complete": s["weights_complete"],
-                "num_tensors": 0,
-                "definition": "unavailable: the engine runs with weight_cache off (no copy of the weights)",
-            }
+        checksum, num_tensors = None, len(self.cache)
+        definition = "sha256 over (name, dtype, shape, crc32) of the checkpoint-format tensors loaded"
         sliced = ((self.last_update or {}).get("engine_reads") or {}).get("sliced_tensors", 0)
-        if sliced:  # a tensor-parallel worker's sharded pull: the cache holds this rank's slices only
-            return {
-                "checksum": None,
-                "version": s["version"],
-                "status": s["status"],
-                "weights_complete": s["weights_complete"],
-                "num_tensors": len(self.cache),
-                "definition": (
-                    f"unavailable: the last update read only this rank's slices of {sliced} tensors "
-                    "(sharded pull); the weight cache holds those slices only"
-                ),
-            }
+        if not self.config.weight_cache:
+            definition, num_tensors = "unavailable: the engine runs with weight_cache off (no copy of the weights)", 0
+        elif sliced:  # a tensor-parallel worker's sharded pull: the cache holds this rank's slices only
+            definition = (
+                f"unavailable: the last update read only this rank's slices of {sliced} tensors "
+                "(sharded pull); the weight cache holds those slices only"
+            )
+        else:
+            checksum = self.cache.checksum()
         return {
-            "checksum": self.cache.checksum(),
+            "checksum": checksum,
             "version": s["version"],
             "status": s["status"],
             "weights_complete": s["weights_complete"],
-            "num_tensors": len(self.cache),
-            "definition": "sha256 over (name, dtype, shape, crc32) of the checkpoint-format tensors loaded",
+            "num_tensors": num_tensors,
+            "definition": definition,
         }
 
     def recover(self, why: str) -> None:

@@ -95,9 +95,9 @@ def from_wire(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str, VersionDel
                 int(h["new_checksum"]),
             )
         return str(header["base"]), str(header["version"]), VersionDelta(out)
+    except DeltaMismatch:
+        raise
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, DeltaMismatch):
-            raise
         raise DeltaMismatch(f"unreadable delta header: {type(e).__name__}: {e}") from None
 
 
