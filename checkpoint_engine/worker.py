@@ -146,7 +146,10 @@ class StartedBucket:
         remote = _remote(hello, tensors)
         names = {t.name for t in remote}
         self._tensors = tensors
-        self._local = dict(extract_views(buffers, tuple(t for t in tensors if t.name not in names)))
+        mapped = tuple(t for t in tensors if t.name not in names)
+        self._local = dict(extract_views(buffers, mapped))
+        if reads is not None and mapped and any(h.kind == "remote" for h in hello.buffers):
+            reads.note_mapped(mapped)  # a pull the engine reads: its own rank's shard is mapped, counted here
         self._reads = reads.start(hello.buffers, remote) if remote else None
 
     def done(self) -> bool:

@@ -79,6 +79,15 @@ class EngineReadStats:
     scratch_bytes: int = 0  # bytes read into scratch (only the rank's slices when sharded)
     sliced_tensors: int = 0  # scratch tensors read in part (sharded), or not at all
     sliced_out_bytes: int = 0  # bytes of those tensors not read: the other ranks' slices
+    # tensors of a buffer the engine maps (its own PS rank's shard, on its host): the loaders read them
+    # in place, taking only this rank's slices of them (`mapped_slice_bytes`; the whole when not sharded)
+    mapped_tensors: int = 0
+    mapped_bytes: int = 0
+    mapped_slice_bytes: int = 0
+
+    def received_bytes(self) -> int:
+        """What this rank took of the update: read from the owners, plus its slices of the mapped tensors."""
+        return self.placed_bytes + self.scratch_bytes + self.mapped_slice_bytes
 
     def report(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -135,6 +144,7 @@ class EngineReads:
         self._max_ranges = 0
         # (name, dtype, shape) -> the byte ranges to read: asked of `_slices` and computed once while set
         self._ranges: dict[tuple[str, str, tuple[int, ...]], list[tuple[int, int]]] = {}
+        self._taken: dict[tuple[str, str, tuple[int, ...]], int] = {}  # the same key -> bytes of its slices
         self.stats = EngineReadStats()
 
     def _config(self, p2p_host: str) -> P2PConfig:
@@ -173,6 +183,7 @@ class EngineReads:
         row-parallel slice is one per row) is read as the one range that covers them."""
         if slices is not self._slices or max_ranges_per_tensor != self._max_ranges:
             self._ranges = {}
+        self._taken = {}
         self._slices = slices
         self._max_ranges = max_ranges_per_tensor
 
@@ -195,6 +206,26 @@ class EngineReads:
                 self.stats.sliced_out_bytes += nbytes - read
             out.append(ranges)
         return out
+
+    def note_mapped(self, tensors: Sequence[P.WireTensor]) -> None:
+        """Count `tensors` (a bucket's, in buffers this engine maps): the loaders read them in place,
+        only this rank's slices when sharded; no read is submitted for them."""
+        keys = [(t.name, t.dtype, tuple(t.shape)) for t in tensors]
+        todo = [(t, key) for t, key in zip(tensors, keys, strict=True) if key not in self._taken]
+        if todo:
+            items = [(t.name, dtype_from_name(t.dtype), key[2]) for t, key in todo]
+            found = self._slices(items) if self._slices is not None else {}
+            for (t, key), (_, dtype, shape) in zip(todo, items, strict=True):
+                nbytes = _nbytes(dtype, shape)
+                if self._slices is None:
+                    self._taken[key] = nbytes
+                    continue
+                spans = {r for s in found.get(t.name, (SourceSlice(t.name),)) for r in byte_ranges(s, shape, t.dtype)}
+                self._taken[key] = min(nbytes, sum(hi - lo for lo, hi in spans))
+        for key in keys:
+            self.stats.mapped_tensors += 1
+            self.stats.mapped_bytes += _nbytes(dtype_from_name(key[1]), key[2])
+            self.stats.mapped_slice_bytes += self._taken[key]
 
     def _ranges_of(self, t: P.WireTensor, slices: tuple[SourceSlice, ...], nbytes: int) -> list[tuple[int, int]]:
         """The byte ranges of `t` that `slices` cover, within `max_ranges_per_tensor`."""

@@ -458,3 +458,30 @@ def test_a_slice_of_many_ranges_is_read_as_their_covering_range_past_the_limit()
     s = reads.stats
     assert (s.scratch_bytes, s.sliced_tensors, s.sliced_out_bytes) == (28, 1, 4)
     reads.end()
+
+
+def test_mapped_tensors_are_counted_whole_and_by_this_ranks_slices():
+    """Tensors of a buffer the engine maps are read by the loaders in place: counted (no read
+    submitted), whole and as the slices this rank takes; without slices the two counts agree."""
+    from checkpoint_engine.sharding.slices import SourceSlice
+
+    m = P.WireTensor("m", "float32", (4, 2), 0, 0)  # 32 bytes
+    n = P.WireTensor("n", "bfloat16", (3,), 0, 32)  # 6 bytes, replicated: taken whole
+    w = P.WireTensor("w", "float32", (2,), 0, 40)  # 8 bytes this rank takes none of
+    asked = []
+
+    def slices(items):
+        asked.append([name for name, _, _ in items])
+        return {"m": (SourceSlice("m", 0, 2, 4),), "w": ()}
+
+    reads = EngineReads(store_factory=lambda cfg: FakeStore(owners()))
+    reads.set_slices(slices)
+    reads.note_mapped([m, n, w])
+    reads.note_mapped([m])  # the next bucket or update: counted again, the slices asked once
+    s = reads.stats
+    assert asked == [["m", "n", "w"]]
+    assert (s.mapped_tensors, s.mapped_bytes, s.mapped_slice_bytes) == (4, 32 + 6 + 8 + 32, 16 + 6 + 0 + 16)
+    assert s.received_bytes() == 16 + 6 + 16 and s.report()["mapped_slice_bytes"] == 38
+    reads.set_slices(None)
+    reads.note_mapped([m])
+    assert (reads.stats.mapped_bytes, reads.stats.mapped_slice_bytes) == (32 + 6 + 8 + 64, 38 + 32)
