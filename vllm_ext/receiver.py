@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 import zmq
 
+from checkpoint_engine.sharding.delta_sync import DeltaMismatch, DeltaReceiver
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.transport.engine_reads import EngineReads
 from checkpoint_engine.transport.shm import MappingCache
@@ -310,6 +311,19 @@ class WeightReceiver:
             "definition": definition,
         }
 
+    def delta_refusal(self, cache_matches_model: bool | None = None) -> str | None:
+        """Why this engine cannot apply a delta update now (None: it can, given the right base).
+        `cache_matches_model`: the cache's state before the update in progress (default: now)."""
+        sliced = ((self.last_update or {}).get("engine_reads") or {}).get("sliced_tensors", 0)
+        matches = self.cache.matches_model if cache_matches_model is None else cache_matches_model
+        if not self.config.weight_cache:
+            return "it runs with weight_cache off: it keeps no copy of the weights to apply a delta to"
+        if sliced:
+            return "its last update read only this rank's tensor-parallel slices: its weight cache holds no whole base"
+        if not matches:
+            return "its weight cache does not hold the weights it serves (no complete update yet, or an aborted one)"
+        return None
+
     def recover(self, why: str) -> None:
         """Put the model back in a servable state after its reload failed half-way."""
         self.reload_error = why
@@ -346,6 +360,11 @@ class _UpdateSession:
         self.probed_ahead = len(receiver._owed)  # bucket mode: names whose slots were found before the update
         self._probed_before = probe.num_probed if probe is not None else 0
         self.loaders_s = 0.0  # bucket mode: time in the load function, per bucket, summed
+        # a delta update (checkpoint_engine.sharding.delta_sync): its tensors are kept as they arrive
+        # and applied at the end onto the weight cache, which holds the version the engine serves
+        self.delta = DeltaReceiver()
+        self.held_checkpoint = receiver.state.report()["checkpoint"]
+        self.delta_bytes = 0
 
     def on_hello(self, hello, buffers: list[torch.Tensor | None]) -> None:
         self.remote = any(h.kind == "remote" for h in hello.buffers)
@@ -374,6 +393,7 @@ class _UpdateSession:
         self.num_buckets += 1
         self.t_first = self.t_first or time.perf_counter()
         self._maybe_fault(index)
+        views = self._take_delta(views)
         cache = self.r.cache
         cache.matches_model = False
         if self.mode == "bucket":  # loaded now, before the Ack frees the buffer half: no copy
@@ -394,10 +414,44 @@ class _UpdateSession:
             return
         pairs = [(name, self._keep(name, view)) for name, view in views]
         self._note(pairs)
-        if self.mode == "streaming":
+        if self.mode == "streaming" and pairs:
             if self.stream is None:
                 self.stream = ReloadStream(self.r._reload_fn)
             self.stream.feed(pairs)
+
+    def _take_delta(self, views: NamedTensors) -> NamedTensors:
+        """Keep a delta's tensors aside (copied: the buffer is reused after the Ack); the rest."""
+        rest = []
+        for name, t in views:
+            if self.delta.take(name, t):
+                self.delta_bytes += t.numel() * t.element_size()
+            else:
+                rest.append((name, t))
+        if len(rest) < len(views) and self.mode == "bucket":
+            raise DeltaMismatch("vLLM's load step takes whole weights: a delta needs a version loaded before it")
+        return rest
+
+    def _apply_delta(self) -> None:
+        """The delta onto the cache's copy of the version held (every base checksum checked before
+        anything is written), then the whole model through the reload: the network carries only the
+        changes, but vLLM's layer-wise reload wants every tensor of a layer it reloads."""
+        cache = self.r.cache
+        why = self.r.delta_refusal(self.fallback_ok)
+        if why is None and self.received:
+            why = f"the update mixes whole tensors ({len(self.received)}) with a delta"
+        if why is not None:
+            cache.matches_model = self.fallback_ok  # nothing was written
+            raise DeltaMismatch(f"this engine cannot apply a delta update: {why}")
+        weights = dict(cache.items_except(set()))
+        try:
+            self.delta.finish(weights, self.held_checkpoint)
+        except DeltaMismatch:
+            cache.matches_model = True  # every base checksum is checked first: nothing was written
+            raise
+        pairs = list(weights.items())
+        self._note(pairs)
+        self.stream = ReloadStream(self.r._reload_fn)
+        self.stream.feed(pairs)
 
     def _note(self, pairs: NamedTensors) -> None:
         for name, t in pairs:
@@ -416,7 +470,9 @@ class _UpdateSession:
                 f"and probed ahead, e.g. {sorted(owed)[:5]}"
             )
         cache = self.r.cache
-        if self.stream is None and self.order and self.mode == "end":  # the whole reload happens now
+        if self.delta.is_delta:
+            self._apply_delta()
+        elif self.stream is None and self.order and self.mode == "end":  # the whole reload happens now
             self.stream = ReloadStream(self.r._reload_fn)
             self.stream.feed([(n, cache.get(n)) for n in self.order])
         try:
@@ -499,6 +555,7 @@ class _UpdateSession:
             "reload_tail_s": span(self.t_done, self.t_end),
             "total_s": span(self.t_first, self.t_end),
             "engine_reads": self.r.remote_reads.stats.report() if self.remote else None,
+            "delta": {"base": self.held_checkpoint, "nbytes": self.delta_bytes} if self.delta_bytes else None,
             **(
                 {
                     "loaders_s": round(self.loaders_s, 4),

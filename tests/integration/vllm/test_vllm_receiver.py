@@ -518,3 +518,92 @@ def test_a_hint_with_an_unknown_dtype_is_ignored_with_a_warning(caplog):
     assert model.calls == [] and r._owed == set()
     with pytest.raises(RuntimeError, match="only an engine's load step probes ahead"):
         WeightReceiver(model.reload).probe_ahead(hint_of({"w": torch.zeros(2)}))
+
+
+# -- delta updates (checkpoint_engine.sharding.delta_sync) into the receiver ----------------------------
+
+
+def bf16_versions(num: int, lr: float = 1e-5) -> list[dict[str, torch.Tensor]]:
+    """bf16 casts of float32 weights after AdamW steps on random gradients: what an engine serves
+    after each RL step."""
+    g = torch.Generator().manual_seed(3)
+    master = {f"layers.{i}.w": torch.randn(96, 64, generator=g).requires_grad_(True) for i in range(6)}
+    master["norm"] = torch.ones(64).requires_grad_(True)
+    opt = torch.optim.AdamW(master.values(), lr=lr)
+    out = []
+    for _ in range(num):
+        out.append({n: t.detach().to(torch.bfloat16) for n, t in master.items()})
+        for t in master.values():
+            t.grad = torch.randn(t.shape, generator=g)
+        opt.step()
+    return out
+
+
+def delta_sync(ps, receiver: WeightReceiver):
+    from checkpoint_engine.sharding.delta_sync import DeltaSync
+
+    def req_func(paths):
+        try:
+            receiver.receive(paths[0][1], None)
+        finally:
+            assert receiver.wait_idle(30)
+
+    return DeltaSync(ps, req_func, lambda: receiver.state.report()["checkpoint"])
+
+
+@pytest.mark.parametrize("mode", ["streaming", "end"])
+def test_deltas_land_exactly_and_the_whole_model_is_reloaded(ps, mode):
+    model = DictModel()
+    r = make_receiver(model, mode)
+    sync = delta_sync(ps, r)
+    versions = bf16_versions(3)
+    first = sync.push("v1", versions[0])
+    assert first.kind == "full" and r.last_update["delta"] is None
+    for i, version in enumerate(("v2", "v3"), start=1):
+        pushed = sync.push(version, versions[i])
+        assert pushed.kind == "delta", pushed.reason
+        assert_same(model.weights, versions[i])  # every tensor reloaded, the changed ones exact
+        assert r.state.report()["checkpoint"] == version and r.state.report()["status"] == "ready"
+        delta = r.last_update["delta"]
+        assert delta["base"] == ("v1" if i == 1 else "v2") and delta["nbytes"] == pushed.nbytes
+        assert pushed.nbytes < 0.5 * first.nbytes
+        assert r.last_update["num_tensors"] == len(versions[i])
+    # the cache now is the version held: its checksum equals the checkpoint's
+    assert r.checksum_report()["checksum"] == checkpoint_checksum(versions[2])
+
+
+def test_a_delta_onto_a_cache_that_is_not_the_base_is_refused_and_the_full_version_follows(ps):
+    model = DictModel()
+    r = make_receiver(model)
+    sync = delta_sync(ps, r)
+    versions = bf16_versions(2)
+    sync.push("v1", versions[0])
+    r.cache.get("layers.2.w").view(-1)[0] += 1  # the engine's copy of v1 no longer is v1
+    pushed = sync.push("v2", versions[1])
+    assert (pushed.kind, pushed.tried_delta) == ("full", True)
+    assert "refused the delta" in pushed.reason and "layers.2.w" in pushed.reason
+    assert_same(model.weights, versions[1])
+    assert r.checksum_report()["checksum"] == checkpoint_checksum(versions[1])
+
+
+def test_without_a_weight_cache_a_delta_is_refused_saying_why(ps):
+    model = DictModel()
+    r = make_receiver(model, weight_cache=False)
+    sync = delta_sync(ps, r)
+    versions = bf16_versions(2)
+    sync.push("v1", versions[0])
+    pushed = sync.push("v2", versions[1])
+    assert (pushed.kind, pushed.tried_delta) == ("full", True)
+    assert "weight_cache off" in pushed.reason
+    assert_same(model.weights, versions[1])
+
+
+def test_a_tensor_parallel_worker_that_read_only_its_slices_refuses_a_delta():
+    r = make_receiver(DictModel())
+    r.cache.store("w", torch.zeros(2))
+    r.cache.matches_model = True
+    assert r.delta_refusal() is None
+    r.last_update = {"engine_reads": {"sliced_tensors": 3}}
+    assert "tensor-parallel slices" in r.delta_refusal()
+    r.last_update = None
+    assert "does not hold the weights it serves" in r.delta_refusal(cache_matches_model=False)
