@@ -2,8 +2,9 @@
 
     python -m testing.sft_warm --cache-dir .cache/sft MODULE:ATTR [MODULE:ATTR ...]
 
-Each ``MODULE:ATTR`` names an ``SFTConfig``, or a function returning one; they are trained in order
-(``trainer.sft.run_sft``: a cached one is skipped). The suite starts this in the background
+Each ``MODULE:ATTR`` names an ``SFTConfig``, a function returning one, or a function that takes the
+cache directory, trains into it (cached, under a lock: ``trainer.sft.cached_training``) and returns
+the model directory; they are trained in order (a cached one is skipped). The suite starts this in the background
 (tests/conftest.py) while the tests that need no SFT model run; a fixture asking for a model still in
 training waits on ``run_sft``'s lock instead of training a second copy. SIGTERM ends it through
 ``SystemExit``, so the unfinished entry's temporary folder is removed.
@@ -12,25 +13,24 @@ training waits on ``run_sft``'s lock instead of training a second copy. SIGTERM 
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trainer.sft import SFTConfig
+from collections.abc import Callable, Sequence
 
 
-def resolve(spec: str) -> SFTConfig:
-    """The ``SFTConfig`` that ``MODULE:ATTR`` names (ATTR a config, or a function returning one)."""
+def resolve(spec: str) -> Callable[[str], object]:
+    """What ``MODULE:ATTR`` names, as a function of the cache directory that trains (or finds) the model."""
     from ckpt_common.validate import import_qualname
-    from trainer.sft import SFTConfig
+    from trainer.sft import SFTConfig, run_sft
 
     obj = import_qualname("SFT config", spec)
+    if callable(obj) and not isinstance(obj, SFTConfig) and inspect.signature(obj).parameters:
+        return obj  # trains into the cache directory it is given
     config = obj if isinstance(obj, SFTConfig) else obj()
     if not isinstance(config, SFTConfig):
         raise TypeError(f"{spec} gave {type(config).__name__}, not an SFTConfig")
-    return config
+    return lambda cache_dir: run_sft(config, cache_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,12 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
 
     from ckpt_common.procs import exit_on_signals
-    from trainer.sft import run_sft
 
     exit_on_signals()
-    configs = [resolve(spec) for spec in args.specs]  # every spec checked before the first training
-    for spec, config in zip(args.specs, configs):
-        logging.getLogger(__name__).info("%s -> %s", spec, run_sft(config, args.cache_dir))
+    trainings = [resolve(spec) for spec in args.specs]  # every spec checked before the first training
+    for spec, train in zip(args.specs, trainings):
+        logging.getLogger(__name__).info("%s -> %s", spec, train(args.cache_dir))
     return 0
 
 

@@ -1,11 +1,13 @@
 """Suite-wide scheduling: the e2e tests' SFT models train in the background while the rest runs.
 
-An e2e module names the SFT models it needs as ``SFT_WARMUP = ("module:ATTR", ...)`` (an SFTConfig, or
-a function returning one). When such modules are selected, one background process
-(``python -m testing.sft_warm``) trains those models into ``.cache/sft``, one thread each, and the e2e
-modules run last, so the SFT's minutes overlap the tests that need no model. A fixture that asks for a
-model still in training waits on ``trainer.sft.run_sft``'s lock rather than training a copy, and if
-the background process failed it trains the model itself. ``--no-sft-warmup`` turns this off.
+An e2e module names the SFT models it needs as ``SFT_WARMUP = ("module:ATTR", ...)`` (an SFTConfig, a
+function returning one, or a function of the cache directory that trains into it: ``testing.sft_warm``).
+When such modules are selected, one background process (``python -m testing.sft_warm``) trains those
+models into ``.cache/sft``, one thread each, and the e2e modules run last, in the order their models
+are ready, so the SFT's minutes overlap the tests that need no model. A fixture that asks for a model
+still in training waits on the cache entry's lock (``trainer.sft.cached_training``) rather than
+training a copy, and if the background process failed it trains the model itself.
+``--no-sft-warmup`` turns this off.
 
 Every run ends with its time per layer (unit, each integration area, e2e) against the layer's budget
 (``testing.suite_layers``), after pytest's 30 slowest tests; ``tests/README.md`` has the rules.
@@ -62,9 +64,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules that need an SFT model go last (a stable sort: every module keeps its own order)."""
-    if not config.getoption("--no-sft-warmup"):
-        items.sort(key=lambda item: bool(_warmups(item)))
+    """Modules that need an SFT model go last, in the order their models finish training (the
+    warm-up trains them in the order first named); a stable sort: every module keeps its own order."""
+    if config.getoption("--no-sft-warmup"):
+        return
+    order: list[str] = []
+    for item in items:
+        order += [s for s in _warmups(item) if s not in order]
+    items.sort(key=lambda item: max((1 + order.index(s) for s in _warmups(item)), default=0))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,8 +1,8 @@
 """long2short end to end (k1.5 section 2.4): model merging shortens the long-CoT model's answers at no
 more than 2 points of greedy held-out accuracy.
 
-Everything is built here from scratch (the SFT result is cached by config hash in ``.cache/sft``, the
-cache ``trainer.sft`` and the other e2e tests use)::
+Everything is built here from scratch (LONG and SHORT are cached by their recipes' hash in ``.cache/sft``,
+the cache ``trainer.sft`` and the other e2e tests use; the suite trains both in the background)::
 
     LONG   = trainer.sft, solution_style "long", levels 1-2 (300 steps of 32, float32, one thread)
     SHORT  = LONG fine-tuned on short-CoT targets (long2short_train.sft_on on task.solution_text records)
@@ -34,6 +34,8 @@ would fail.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -49,7 +51,7 @@ from orchestrator.long2short import train as long2short_train
 from trainer import sft
 
 # The long SFT, the short fine-tune, one vLLM start and 3 x 400 greedy answers: 8 min 5 s from an empty SFT
-# cache (SFT 339 s) on the loaded machine above; 1 min 45 s with the SFT cached (load 1-4). Heavier load: longer.
+# cache (SFT 339 s) on the loaded machine above; about 1 min with both models cached. Heavier load: longer.
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -64,12 +66,13 @@ LONG_SFT = sft.SFTConfig(
     num_threads=1,
     eval_levels=(),  # the test evaluates with vLLM below
 )
-SFT_WARMUP = ("tests.integration.e2e.test_long2short:LONG_SFT",)  # trained in the background: tests/conftest.py
+# LONG, then SHORT (below), trained in the background while the other tests run: tests/conftest.py
+SFT_WARMUP = ("tests.integration.e2e.test_long2short:LONG_SFT", "tests.integration.e2e.test_long2short:short_model")
 # The short-CoT fine-tune of LONG: NUM_SHORT_RECORDS training problems (levels 1-2), short solution text.
 NUM_SHORT_RECORDS = 4096
-# every core of the process (None): nothing else runs beside this test, and on 2 cores a step takes
-# 0.27 s instead of 0.43 s on one (AVX2-only AMD EPYC); the measurements above used one thread
-SHORT_TRAIN = long2short_train.TrainConfig(lr=5e-4, num_epochs=2, batch_size=16, seed=0, num_threads=None)
+# one thread, as the measurements above: the suite trains it in the background (0.43 s a step alone on
+# an AVX2-only AMD EPYC, 512 steps), and one recipe gives one cache entry wherever it ran
+SHORT_TRAIN = long2short_train.TrainConfig(lr=5e-4, num_epochs=2, batch_size=16, seed=0, num_threads=1)
 SHORT_PROBLEM_SEED = 7
 ALPHA = 0.3  # weight of LONG in the merge
 NUM_HELDOUT = 400  # level 2 has about 810 held-out problems; 2 points = 8 problems
@@ -88,12 +91,27 @@ def _short_records() -> list[dict]:
     return [{"prompt": p.prompt, "response": task.solution_text(p)} for p in problems]
 
 
+def short_model(cache_dir: str | pathlib.Path = SFT_CACHE) -> pathlib.Path:
+    """SHORT: LONG fine-tuned on the short-CoT records, cached beside LONG under a key of both recipes
+    (trained once; a second asker waits on the entry's lock)."""
+    long_dir = sft.run_sft(LONG_SFT, cache_dir)
+    recipe = {"long": long_dir.parent.name, "train": dataclasses.asdict(SHORT_TRAIN)}
+    recipe |= {"num_records": NUM_SHORT_RECORDS, "problem_seed": SHORT_PROBLEM_SEED, "levels": LONG_SFT.levels}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+    def train(work_dir: pathlib.Path) -> dict:
+        long2short_train.sft_on(long_dir, _short_records(), work_dir / "model", SHORT_TRAIN)
+        return {"recipe": recipe}
+
+    return sft.cached_training(pathlib.Path(cache_dir) / f"short-{key}", train, 4 * 3600.0, tmp_prefix=".short-tmp-")
+
+
 def test_merge_shortens_long_cot_within_two_points(tmp_path):
     start = time.monotonic()
     long_dir = sft.run_sft(LONG_SFT, SFT_CACHE)
+    short_dir = short_model(SFT_CACHE)
     sft_s = time.monotonic() - start
-    short = long2short_train.sft_on(long_dir, _short_records(), tmp_path / "short", SHORT_TRAIN)
-    merged = long2short_merge.merge_model_dirs(long_dir, short["model_dir"], tmp_path / "merged", ALPHA)
+    merged = long2short_merge.merge_model_dirs(long_dir, short_dir, tmp_path / "merged", ALPHA)
 
     out_dir = tmp_path / "eval"
     cmd = [
@@ -103,7 +121,7 @@ def test_merge_shortens_long_cot_within_two_points(tmp_path):
         "evaluate",
         "--models",
         f"long={long_dir}",
-        f"short={short['model_dir']}",
+        f"short={short_dir}",
         f"merged={merged}",
         "--out-dir",
         str(out_dir),
