@@ -604,5 +604,54 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
     _retry_push_restores_b(models, engines, tag="rank-death-retry")
 
 
+def test_a_delta_update_reaches_vllm_and_an_engine_without_a_weight_cache_takes_the_full_version(engines, models):
+    """`checkpoint_engine.sharding.delta_sync.DeltaSync` from a PS in this process: B as version `d1`
+    (full), then `d2` (B with the final norm changed: a delta of 64 values). `fast` (weight cache on)
+    applies the delta onto its cache and reloads; `gated` (`--no-weight-cache`) refuses it, naming why,
+    and takes the full version. Both then answer alike, and not as B."""
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.ps import ParameterServer
+    from checkpoint_engine.sharding.delta_sync import DeltaSync
+    from demo.tiny_model import load_state_dict_from_dir
+    from vllm_ext.req import collective_rpc
+    from vllm_ext.weight_cache import checkpoint_checksum
+    from vllm_ext.weight_transfer.req import engine_req_func
+
+    d1 = load_state_dict_from_dir(models["B"])
+    d2 = dict(d1)
+    d2["model.norm.weight"] = torch_randn_like(d1["model.norm.weight"], seed=5)
+    config = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES))
+    ps = ParameterServer(rank=0, world_size=1, config=config)
+    pushed = {}
+    try:
+        for key in ("fast", "gated"):
+            url = engines[key].url
+            req = engine_req_func(url, route="auto", rank=0, timeout_s=120)
+            held = lambda url=url: collective_rpc(url, "weights_state", timeout_s=60.0)[0]["checkpoint"]
+            sync = DeltaSync(ps, req, held)
+            assert sync.push("d1", d1).kind == "full"
+            pushed[key] = sync.push("d2", d2)
+    finally:
+        ps.close()
+    assert (pushed["fast"].kind, pushed["fast"].tried_delta) == ("delta", True), pushed["fast"].reason
+    assert pushed["fast"].nbytes < 0.01 * sum(t.numel() * t.element_size() for t in d1.values())
+    assert (pushed["gated"].kind, pushed["gated"].tried_delta) == ("full", True)
+    assert "weight_cache off" in pushed["gated"].reason, pushed["gated"].reason
+    fast_state, gated_state = _states(engines)
+    assert fast_state["last_update"]["delta"]["base"] == "d1", fast_state["last_update"]
+    assert (fast_state["checkpoint"], gated_state["checkpoint"]) == ("d2", "d2")
+    assert collective_rpc(engines["fast"].url, "weights_checksum", timeout_s=90.0)[0]["checksum"] == (
+        checkpoint_checksum(d2)
+    )
+    outputs = _outputs(engines)
+    assert outputs[0] == outputs[1] and outputs[0] != engines["refs"]["b"]["token_ids"], outputs
+
+
+def torch_randn_like(t, seed: int):
+    import torch
+
+    return torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)).to(t.dtype)
+
+
 if __name__ == "__main__":
     _reference(sys.argv[1], sys.argv[2], (sys.argv[3:4] or [""])[0] or None, (sys.argv[4:5] or [""])[0] or None)

@@ -7,11 +7,14 @@ own, per worker and parameter, after its CPU weight processing) and greedy token
 Then two parameter-server ranks (`python -m vllm_ext.push --world-size 2 --p2p-reader engine`: each
 worker reads the ranks' chunks over Mooncake itself, only the byte ranges of its own slices):
 
-  push A  -> every checksum differs from the reference: the pull reached every parameter of both
-             workers
-  push B  -> vLLM's `compare` against the reference matches, greedy tokens equal; each worker took
-             at most 0.55 of the checkpoint's bytes (the receiver's own count: the byte ranges it read
-             from the other rank, plus its loaders' slices of its own rank's shard, which it maps)
+  push A  -> every checksum differs from the reference (but those of tensors equal in A and B: the
+             tiny model's norms and biases): the pull reached every parameter of both workers
+  push B  -> vLLM's `compare` against the reference matches, greedy tokens equal
+  reset   -> vLLM's `/weight_checker` reset zeroes every weight, norms and biases too; push B again:
+             everything restored by the same pull (a worker that lost its weights recovers); each
+             worker took at most 0.55 of the checkpoint's bytes (the receiver's own count: the byte
+             ranges it read from the other rank, plus its loaders' slices of its own rank's shard,
+             which it maps)
 
 The launcher's `--sharded-max-ranges-per-tensor 0` is set here through `--additional-config`, as
 the launcher passes it: every row-parallel slice is read row by row (exact bytes; the default, 64
@@ -121,6 +124,13 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         assert [m.get("mode") for m in metrics] == ["p2p_engine"] * 2, metrics
         compared = _checksums(url, "compare", baseline=disk)
         assert compared == {"match": True, "mismatches": []}, compared
+        assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
+
+        # every weight lost (vLLM's reset zeroes them, the norms and biases too): the same pull restores all
+        assert _checksums(url, "reset") == {"status": "reset"}
+        assert _checksums(url, "compare", baseline=disk)["match"] is False
+        _push(model_b, url, tmp_path, "push-b-again")
+        assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
         assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
 
         states = collective_rpc(url, "weights_state", timeout_s=60.0)
