@@ -402,10 +402,23 @@ class SyncConfig:
     bucket_size_bytes: int | None = None
     timeout_s: float = 300.0
     handoff_dir: str = "/dev/shm/ckpt-handoff"
+    # Delta updates (checkpoint_engine.sharding.delta_sync): each version goes as the values that changed
+    # since the version the engine holds, when that delta is at most `delta_max_ratio` of a full update;
+    # a full update otherwise (the first, a resumed run's first, one the engine refuses). Pays with
+    # low-precision weights (a bf16 model's files) and small learning rates; costs one more copy of the
+    # model in host memory (the base). One engine only (not the daemon, not an engine pool).
+    delta: bool = False
+    delta_max_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.handoff_dir, str) or not self.handoff_dir:
             raise ValueError(f"sync.handoff_dir={self.handoff_dir!r} must be a folder path")
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"sync.delta={self.delta!r} must be true or false")
+        if isinstance(self.delta_max_ratio, bool) or not isinstance(self.delta_max_ratio, (int, float)):
+            raise ValueError(f"sync.delta_max_ratio={self.delta_max_ratio!r} must be a number in (0, 1]")
+        if not 0 < self.delta_max_ratio <= 1:
+            raise ValueError(f"sync.delta_max_ratio={self.delta_max_ratio!r} must be in (0, 1]")
         if self.bucket_size_bytes is not None:
             check_int("sync.bucket_size_bytes", self.bucket_size_bytes)
         check_number("sync.timeout_s", self.timeout_s)
@@ -506,6 +519,12 @@ class JobConfig:
                 "demo's tiny model on its arithmetic instead"
             )
         self.partial_rollout()  # validates the budget against k and the segment size
+        if self.sync.delta and (self.engine.type == "daemon" or self.engine.num_engines > 1):
+            raise ValueError(
+                f"sync.delta=true sends deltas to one engine the job updates itself; engine.type="
+                f"{self.engine.type!r} with engine.num_engines={self.engine.num_engines} takes full updates only "
+                "(set sync.delta=false, or use one engine)"
+            )
         if self.data.uses_files:  # prompt lengths are checked with the model's tokenizer (Task.check_prompt_lengths)
             self._check_file_curriculum()
             return

@@ -264,6 +264,7 @@ class RLJob:
             "weight_sync_convert_s": t_push - t_sync,
             "weight_sync_update_s": synced.update_s,
             "weight_sync_bytes": synced.total_bytes,
+            **({"weight_sync_kind": synced.kind} if c.sync.delta else {}),
             **train_stats,
             **switched,
             **getattr(synced, "switch", {}),  # colocated: switch_to_inference_s (inside weight_sync_s)
