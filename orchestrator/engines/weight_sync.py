@@ -93,6 +93,7 @@ class WeightSync:
             metrics = self._send(name, tensors)
         if prepared is not None:
             self.delta.commit(prepared)  # the next delta's base
+            logger.info("weights v%d: %s update, %d bytes (%s)", version, kind, metrics.total_bytes, reason)
         total_s = time.monotonic() - start
         logger.debug("weights v%d synced in %.3f s (%s, %s)", version, total_s, kind, metrics.summary())
         return SyncResult(
