@@ -84,4 +84,5 @@ def rollout_record(groups: Sequence[Any], rewards: list[list[float]], stats: Any
         "tokens_per_s": stats.tokens_per_s,
         "rollout_s": stats.generate_s,
         "score_wait_s": stats.score_wait_s,
+        **({"rollout_weight_versions": stats.outputs_by_weight_version} if stats.outputs_by_weight_version else {}),
     }

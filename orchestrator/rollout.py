@@ -50,10 +50,25 @@ class RolloutStats:
     num_unfinished_trajectories: int
     generate_s: float
     score_wait_s: float
+    # results by the weight version that sampled them (engines that report versions), "mixed" for a
+    # result whose version changed mid-request: rollouts of one iteration all come from one version
+    outputs_by_weight_version: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_output_tokens / self.generate_s if self.generate_s > 0 else 0.0
+
+
+def outputs_by_weight_version(results: Sequence[GenResult]) -> dict[str, int]:
+    """How many results each weight version sampled ("mixed": more than one; results without spans,
+    e.g. from an engine that reports none, are not counted)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.weight_versions:
+            versions = {v for v, _, _ in r.weight_versions}
+            key = versions.pop() if len(versions) == 1 else "mixed"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 class Rollout:
@@ -149,6 +164,7 @@ class Rollout:
             num_unfinished_trajectories=len(self.buffer.unfinished()),
             generate_s=generate_s,
             score_wait_s=time.monotonic() - start - generate_s,
+            outputs_by_weight_version=outputs_by_weight_version(results),
         )
         return finished, stats
 

@@ -57,6 +57,9 @@ class GenResult:
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" | "length" | "repeat" | "abort" (replay.FINISH_REASONS)
+    # (version, first token, end) spans of the weights that sampled these tokens, where the engine says
+    # (vLLM's weight-transfer API labels each update; a version that changes mid-request gives two spans)
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
 
 
 ResultCallback = Callable[[GenResult], None]

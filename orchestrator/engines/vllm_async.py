@@ -180,6 +180,7 @@ class AsyncVllmEngine(RolloutEngine):
         stopper = _StreamStopper(repeat, request.earlier_response_ids)
         tokens: list[int] = []
         finish: str | None = None
+        spans = None  # vLLM's weight version spans, on the final output
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
             params,
@@ -197,6 +198,7 @@ class AsyncVllmEngine(RolloutEngine):
                 tokens += new
                 if out.finished:
                     finish = VLLM_FINISH.get(completion.finish_reason, "abort")
+                    spans = getattr(completion, "weight_versions", None)
         except EngineDeadError:
             # vLLM raises one shared exception object in every open stream, and its traceback grows by
             # each stream's frames (hundreds of KB for a full batch): raise a fresh, short one instead.
@@ -205,7 +207,8 @@ class AsyncVllmEngine(RolloutEngine):
             ) from None
         if finish == "repeat":
             await stream.aclose()  # stopped early: abort the request in the engine now
-        result = GenResult(request.request_id, tuple(tokens), finish or "abort")
+        versions = tuple((s.version, s.start, s.end) for s in spans) if spans else None
+        result = GenResult(request.request_id, tuple(tokens), finish or "abort", versions)
         if on_result is not None:
             on_result(result)
         return result

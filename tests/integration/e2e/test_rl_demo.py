@@ -139,7 +139,9 @@ def _wait_for(
         time.sleep(0.5)  # polling files the job writes, under a deadline
 
 
-def _check_metrics(out_dir: pathlib.Path, num_iterations: int) -> list[dict]:
+def _check_metrics(out_dir: pathlib.Path, num_iterations: int, weight_versions: bool = False) -> list[dict]:
+    """Every iteration's record; with `weight_versions`, vLLM reported per output the version that
+    sampled it, and each iteration's rollouts all came from the version its sync pushed before."""
     records = read_jsonl(out_dir / "metrics.jsonl")
     assert [r["iteration"] for r in records] == list(range(1, num_iterations + 1))
     for record in records:
@@ -150,6 +152,9 @@ def _check_metrics(out_dir: pathlib.Path, num_iterations: int) -> list[dict]:
         empty = [k for k in always if record[k] is None]
         assert not empty, f"iteration {record['iteration']} has null {empty}"
         assert record["weight_sync_s"] > 0
+        if weight_versions:
+            versions = record.get("rollout_weight_versions")
+            assert versions and set(versions) == {f"policy-v{record['iteration'] - 1}"}, (record["iteration"], versions)
     assert any(r["num_groups"] and r["mean_reward"] is not None for r in records)
     assert (out_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return records
@@ -204,7 +209,7 @@ def test_short_rl_run_syncs_real_weights_and_reports(short_run, sft_model_dir):
     from tests.integration.e2e.learning import greedy_correct, run_heldout
 
     summary, out = short_run
-    records = _check_metrics(out, GAIN_ITERATIONS)
+    records = _check_metrics(out, GAIN_ITERATIONS, weight_versions=True)
     assert summary["task"] == "file" and summary["sft_match_checked"] is False  # the demo's own check: test 2
     heldout = run_heldout(out)  # the demo's held-out problems, rebuilt from the run's config: the file's
     assert [p.answer for p in heldout] == _heldout_answers(out.parent / "data" / "heldout.jsonl")

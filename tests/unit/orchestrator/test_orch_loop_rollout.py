@@ -167,3 +167,19 @@ def test_stream_stopper_disabled():
     stopper = _StreamStopper(RepeatConfig(enabled=False), [])
     assert stopper.push([1] * 100, 0) is None
     assert _StreamStopper(None, []).push([1] * 100, 0) is None
+
+
+@pytest.mark.parametrize(
+    "spans, expected",
+    [
+        ([None, None], {}),  # an engine that reports no versions
+        ([(("policy-v1", 0, 5),), (("policy-v1", 0, 2),)], {"policy-v1": 2}),
+        ([(("policy-v1", 0, 5),), (("policy-v1", 0, 3), ("policy-v2", 3, 9))], {"mixed": 1, "policy-v1": 1}),
+        ([(("policy-v2", 0, 1),), None, (("policy-v1", 0, 4),)], {"policy-v1": 1, "policy-v2": 1}),
+    ],
+)
+def test_outputs_by_weight_version(spans, expected):
+    from orchestrator.rollout import outputs_by_weight_version
+
+    results = [GenResult(f"r{i}", (1, 2), "stop", s) for i, s in enumerate(spans)]
+    assert outputs_by_weight_version(results) == expected
