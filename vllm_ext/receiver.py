@@ -41,7 +41,8 @@ from typing import Literal
 import torch
 import zmq
 
-from checkpoint_engine.sharding.delta_sync import DeltaMismatch, DeltaReceiver
+from checkpoint_engine.sharding.delta import DeltaMismatch
+from checkpoint_engine.sharding.delta_sync import DeltaReceiver
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.transport.engine_reads import EngineReads
 from checkpoint_engine.transport.shm import MappingCache
