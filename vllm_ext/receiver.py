@@ -441,7 +441,8 @@ class _UpdateSession:
         if why is None and self.received:
             why = f"the update mixes whole tensors ({len(self.received)}) with a delta"
         if why is not None:
-            cache.matches_model = self.fallback_ok  # nothing was written
+            # nothing of the delta was written; whole tensors of a mixed update were (cached, reloaded)
+            cache.matches_model = self.fallback_ok and not self.received
             raise DeltaMismatch(f"this engine cannot apply a delta update: {why}")
         weights = dict(cache.items_except(set()))
         try:

@@ -472,6 +472,10 @@ def test_native_keep_update_holds_a_request_in_flight_and_drops_the_old_kv(engin
         stream = StreamedCompletion(gated.url, gated.model, prompt_ids, INFLIGHT_TOKENS, timeout_s=120.0)
         stream.wait_tokens(2, timeout_s=120.0)
         t0 = time.monotonic()
+        # frozen now, in keep mode as the update's own pause does (a second keep pause changes nothing):
+        # on a loaded machine the update's set-up outlasted the request's remaining tokens, once
+        status, body = http_json("POST", gated.url + "/pause?mode=keep", {})
+        assert status == 200, body
         req = native_http_req_func(gated.url, rank=0, weight_version=f"{new}-keep", pause_mode="keep", timeout_s=120)
         ps.update(new, req)
         t1 = time.monotonic()
