@@ -526,17 +526,12 @@ def test_a_hint_with_an_unknown_dtype_is_ignored_with_a_warning(caplog):
 def bf16_versions(num: int, lr: float = 1e-5) -> list[dict[str, torch.Tensor]]:
     """bf16 casts of float32 weights after AdamW steps on random gradients: what an engine serves
     after each RL step."""
+    from testing.weight_versions import adamw_bf16_versions
+
     g = torch.Generator().manual_seed(3)
     master = {f"layers.{i}.w": torch.randn(96, 64, generator=g).requires_grad_(True) for i in range(6)}
     master["norm"] = torch.ones(64).requires_grad_(True)
-    opt = torch.optim.AdamW(master.values(), lr=lr)
-    out = []
-    for _ in range(num):
-        out.append({n: t.detach().to(torch.bfloat16) for n, t in master.items()})
-        for t in master.values():
-            t.grad = torch.randn(t.shape, generator=g)
-        opt.step()
-    return out
+    return adamw_bf16_versions(master, num, lr, g)
 
 
 def delta_sync(ps, receiver: WeightReceiver):

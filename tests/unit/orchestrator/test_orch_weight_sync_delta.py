@@ -14,20 +14,14 @@ from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.engines.plain import PlainEngine
 from orchestrator.config import EngineConfig, JobConfig, SyncConfig
 from orchestrator.engines.weight_sync import WeightSync
+from testing.weight_versions import adamw_bf16_versions
 
 
 def versions(num: int, lr: float = 1e-5) -> list[dict[str, torch.Tensor]]:
     """bf16 casts of float32 weights after AdamW steps on random gradients (the engine's dtype)."""
     g = torch.Generator().manual_seed(0)
     master = {f"layers.{i}.w": torch.randn(128, 64, generator=g).requires_grad_(True) for i in range(4)}
-    opt = torch.optim.AdamW(master.values(), lr=lr)
-    out = []
-    for _ in range(num):
-        out.append({n: t.detach().to(torch.bfloat16) for n, t in master.items()})
-        for t in master.values():
-            t.grad = torch.randn(t.shape, generator=g)
-        opt.step()
-    return out
+    return adamw_bf16_versions(master, num, lr, g)
 
 
 def digest(weights):
