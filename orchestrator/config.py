@@ -406,7 +406,8 @@ class SyncConfig:
     # since the version the engine holds, when that delta is at most `delta_max_ratio` of a full update;
     # a full update otherwise (the first, a resumed run's first, one the engine refuses). Pays with
     # low-precision weights (a bf16 model's files) and small learning rates; costs one more copy of the
-    # model in host memory (the base). One engine only (not the daemon, not an engine pool).
+    # model in host memory (the base). One engine or a pool (an engine that refuses a delta takes the
+    # full version); not the daemon's engines.
     delta: bool = False
     delta_max_ratio: float = 0.5
 
@@ -519,11 +520,10 @@ class JobConfig:
                 "demo's tiny model on its arithmetic instead"
             )
         self.partial_rollout()  # validates the budget against k and the segment size
-        if self.sync.delta and (self.engine.type == "daemon" or self.engine.num_engines > 1):
+        if self.sync.delta and self.engine.type == "daemon":
             raise ValueError(
-                f"sync.delta=true sends deltas to one engine the job updates itself; engine.type="
-                f"{self.engine.type!r} with engine.num_engines={self.engine.num_engines} takes full updates only "
-                "(set sync.delta=false, or use one engine)"
+                "sync.delta=true sends deltas to the engines the job updates itself (one, or a pool); "
+                "engine.type='daemon' takes full updates only (set sync.delta=false, or engine.type='vllm')"
             )
         if self.data.uses_files:  # prompt lengths are checked with the model's tokenizer (Task.check_prompt_lengths)
             self._check_file_curriculum()

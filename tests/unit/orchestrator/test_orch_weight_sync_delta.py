@@ -1,7 +1,9 @@
 """The RL job's weight sync with `sync.delta`: an in-process ParameterServer pushing bf16 versions
 after optimizer steps into a plain engine (its receive loop on a thread of this process). The first
 version goes whole, the next ones as deltas that land exactly; an engine whose copy is not the base
-refuses the delta and the same version follows whole; the config refuses delta where it cannot go."""
+refuses the delta and the same version follows whole; the same through a pool of plain engines
+(each engine that refuses takes the full version; a restarted one is brought up whole); the config
+refuses delta for the daemon's engines."""
 
 from __future__ import annotations
 
@@ -97,7 +99,91 @@ def test_sync_config_names_the_bad_field(kw, match):
         SyncConfig(**kw)
 
 
-@pytest.mark.parametrize("engine_kw", [{"type": "daemon", "endpoint": "http://127.0.0.1:1"}, {"num_engines": 2}])
-def test_delta_is_refused_where_the_job_does_not_update_one_engine_itself(engine_kw):
-    with pytest.raises(ValueError, match="sync.delta=true sends deltas to one engine"):
-        JobConfig(engine=EngineConfig(**engine_kw), sync=SyncConfig(delta=True))
+def test_delta_is_refused_for_the_daemons_engines_and_allowed_for_a_pool():
+    with pytest.raises(ValueError, match="engine.type='daemon' takes full updates only"):
+        JobConfig(engine=EngineConfig(type="daemon", endpoint="http://127.0.0.1:1"), sync=SyncConfig(delta=True))
+    assert JobConfig(engine=EngineConfig(num_engines=2), sync=SyncConfig(delta=True)).sync.delta
+
+
+# -- a pool of plain engines (orchestrator.engines.pool_sync) ----------------------------------------
+class PlainMember:
+    """A pool member's engine: its weight updates go to a plain engine on a thread of this process."""
+
+    def __init__(self) -> None:
+        self.engine = PlainEngine(timeout_s=20)
+
+    def weight_req_func(self, timeout_s, weight_version=None):
+        def req_func(paths):
+            ((device_id, address),) = paths
+            self.engine.update_weights_from_ipc({device_id: address})
+
+        return req_func
+
+
+@pytest.fixture
+def pool_sync():
+    from orchestrator.engines.pool import EnginePool
+    from orchestrator.engines.pool_members import Member
+    from orchestrator.engines.pool_sync import PoolWeightSync
+
+    made = []
+
+    def make(num: int, **kw):
+        members = [PlainMember() for _ in range(num)]
+        pool = EnginePool([Member(i, engine=m) for i, m in enumerate(members)], watch_interval_s=0.05)
+        sync = PoolWeightSync(SyncConfig(timeout_s=20, delta=True, **kw), pool)
+        made.append(sync)
+        return sync, pool, [m.engine for m in members]
+
+    yield make
+    for sync in made:
+        sync.close()
+        sync.pool.close()
+
+
+def test_a_pool_takes_deltas_and_an_engine_that_refuses_takes_the_full_version(pool_sync):
+    sync, pool, engines = pool_sync(3)
+    vs = versions(4)
+    first = sync.push(vs[0], version=0)
+    assert first.kind == "full" and first.engine_kind == dict.fromkeys(["engine0", "engine1", "engine2"], "full")
+    got = sync.push(vs[1], version=1)
+    assert got.kind == "delta" and got.total_bytes < 0.5 * first.total_bytes, got
+    assert all(digest(e.weights) == digest(vs[1]) for e in engines)
+
+    engines[1].weights["layers.2.w"].view(-1)[3] += 1  # engine1's copy no longer is the base
+    got = sync.push(vs[2], version=2)
+    assert got.kind == "mixed" and got.engine_kind == {"engine0": "delta", "engine2": "delta", "engine1": "full"}
+    assert "1 of 3 engines refused the delta" in got.reason
+    assert all(digest(e.weights) == digest(vs[2]) for e in engines)
+    assert [e.weights_state()["checkpoint"] for e in engines] == ["policy-v2"] * 3
+    assert {(m.state, m.version) for m in pool.members} == {("serving", 2)}
+
+    got = sync.push(vs[3], version=3)  # every engine holds v2 again: all deltas
+    assert got.kind == "delta" and set(got.engine_kind.values()) == {"delta"}
+    assert all(digest(e.weights) == digest(vs[3]) for e in engines)
+    assert list(sync.ps.checkpoints()) == ["policy-v3"]
+
+
+def test_a_restarted_engine_is_brought_up_with_the_full_version_after_a_delta(pool_sync):
+    sync, pool, engines = pool_sync(2)
+    vs = versions(2)
+    sync.push(vs[0], version=0)
+    assert sync.push(vs[1], version=1).kind == "delta"
+    fresh = PlainMember()  # a restarted engine: no weights at all
+    pool.members[1].engine = fresh
+    sync.bring_up(pool.members[1])
+    assert digest(fresh.engine.weights) == digest(vs[1])
+    assert fresh.engine.weights_state()["checkpoint"] == "policy-v1"
+    assert digest(engines[0].weights) == digest(vs[1])  # untouched by the swap
+    assert list(sync.ps.checkpoints()) == ["policy-v1"]
+
+
+def test_every_engine_refusing_the_delta_is_a_full_update(pool_sync):
+    sync, _, engines = pool_sync(2)
+    vs = versions(2)
+    sync.push(vs[0], version=0)
+    for e in engines:
+        e.weights["layers.0.w"].view(-1)[0] -= 1
+    got = sync.push(vs[1], version=1)
+    assert got.kind == "full" and got.reason == "2 of 2 engines refused the delta"
+    assert all(digest(e.weights) == digest(vs[1]) for e in engines)
