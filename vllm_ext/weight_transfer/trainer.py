@@ -18,8 +18,20 @@ its init info:
                   ──▶ the previous round's checkpoint unregistered
 
 The version vLLM reports (`/weight_info`) is the round's checkpoint name, `<checkpoint_prefix>-<n>`.
-One trainer rank and one ParameterServer rank for now (an engine of one worker); several ranks
-(one PS rank per engine worker, the Megatron trainer's shared-memory handoff) are still to do.
+
+Several trainer ranks (`world_size` > 1): `trainer_init` and `send_weights` run on every rank, as
+vLLM's API asks. Each trainer rank is one ParameterServer rank, and the engine has one worker per
+rank (an engine at tensor parallel `world_size`: one PS rank per engine worker). The PS ranks use
+the trainer's default process group (torchrun's; created from its environment when there is none),
+which must be exactly these `world_size` ranks. Each rank registers its share of the source:
+
+    source_layout "replicated": every rank's source yields the whole model (DDP; FSDP through
+                  `ModuleSource`, whose iteration gathers each tensor on every rank): rank r keeps
+                  the tensors at positions r, r + world_size, ... of the iteration
+    source_layout "distinct":   each rank's source yields its own tensors (no name on two ranks)
+
+then every rank runs the update (the PS's collectives), and rank 0 (the sender) alone drives vLLM's
+routes, naming every rank's socket: each worker of the engine takes its own rank's.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -35,6 +48,8 @@ from vllm_ext.weight_transfer.infos import BACKEND_NAME, NativeInitInfo
 from vllm_ext.weight_transfer.req import client_req_func
 
 logger = logging.getLogger(__name__)
+
+SOURCE_LAYOUTS = ("replicated", "distinct")
 
 
 @dataclass
@@ -46,13 +61,17 @@ class CheckpointEngineTrainerInitInfo(TrainerInitInfo):
     checkpoint_prefix: str = "vllm-native"
     transport: str = "auto"
     update_timeout_s: float = 600.0  # the ParameterServer's deadline for one whole update
+    world_size: int = 1  # trainer ranks = ParameterServer ranks = the engine's workers
+    source_layout: str = "replicated"  # "replicated" | "distinct": what each rank's source yields (above)
 
     def __post_init__(self) -> None:
-        if self.rank != 0:
-            raise ValueError(
-                f"rank must be 0, got {self.rank}: the checkpoint_engine trainer backend runs one trainer "
-                "rank for now (several ranks are still to do, issue 43)"
-            )
+        w = self.world_size
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {w!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < w:
+            raise ValueError(f"rank must be an integer in [0, world_size={w}), got {self.rank!r}")
+        if self.source_layout not in SOURCE_LAYOUTS:
+            raise ValueError(f"source_layout must be one of {list(SOURCE_LAYOUTS)}, got {self.source_layout!r}")
         if not isinstance(self.checkpoint_prefix, str) or not self.checkpoint_prefix:
             raise ValueError(f"checkpoint_prefix must be a non-empty string, got {self.checkpoint_prefix!r}")
         if self.transport not in ("auto", "cpu", "cuda"):
@@ -73,7 +92,11 @@ class CheckpointEngineTrainerEngine(TrainerWeightTransferEngine[CheckpointEngine
         from checkpoint_engine.ps import ParameterServer
 
         self.init_info = init_info
-        self.ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport=init_info.transport))
+        self.ps = ParameterServer(
+            rank=init_info.rank,
+            world_size=init_info.world_size,
+            config=ParameterServerConfig(transport=init_info.transport),
+        )
         self.round = 0
         self._registered: str | None = None
 
@@ -81,17 +104,29 @@ class CheckpointEngineTrainerEngine(TrainerWeightTransferEngine[CheckpointEngine
     def trainer_init(cls, init_info: CheckpointEngineTrainerInitInfo, *, client, source=None):
         if source is None:
             raise ValueError("the checkpoint_engine trainer backend needs a WeightSource (e.g. ModuleSource(model))")
-        client.init_weight_transfer_engine(NativeInitInfo().to_dict())  # fails unless the engine runs our backend
+        if init_info.is_sender:  # only the sender talks to vLLM; it fails unless the engine runs our backend
+            client.init_weight_transfer_engine(NativeInitInfo().to_dict())
         return cls(init_info, client=client, source=source)
+
+    def _share(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors of the source (every rank iterates it whole: FSDP's gathers are collectives)."""
+        info = self.init_info
+        replicated = info.source_layout == "replicated"
+        return {
+            n: t.detach() for i, (n, t) in enumerate(self.source) if not replicated or i % info.world_size == info.rank
+        }
 
     def send_weights(self) -> None:
         self.round += 1
         name = f"{self.init_info.checkpoint_prefix}-{self.round}"
-        tensors = {n: t.detach() for n, t in self.source}
+        tensors = self._share()
         self.ps.register_checkpoint(name, named_tensors=tensors)
         try:
             self.ps.gather_metas(name)
-            req_func = client_req_func(self.client, num_workers=1, weight_version=name)
+            if self.is_sender:
+                req_func = client_req_func(self.client, num_workers=self.init_info.world_size, weight_version=name)
+            else:
+                req_func = _sender_drives_vllm
             self.ps.update(name, req_func, timeout=self.init_info.update_timeout_s)
         except BaseException:
             self.ps.unregister_checkpoint(name)
@@ -99,10 +134,15 @@ class CheckpointEngineTrainerEngine(TrainerWeightTransferEngine[CheckpointEngine
         if self._registered is not None:
             self.ps.unregister_checkpoint(self._registered)
         self._registered = name
-        logger.info("sent %d tensors to vLLM as version %s", len(tensors), name)
+        logger.info("rank %d: sent %d tensors to vLLM as version %s", self.init_info.rank, len(tensors), name)
 
     def shutdown(self) -> None:
         self.ps.close()
+
+
+def _sender_drives_vllm(socket_paths) -> None:
+    """A non-sender rank's req_func: rank 0's request names every rank's socket (vLLM's API: only the
+    sender calls the engine)."""
 
 
 WeightTransferTrainerFactory.register_engine(BACKEND_NAME, CheckpointEngineTrainerEngine)

@@ -15,6 +15,10 @@ worker reads the ranks' chunks over Mooncake itself, only the byte ranges of its
              worker took at most 0.55 of the checkpoint's bytes (the receiver's own count: the byte
              ranges it read from the other rank, plus its loaders' slices of its own rank's shard,
              which it maps)
+  trainer -> two trainer ranks send A through vLLM's own trainer API (`trainer_init` + `send_weights`
+             with the checkpoint_engine backend, `ModuleSource` over a transformers replica on each
+             rank, `tp2_trainer_rank.py`): each registers its share, rank 0 drives vLLM's routes;
+             the checksums are exactly those of the pull of A, `/weight_info` names the version
 
 The launcher's `--sharded-max-ranges-per-tensor 0` is set here through `--additional-config`, as
 the launcher passes it: every row-parallel slice is read row by row (exact bytes; the default, 64
@@ -35,6 +39,7 @@ PROMPTS = ["12+7=", "3*4=", "hello"]
 MAX_TOKENS = 12
 TP2_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--dtype", "bfloat16")
 TP2_ARGS += ("--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0")
+TP2_ARGS += ("--weight-transfer-config", '{"backend": "checkpoint_engine"}')  # vLLM's trainer API, last step
 STARTUP_TIMEOUT_S = 600.0
 PUSH_TIMEOUT_S = 180.0
 MAX_SHARE_PER_WORKER = 0.55  # issue 44's bound; an exact half plus the replicated norms is ~0.50
@@ -55,6 +60,32 @@ def _push(model_dir: Path, url: str, log_dir: Path, tag: str) -> list[dict]:
     results = wait_all(procs, PUSH_TIMEOUT_S)
     for rank, (rc, log) in enumerate(results):
         assert rc == 0, f"push rank {rank} of {tag} exited {rc}:\n{log[-4000:]}"
+    return [json.loads(line) for _, line in results]
+
+
+def _start_trainer(model_dir: Path, url: str, log_dir: Path, go_file: Path) -> list:
+    """Two trainer ranks that will send `model_dir` through vLLM's trainer API (`tp2_trainer_rank.py`)
+    once `go_file` exists; started beside the engine, since their imports take longer than the send."""
+    from ckpt_common.ports import free_port
+    from testing.vllm_servers import ServerProcess, child_env
+
+    master = free_port()
+    procs = []
+    for rank in range(2):
+        cmd = [sys.executable, "-m", "tests.integration.vllm.tp2_trainer_rank", "--rank", str(rank)]
+        cmd += ["--world-size", "2", "--master-port", str(master), "--url", url, "--model", str(model_dir)]
+        cmd += ["--timeout-s", str(PUSH_TIMEOUT_S - 30), "--go-file", str(go_file)]
+        cmd += ["--go-timeout-s", str(STARTUP_TIMEOUT_S + 4 * PUSH_TIMEOUT_S)]
+        procs.append(ServerProcess(cmd, url, log_dir / f"trainer-r{rank}.log", env=child_env(OMP_NUM_THREADS="1")))
+    return procs
+
+
+def _trainer_results(procs: list) -> list[dict]:
+    from testing.vllm_servers import wait_all
+
+    results = wait_all(procs, PUSH_TIMEOUT_S)
+    for rank, (rc, log) in enumerate(results):
+        assert rc == 0, f"trainer rank {rank} exited {rc}:\n{log[-4000:]}"
     return [json.loads(line) for _, line in results]
 
 
@@ -90,8 +121,8 @@ def _equal_in_a_and_b(model_a: Path, model_b: Path) -> set[str]:
 
 def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
     from ckpt_common.ports import free_port
-    from demo.tiny_model import make_tiny_model
-    from testing.vllm_servers import ServerProcess, child_env, completion_token_ids, vllm_serve_command
+    from demo.tiny_model import load_state_dict_from_dir, make_tiny_model
+    from testing.vllm_servers import ServerProcess, child_env, completion_token_ids, http_json, vllm_serve_command
     from vllm_ext.req import collective_rpc
 
     model_a = make_tiny_model(tmp_path / "A", seed=1)
@@ -106,6 +137,8 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
     )
     env = child_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_EXT_START_METHOD="fork")
     server = ServerProcess(cmd, f"http://127.0.0.1:{port}", tmp_path / "vllm.log", env=env)
+    go = tmp_path / "trainer-go"
+    trainers = _start_trainer(model_a, server.url, tmp_path, go)
     try:
         server.wait_for("/health", timeout_s=STARTUP_TIMEOUT_S)
         url = server.url
@@ -147,5 +180,17 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
             share = took / checkpoint_bytes
             print(f"worker {rank}: took {took} of the checkpoint's {checkpoint_bytes} bytes ({share:.3f}): {reads}")
             assert 0.45 < share <= MAX_SHARE_PER_WORKER, reads
+
+        # vLLM's own trainer API, two trainer ranks (our backend): A again, exactly as pushed before
+        go.touch()
+        results = _trainer_results(trainers)
+        assert sum(r["num_tensors"] for r in results) == len(load_state_dict_from_dir(model_a))
+        assert min(r["num_tensors"] for r in results) > 0  # each rank registered its share
+        assert _checksums(url, "compare", baseline=after_a) == {"match": True, "mismatches": []}
+        status, info = http_json("GET", f"{url}/weight_info", timeout_s=30.0)
+        assert (status, info) == (200, {"weight_version": "vllm-native-1"}), info
+        print(f"trainer API, 2 ranks into TP 2: {[r['send_s'] for r in results]} s")
     finally:
+        for proc in trainers:
+            proc.stop()
         server.stop()

@@ -68,3 +68,43 @@ def test_plugin_and_infos_import_no_vllm_or_torch():
         "torch": False,
         "vllm_ext.weight_transfer.engine": False,
     }
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        ({"rank": 0, "world_size": 0}, "world_size must be an integer >= 1, got 0"),
+        ({"rank": 2, "world_size": 2}, "rank must be an integer in [0, world_size=2), got 2"),
+        ({"rank": -1}, "rank must be an integer in [0, world_size=1), got -1"),
+        ({"rank": 0, "source_layout": "sharded"}, "source_layout must be one of ['replicated', 'distinct']"),
+        ({"rank": 0, "transport": "rdma"}, "transport must be 'auto', 'cpu' or 'cuda', got 'rdma'"),
+    ],
+)
+def test_trainer_init_info_errors_name_the_field(kw, fragment):
+    from vllm_ext.weight_transfer.trainer import CheckpointEngineTrainerInitInfo
+
+    with pytest.raises(ValueError) as e:
+        CheckpointEngineTrainerInitInfo(**kw)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "layout, rank, want",
+    [
+        ("replicated", 0, ["a", "e", "d"]),  # positions 0, 2, 4 of the iteration (not of the sorted names)
+        ("replicated", 1, ["c", "b"]),
+        ("distinct", 1, ["a", "c", "e", "b", "d"]),  # the rank's own source: all of it
+    ],
+)
+def test_each_trainer_rank_registers_its_share_of_the_source(layout, rank, want):
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_ext.weight_transfer.trainer import CheckpointEngineTrainerEngine, CheckpointEngineTrainerInitInfo
+
+    source = [(n, torch.full((2,), float(i))) for i, n in enumerate("acebd")]
+    info = CheckpointEngineTrainerInitInfo(rank=rank, world_size=2, source_layout=layout)
+    share = CheckpointEngineTrainerEngine._share(SimpleNamespace(source=source, init_info=info))
+    assert list(share) == want
+    assert all(torch.equal(share[n], t) for n, t in source if n in share)
