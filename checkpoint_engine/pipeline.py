@@ -12,7 +12,9 @@
 The loop is the same for every mode; what moves the bytes is the job's `BucketSource` (sources.py).
 Every wait has a deadline. A failure anywhere (engine error or death, req_func error, a
 collective failing because a rank died) ends the update on every live rank with an error that
-names the rank and the cause, and each engine is told to abort.
+names the rank and the cause, and each engine is told to abort. A rank that fails before its engine
+connected tells the others at once (`StatusExchange.tell_early`, through the process group's store):
+a rank whose engine was to connect on that rank's request stops waiting then, not at its deadline.
 """
 
 from __future__ import annotations
@@ -41,12 +43,52 @@ logger = logging.getLogger(__name__)
 REASON_BYTES = 384
 
 
-class StatusExchange:
-    """All participating ranks learn every one's error (if any) with one small all_gather."""
+EARLY_POLL_S = 0.25  # how often a rank waiting for its engine to connect asks whether a peer failed
 
-    def __init__(self, rank: int, members: list[int], group: dist.ProcessGroup | None):
+
+class StatusExchange:
+    """All participating ranks learn every one's error (if any) with one small all_gather.
+
+    Before the first agreement a rank may wait for its engine to connect while a peer has already
+    failed (its req_func raised: the request that would have made this rank's engine connect never
+    went out). `tell_early` leaves the failure in the process group's store (torchrun's TCPStore)
+    under the update's key, and `early_failure` (polled by the waiting ranks) finds it, so they stop
+    waiting at once instead of at the connect deadline. Without a store, the deadline still holds."""
+
+    def __init__(self, rank: int, members: list[int], group: dist.ProcessGroup | None, key: str = ""):
         self.rank, self.members, self.group = rank, members, group
         self.world_size = len(members)
+        self._store = _group_store() if self.world_size > 1 and key else None
+        self._key = f"ckpt-update-early/{key}"
+        self._next_poll = 0.0
+
+    def tell_early(self, error: str) -> None:
+        """Leave this rank's failure where the peers waiting for their engines look (best effort)."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"{self._key}/{self.rank}", error[: REASON_BYTES - 1])
+            self._store.add(f"{self._key}/count", 1)
+        except Exception as e:  # noqa: BLE001 - the agreement that follows reports the failure anyway
+            logger.debug("rank %d: could not post an early failure: %s", self.rank, e)
+
+    def early_failure(self) -> str | None:
+        """A peer's failure posted by `tell_early`, at most every EARLY_POLL_S; None if none (yet)."""
+        now = time.monotonic()
+        if self._store is None or now < self._next_poll:
+            return None
+        self._next_poll = now + EARLY_POLL_S
+        try:
+            if self._store.add(f"{self._key}/count", 0) == 0:
+                return None
+            for r in self.members:
+                key = f"{self._key}/{r}"
+                if r != self.rank and self._store.check([key]):
+                    reason = self._store.get(key).decode(errors="replace")
+                    return f"rank {r} failed before its engine connected ({reason})"
+        except Exception as e:  # noqa: BLE001 - no store to ask: wait for the deadline as before
+            logger.debug("rank %d: could not read early failures: %s", self.rank, e)
+        return None
 
     def agree(self, error: str | None) -> None:
         if self.world_size == 1:
@@ -138,7 +180,7 @@ class UpdateRun:
 
     def connect(self) -> None:
         """Hello -> Ready from the engine (it maps the buffers), then agree."""
-        job, link, req = self.job, self.link, self.req
+        job, link = self.job, self.link
         t0 = time.perf_counter()
         err = None
         deadline = time.monotonic() + job.cfg.engine_connect_timeout_s
@@ -155,17 +197,30 @@ class UpdateRun:
                     tensors=self.buffers.remote_plan(job.buckets),
                 ),
                 deadline_s=deadline,
-                check=lambda: req.error,
+                check=self._connect_check,
             )
-            msg = link.recv(deadline, what="the engine to connect", check=lambda: req.error)
+            msg = link.recv(deadline, what="the engine to connect", check=self._connect_check)
             if isinstance(msg, P.Error):
                 err = f"engine could not start the update: {msg.reason}"
             elif not isinstance(msg, P.Ready):
                 err = f"engine sent {type(msg).__name__} instead of Ready"
         except EngineFailure as e:
             err = e.describe()
+        if err and not self._peer_failed:
+            self.status.tell_early(err)  # peers still waiting for their engines stop now
         self.status.agree(err)
         self.metrics.setup_s = time.perf_counter() - t0
+
+    _peer_failed = False
+
+    def _connect_check(self) -> str | None:
+        """What ends the wait for the engine early: this rank's req_func failing, or a peer's failure."""
+        if self.req.error:
+            return self.req.error
+        peer = self.status.early_failure()
+        if peer:
+            self._peer_failed = True
+        return peer
 
     def stream_buckets(self) -> None:
         """The double-buffered loop: wait for the half to be free, agree, fill it, send Bucket."""
@@ -263,7 +318,7 @@ def run_update(job: UpdateJob) -> UpdateMetrics:
         total_bytes=sum(t.nbytes for b in job.buckets for t in b.tensors),
     )
     t_start = time.perf_counter()
-    status = StatusExchange(job.rank, job.members, job.group)
+    status = StatusExchange(job.rank, job.members, job.group, key=_early_key(job))
     buffers = job.source.open(job)
     link = EngineLink(job.zmq_ctx, job.address)
     m.open_s = time.perf_counter() - t_start
@@ -294,6 +349,19 @@ def run_update(job: UpdateJob) -> UpdateMetrics:
             job.transport.release_shared()
         m.close_s = time.perf_counter() - t_close
         m.total_s = time.perf_counter() - t_start
+
+
+def _early_key(job: UpdateJob) -> str:
+    """The same on every rank of this update: the first member's engine link (PS process, sequence)."""
+    return job.addresses[job.members[0]][1].rsplit("/", 1)[-1]
+
+
+def _group_store():
+    """The default process group's store (torchrun's TCPStore), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a group without a store: the connect deadline still holds
+        return None
 
 
 def _dead_ranks(job: UpdateJob, settle_s: float = 2.0) -> str:

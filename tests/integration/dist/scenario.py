@@ -70,6 +70,12 @@ def main() -> int:
     p.add_argument("--bucket-size", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=20.0)
     p.add_argument("--req-func-raise", action="store_true")
+    p.add_argument(
+        "--first-req-func-raise",
+        action="store_true",
+        help="rank 0's req_func raises, the others' send nothing (as for one engine of every rank, whose "
+        "request rank 0 sends): their engines never connect",
+    )
     p.add_argument("--checksums", action="store_true")
     p.add_argument("--mode", default="collective", choices=["auto", "collective", "local"])
     p.add_argument("--transport", default="cpu", choices=["cpu", "cuda"])
@@ -109,6 +115,12 @@ def main() -> int:
 
         def req(_paths):
             raise ConnectionError("injected: engine endpoint unreachable")
+
+    if args.first_req_func_raise:
+
+        def req(_paths, first=args.rank == 0):
+            if first:
+                raise ConnectionError("injected: the engine's endpoint is unreachable")
 
     registered: dict[str, int] = {}
     for n, step in enumerate(args.steps.split(",")):

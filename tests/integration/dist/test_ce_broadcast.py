@@ -123,6 +123,22 @@ def test_update_refused_on_every_rank(tmp_path, flag, pattern, statuses):
         assert stop_all(engines) == [0, 0]
 
 
+def test_a_first_rank_failing_before_the_engines_connect_stops_the_others_at_once(tmp_path):
+    """Rank 0's request (the one that would make every rank's engine connect) fails: rank 1, whose
+    engine is never asked, stops at once through the early-failure signal, not at its 60 s deadline."""
+    engines = engines_for(2)
+    try:
+        t0 = time.monotonic()
+        res = run_scenario(engines, tmp_path, "--first-req-func-raise", "--timeout-s", "60")
+        took_s = time.monotonic() - t0
+        _assert_all_failed(res, "rank 0: req_func raised ConnectionError: injected: the engine's endpoint")
+        assert "rank 1: rank 0 failed before its engine connected" in res[1][1], res[1][1]
+        assert took_s < 40, f"rank 1 waited for its engine's connect deadline ({took_s:.0f} s)"
+        assert [e.state()["status"] for e in engines] == ["initial", "initial"]  # neither engine was touched
+    finally:
+        assert stop_all(engines) == [0, 0]
+
+
 def test_duplicate_name_across_ranks(tmp_path):
     engines = engines_for(2)
     try:
