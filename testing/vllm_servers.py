@@ -78,6 +78,26 @@ def cpu_llm(model_dir: str | Path, *, start_method: str = "fork", **overrides):
     return LLM(model=str(model_dir), **(kwargs | {"worker_extension_cls": EXTENSION} | overrides))
 
 
+class LLMSyncClient:
+    """vLLM's `VLLMWeightSyncClient` over an in-process `LLM`'s methods (what vLLM's HTTP client does
+    over the server's routes), for `WeightTransferTrainerFactory.trainer_init` in one process."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+
 def http_json(method: str, url: str, body: dict | None = None, *, timeout_s: float = 60.0) -> tuple[int, dict]:
     """(status, decoded answer) whatever the status (see `ckpt_common.httpjson.status_json`)."""
     return status_json(method, url, body, timeout_s=timeout_s)

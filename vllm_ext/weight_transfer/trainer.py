@@ -31,17 +31,32 @@ which must be exactly these `world_size` ranks. Each rank registers its share of
     source_layout "distinct":   each rank's source yields its own tensors (no name on two ranks)
 
 then every rank runs the update (the PS's collectives), and rank 0 (the sender) alone drives vLLM's
-routes, naming every rank's socket: each worker of the engine takes its own rank's.
+routes, naming every rank's socket: each worker of the engine takes its own rank's. A trainer rank at
+or past `world_size` holds no PS rank: its `send_weights` only iterates its source, for the
+collectives that iteration runs (a Megatron TP group at `world_size` 1: every TP rank writes its
+slices, TP rank 0 registers them).
+
+The project's trainers hand over `named_tensors()` (HF layout, the engines' names): wrap it in
+`NamedTensorsSource(trainer.named_tensors)` with `source_layout="distinct"`. The Megatron trainer's
+is collective at TP > 1: every TP rank writes its slices into one shared-memory HF buffer and TP
+rank 0 yields views of it, which the ParameterServer adopts without a copy; the other TP ranks
+yield nothing.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+)
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from vllm_ext.weight_transfer.infos import BACKEND_NAME, NativeInitInfo
@@ -68,8 +83,8 @@ class CheckpointEngineTrainerInitInfo(TrainerInitInfo):
         w = self.world_size
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {w!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < w:
-            raise ValueError(f"rank must be an integer in [0, world_size={w}), got {self.rank!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {self.rank!r}")
         if self.source_layout not in SOURCE_LAYOUTS:
             raise ValueError(f"source_layout must be one of {list(SOURCE_LAYOUTS)}, got {self.source_layout!r}")
         if not isinstance(self.checkpoint_prefix, str) or not self.checkpoint_prefix:
@@ -92,11 +107,13 @@ class CheckpointEngineTrainerEngine(TrainerWeightTransferEngine[CheckpointEngine
         from checkpoint_engine.ps import ParameterServer
 
         self.init_info = init_info
-        self.ps = ParameterServer(
-            rank=init_info.rank,
-            world_size=init_info.world_size,
-            config=ParameterServerConfig(transport=init_info.transport),
-        )
+        self.ps = None  # a rank past world_size only iterates its source
+        if init_info.rank < init_info.world_size:
+            self.ps = ParameterServer(
+                rank=init_info.rank,
+                world_size=init_info.world_size,
+                config=ParameterServerConfig(transport=init_info.transport),
+            )
         self.round = 0
         self._registered: str | None = None
 
@@ -119,6 +136,10 @@ class CheckpointEngineTrainerEngine(TrainerWeightTransferEngine[CheckpointEngine
     def send_weights(self) -> None:
         self.round += 1
         name = f"{self.init_info.checkpoint_prefix}-{self.round}"
+        if self.ps is None:
+            for _ in self.source:  # the iteration's collectives (a Megatron TP rank writes its slices)
+                pass
+            return
         tensors = self._share()
         self.ps.register_checkpoint(name, named_tensors=tensors)
         try:
@@ -137,7 +158,28 @@ class CheckpointEngineTrainerEngine(TrainerWeightTransferEngine[CheckpointEngine
         logger.info("rank %d: sent %d tensors to vLLM as version %s", self.init_info.rank, len(tensors), name)
 
     def shutdown(self) -> None:
-        self.ps.close()
+        if self.ps is not None:
+            self.ps.close()
+
+
+class NamedTensorsSource(WeightSource):
+    """vLLM's `WeightSource` over a function returning named tensors, such as a project trainer's
+    `named_tensors` (HF layout, the engines' names). Each iteration calls it once; `metadata()`
+    describes the last call's tensors (calling it first if there was none: a collective for the
+    Megatron trainer at TP > 1, so call it on every rank alike)."""
+
+    def __init__(self, named_tensors: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self._named_tensors = named_tensors
+        self._last: Mapping[str, torch.Tensor] | None = None
+
+    def metadata(self) -> list[ParamMeta]:
+        if self._last is None:
+            self._last = self._named_tensors()
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._last.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._last = self._named_tensors()
+        yield from self._last.items()
 
 
 def _sender_drives_vllm(socket_paths) -> None:

@@ -9,11 +9,15 @@ A child process (vLLM's LLM must be created under ``__main__``) runs, in order:
      from the directory's and from what vLLM serves);
   3. orchestrator.engines.weight_sync.WeightSync (in-process ParameterServer, as the RL loop does) pushes
      ``trainer.named_tensors()`` (megatron_to_hf) into vLLM;
-  4. greedy tokens from vLLM, from Megatron itself (full forward per token), and from transformers
-     loaded with the trainer's saved HF directory.
-The parent asserts the three agree token for token on every prompt, and that the tokens changed
-after the sync. (The start on dummy weights that a push fills is the launcher engines' case:
-test_vllm_engines.py.)
+  4. greedy tokens from vLLM and from Megatron itself (full forward per token);
+  5. a second training step, then vLLM's own trainer API with the checkpoint_engine backend
+     (`trainer_init` + `send_weights`, `NamedTensorsSource(trainer.named_tensors)` over an in-process
+     client): the ParameterServer adopts the Megatron trainer's shared HF buffer without a copy;
+  6. greedy tokens from vLLM, from Megatron, and from transformers loaded with the trainer's saved
+     HF directory.
+The parent asserts that vLLM and Megatron agree token for token after step 3, that the three agree
+after step 5, and that the tokens changed at each sync. (The start on dummy weights that a push
+fills is the launcher engines' case: test_vllm_engines.py.)
 """
 
 from __future__ import annotations
@@ -101,16 +105,18 @@ def _child(model_dir: str, out_json: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from orchestrator.config import SyncConfig
     from orchestrator.engines.weight_sync import WeightSync
-    from testing.vllm_servers import cpu_llm
+    from testing.vllm_servers import LLMSyncClient, cpu_llm
     from trainer.base import TrainerConfig
     from trainer.factory import make_trainer
     from vllm_ext.req import llm_req_func
+    from vllm_ext.weight_transfer.trainer import CheckpointEngineTrainerInitInfo, NamedTensorsSource
 
     start = time.monotonic()
-    llm = cpu_llm(model_dir, load_format="auto")
+    llm = cpu_llm(model_dir, load_format="auto", weight_transfer_config={"backend": "checkpoint_engine"})
     start_s = time.monotonic() - start
     text = _text_completions(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -131,6 +137,19 @@ def _child(model_dir: str, out_json: str) -> None:
         after = generate()
     finally:
         sync.close()
+    megatron_first = [_greedy(trainer._logits, p, MAX_TOKENS) for p in PROMPTS]
+
+    # 5. vLLM's trainer API: the Megatron trainer's shared HF buffer, adopted by the PS
+    trainer.step(-trainer.sequence_logprobs(prompts, responses).mean())
+    info = CheckpointEngineTrainerInitInfo(rank=0, transport="cpu", source_layout="distinct")
+    source = NamedTensorsSource(trainer.named_tensors)
+    api = WeightTransferTrainerFactory.trainer_init(info, client=LLMSyncClient(llm), source=source)
+    try:
+        api.send_weights()
+        adopted = api.ps._checkpoints[api._registered].adopted
+        after_api = generate()
+    finally:
+        api.shutdown()
     megatron = [_greedy(trainer._logits, p, MAX_TOKENS) for p in PROMPTS]
     saved = trainer.save(Path(out_json).parent / "trained")
     hf_model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
@@ -143,6 +162,9 @@ def _child(model_dir: str, out_json: str) -> None:
                 "text": text,
                 "before": before,
                 "after": after,
+                "megatron_first": megatron_first,
+                "after_api": after_api,
+                "adopted": adopted,
                 "megatron": megatron,
                 "hf": hf,
                 "sync_total_s": result.total_s,
@@ -172,10 +194,14 @@ def test_vllm_matches_transformers_then_greedy_after_megatron_sync_equals_megatr
         assert vllm_out["text"] == hf_out["text"]
         assert vllm_out["logprobs"] == pytest.approx(hf_out["logprobs"], abs=1e-3)
     assert len({tuple(o["token_ids"]) for o in got["text"]}) == len(TEXT_PROMPTS)
-    # 2-4. the Megatron sync
-    assert got["after"] == got["megatron"] == got["hf"], got
+    # 2-4. the Megatron sync (the RL job's WeightSync)
+    assert got["after"] == got["megatron_first"], got
     assert got["before"] != got["after"]  # the trained weights differ from the directory's: the sync changed them
     assert all(len(t) == MAX_TOKENS for t in got["after"])
+    # 5-6. vLLM's trainer API over the Megatron trainer's shared buffer, adopted without a copy
+    assert got["adopted"] is True
+    assert got["after_api"] == got["megatron"] == got["hf"], got
+    assert got["after_api"] != got["after"]  # the second step's weights reached vLLM
 
 
 if __name__ == "__main__":

@@ -106,36 +106,17 @@ def _reference(model_dir: str, out_json: str, update_to: str | None, native_to: 
 
 def _trainer_engine(llm, model_dir: str):
     """vLLM's trainer API with the checkpoint_engine backend, over the in-process LLM's methods."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from demo.tiny_model import load_state_dict_from_dir
-    from vllm_ext.weight_transfer.trainer import CheckpointEngineTrainerInitInfo
+    from testing.vllm_servers import LLMSyncClient
+    from vllm_ext.weight_transfer.trainer import CheckpointEngineTrainerInitInfo, NamedTensorsSource
 
     tensors = load_state_dict_from_dir(model_dir)
-
-    class Source(WeightSource):
-        def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-
-        def __iter__(self):
-            return iter(tensors.items())
-
-    class LLMClient:  # a VLLMWeightSyncClient over the offline LLM's methods
-        def init_weight_transfer_engine(self, init_info):
-            llm.init_weight_transfer_engine({"init_info": init_info})
-
-        def start_weight_update(self):
-            llm.start_weight_update()
-
-        def update_weights(self, update_info):
-            llm.update_weights({"update_info": update_info})
-
-        def finish_weight_update(self, weight_version=None):
-            llm.finish_weight_update(weight_version=weight_version)
-
     info = CheckpointEngineTrainerInitInfo(rank=0, transport="cpu")
-    return WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(), source=Source())
+    return WeightTransferTrainerFactory.trainer_init(
+        info, client=LLMSyncClient(llm), source=NamedTensorsSource(lambda: tensors)
+    )
 
 
 # -- fixtures ---------------------------------------------------------------------------------
