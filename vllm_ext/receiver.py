@@ -62,17 +62,25 @@ ReloadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
 class FaultSpec:
     """Test-only fault for the next update: `raise` in bucket `bucket`, or `stall` there for `stall_s`.
 
-    `marker_path`, if given, is created when the fault fires (lets a test act at that moment).
+    `at` "start" or "finish": vLLM's weight-transfer backend (`vllm_ext.weight_transfer.engine`) raises
+    in its `start_weight_update` or `finish_weight_update` instead (kind "raise" only); the bucket
+    receive does not take such a fault. `marker_path`, if given, is created when the fault fires
+    (lets a test act at that moment).
     """
 
     kind: Literal["raise", "stall"]
     bucket: int = 0
     stall_s: float = 5.0
     marker_path: str | None = None
+    at: Literal["bucket", "start", "finish"] = "bucket"
 
     def __post_init__(self) -> None:
         if self.kind not in ("raise", "stall"):
             raise ValueError(f"kind must be 'raise' or 'stall', got {self.kind!r}")
+        if self.at not in ("bucket", "start", "finish"):
+            raise ValueError(f"at must be 'bucket', 'start' or 'finish', got {self.at!r}")
+        if self.at != "bucket" and self.kind != "raise":
+            raise ValueError(f"a fault at {self.at!r} can only raise, got kind {self.kind!r}")
         if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 0:
             raise ValueError(f"bucket must be an int >= 0, got {self.bucket!r}")
         if not 0 < self.stall_s <= 600:
@@ -223,12 +231,25 @@ class WeightReceiver:
         logger.warning("fault armed for the next weight update: %s", self._fault)
         return {"armed": True, "fault": dict(self._fault.__dict__)}
 
+    def take_fault(self, at: str) -> FaultSpec | None:
+        """The armed fault if it is one `at` this point ("bucket", "start", "finish"), disarmed; else None."""
+        fault = self._fault
+        if fault is None or fault.at != at:
+            return None
+        self._fault = None
+        if fault.marker_path:
+            with open(fault.marker_path, "w") as fh:
+                fh.write(f"{os.getpid()}\n")
+        return fault
+
     def receive(self, zmq_handle: str, device_id: int | None) -> dict:
         """Run one update from the PS rank at `zmq_handle`; return `report()`; raise UpdateAborted."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a weight update is already in progress on this engine")
         try:
-            fault, self._fault = self._fault, None
+            fault = self._fault if self._fault is not None and self._fault.at == "bucket" else None
+            if fault is not None:
+                self._fault = None
             if self.load_per_bucket:  # plain parameters, loaded bucket by bucket: reads land in place
                 self._slot_probe = self._slot_probe or SlotProbe(lambda weights: self._reload_fn(weights))
                 self.remote_reads.set_destination(self._slot_probe)

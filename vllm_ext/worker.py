@@ -8,6 +8,7 @@ callable with `collective_rpc` (HTTP: `POST /collective_rpc` with `VLLM_SERVER_D
     weights_state()                       version, status (initial|receiving|ready|incomplete), last error
     weights_checksum()                    checksum of the checkpoint-format weights loaded (see weight_cache)
     arm_update_fault(spec)                test-only: make the next update raise or stall in a bucket
+                                          (or, through vLLM's weight-transfer routes, raise at start or finish)
 
 Weights go through the model runner's reload path (`reload_weights(weights_iterator=...)`), which
 redoes repacking and quantization processing; plain `model.load_weights` breaks on CPU once the

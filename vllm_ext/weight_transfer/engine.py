@@ -99,6 +99,10 @@ class CheckpointEngineWeightTransferEngine(WeightTransferEngine[NativeInitInfo, 
         logger.info("checkpoint_engine weight-transfer backend ready (each update names its ParameterServer sockets)")
 
     def start_weight_update(self) -> None:
+        if (
+            self.worker_view._ckpt_engine_receiver().take_fault("start") is not None
+        ):  # test-only (`arm_update_fault`, at "start")
+            raise RuntimeError("injected fault at start_weight_update")
         self._updating = True
         self.last_report = None
 
@@ -132,6 +136,10 @@ class CheckpointEngineWeightTransferEngine(WeightTransferEngine[NativeInitInfo, 
         updating, self._updating = self._updating, False
         if not updating:
             raise RuntimeError("finish_weight_update without start_weight_update")
+        if (
+            self.worker_view._ckpt_engine_receiver().take_fault("finish") is not None
+        ):  # test-only (`arm_update_fault`, at "finish")
+            raise RuntimeError("injected fault at finish_weight_update")
         if self.last_report is None or self.last_report.get("status") != "ready":
             state = self.worker_view.weights_state()
             raise RuntimeError(

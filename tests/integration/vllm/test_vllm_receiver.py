@@ -196,11 +196,23 @@ def test_concurrent_receive_is_refused():
         (FaultSpec, {"kind": "explode"}, "kind"),
         (FaultSpec, {"kind": "raise", "bucket": -1}, "bucket"),
         (FaultSpec, {"kind": "stall", "stall_s": 0}, "stall_s"),
+        (FaultSpec, {"kind": "raise", "at": "load"}, "at must be 'bucket', 'start' or 'finish'"),
+        (FaultSpec, {"kind": "stall", "at": "start"}, "a fault at 'start' can only raise"),
     ],
 )
 def test_config_validation_names_the_field(cls, kwargs, field):
     with pytest.raises(ValueError, match=field):
         cls(**kwargs)
+
+
+def test_a_fault_at_start_or_finish_is_only_taken_there(tmp_path):
+    r = make_receiver(DictModel())
+    marker = tmp_path / "fired"
+    r.arm_fault({"kind": "raise", "at": "finish", "marker_path": str(marker)})
+    assert r.take_fault("bucket") is None and r.take_fault("start") is None  # still armed
+    assert not marker.exists()
+    assert r.take_fault("finish").at == "finish" and marker.exists()
+    assert r.take_fault("finish") is None  # disarmed once taken
 
 
 def test_receiver_config_from_dict_rejects_unknown_keys():

@@ -18,7 +18,9 @@ worker reads the ranks' chunks over Mooncake itself, only the byte ranges of its
   trainer -> two trainer ranks send A through vLLM's own trainer API (`trainer_init` + `send_weights`
              with the checkpoint_engine backend, `ModuleSource` over a transformers replica on each
              rank, `tp2_trainer_rank.py`): each registers its share, rank 0 drives vLLM's routes;
-             the checksums are exactly those of the pull of A, `/weight_info` names the version
+             the checksums are exactly those of the pull of A, `/weight_info` names the version;
+             every update of this engine went through vLLM's own layerwise reload (`reload_weights`:
+             the direct reload is for one TP rank), chosen by the default `reload_impl: "auto"`
 
 The launcher's `--sharded-max-ranges-per-tensor 0` is set here through `--additional-config`, as
 the launcher passes it: every row-parallel slice is read row by row (exact bytes; the default, 64
@@ -189,6 +191,10 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         assert _checksums(url, "compare", baseline=after_a) == {"match": True, "mismatches": []}
         status, info = http_json("GET", f"{url}/weight_info", timeout_s=30.0)
         assert (status, info) == (200, {"weight_version": "vllm-native-1"}), info
+        # the direct reload is for one TP rank: at TP 2 every update went through vLLM's layerwise reload
+        for state in collective_rpc(url, "weights_state", timeout_s=60.0):
+            assert state["reload_impl"] == "vllm", state
+            assert "tensor parallel size 2" in state["reload_impl_note"], state
         print(f"trainer API, 2 ranks into TP 2: {[r['send_s'] for r in results]} s")
     finally:
         for proc in trainers:
