@@ -86,6 +86,12 @@ class FaultSpec:
         if not 0 < self.stall_s <= 600:
             raise ValueError(f"stall_s must be in (0, 600], got {self.stall_s!r}")
 
+    def fire(self) -> None:
+        """Write the marker (this process's pid), if any: the fault fires now."""
+        if self.marker_path:
+            with open(self.marker_path, "w") as fh:
+                fh.write(f"{os.getpid()}\n")
+
     @classmethod
     def from_dict(cls, d: Mapping) -> FaultSpec:
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
@@ -231,15 +237,19 @@ class WeightReceiver:
         logger.warning("fault armed for the next weight update: %s", self._fault)
         return {"armed": True, "fault": dict(self._fault.__dict__)}
 
-    def take_fault(self, at: str) -> FaultSpec | None:
+    def _disarm(self, at: str) -> FaultSpec | None:
         """The armed fault if it is one `at` this point ("bucket", "start", "finish"), disarmed; else None."""
         fault = self._fault
         if fault is None or fault.at != at:
             return None
         self._fault = None
-        if fault.marker_path:
-            with open(fault.marker_path, "w") as fh:
-                fh.write(f"{os.getpid()}\n")
+        return fault
+
+    def take_fault(self, at: str) -> FaultSpec | None:
+        """`_disarm`, firing the fault now (its marker written): for the start and finish points."""
+        fault = self._disarm(at)
+        if fault is not None:
+            fault.fire()
         return fault
 
     def receive(self, zmq_handle: str, device_id: int | None) -> dict:
@@ -247,9 +257,7 @@ class WeightReceiver:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a weight update is already in progress on this engine")
         try:
-            fault = self._fault if self._fault is not None and self._fault.at == "bucket" else None
-            if fault is not None:
-                self._fault = None
+            fault = self._disarm("bucket")  # fires in its bucket (`_UpdateSession._maybe_fault`)
             if self.load_per_bucket:  # plain parameters, loaded bucket by bucket: reads land in place
                 self._slot_probe = self._slot_probe or SlotProbe(lambda weights: self._reload_fn(weights))
                 self.remote_reads.set_destination(self._slot_probe)
@@ -551,9 +559,7 @@ class _UpdateSession:
         if f is None or f.bucket != index:
             return
         self.fault = None
-        if f.marker_path:
-            with open(f.marker_path, "w") as fh:
-                fh.write(f"{os.getpid()}\n")
+        f.fire()
         if f.kind == "raise":
             raise RuntimeError(f"injected fault in bucket {index}")
         logger.warning("injected stall of %.1f s in bucket %d", f.stall_s, index)
