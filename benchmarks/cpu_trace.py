@@ -33,19 +33,21 @@ def _machine_busy_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def label_of(proc, names: dict[int, str]) -> str:
-    """'r1:vllm_ext.launch', 'r0:VLLM::EngineCore', 'raw reader' (from `names`), ..."""
+def label_of(proc, names: dict[int, str]) -> str | None:
+    """'r1:vllm_ext.launch', 'r0:VLLM::EngineCore', 'raw reader' (from `names`), ...; None when the
+    process can no longer be read (it exited: a zombie has no command line and no environment)."""
     import psutil
 
     if proc.pid in names:
         return names[proc.pid]
     try:
         name, cmd = proc.name(), proc.cmdline()
+        rank = proc.environ().get("LOCAL_RANK")
     except (psutil.Error, OSError):
-        return f"pid {proc.pid}"
-    rank = None
+        return None
     try:
-        for p in (proc, *proc.parents()):  # engines run without torchrun's variables: their rank's
+        # engines run without torchrun's variables: they are labelled with their nearest ancestor's rank
+        for p in proc.parents() if rank is None else ():
             rank = p.environ().get("LOCAL_RANK")
             if rank is not None:
                 break
@@ -100,8 +102,11 @@ class CpuTrace:
         except psutil.Error:
             return
         self._procs = found
-        for pid, p in found.items():  # a process forked, then exec'ed or titled, is labelled anew
-            self._labels[pid] = label_of(p, self.names)
+        for pid, p in found.items():  # a process forked, then exec'ed or titled, is labelled anew,
+            # but one that exited keeps the label it had alive (its CPU time still counts under it)
+            label = label_of(p, self.names)
+            if label is not None or pid not in self._labels:
+                self._labels[pid] = label or f"pid {pid}"
 
     def _sample(self) -> dict[str, float]:
         """{pid or "pid.tid": CPU seconds so far} of every process (and every thread looked inside)."""

@@ -70,3 +70,33 @@ def test_a_busy_grandchild_is_counted_under_its_ancestors_rank_and_an_idle_windo
     assert merged["cores"]["r3:-c"] == pytest.approx(busy["cores"]["r3:-c"] * share, abs=0.02)
     assert "test" not in merged["cores"] or merged["cores"]["test"] < 0.5
     assert cpu_trace.CpuTrace.merge([]) == {}
+
+
+def test_a_process_that_exited_keeps_the_label_it_had_alive():
+    # an exited child not yet reaped (a zombie) has no command line nor environment: relabelled, its
+    # CPU time would move to "pid N" in a window that ends after it exited
+    import psutil
+
+    cpu_trace = _module()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        env=dict(os.environ, LOCAL_RANK="5"),
+    )
+    try:
+        trace = cpu_trace.CpuTrace(os.getpid(), names={os.getpid(): "test"})
+        deadline = time.monotonic() + 60
+        while trace._labels.get(child.pid) != "r5:-c":  # exec'ed: its own command line, not ours
+            assert time.monotonic() < deadline, trace._labels
+            trace._refresh()
+            time.sleep(0.05)
+        child.stdin.close()
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.05)
+        assert cpu_trace.label_of(psutil.Process(child.pid), {}) is None
+        trace._refresh()
+        assert child.pid in trace._procs and trace._labels[child.pid] == "r5:-c"
+    finally:
+        child.kill()
+        assert child.wait(10) == 0
