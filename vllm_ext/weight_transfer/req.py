@@ -58,6 +58,7 @@ from checkpoint_engine.types import (
     UpdateRoute,
 )
 from ckpt_common.httpjson import HTTPError, post_json, status_json
+from vllm_ext.launch_config import EXTENSION
 from vllm_ext.req import EngineRpcError, vllm_http_req_func
 from vllm_ext.weight_transfer.infos import NativeUpdateInfo
 
@@ -282,12 +283,21 @@ def native_llm_req_func(llm, *, weight_version: str | None = None) -> ReqFunc:
     """req_func for an in-process `vllm.LLM` started with the backend (one PS rank per worker, every
     worker of this LLM). Its methods take no deadline: the engine side's own (`timeout_s` of the
     receiver settings) ends a wait for a PS that went silent, and the PS joins this call within its."""
-    num_workers = llm.llm_engine.vllm_config.parallel_config.world_size
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    num_workers = parallel.world_size
+
+    def finish(version: str | None) -> None:  # no weights_state to ask: vLLM's own finish, version and all
+        llm.finish_weight_update(weight_version=version)
+
+    if getattr(parallel, "worker_extension_cls", None) == EXTENSION:  # the workers' reports say a failure
+        finish = checked_finish(
+            llm.finish_weight_update, lambda: llm.collective_rpc("weights_state"), llm.update_weight_version
+        )
     steps = NativeSteps(
         where="in-process LLM",
         start=llm.start_weight_update,
         update=lambda payload: llm.update_weights({"update_info": payload}),
-        finish=lambda version: llm.finish_weight_update(weight_version=version),
+        finish=finish,
         reset_prefix_cache=llm.reset_prefix_cache,
     )
 
@@ -312,6 +322,29 @@ def client_req_func(client, *, num_workers: int = 1, weight_version: str | None 
         run_native_update(steps, update_payload(dict(socket_paths), num_workers), weight_version)
 
     return req_func
+
+
+def checked_finish(
+    finish: Callable[[], Any], reports: Callable[[], list], set_version: Callable[[str], Any]
+) -> Callable[[str | None], None]:
+    """A `NativeSteps.finish` for an engine whose workers run the worker extension: `finish()` (vLLM's,
+    without a version), then the workers' `reports()` (the extension's `weights_state`), then
+    `set_version(version)` only if no worker's finish failed. The backend's finish does not raise (a
+    worker's exception there ends vLLM-CPU's engine core): it reports `finish_error`, raised here as a
+    `NativeRouteError` naming /finish_weight_update, the version left where it was."""
+
+    def run(version: str | None) -> None:
+        finish()
+        errors = [r["finish_error"] for r in reports() if isinstance(r, dict) and r.get("finish_error")]
+        if errors:
+            raise NativeRouteError(
+                "/finish_weight_update",
+                f"finish_weight_update failed on {len(errors)} worker(s): {errors[0]}; the weight version stays",
+            )
+        if version is not None:
+            set_version(version)
+
+    return run
 
 
 def version_now(weight_version: WeightVersion) -> str | None:

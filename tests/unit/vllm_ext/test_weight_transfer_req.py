@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from testing.http_stub import serve_stub
+from vllm_ext.launch_config import EXTENSION
 from vllm_ext.weight_transfer.req import (
     RESET_KV_ROUTE,
     NativeRouteError,
@@ -284,9 +285,10 @@ def test_update_payload_one_entry_per_worker():
 class _Recorder:
     """An offline LLM / VLLMWeightSyncClient stand-in: records calls; `fail_on` raises there."""
 
-    def __init__(self, fail_on: str | None = None):
+    def __init__(self, fail_on: str | None = None, finish_errors: tuple = (None, None)):
         self.calls: list = []
         self.fail_on = fail_on
+        self.finish_errors = finish_errors  # what each worker's backend reports after a finish
         self.llm_engine = type("E", (), {"vllm_config": _config(world_size=2)})()
 
     def _call(self, name, *args, **kwargs):
@@ -303,6 +305,13 @@ class _Recorder:
     def finish_weight_update(self, weight_version=None):
         self._call("finish_weight_update", weight_version=weight_version)
 
+    def update_weight_version(self, new_version):
+        self._call("update_weight_version", new_version)
+
+    def collective_rpc(self, method):
+        self._call("collective_rpc", method)
+        return [{"status": "ready", "finish_error": e} for e in self.finish_errors]  # the extension's reports
+
     def init_weight_transfer_engine(self, init_info):
         self._call("init_weight_transfer_engine", init_info)
 
@@ -311,7 +320,7 @@ class _Recorder:
 
 
 def _config(world_size: int):
-    parallel = type("P", (), {"world_size": world_size})()
+    parallel = type("P", (), {"world_size": world_size, "worker_extension_cls": EXTENSION})()
     return type("C", (), {"parallel_config": parallel})()
 
 
@@ -322,9 +331,21 @@ def test_offline_llm_methods_in_order():
     assert llm.calls == [
         ("start_weight_update", (), {}),
         ("update_weights", ({"update_info": [{"zmq_handles": handles}] * 2},), {}),
-        ("finish_weight_update", (), {"weight_version": "B"}),
+        ("finish_weight_update", (), {"weight_version": None}),
+        ("collective_rpc", ("weights_state",), {}),  # every worker's finish went through ...
+        ("update_weight_version", ("B",), {}),  # ... before the version moves
         ("reset_prefix_cache", (), {}),  # no pause cleared vLLM's caches in process
     ]
+
+
+def test_offline_llm_finish_a_worker_could_not_complete_fails_naming_it_and_keeps_the_version():
+    # the backend's finish does not raise (it would end vLLM-CPU's engine core): it reports finish_error
+    llm = _Recorder(finish_errors=(None, "injected fault at finish_weight_update"))
+    with pytest.raises(NativeRouteError, match="failed on 1 worker.*injected fault at finish") as e:
+        native_llm_req_func(llm, weight_version="B")(SOCKETS[:2])
+    assert e.value.route == "/finish_weight_update"
+    assert "update_weight_version" not in [c[0] for c in llm.calls]
+    assert llm.calls[-1][0] == "reset_prefix_cache"
 
 
 def test_offline_llm_failure_still_resets_the_prefix_cache():
@@ -351,3 +372,16 @@ def test_http_steps_run_on_the_ps_thread_while_it_pushes(fake):
     assert time.monotonic() - t0 < 0.2
     t.join(10)
     assert not t.is_alive() and _paths(cls) == SEQUENCE
+
+
+def test_offline_llm_without_the_worker_extension_finishes_with_the_version_as_vllm_does():
+    llm = _Recorder()
+    llm.llm_engine.vllm_config.parallel_config.worker_extension_cls = ""  # no weights_state to ask
+    native_llm_req_func(llm, weight_version="B")(SOCKETS[:2])
+    assert [c[0] for c in llm.calls] == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+    ]
+    assert llm.calls[2][2] == {"weight_version": "B"}
