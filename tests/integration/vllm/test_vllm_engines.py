@@ -515,17 +515,25 @@ def test_native_update_failing_mid_bucket_at_start_or_at_finish_is_refused_until
     version_before = http_json("GET", gated.url + "/weight_info")[1]
     config = ParameterServerConfig(transport="cpu", update=UpdateConfig(bucket_size_bytes=SMALL_BUCKET_BYTES))
     ps = ParameterServer(rank=0, world_size=1, config=config)
+
+    def update_fails(fault: dict, match: str, version: dict) -> None:
+        """`fault` armed, the next update (to `other`) fails naming it, and /weight_info stays at `version`."""
+        collective_rpc(gated.url, "arm_update_fault", args=[fault])
+        with pytest.raises(UpdateFailed, match=match):
+            ps.update(other, native_http_req_func(gated.url, rank=0, weight_version="never", timeout_s=120))
+        assert http_json("GET", gated.url + "/weight_info")[1] == version
+
+    def generation_refused(fragment: str) -> None:
+        status, body = post_completions(gated.url, gated.model, PROMPTS, MAX_TOKENS)
+        assert status == 503 and body["error"]["phase"] == "incomplete_update", body
+        assert fragment in body["error"]["message"], body
+
     try:
         for name in (other, back):
             ps.register_checkpoint(name, files=model_safetensors_files(models[name]))
             ps.gather_metas(name)
-        collective_rpc(gated.url, "arm_update_fault", args=[{"kind": "raise", "bucket": 3}])
-        with pytest.raises(UpdateFailed, match="injected fault in bucket 3"):
-            ps.update(other, native_http_req_func(gated.url, rank=0, weight_version="never", timeout_s=120))
-        assert http_json("GET", gated.url + "/weight_info")[1] == version_before  # the version did not move
-        status, body = post_completions(gated.url, gated.model, PROMPTS, MAX_TOKENS)
-        assert status == 503 and body["error"]["phase"] == "incomplete_update", body
-        assert "injected fault in bucket 3" in body["error"]["message"], body
+        update_fails({"kind": "raise", "bucket": 3}, "injected fault in bucket 3", version_before)  # no finish sent
+        generation_refused("injected fault in bucket 3")
         state = _states(engines)[1]
         assert (state["status"], state["version"]) == ("incomplete", before["version"]), state
         ps.update(back, native_http_req_func(gated.url, rank=0, weight_version=f"{back}-recovered", timeout_s=120))
@@ -535,19 +543,12 @@ def test_native_update_failing_mid_bucket_at_start_or_at_finish_is_refused_until
         assert http_json("GET", gated.url + "/weight_info")[1] == recovered
         assert _states(engines)[1]["status"] == "ready"
 
-        collective_rpc(gated.url, "arm_update_fault", args=[{"kind": "raise", "at": "start"}])
-        with pytest.raises(UpdateFailed, match="start_weight_update answered HTTP 500"):
-            ps.update(other, native_http_req_func(gated.url, rank=0, weight_version="never", timeout_s=120))
-        assert http_json("GET", gated.url + "/weight_info")[1] == recovered
+        update_fails({"kind": "raise", "at": "start"}, "start_weight_update answered HTTP 500", recovered)
         assert completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS) == tokens  # nothing loaded
 
-        collective_rpc(gated.url, "arm_update_fault", args=[{"kind": "raise", "at": "finish"}])
-        with pytest.raises(UpdateFailed, match="finish_weight_update answered HTTP 500"):
-            ps.update(other, native_http_req_func(gated.url, rank=0, weight_version="never", timeout_s=120))
-        assert http_json("GET", gated.url + "/weight_info")[1] == recovered  # the engine core lives on
-        status, body = post_completions(gated.url, gated.model, PROMPTS, MAX_TOKENS)
-        assert status == 503 and body["error"]["phase"] == "incomplete_update", body
-        assert "did not finish: injected fault at finish_weight_update" in body["error"]["message"], body
+        # the engine core lives on, the version stays, and no answer is labelled with it meanwhile
+        update_fails({"kind": "raise", "at": "finish"}, "finish_weight_update answered HTTP 500", recovered)
+        generation_refused("did not finish: injected fault at finish_weight_update")
         assert _states(engines)[1]["finish_error"] == "injected fault at finish_weight_update"
         ps.update(back, native_http_req_func(gated.url, rank=0, weight_version=f"{back}-finished", timeout_s=120))
         assert completion_token_ids(gated.url, gated.model, PROMPTS, MAX_TOKENS) == tokens

@@ -280,6 +280,68 @@ def test_a_finish_a_worker_could_not_complete_answers_500_keeps_the_version_and_
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 200
 
 
+class _ClosingAfterFailure:
+    """A keep-alive HTTP server playing vLLM's after a route raised: it answers a request's 500 on a
+    connection it keeps open, then closes that connection, without an answer, when the next request
+    arrives on it (what the pooled connection of the gate then meets); a new connection is served."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.paths: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn):
+        with conn, conn.makefile("rb") as f:
+            failed = False
+            while line := f.readline():
+                path = line.split()[1].decode()
+                length = 0
+                while (header := f.readline()) not in (b"\r\n", b""):
+                    if header.lower().startswith(b"content-length:"):
+                        length = int(header.split(b":")[1])
+                f.read(length)
+                if failed:  # the connection is closed without an answer
+                    return
+                self.paths.append(path)
+                failed = path == "/start_weight_update"
+                status = b"500 Internal Server Error" if failed else b"200 OK"
+                conn.sendall(
+                    b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+                )
+
+    def close(self):
+        self.sock.close()
+
+
+def test_a_control_request_after_vllm_closed_the_failed_routes_connection_goes_on_a_fresh_one():
+    """After a failed /start_weight_update (vLLM closes the connection after a route raised), the
+    /resume that follows must reach vLLM, or the engine stays paused: the gate sends it once more on a
+    fresh connection instead of answering 502."""
+    server = _ClosingAfterFailure()
+    try:
+        gate = Gate()
+        gate.observe([{"version": 1, "status": "ready"}])
+        with _client(gate, server.url) as c:
+            assert c.post("/pause?mode=abort", json={}).status_code == 200
+            assert c.post("/start_weight_update", json={}).status_code == 500
+            r = c.post("/resume", json={})
+            assert r.status_code == 200, r.text
+        assert server.paths == ["/pause?mode=abort", "/start_weight_update", "/resume"]
+    finally:
+        server.close()
+
+
 def test_gate_stays_closed_on_unfinished_update():
     e = FakeEngine(report={"version": 0, "status": "incomplete"})
     try:
