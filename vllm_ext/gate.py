@@ -108,6 +108,16 @@ def incomplete_update(reports: list) -> str | None:
     return None
 
 
+def finish_failure(reports: list | None) -> str | None:
+    """Why vLLM's finish failed on the workers (their reports' `finish_error`: the backend records it
+    instead of raising, which would end vLLM-CPU's engine core), as a finish's answer says it; None
+    when no worker's finish failed (or no report is known)."""
+    errors = [r["finish_error"] for r in reports or [] if isinstance(r, dict) and r.get("finish_error")]
+    if not errors:
+        return None
+    return f"finish_weight_update failed on {len(errors)} worker(s): {errors[0]}; the weight version stays"
+
+
 def weights_loaded(reports: list) -> bool:
     """True when every worker's report shows a completed update (version >= 1)."""
     return bool(reports) and all(isinstance(r, dict) and int(r.get("version", 0)) >= 1 for r in reports)
@@ -427,9 +437,7 @@ async def _finish_with_version(client, gate: Gate, version) -> object:
     from starlette.responses import JSONResponse, Response
 
     reports = await _ask_weights_state(client, gate)
-    errors = [r["finish_error"] for r in reports or [] if isinstance(r, dict) and r.get("finish_error")]
-    if errors:
-        message = f"finish_weight_update failed on {len(errors)} worker(s): {errors[0]}; the weight version stays"
+    if (message := finish_failure(reports)) is not None:
         return JSONResponse({"error": {"message": message, "type": "FinishFailed", "code": 500}}, status_code=500)
     if version is None:
         return JSONResponse({"message": "Weight update finished"})

@@ -154,11 +154,6 @@ class CheckpointEngineWeightTransferEngine(WeightTransferEngine[NativeInitInfo, 
         if error is not None:
             logger.error("the weight update cannot finish: %s", error)
 
-    @property
-    def finish_error(self) -> str | None:
-        """Why this worker's last finish failed (None: it did not); cleared when the next update starts."""
-        return self.worker_view._ckpt_engine_receiver().finish_error
-
     def weights_state(self) -> dict:
         """The receiver's report (version, status, last update), as the extension's `weights_state`."""
         return self.worker_view.weights_state()

@@ -58,6 +58,7 @@ from checkpoint_engine.types import (
     UpdateRoute,
 )
 from ckpt_common.httpjson import HTTPError, post_json, status_json
+from vllm_ext.gate import finish_failure
 from vllm_ext.launch_config import EXTENSION
 from vllm_ext.req import EngineRpcError, vllm_http_req_func
 from vllm_ext.weight_transfer.infos import NativeUpdateInfo
@@ -335,12 +336,8 @@ def checked_finish(
 
     def run(version: str | None) -> None:
         finish()
-        errors = [r["finish_error"] for r in reports() if isinstance(r, dict) and r.get("finish_error")]
-        if errors:
-            raise NativeRouteError(
-                "/finish_weight_update",
-                f"finish_weight_update failed on {len(errors)} worker(s): {errors[0]}; the weight version stays",
-            )
+        if (why := finish_failure(reports())) is not None:
+            raise NativeRouteError("/finish_weight_update", why)
         if version is not None:
             set_version(version)
 
