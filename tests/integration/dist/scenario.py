@@ -1,4 +1,6 @@
-"""One PS rank of a multi-process test (run by tests/integration/dist/harness.run_ranks).
+"""One PS rank of a multi-process test (run by tests/integration/dist/harness.run_ranks, or under
+torchrun: without --rank, the rank and world come from torchrun's RANK and WORLD_SIZE and the process
+group from its MASTER_ADDR/MASTER_PORT).
 
 Exit codes: 0 all steps verified; 3 an update raised (message printed as `UPDATE_ERROR: ...`);
 1 anything else (verification failure, crash).
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -60,10 +63,10 @@ def register(ps, name, tensors, source: str, tmp: str, rank: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--engine-url", required=True)
+    p.add_argument("--rank", type=int, default=None, help="default: torchrun's RANK")
+    p.add_argument("--world", type=int, default=None, help="default: torchrun's WORLD_SIZE")
+    p.add_argument("--master-port", type=int, default=None, help="default: torchrun's (env://)")
+    p.add_argument("--engine-url", required=True, help="this rank's engine; a comma-separated list: one per rank")
     p.add_argument("--steps", default="A1,B2,A1,A3", help="checkpoint name + seed per update")
     p.add_argument("--source", default="both", choices=["files", "named", "both"])
     p.add_argument("--tmp", required=True)
@@ -88,7 +91,12 @@ def main() -> int:
     p.add_argument("--p2p-reader", default="rank", choices=["rank", "engine"], help="who reads the P2P pull")
     p.add_argument("--tamper-metas", action="store_true", help="last rank loads metas that differ")
     p.add_argument("--dup-name", action="store_true", help="last rank also registers a name rank 0 owns")
+    p.add_argument("--bad-file-rank", type=int, default=None, help="this rank registers a file that is not safetensors")
     args = p.parse_args()
+    if args.rank is None:  # under torchrun
+        args.rank, args.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "," in args.engine_url:  # one command line for every rank (torchrun)
+        args.engine_url = args.engine_url.split(",")[args.rank]
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     from checkpoint_engine.transport.mooncake import P2PConfig
@@ -108,7 +116,11 @@ def main() -> int:
         ),
     )
     ps = ParameterServer(
-        rank=args.rank, world_size=args.world, master_addr="127.0.0.1", master_port=args.master_port, config=cfg
+        rank=args.rank,
+        world_size=args.world,
+        master_addr="127.0.0.1" if args.master_port is not None else None,
+        master_port=args.master_port,
+        config=cfg,
     )
     req = http_req_func(args.engine_url, rank=args.rank, timeout_s=args.timeout_s)
     if args.req_func_raise and args.rank == args.world - 1:
@@ -132,6 +144,11 @@ def main() -> int:
             mine = shard(full, args.rank, args.world)
             if args.dup_name and args.rank == args.world - 1:
                 mine["layers.0.w"] = full["layers.0.w"]
+            if args.bad_file_rank == args.rank:
+                bad = f"{args.tmp}/not-safetensors-r{args.rank}.safetensors"
+                with open(bad, "w") as f:
+                    f.write("this is not a safetensors file\n")
+                ps.register_checkpoint(name, files=[bad])  # raises: the process exits 1
             register(ps, name, mine, args.source, args.tmp, args.rank)
             registered[name] = seed
             try:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.integration.dist.harness import Engine, get_json, run_scenario
+from tests.integration.dist.harness import REPO, Engine, _env, free_port, get_json, run_scenario, stop_group
 
 BUCKET = ["--bucket-size", "24576"]  # ~10 buckets per update: the double buffer wraps around
 
@@ -161,5 +165,83 @@ def test_p2p_recovery_of_a_restarted_engine(tmp_path, reader):
             assert rc == 0 and "P2P_OK" in out, f"rank {rank}:\n{out}"
         assert engines[0].state()["version"] == 1  # untouched
         assert engines[1].state()["version"] == (1 if reader == "rank" else 2)
+    finally:
+        assert stop_all(engines) == [0, 0]
+
+
+# -- the Python API under torchrun (issue 40's fault matrix where the command exists there) -----------
+# torchrun gives every rank the same command line: the scenario takes its rank from RANK and one engine
+# URL per rank. The collective and engine deadlines are 60 s: a failure must end the job far sooner.
+TORCHRUN_QUICK_S = 25.0
+
+
+def _torchrun(engines, tmp_path, *args: str, while_running=None) -> tuple[int, str, float]:
+    """`torchrun --nproc-per-node N -m tests.integration.dist.scenario ...`: (exit code, output, seconds)."""
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(engines))),
+        *("--master-port", str(free_port()), "-m", "tests.integration.dist.scenario"),
+        *("--engine-url", ",".join(e.url for e in engines), "--tmp", str(tmp_path)),
+        *("--steps", "A1", "--timeout-s", "60", *args),
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        if while_running is not None:
+            while_running(proc)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        stop_group(proc)
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def _root_cause(out: str) -> str:
+    """torchrun's report of the first rank that failed (its 'Root Cause' block)."""
+    assert "Root Cause (first observed failure)" in out, out[-3000:]
+    return out.split("Root Cause (first observed failure)", 1)[1]
+
+
+def test_the_python_api_under_torchrun_fails_within_seconds_and_the_same_job_then_succeeds(tmp_path):
+    """A bad file on each rank in turn, an engine request that raises, a rank SIGKILLed mid-update:
+    torchrun's job ends within seconds naming the rank (not at the 60 s collective deadline), the
+    engines say what they hold, and the same job without the fault then updates both engines exactly
+    (the scenario checks every tensor's digest)."""
+    from tests.integration.dist.test_ce_daemon_faults import _rank_pid
+
+    engines = engines_for(2, (), ("--load-delay-s", "0.3"), timeout_s=5.0)
+    try:
+        for bad_rank in (0, 1):
+            rc, out, took_s = _torchrun(engines, tmp_path, "--bad-file-rank", str(bad_rank))
+            assert rc != 0 and took_s < TORCHRUN_QUICK_S, (rc, took_s, out[-3000:])
+            assert f"not-safetensors-r{bad_rank}.safetensors: corrupt safetensors header length" in out, out[-3000:]
+            cause = _root_cause(out)
+            assert f"rank      : {bad_rank} (local_rank: {bad_rank})" in cause and "exitcode  : 1 " in cause, cause
+            assert [e.state()["status"] for e in engines] == ["initial", "initial"]  # nothing was sent
+
+        rc, out, took_s = _torchrun(engines, tmp_path, "--req-func-raise")
+        assert rc != 0 and took_s < TORCHRUN_QUICK_S, (rc, took_s, out[-3000:])
+        assert out.count("rank 1: req_func raised ConnectionError: injected") >= 2, out[-3000:]  # both ranks say it
+        assert [e.state()["status"] for e in engines] == ["incomplete", "initial"]
+
+        def kill_rank1_once_receiving(proc):
+            deadline = time.monotonic() + 60
+            while get_json(engines[1].url + "/health")["status"] != "receiving":
+                assert time.monotonic() < deadline and proc.poll() is None, "the update never started"
+                time.sleep(0.02)
+            os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+
+        rc, out, took_s = _torchrun(engines, tmp_path, *BUCKET, while_running=kill_rank1_once_receiving)
+        assert rc != 0 and took_s < TORCHRUN_QUICK_S + 10, (rc, took_s, out[-3000:])
+        cause = _root_cause(out)
+        assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : -9" in cause, cause
+        deadline = time.monotonic() + 30  # engine 1 lost its PS rank: its own deadline (5 s) ends the update
+        while engines[1].state()["status"] == "receiving":
+            assert time.monotonic() < deadline, engines[1].state()
+            time.sleep(0.1)
+
+        rc, out, _ = _torchrun(engines, tmp_path)
+        assert rc == 0 and out.count("STEP_OK") == 2, out[-3000:]
+        assert [e.state()["status"] for e in engines] == ["ready", "ready"]
     finally:
         assert stop_all(engines) == [0, 0]
