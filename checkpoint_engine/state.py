@@ -44,6 +44,15 @@ class EngineWeightState:
             self.status = WeightsStatus.RECEIVING
             self.pending_checkpoint = checkpoint
 
+    def name_pending(self, checkpoint: str) -> None:
+        """The update in progress brings the weights of `checkpoint`, not of the checkpoint it was sent
+        as: a delta names the version it brings (sent as another checkpoint, e.g. beside a daemon's
+        registered full version); the engine then holds that name, the next delta's base."""
+        with self._lock:
+            if self.status is not WeightsStatus.RECEIVING:
+                raise StateError(f"name_pending() in state {self.status.value}")
+            self.pending_checkpoint = checkpoint
+
     def complete(self) -> int:
         with self._lock:
             if self.status is not WeightsStatus.RECEIVING:

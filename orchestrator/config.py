@@ -406,8 +406,9 @@ class SyncConfig:
     # since the version the engine holds, when that delta is at most `delta_max_ratio` of a full update;
     # a full update otherwise (the first, a resumed run's first, one the engine refuses). Pays with
     # low-precision weights (a bf16 model's files) and small learning rates; costs one more copy of the
-    # model in host memory (the base). One engine or a pool (an engine that refuses a delta takes the
-    # full version); not the daemon's engines.
+    # model in host memory (the base). One engine, a pool (an engine that refuses a delta takes the
+    # full version) or the daemon's engines when not colocated (each version is still registered in full
+    # there: heals pull it; orchestrator.engines.daemon).
     delta: bool = False
     delta_max_ratio: float = 0.5
 
@@ -520,10 +521,10 @@ class JobConfig:
                 "demo's tiny model on its arithmetic instead"
             )
         self.partial_rollout()  # validates the budget against k and the segment size
-        if self.sync.delta and self.engine.type == "daemon":
+        if self.sync.delta and self.engine.type == "daemon" and self.engine.colocated:
             raise ValueError(
-                "sync.delta=true sends deltas to the engines the job updates itself (one, or a pool); "
-                "engine.type='daemon' takes full updates only (set sync.delta=false, or engine.type='vllm')"
+                "sync.delta=true needs engines that keep the version they serve between updates; colocated "
+                "engines start (or wake) for each version: set sync.delta=false or engine.colocated=false"
             )
         if self.data.uses_files:  # prompt lengths are checked with the model's tokenizer (Task.check_prompt_lengths)
             self._check_file_curriculum()

@@ -213,6 +213,8 @@ def check(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None
     name = update_name(cmd)
     if name is not None:
         ps.check_update(name, None if cmd.get("managed") or op != "update" else cmd.get("ranks"))
+    if op == "update" and cmd.get("full_checkpoint"):  # what heals will bring a restarted engine to
+        ps.check_update(cmd["full_checkpoint"], None)
     if op == "update" and not cmd.get("managed"):
         try:  # an endpoint list that has none for this rank fails here, not in the update
             _req_func(ps, cmd)
@@ -288,7 +290,9 @@ def run(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None) 
             return engines.engine_sleep(host, cmd)
         if op == "engine_wake":
             return engines.engine_wake(host, ps, cmd)
-        return engines.managed_update(host, ps, cmd["name"], cmd.get("ranks"), cmd.get("timeout_s"))
+        return engines.managed_update(
+            host, ps, cmd["name"], cmd.get("ranks"), cmd.get("timeout_s"), cmd.get("full_checkpoint")
+        )
     if op == "update":
         m = ps.update(cmd["name"], _req_func(ps, cmd), timeout=cmd.get("timeout_s"), ranks=cmd.get("ranks"))
         return m.to_dict() if m is not None else {"skipped": "not a P2P receiver"}
@@ -405,6 +409,17 @@ def validate(cmd: dict) -> dict:
             )
     if op == "load_metas" and not isinstance(cmd.get("metas"), dict):
         raise CommandError("load_metas: 'metas' must be the JSON object GET /metas/NAME returned", "metas")
+    if op == "update" and cmd.get("full_checkpoint") is not None:
+        full = cmd["full_checkpoint"]
+        if not (isinstance(full, str) and full):
+            raise CommandError("update: 'full_checkpoint' must be a checkpoint name", "full_checkpoint")
+        if not cmd.get("managed"):
+            raise CommandError(
+                "update: 'full_checkpoint' applies to the engines the daemon manages (no 'endpoints' or 'update_url')",
+                "full_checkpoint",
+            )
+        if full == cmd.get("name"):
+            raise CommandError("update: 'full_checkpoint' must name another checkpoint than 'name'", "full_checkpoint")
     if op == "update" and cmd.get("ranks") is not None and not is_int_list(cmd["ranks"]):
         raise CommandError("update: 'ranks' must be a list of ints (P2P receivers) or null", "ranks")
     timeout_s = cmd.get("timeout_s")

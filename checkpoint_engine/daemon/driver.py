@@ -109,7 +109,7 @@ class Driver:
             name = cmd.get("name")
             updated = op == "engine_start" or (op == "update" and cmd.get("managed"))
             if answer["ok"] and name and (updated or (op == "engine_wake" and cmd.get("update_ranks"))):
-                self.current = name
+                self.current = cmd.get("full_checkpoint") or name  # a delta's engines serve its full version
             elif answer["ok"] and op == "unregister" and name == self.current:
                 self.current = None  # heals now start engines without weights until the next update
             return answer

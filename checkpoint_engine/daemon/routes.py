@@ -43,6 +43,7 @@ UPDATE_FIELDS = (
     "route",
     "pause_mode",
     "weight_version",
+    "full_checkpoint",
 )
 # POST /metas takes what GET /metas/NAME answered as its rank 0 result (jobs.GlobalMetas.to_dict)
 METAS_REQUIRED = ("checkpoint", "ranks", "device_ids", "pids", "hosts")

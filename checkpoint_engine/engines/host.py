@@ -205,11 +205,21 @@ def engine_update_req_func(host: EngineHost, name: str, timeout_s: float):
     )
 
 
-def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, timeout_s: float | None) -> dict:
+def managed_update(
+    host: EngineHost,
+    ps,
+    name: str,
+    ranks: list[int] | None,
+    timeout_s: float | None,
+    full_checkpoint: str | None = None,
+) -> dict:
     """`ps.update(name)` into the managed engines of `ranks` (all by default): updating -> serving/incomplete.
 
     Every rank calls it. The receivers first agree that each of their engines can take an update, so
-    a stopped engine refuses the update on all ranks instead of leaving the others in a collective."""
+    a stopped engine refuses the update on all ranks instead of leaving the others in a collective.
+    `full_checkpoint`: `name` is a delta (`checkpoint_engine.sharding.delta_sync`) whose result is that
+    registered checkpoint's weights: the engines then serve it by that name (and vLLM reports it)."""
+    serves = full_checkpoint or name
     members = sorted(set(ranks)) if ranks else list(range(host.world_size))
     mine = host.rank in members
     refused = _agree(host, host.engine.update_refusal() if mine else None, host.AGREE_MARGIN_S)
@@ -219,20 +229,20 @@ def managed_update(host: EngineHost, ps, name: str, ranks: list[int] | None, tim
         )
     if mine:
         try:
-            host.engine.begin_update(name)
+            host.engine.begin_update(serves)
         except RuntimeError:
             pass  # it died since the agreement: the update below fails on every rank through its engine
     timeout_s = float(timeout_s or host.config.update_timeout_s)
-    req_func = engine_update_req_func(host, name, timeout_s) if mine else (lambda paths: None)
+    req_func = engine_update_req_func(host, serves, timeout_s) if mine else (lambda paths: None)
     pull_ranks = None if len(members) == host.world_size else members
     try:
         metrics = ps.update(name, req_func, timeout=timeout_s, ranks=pull_ranks)
     except Exception as e:
         if mine:  # a ValueError is a request the PS refused before contacting any engine
-            host.engine.end_update(name, f"{type(e).__name__}: {e}", engine_untouched=isinstance(e, ValueError))
+            host.engine.end_update(serves, f"{type(e).__name__}: {e}", engine_untouched=isinstance(e, ValueError))
         raise
     if mine:
-        host.engine.end_update(name, None)
+        host.engine.end_update(serves, None)
     return metrics.to_dict() if metrics is not None else {"skipped": "not a receiver"}
 
 

@@ -89,6 +89,11 @@ class PlainEngine:
             # onto the version held now, every base checksum checked before anything is written
             delta, held = DeltaReceiver(), self.state.report()["checkpoint"]
 
+            def finish() -> None:
+                brought = delta.finish(self.weights, held)
+                if brought is not None:  # the engine now holds the version the delta names
+                    self.state.name_pending(brought)
+
             def run(named):
                 i = bucket["i"]
                 bucket["i"] += 1
@@ -113,7 +118,7 @@ class PlainEngine:
                 handle,
                 device_id,
                 run=run,
-                post_hook=lambda: delta.finish(self.weights, held),
+                post_hook=finish,
                 state=self.state,
                 timeout_s=self.timeout_s,
                 mapping_cache=self.mappings,

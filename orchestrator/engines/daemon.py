@@ -41,6 +41,21 @@ With ``engine.sleep_level`` 1 or 2 (vLLM's sleep mode, CUDA) the engines sleep i
                 engine serving v+1 -> the pool takes them again (switch_to_inference_s)
     a failed sleep or wake raises SwitchError as above; the next push then finds them not all sleeping
     and stops what is left and starts every engine, as sleep_level 0 does.
+
+With ``sync.delta`` (disaggregated only: colocated engines start or wake without the base) each version
+is still registered in full, since a heal brings a restarted engine to it, and, where it pays, the
+engines take only the values that changed (``checkpoint_engine.sharding.delta_sync``)::
+
+    push(v): <handoff>/policy-v<v> registered (full: what heals pull)
+        every engine the update reaches serves policy-v<v-1>, the delta is small enough?
+        yes ─▶ <handoff>/policy-v<v>.delta registered ─▶ POST /update {name: policy-v<v>.delta,
+               full_checkpoint: policy-v<v>} (the engines apply it and then serve policy-v<v>; the
+               daemon's current checkpoint is policy-v<v>) ─▶ DELETE /checkpoints/policy-v<v>.delta
+               an engine refused it (its weights are not the base) ─▶ POST /update {name: policy-v<v>}
+        no  ─▶ POST /update {name: policy-v<v>}
+
+The delta saves what the daemon sends its engines (across nodes, the costly part); the job still
+writes each version's files in full and the daemon holds it in full.
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from checkpoint_engine.sharding.delta_sync import DeltaSender, Prepared
 from ckpt_common import hf_dir
 from orchestrator.config import EngineConfig, SyncConfig
 from orchestrator.engines.base import RolloutEngine
@@ -226,6 +242,12 @@ class DaemonWeightSync:
         # colocated: the engines are stopped or asleep (training); the next push starts or wakes them
         self._parked = False
         self._registered: str | None = None  # the last version registered with the daemon
+        if config.delta and colocated:
+            raise ValueError(
+                "sync.delta=true needs engines that keep the version they serve between updates; colocated "
+                "engines start (or wake) for each version: set sync.delta=false or engine.colocated=false"
+            )
+        self.delta = DeltaSender(config.delta_max_ratio) if config.delta else None
         pool.set_bring_up(self.bring_up)
 
     def before_train(self) -> dict[str, float]:
@@ -361,8 +383,23 @@ class DaemonWeightSync:
             ready = [i for i, r in enumerate(records) if r.get("state") in ("serving", "incomplete")]
             if not ready:
                 raise RuntimeError(f"no daemon engine can take weights v{version}: {records}")
+            ranks = None if len(ready) == len(records) else ready
             t0 = time.monotonic()
-            self.client.update(name, None if len(ready) == len(records) else ready)
+            kind, reason, nbytes = "full", "", None
+            if self.delta is not None:
+                # a delta only if every engine it reaches serves the base (an incomplete one holds no version)
+                held = {records[i].get("checkpoint") if records[i].get("state") == "serving" else None for i in ready}
+                prepared = self.delta.prepare(name, named_tensors, held.pop() if len(held) == 1 else None)
+                kind, reason = prepared.choice.kind, prepared.choice.reason
+                if kind == "delta":
+                    kind, reason = self._update_by_delta(name, prepared, ranks, len(records))
+                    nbytes = prepared.nbytes if kind == "delta" else None
+                else:
+                    self.client.update(name, ranks)
+                self.delta.commit(prepared)  # the next delta's base: every engine reached serves this version
+                logger.info("weights v%d: %s update (%s)", version, kind, reason)
+            else:
+                self.client.update(name, ranks)
             update_s = time.monotonic() - t0
             if self._current is not None and self._current != name:
                 self.client.unregister(self._current)
@@ -372,8 +409,39 @@ class DaemonWeightSync:
                 if member.index in ready:
                     self.pool.weights_in(member, version, epoch)
             total_s = time.monotonic() - start
-        nbytes = sum(t.numel() * t.element_size() for t in named_tensors.values())
-        return SyncResult(version=version, total_s=total_s, update_s=update_s, total_bytes=nbytes, num_buckets=0)
+        if nbytes is None:
+            nbytes = sum(t.numel() * t.element_size() for t in named_tensors.values())
+        return SyncResult(
+            version=version,
+            total_s=total_s,
+            update_s=update_s,
+            total_bytes=nbytes,
+            num_buckets=0,
+            kind=kind,
+            reason=reason,
+        )
+
+    def _update_by_delta(
+        self, name: str, prepared: Prepared, ranks: list[int] | None, num_ranks: int
+    ) -> tuple[str, str]:
+        """The engines of ``ranks`` to ``name`` by its delta (registered beside it, dropped after);
+        the full version where an engine refused it. (kind the engines took, why)."""
+        delta_name = f"{name}.delta"
+        try:
+            files = write_version(self.handoff, delta_name, prepared.tensors, num_ranks)
+            self.client.register(delta_name, files)
+            try:
+                self.client.update(delta_name, ranks, full_checkpoint=name)
+                return "delta", prepared.choice.reason
+            except Exception as e:  # noqa: BLE001 - a refused delta: the full version goes (its failure raises)
+                reason = f"the engines refused the delta ({str(e)[:500]}); sent the full version"
+                logger.warning("%s: %s", name, reason)
+                self.client.update(name, ranks)
+                return "full", reason
+            finally:
+                self.client.unregister(delta_name)
+        finally:
+            shutil.rmtree(self.handoff / delta_name, ignore_errors=True)
 
     def _push_by_start(self, name: str, version: int, named_tensors, start: float) -> SyncResult:
         """Colocated: the version reaches the engines as they start or wake (lock held)."""

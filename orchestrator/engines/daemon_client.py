@@ -121,8 +121,14 @@ class DaemonClient:
             body["ranks"] = ranks
         return self._call("POST", "/engines/wake", body, timeout_s=timeout_s + 60.0)
 
-    def update(self, name: str, ranks: list[int] | None) -> dict:
-        body = {"name": name} if ranks is None else {"name": name, "ranks": ranks}
+    def update(self, name: str, ranks: list[int] | None, full_checkpoint: str | None = None) -> dict:
+        """The engines of ``ranks`` (all: None) to ``name``; ``full_checkpoint``: ``name`` is a delta whose
+        engines then serve that registered checkpoint (what heals bring a restarted engine to)."""
+        body: dict = {"name": name}
+        if ranks is not None:
+            body["ranks"] = ranks
+        if full_checkpoint is not None:
+            body["full_checkpoint"] = full_checkpoint
         return self._call("POST", "/update", body)
 
     def wait_serving(

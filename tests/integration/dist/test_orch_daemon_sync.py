@@ -63,6 +63,24 @@ def _tiny_model_and_handoff(tmp_path):
     return config, model, handoff
 
 
+def _nudged(weights: dict, seed: int) -> dict:
+    """`weights` with one value changed in each of two tensors: what a small optimizer step changes in bf16."""
+    out = {k: t.clone() for k, t in weights.items()}
+    for name in sorted(out)[:2]:
+        out[name].view(-1)[seed] += 1.0
+    return out
+
+
+def _assert_serving(base: str, name: str, weights: dict) -> None:
+    """Every engine serves `name` (the daemon's records, and the engine's own state) with exactly `weights`."""
+    expected = {k: tensor_checksum(v) for k, v in weights.items()}
+    for r in engines(base):
+        assert r["state"] == "serving" and r["checkpoint"] == name, r
+        assert rpc(r["url"], "weights_state")["checkpoint"] == name
+        assert digests(r["url"]) == expected
+    assert call("GET", base + "/engines")[1]["current"] == name
+
+
 def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
     config, model, handoff = _tiny_model_and_handoff(tmp_path)
     daemon = start_daemon(tmp_path)
@@ -73,7 +91,7 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
         pool = start_daemon_pool(
             engine_config, str(model), str(handoff), timeout_s=60, engine_for_url=NoRollouts, probe_path="/health"
         )
-        sync = DaemonWeightSync(SyncConfig(timeout_s=60), pool)
+        sync = DaemonWeightSync(SyncConfig(timeout_s=60, delta=True), pool)
         try:
             records = engines(base)
             assert [r["state"] for r in records] == ["serving", "serving"]
@@ -103,13 +121,43 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
             assert pool.metrics()["engine_recoveries"] == 1
 
             newer = random_state_dict(config, seed=2)
-            sync.push(newer, version=2)
+            result = sync.push(newer, version=2)
+            assert result.kind == "full" and "more than 0.5 of the full" in result.reason  # every value changed
             expected2 = {k: tensor_checksum(v) for k, v in newer.items()}
             assert all(digests(r["url"]) == expected2 for r in engines(base))
+
+            # sync.delta: a version that changed a few values goes as those values; the full version stays
+            # registered (the daemon's current checkpoint: heals pull it), the delta is dropped after
+            full_bytes = sum(v.numel() * v.element_size() for v in newer.values())
+            versions = {2: newer}
+            for v in (3, 4, 5):
+                versions[v] = _nudged(versions[v - 1], v)
+            result = sync.push(versions[3], version=3)
+            assert result.kind == "delta" and result.total_bytes < full_bytes / 10, result
+            _assert_serving(base, "policy-v3", versions[3])
+            assert not (handoff / "policy-v3.delta").exists() and not (handoff / "policy-v2").exists()
+            code, listed = call("GET", base + "/checkpoints")
+            assert code == 200 and [set(r["result"]["checkpoints"]) for r in listed["ranks"]] == [{"policy-v3"}] * 2
+            # a heal after a delta brings the restarted engine to the full version, which the next delta builds on
+            victim = engines(base)[0]
+            os.kill(victim["pid"], signal.SIGKILL)
+            pool.report_failure(pool.members[0], pool.members[0].epoch, "killed by the test")
+            wait_for(lambda: pool.members[0].state == "serving", "pool member 0 back", timeout_s=60)
+            assert engines(base)[0]["pid"] != victim["pid"]
+            _assert_serving(base, "policy-v3", versions[3])
+            result = sync.push(versions[4], version=4)
+            assert result.kind == "delta", result
+            _assert_serving(base, "policy-v4", versions[4])
+            # an engine whose weights are not the base (reset behind the daemon's back) refuses the delta: the
+            # full version follows, and says why
+            rpc(engines(base)[1]["url"], "reset_weights")
+            result = sync.push(versions[5], version=5)
+            assert result.kind == "full" and "refused the delta" in result.reason, result
+            _assert_serving(base, "policy-v5", versions[5])
         finally:
             sync.close()
             pool.close()
-        assert not (handoff / "policy-v2").exists()
+        assert not (handoff / "policy-v5").exists()
         shutdown(daemon)
     finally:
         daemon.stop()

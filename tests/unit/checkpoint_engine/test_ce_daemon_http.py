@@ -165,6 +165,8 @@ def test_metas_missing_field_is_named():
         ({"route": "extension", "pause_mode": "keep"}, "pause_mode"),
         ({"weight_version": ""}, "weight_version"),
         ({"weight_version": 7}, "weight_version"),
+        ({"full_checkpoint": "full"}, "full_checkpoint"),  # for the managed engines only, not 'endpoints'
+        ({"full_checkpoint": 3}, "full_checkpoint"),
     ],
 )
 def test_update_bad_value_is_400_naming_the_field(body, field):
@@ -172,6 +174,22 @@ def test_update_bad_value_is_400_naming_the_field(body, field):
     status, answer = one(driver, "POST", "/update", {**GOOD["/update"], **body})
     assert status == 400 and f"'{field}'" in answer["error"] and answer.get("field") == field, answer
     assert driver.cmds == []
+
+
+@pytest.mark.parametrize(
+    "cmd,error",
+    [
+        ({"full_checkpoint": "m"}, "must name another checkpoint than 'name'"),
+        ({"full_checkpoint": ""}, "must be a checkpoint name"),
+    ],
+)
+def test_a_managed_delta_update_names_another_full_checkpoint(cmd, error):
+    from checkpoint_engine.daemon.commands import CommandError, validate
+
+    assert validate({"op": "update", "name": "m", "managed": True, "full_checkpoint": "m-full"})
+    with pytest.raises(CommandError, match=error) as info:
+        validate({"op": "update", "name": "m", "managed": True, **cmd})
+    assert info.value.field == "full_checkpoint"
 
 
 @pytest.mark.parametrize("field", ["route", "pause_mode", "weight_version"])

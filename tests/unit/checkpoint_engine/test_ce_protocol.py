@@ -186,3 +186,13 @@ def test_state_machine_walk():
         s.complete()
     s.begin("b")
     assert s.complete() == 2 and s.report()["checkpoint"] == "b" and s.report()["last_error"] is None
+
+
+def test_a_delta_sent_as_another_checkpoint_names_the_version_it_brings():
+    s = EngineWeightState()
+    with pytest.raises(StateError):
+        s.name_pending("v1")  # no update in progress
+    s.begin("v1.delta")
+    s.name_pending("v1")
+    assert s.report()["pending_checkpoint"] == "v1"
+    assert s.complete() == 1 and s.report()["checkpoint"] == "v1"

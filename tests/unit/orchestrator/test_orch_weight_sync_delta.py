@@ -3,10 +3,11 @@ after optimizer steps into a plain engine (its receive loop on a thread of this 
 version goes whole, the next ones as deltas that land exactly; an engine whose copy is not the base
 refuses the delta and the same version follows whole; the same through a pool of plain engines
 (each engine that refuses takes the full version; a restarted one is brought up whole); the config
-refuses delta for the daemon's engines."""
+refuses delta for colocated daemon engines (they start for each version, without the base)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -99,9 +100,11 @@ def test_sync_config_names_the_bad_field(kw, match):
         SyncConfig(**kw)
 
 
-def test_delta_is_refused_for_the_daemons_engines_and_allowed_for_a_pool():
-    with pytest.raises(ValueError, match="engine.type='daemon' takes full updates only"):
-        JobConfig(engine=EngineConfig(type="daemon", endpoint="http://127.0.0.1:1"), sync=SyncConfig(delta=True))
+def test_delta_is_refused_for_colocated_daemon_engines_and_allowed_for_a_pool_and_disaggregated_ones():
+    daemon = EngineConfig(type="daemon", endpoint="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="colocated engines start .or wake. for each version"):
+        JobConfig(engine=dataclasses.replace(daemon, colocated=True), sync=SyncConfig(delta=True))
+    assert JobConfig(engine=daemon, sync=SyncConfig(delta=True)).sync.delta
     assert JobConfig(engine=EngineConfig(num_engines=2), sync=SyncConfig(delta=True)).sync.delta
 
 
