@@ -117,10 +117,11 @@ class RLJob:
         if c.init_model_dir is not None:
             self.sft_model_dir = pathlib.Path(c.init_model_dir)
             if c.sft.data_path is not None:  # your model fine-tuned on your SFT file first (cached)
-                from trainer.sft_file import run_file_sft
+                from trainer.sft_file import PromptStyle, run_file_sft
 
                 phases.enter("SFT warm-up")
-                self.sft_model_dir = run_file_sft(c.sft, self.sft_model_dir, c.sft_cache_dir)
+                style = PromptStyle(c.data.prompt_template, c.data.chat_template)  # prompts as RL renders them
+                self.sft_model_dir = run_file_sft(c.sft, self.sft_model_dir, c.sft_cache_dir, style=style)
                 phases.enter("start-up")
             done = self.sft_model_dir.parent / sft.DONE_FILE
             self.sft_summary = sft.sft_summary(self.sft_model_dir) if done.exists() else {}

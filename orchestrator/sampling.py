@@ -227,6 +227,7 @@ class ProblemSampler:
         self.prioritized = prioritized
         self.seed = seed
         self._rng = random.Random(seed)
+        self._warned_short = False  # sample() said once that fewer problems than asked could be drawn
 
     def weights(self, iteration: int) -> list[float]:
         """Unnormalised sampling weight of every problem (in ``problem_ids`` order)."""
@@ -238,7 +239,25 @@ class ProblemSampler:
         return weights
 
     def sample(self, num_problems: int, iteration: int, *, replacement: bool = False) -> list[str]:
-        picks = weighted_sample(self.weights(iteration), num_problems, self._rng, replacement=replacement)
+        """``num_problems`` ids (distinct unless ``replacement``); fewer when fewer can be drawn now (a
+        set smaller than an iteration's new groups, or a curriculum that has opened few problems yet):
+        an iteration then starts fewer groups rather than failing."""
+        weights = self.weights(iteration)
+        if not replacement:
+            available = sum(1 for w in weights if w > 0)
+            if 0 < available < num_problems:
+                if not self._warned_short:
+                    logger.warning(
+                        "iteration %d asks for %d new problems but only %d can be drawn (the training set or the "
+                        "curriculum's open levels): it starts %d groups (said once)",
+                        iteration,
+                        num_problems,
+                        available,
+                        available,
+                    )
+                    self._warned_short = True
+                num_problems = available
+        picks = weighted_sample(weights, num_problems, self._rng, replacement=replacement)
         return [self.problem_ids[i] for i in picks]
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,10 +19,13 @@ Records, one JSON object a line (blank lines skipped)::
     {"prompt": str, "response": str}
     {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
 
-A ``prompt`` is the model's input as written (the tokenizer's own special tokens added, a BOS for
-instance); ``messages`` end with the assistant's turn, which is the response: the turns before it are
-rendered by the model's chat template (``apply_chat_template(..., add_generation_prompt=True)``). The
-response gets the tokenizer's eos appended; only response tokens carry loss. Errors name
+A ``prompt`` is rendered as the RL job renders a problem's prompt (``PromptStyle``: the job's
+``data.prompt_template`` with ``{prompt}`` filled in, then, with ``data.chat_template=true``, as one
+user turn through the model's chat template; by default as written, with the tokenizer's own special
+tokens, a BOS for instance), so the warm-up sees the inputs RL sends; ``messages`` end with the
+assistant's turn, which is the response: the turns before it are rendered by the model's chat
+template (``apply_chat_template(..., add_generation_prompt=True)``). The response gets the
+tokenizer's eos appended; only response tokens carry loss. Errors name
 ``path:line``, the field and what was expected, like problem files (``orchestrator.tasks.problems``:
 ``ProblemFileError``), and every line is checked before anything trains.
 """
@@ -47,7 +50,7 @@ from trainer.sft import SFTConfig, cached_training, lr_at
 logger = logging.getLogger(__name__)
 
 # Bump when the recipe below changes: old cache entries become stale.
-SFT_FILE_RECIPE_VERSION = 1
+SFT_FILE_RECIPE_VERSION = 2  # 2: prompt records rendered in the job's prompt style
 RECORD_FIELDS: tuple[str, ...] = ("prompt", "response", "messages")
 # The SFTConfig fields this recipe uses (the rest are the demo's: levels, model shape, evaluation).
 KEY_FIELDS: tuple[str, ...] = (
@@ -74,6 +77,18 @@ class SFTExample:
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     line: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+    """How the RL job renders a problem's prompt (its ``data.prompt_template`` and ``data.chat_template``);
+    a ``prompt`` record is rendered the same way. The default: as written."""
+
+    template: str = "{prompt}"
+    chat_template: bool = False
+
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.template.format(prompt=prompt)}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +176,17 @@ def read_sft_examples(path: str | os.PathLike[str]) -> list[SFTExample]:
 # -- tokens ------------------------------------------------------------------------------------------
 
 
-def encode_example(example: SFTExample, tokenizer: Any) -> EncodedExample:
-    """Prompt ids (a ``prompt`` as written with the tokenizer's special tokens; ``messages`` through the
-    chat template, generation prompt added) and response ids (+ eos)."""
-    if example.messages is None:
-        prompt_ids = tokenizer(example.prompt)["input_ids"]
+def encode_example(example: SFTExample, tokenizer: Any, style: PromptStyle = PromptStyle()) -> EncodedExample:
+    """Prompt ids (a ``prompt`` in ``style``: its template filled in, with the tokenizer's special tokens,
+    or as one user turn through the chat template; ``messages`` through the chat template, generation
+    prompt added) and response ids (+ eos)."""
+    messages = example.messages
+    if messages is None and style.chat_template:
+        messages = style.messages(example.prompt)
+    if messages is None:
+        prompt_ids = tokenizer(style.template.format(prompt=example.prompt))["input_ids"]
     else:
-        text = tokenizer.apply_chat_template(list(example.messages), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -176,12 +195,28 @@ def encode_example(example: SFTExample, tokenizer: Any) -> EncodedExample:
     return EncodedExample(tuple(prompt_ids), tuple(response_ids))
 
 
-def check_encodable(examples: Sequence[SFTExample], tokenizer: Any, max_tokens: int | None, path: str) -> None:
-    """ProblemFileError naming each line whose example the model cannot take: ``messages`` without a chat
-    template, or more than ``max_tokens`` tokens (the model's context; None: unchecked)."""
+def check_encodable(
+    examples: Sequence[SFTExample],
+    tokenizer: Any,
+    max_tokens: int | None,
+    path: str,
+    style: PromptStyle = PromptStyle(),
+) -> None:
+    """ProblemFileError naming each line whose example the model cannot take: ``messages`` (or a prompt in
+    a chat ``style``) without a chat template, or more than ``max_tokens`` tokens (the model's context;
+    None: unchecked)."""
     errors = Collector(path)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     for example in examples:
+        if example.messages is None and style.chat_template and not has_template:
+            errors.add(
+                example.line,
+                "prompt",
+                f"data.chat_template=true renders prompts through the model's chat template, but its tokenizer "
+                f"({getattr(tokenizer, 'name_or_path', '?')}) has none: set data.chat_template=false, or add one "
+                "to its tokenizer_config.json",
+            )
+            continue
         if example.messages is not None and not has_template:
             errors.add(
                 example.line,
@@ -191,7 +226,7 @@ def check_encodable(examples: Sequence[SFTExample], tokenizer: Any, max_tokens: 
             )
             continue
         if max_tokens is not None:
-            length = len(encode_example(example, tokenizer).input_ids)
+            length = len(encode_example(example, tokenizer, style).input_ids)
             if length > max_tokens:
                 errors.add(example.line, None, f"{length} tokens, longer than the model's context ({max_tokens})")
     errors.raise_if_any()
@@ -237,11 +272,17 @@ def model_dir_identity(model_dir: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def cache_key(config: SFTConfig, data_sha256: str, model_identity: str) -> str:
-    """Hash of the recipe, the data file's content, the initial model and ``KEY_FIELDS`` of ``config``
-    (its thread count resolved: it changes float reduction order)."""
+def cache_key(config: SFTConfig, data_sha256: str, model_identity: str, style: PromptStyle = PromptStyle()) -> str:
+    """Hash of the recipe, the data file's content, the initial model, the prompt style and ``KEY_FIELDS``
+    of ``config`` (its thread count resolved: it changes float reduction order)."""
     fields = {name: getattr(config, name) for name in KEY_FIELDS}
-    payload = {"recipe": SFT_FILE_RECIPE_VERSION, "data": data_sha256, "model": model_identity, **fields}
+    payload = {
+        "recipe": SFT_FILE_RECIPE_VERSION,
+        "data": data_sha256,
+        "model": model_identity,
+        "prompt_style": dataclasses.asdict(style),
+        **fields,
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -253,9 +294,11 @@ def run_file_sft(
     init_model_dir: str | os.PathLike[str],
     cache_dir: str | os.PathLike[str],
     *,
+    style: PromptStyle = PromptStyle(),
     wait_s: float = 4 * 3600.0,
 ) -> pathlib.Path:
     """Fine-tune ``init_model_dir`` on ``config.data_path`` (or reuse the cached result); the model dir.
+    ``style``: how the job renders its problems' prompts, which ``prompt`` records follow.
 
     Results live in ``<cache_dir>/sft-file-<key>/``: ``model/`` (HF dir), ``metrics.jsonl`` (loss per
     step), ``sft_done.json`` (the key's inputs, timings, first and last loss). Processes asking for the
@@ -268,17 +311,22 @@ def run_file_sft(
     data_path = os.fspath(config.data_path)
     examples = read_sft_examples(data_path)  # every line checked before anything else
     config = dataclasses.replace(config, num_threads=num_threads_for(config.num_threads))
-    key = cache_key(config, file_sha256(data_path), model_dir_identity(init_model_dir))
+    key = cache_key(config, file_sha256(data_path), model_dir_identity(init_model_dir), style)
     final = pathlib.Path(cache_dir) / f"sft-file-{key}"
 
     def train(work_dir: pathlib.Path) -> dict[str, Any]:
-        return {**_train(config, examples, pathlib.Path(init_model_dir), data_path, work_dir), "key": key}
+        return {**_train(config, examples, pathlib.Path(init_model_dir), data_path, work_dir, style), "key": key}
 
     return cached_training(final, train, wait_s, tmp_prefix=".sft-file-tmp-")
 
 
 def _train(
-    config: SFTConfig, examples: Sequence[SFTExample], init_dir: pathlib.Path, data_path: str, work_dir: pathlib.Path
+    config: SFTConfig,
+    examples: Sequence[SFTExample],
+    init_dir: pathlib.Path,
+    data_path: str,
+    work_dir: pathlib.Path,
+    style: PromptStyle,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -297,8 +345,9 @@ def _train(
             autocast_dtype="float32",
         ),
     )
-    check_encodable(examples, tokenizer, getattr(trainer.model.config, "max_position_embeddings", None), data_path)
-    encoded = [encode_example(example, tokenizer) for example in examples]
+    max_tokens = getattr(trainer.model.config, "max_position_embeddings", None)
+    check_encodable(examples, tokenizer, max_tokens, data_path, style)
+    encoded = [encode_example(example, tokenizer, style) for example in examples]
     batches = iter_batches(len(encoded), config.batch_size, config.seed)
     logger.info(
         "SFT of %s on %d examples of %s: %d steps of %d",
@@ -328,6 +377,7 @@ def _train(
         "num_examples": len(encoded),
         "init_model_dir": str(init_dir),
         "config": {name: getattr(config, name) for name in KEY_FIELDS},
+        "prompt_style": dataclasses.asdict(style),
         "recipe": SFT_FILE_RECIPE_VERSION,
         "train_s": train_s,
         "first_loss": losses[0],

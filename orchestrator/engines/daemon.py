@@ -439,7 +439,10 @@ class DaemonWeightSync:
                 self.client.update(name, ranks)
                 return "full", reason
             finally:
-                self.client.unregister(delta_name)
+                try:
+                    self.client.unregister(delta_name)
+                except Exception as e:  # noqa: BLE001 - only host memory stays taken: the update's outcome stands
+                    logger.warning("could not unregister %s: %s", delta_name, e)
         finally:
             shutil.rmtree(self.handoff / delta_name, ignore_errors=True)
 

@@ -1,15 +1,19 @@
 """RL on your own problems and your own model, end to end: what docs/own-data.md walks a user through.
 
 A model directory made here (a random Qwen2 with its own chat template: not the demo's model), a
-JSONL file of prompt/response pairs for the SFT warm-up (``sft.data_path``), and problem files that
-mix math (``answer``, scored by math-verify) and code (``tests``, scored by the sandbox service,
-started here as a real process on a free port). One run of ``python -m orchestrator``:
+JSONL file of prompt/response pairs for the SFT warm-up (``sft.data_path``), a math problem set
+(``answer``, scored by math-verify) and a code problem set (``tests``, scored by the sandbox service,
+started here as a real process on a free port). Three runs of ``python -m orchestrator``:
 
-1. the SFT warm-up fine-tunes the model on the pairs (the loss on the responses only), so that RL
-   starts from a policy that answers both kinds: rewards above 0 show that math-verify and the
-   sandbox scored real answers (the sandbox's own counters say it judged them);
-2. one RL iteration, then the same command with ``rl.num_iterations=2`` resumes from its checkpoint
-   and runs the second; metrics, summary and TensorBoard files hold each iteration once.
+1. math, the torch trainer: the SFT warm-up fine-tunes the model on the pairs (the loss on the
+   responses only), so that RL starts from a policy that answers: rewards above 0 show that
+   math-verify scored real answers; one RL iteration, then the same command with
+   ``rl.num_iterations=2`` resumes from its checkpoint and runs the second; metrics, summary and
+   TensorBoard files hold each iteration once;
+2. code, the Megatron trainer (TP 1: this model's one key/value head cannot be split): the same
+   warm-up (its cached result: same model, pairs and settings), two RL iterations; the sandbox's own
+   counters say it judged the answers; vLLM, started on dummy weights, answers the held-out problem
+   with the weights Megatron sent (this model's HF layout converted to Megatron's and back).
 
 Real vLLM (CPU), real processes, exit codes checked.
 """
@@ -35,7 +39,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-DOUBLE = "print(2 * int(input()))"
+DOUBLE = "print(2*int(input()))"
 MATH = [
     {"id": "add-1", "prompt": "What is 12+30?", "answer": "42"},
     {"id": "add-2", "prompt": "What is 20+22?", "answer": "42"},
@@ -45,10 +49,8 @@ CODE = [
     {"id": "double-1", "prompt": "Read n, print 2n.", "tests": [{"input": "3\n", "output": "6\n"}]},
     {"id": "double-2", "prompt": "Print twice the input.", "tests": [{"input": "5\n", "output": "10\n"}]},
 ]
-HELDOUT = [
-    {"id": "add-h", "prompt": "What is 41+1?", "answer": "42"},
-    {"id": "double-h", "prompt": "Double it.", "tests": [{"input": "7\n", "output": "14\n"}]},
-]
+MATH_HELDOUT = [{"id": "add-h", "prompt": "What is 41+1?", "answer": "42"}]
+CODE_HELDOUT = [{"id": "double-h", "prompt": "Double it.", "tests": [{"input": "7\n", "output": "14\n"}]}]
 
 
 def _write_jsonl(path: pathlib.Path, records) -> pathlib.Path:
@@ -59,7 +61,7 @@ def _write_jsonl(path: pathlib.Path, records) -> pathlib.Path:
 def _sft_pairs() -> list[dict]:
     """What the warm-up teaches: '#### 42' after each math prompt, the doubling program after each code one."""
     pairs = []
-    for problem in MATH + CODE + HELDOUT:
+    for problem in MATH + CODE + MATH_HELDOUT + CODE_HELDOUT:
         response = "#### 42" if "answer" in problem else f"```python\n{DOUBLE}\n```"
         if "messages" in problem:
             pairs.append({"messages": [*problem["messages"], {"role": "assistant", "content": response}]})
@@ -87,7 +89,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _job(out: pathlib.Path, data: pathlib.Path, model: pathlib.Path, sandbox_url: str, iterations: int) -> list[str]:
+def _job(
+    out: pathlib.Path, data: pathlib.Path, kind: str, model: pathlib.Path, sandbox_url: str, iterations: int, *extra
+) -> list[str]:
+    """The run on the ``kind`` ("math" or "code") problem files; ``extra``: more ``--set`` items."""
     sets = [
         f"init_model_dir={model}",
         f"sft.data_path={data / 'sft.jsonl'}",
@@ -95,8 +100,8 @@ def _job(out: pathlib.Path, data: pathlib.Path, model: pathlib.Path, sandbox_url
         "sft.batch_size=8",
         "sft.lr=0.003",
         "sft.warmup_steps=5",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"data.heldout_path={data / 'heldout.jsonl'}",
+        f"data.train_path={data / f'{kind}-train.jsonl'}",
+        f"data.heldout_path={data / f'{kind}-heldout.jsonl'}",
         "data.chat_template=true",
         f"reward.sandbox_url={sandbox_url}",
         "sampling.curriculum.min_difficulty=0",
@@ -109,6 +114,7 @@ def _job(out: pathlib.Path, data: pathlib.Path, model: pathlib.Path, sandbox_url
         "rollout.iteration_token_budget=2048",
         "rollout.max_new_groups_per_iteration=5",
         "engine.enforce_eager=true",  # a folder vLLM has not compiled for: eager starts faster
+        *extra,
     ]
     return [
         sys.executable,
@@ -143,33 +149,55 @@ def bwrap_available() -> None:
         pytest.skip(f"bubblewrap cannot run here: {reason}")
 
 
-def test_rl_on_your_own_math_and_code_files_with_your_own_model_and_sft_pairs(tmp_path, sandbox):
+def _data(tmp_path: pathlib.Path) -> pathlib.Path:
     data = tmp_path / "data"
     data.mkdir()
-    _write_jsonl(data / "train.jsonl", MATH + CODE)
-    _write_jsonl(data / "heldout.jsonl", HELDOUT)
+    _write_jsonl(data / "math-train.jsonl", MATH)
+    _write_jsonl(data / "math-heldout.jsonl", MATH_HELDOUT)
+    _write_jsonl(data / "code-train.jsonl", CODE)
+    _write_jsonl(data / "code-heldout.jsonl", CODE_HELDOUT)
     _write_jsonl(data / "sft.jsonl", _sft_pairs())
+    return data
+
+
+def _tensorboard_steps(out: pathlib.Path) -> list[int]:
+    from orchestrator.metric_sinks.tb_events import event_files, read_events
+
+    events = [e for path in event_files(out / "tensorboard") for e in read_events(path)]
+    return sorted(e.step for e in events if "iteration" in e.scalars)
+
+
+def test_rl_on_your_own_math_and_code_files_with_your_own_model_and_sft_pairs(tmp_path, sandbox):
+    data = _data(tmp_path)
     model = _make_model(tmp_path / "model")
-    out = tmp_path / "run"
 
-    first = _run(_job(out, data, model, sandbox.url, iterations=1))
+    # 1. math, torch trainer: one iteration, then resumed for the second
+    out = tmp_path / "math"
+    first = _run(_job(out, data, "math", model, sandbox.url, 1))
     assert first["task"] == "file" and first["num_iterations"] == 1
-    summary = _run(_job(out, data, model, sandbox.url, iterations=2))  # resumes from iteration 1's checkpoint
-
+    summary = _run(_job(out, data, "math", model, sandbox.url, 2))  # resumes from iteration 1's checkpoint
     resumes = [json.loads(line) for line in (out / "resume.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in resumes] == [1]
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [1, 2]
-    assert summary["num_iterations"] == 2 and summary["task"] == "file"
-    # the warm-up taught both answers: rewards above 0 come from math-verify and from the sandbox
+    assert summary["num_iterations"] == 2 and summary["task"] == "file" and summary["trainer"] == "hf"
+    # the warm-up taught the answer: rewards above 0 come from math-verify (no code problem here)
     rewards = [r["mean_reward"] for r in records if r["mean_reward"] is not None]
     assert rewards and max(rewards) > 0, records
-    judged = request("GET", sandbox.url + "/health").json()["service"]["judges"]
-    assert judged > 0, "the sandbox judged no code answer"
-    assert summary["heldout_accuracy_before"] > 0, summary  # the SFT model already answers a held-out problem
-    # TensorBoard: each iteration's scalars once, across the resume
-    from orchestrator.metric_sinks.tb_events import event_files, read_events
+    assert summary["heldout_accuracy_before"] > 0, summary  # the SFT model already answers the held-out problem
+    assert request("GET", sandbox.url + "/health").json()["service"]["judges"] == 0  # math never reaches it
+    assert _tensorboard_steps(out) == [1, 2]  # each iteration's scalars once, across the resume
 
-    events = [e for path in event_files(out / "tensorboard") for e in read_events(path)]
-    steps = [e.step for e in events if "iteration" in e.scalars]
-    assert sorted(steps) == [1, 2], steps
+    # 2. code, Megatron trainer at TP 1 on the same model (its warm-up: the cached result of run 1's)
+    out = tmp_path / "code"
+    summary = _run(_job(out, data, "code", model, sandbox.url, 2, "trainer.type=megatron", "trainer.tp_size=1"))
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert summary["trainer"] == "megatron" and summary["task"] == "file"
+    rewards = [r["mean_reward"] for r in records if r["mean_reward"] is not None]
+    assert rewards and max(rewards) > 0, records  # the sandbox ran the SFT model's programs and passed some
+    assert request("GET", sandbox.url + "/health").json()["service"]["judges"] > 0
+    # vLLM starts on dummy weights: it answers the held-out problem only with the SFT weights that Megatron
+    # (converted from this model's HF layout and back) sent it
+    assert summary["heldout_accuracy_before"] > 0, summary
+    assert sum(r["num_steps"] for r in records) >= 1  # Megatron took training steps

@@ -174,6 +174,21 @@ def test_combined_curriculum_filters_then_priority_weights():
     assert after["p2"] > 0 or after["p3"] > 0  # the floor keeps solved problems revisited
 
 
+def test_fewer_problems_than_asked_start_fewer_groups_said_once(caplog):
+    sampler = _sampler(2)  # after the warm-up, 10 of the 20 problems are open
+    with caplog.at_level("WARNING", logger="orchestrator.sampling"):
+        picks = sampler.sample(15, iteration=1)
+        again = sampler.sample(12, iteration=1)
+    assert len(picks) == len(set(picks)) == 10 and all(int(pid[1:]) % 4 >= 2 for pid in picks)
+    assert len(again) == 10
+    said = (
+        "iteration 1 asks for 15 new problems but only 10 can be drawn (the training set or the curriculum's "
+        "open levels): it starts 10 groups (said once)"
+    )
+    assert [r.getMessage() for r in caplog.records] == [said]
+    assert len(ProblemSampler(["a", "b"], seed=0).sample(5, 0, replacement=True)) == 5  # with replacement: as asked
+
+
 def test_same_seed_same_draws_and_different_seed_differs():
     a, b, c = _sampler(5), _sampler(5), _sampler(6)
     seq_a = [a.sample(3, it) for it in range(5)]

@@ -139,6 +139,37 @@ def test_the_loss_mask_covers_exactly_the_response_and_eos(tmp_path, record, pro
     assert [t for t, m in zip(encoded.input_ids, encoded.loss_mask) if m] == response_ids
 
 
+@pytest.mark.parametrize(
+    "style, prompt, bos",
+    [
+        (sf.PromptStyle(), "2+3=", True),  # as written
+        (sf.PromptStyle("Q: {prompt}"), "Q: 2+3=", True),  # the job's data.prompt_template
+        (sf.PromptStyle("Q: {prompt}", chat_template=True), "<user>Q: 2+3=<assistant>", False),  # one user turn
+    ],
+)
+def test_a_prompt_record_is_rendered_as_the_job_renders_its_problems(tmp_path, style, prompt, bos):
+    (example, chat) = sf.read_sft_examples(_write(tmp_path / "sft.jsonl", PAIR, CHAT))
+    encoded = sf.encode_example(example, CharTokenizer(), style)
+    assert encoded.prompt_ids == tuple([1] * bos + [ord(c) for c in prompt])
+    # messages are the conversation as given, whatever the style
+    assert sf.encode_example(chat, CharTokenizer(), style) == sf.encode_example(chat, CharTokenizer())
+
+
+def test_a_chat_style_needs_the_models_chat_template(tmp_path):
+    examples = sf.read_sft_examples(_write(tmp_path / "sft.jsonl", PAIR))
+    with pytest.raises(ProblemFileError) as e:
+        sf.check_encodable(
+            examples, CharTokenizer(chat_template=None), 48, "sft.jsonl", sf.PromptStyle(chat_template=True)
+        )
+    assert e.value.errors == (
+        (
+            'sft.jsonl:1: field "prompt": data.chat_template=true renders prompts through the model\'s chat '
+            "template, but its tokenizer (char) has none: set data.chat_template=false, or add one to its "
+            "tokenizer_config.json"
+        ),
+    )
+
+
 def test_examples_the_model_cannot_take_are_refused_by_line(tmp_path):
     examples = sf.read_sft_examples(_write(tmp_path / "sft.jsonl", PAIR, CHAT, {"prompt": "x" * 50, "response": "y"}))
     sf.check_encodable(examples[:2], CharTokenizer(), 48, "sft.jsonl")
@@ -184,6 +215,9 @@ def test_the_file_key_follows_data_model_and_hyperparameters():
     key = sf.cache_key(config, "d", "m")
     assert key == sf.cache_key(dataclasses.replace(config, data_path="b.jsonl", levels=(1,), eval_levels=()), "d", "m")
     assert len({key, sf.cache_key(config, "d2", "m"), sf.cache_key(config, "d", "m2")}) == 3
+    assert sf.cache_key(config, "d", "m", sf.PromptStyle()) == key  # the default style: as written
+    chat, template = sf.PromptStyle(chat_template=True), sf.PromptStyle("Q: {prompt}")
+    assert len({key, sf.cache_key(config, "d", "m", chat), sf.cache_key(config, "d", "m", template)}) == 3
     for name, value in [("lr", 1e-4), ("num_steps", 7), ("batch_size", 3), ("seed", 5), ("warmup_steps", 1)]:
         assert sf.cache_key(dataclasses.replace(config, **{name: value}), "d", "m") != key, name
 
@@ -301,7 +335,8 @@ def test_the_job_needs_init_model_dir_for_an_sft_file_and_checks_the_file_first(
 
 def test_the_job_starts_rl_from_the_fine_tuned_model(tmp_path, monkeypatch):
     """RLJob._setup with sft.data_path: init_model_dir fine-tuned on the file first (run_file_sft, stubbed
-    here), and the trainers built from its output; without sft.data_path, from init_model_dir itself."""
+    here) in the job's prompt style, and the trainers built from its output; without sft.data_path, from
+    init_model_dir itself."""
     from orchestrator import loop
     from orchestrator.config import load_config
 
@@ -313,8 +348,8 @@ def test_the_job_starts_rl_from_the_fine_tuned_model(tmp_path, monkeypatch):
     (entry / sft.DONE_FILE).write_text(json.dumps({"last_loss": 0.1}))
     calls = []
 
-    def fake_sft(config, init_model_dir, cache_dir):
-        calls.append((config.data_path, pathlib.Path(init_model_dir), cache_dir))
+    def fake_sft(config, init_model_dir, cache_dir, style):
+        calls.append((config.data_path, pathlib.Path(init_model_dir), cache_dir, style))
         return entry / "model"
 
     def fake_trainers(config, model_dir):
@@ -327,7 +362,7 @@ def test_the_job_starts_rl_from_the_fine_tuned_model(tmp_path, monkeypatch):
     job = loop.RLJob(load_config(None, [f"sft.data_path={data}", *common]), tmp_path / "run")
     with pytest.raises(Built) as e:
         job._setup()
-    assert calls == [(str(data), init, str(tmp_path / "cache"))]
+    assert calls == [(str(data), init, str(tmp_path / "cache"), sf.PromptStyle())]  # the job's: as written
     assert e.value.args[0] == entry / "model" and job.sft_summary == {"last_loss": 0.1}
     job = loop.RLJob(load_config(None, common), tmp_path / "run2")
     with pytest.raises(Built) as e:
