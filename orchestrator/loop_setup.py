@@ -72,6 +72,14 @@ def make_sampler(
     if s.prioritized:
         rates = {p.id: pass_rate(p) for p in problems} if pass_rate is not None else {}
         priors = {pid: rate for pid, rate in rates.items() if rate is not None}
+        if priors:
+            logger.info(
+                "prioritized sampling: %d of %d training problems start from their pass rate in the problem file "
+                "(curation's), the others from %g",
+                len(priors),
+                len(problems),
+                s.prior_success_rate,
+            )
         stats = ProblemStats(s.prior_success_rate, s.prior_weight, s.stats_decay, priors=priors)
         prioritized = PrioritizedSampler(stats, s.priority_epsilon)
     return ProblemSampler(

@@ -3,15 +3,19 @@
 A model directory made here (a random Qwen2 with its own chat template: not the demo's model), a
 JSONL file of prompt/response pairs for the SFT warm-up (``sft.data_path``), a math problem set
 (``answer``, scored by math-verify) and a code problem set (``tests``, scored by the sandbox service,
-started here as a real process on a free port). Three runs of ``python -m orchestrator``:
+started here as a real process on a free port). Three runs of ``python -m orchestrator`` and one of
+curation:
 
 1. math, the torch trainer: the SFT warm-up fine-tunes the model on the pairs (the loss on the
    responses only), so that RL starts from a policy that answers: rewards above 0 show that
    math-verify scored real answers; one RL iteration, then the same command with
    ``rl.num_iterations=2`` resumes from its checkpoint and runs the second; metrics, summary and
    TensorBoard files hold each iteration once;
-2. code, the Megatron trainer (TP 1: this model's one key/value head cannot be split): the same
-   warm-up (its cached result: same model, pairs and settings), two RL iterations; the sandbox's own
+2. curation (``python -m orchestrator.curation``) of the code set with the warm-up's model: pass rates
+   from the sandbox, written as a problem file (difficulty = 1 - pass rate);
+3. code, from that file, with the Megatron trainer (TP 1: this model's one key/value head cannot be
+   split): its pass rates start prioritized sampling, the same warm-up (its cached result: same model,
+   pairs and settings), two RL iterations; the sandbox's own
    counters say it judged the answers; vLLM, started on dummy weights, answers the held-out problem
    with the weights Megatron sent (this model's HF layout converted to Megatron's and back).
 
@@ -127,9 +131,12 @@ def _job(
     ]
 
 
-def _run(cmd: list[str]) -> dict:
+def _run(cmd: list[str], log: list[str] | None = None) -> dict:
+    """Run ``cmd`` (exit 0 asserted); its last printed line, a JSON summary. ``log`` gets its stderr."""
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]
+    if log is not None:
+        log.append(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -188,9 +195,27 @@ def test_rl_on_your_own_math_and_code_files_with_your_own_model_and_sft_pairs(tm
     assert request("GET", sandbox.url + "/health").json()["service"]["judges"] == 0  # math never reaches it
     assert _tensorboard_steps(out) == [1, 2]  # each iteration's scalars once, across the resume
 
-    # 2. code, Megatron trainer at TP 1 on the same model (its warm-up: the cached result of run 1's)
-    out = tmp_path / "code"
-    summary = _run(_job(out, data, "code", model, sandbox.url, 2, "trainer.type=megatron", "trainer.tp_size=1"))
+    # 2. curation of the code set with the warm-up's model (pass rates from the sandbox): its output is the
+    # code run's training file
+    curated = data / "code-curated.jsonl"
+    curation = _run(
+        [
+            *(sys.executable, "-m", "orchestrator.curation", "--problems", str(data / "code-train.jsonl")),
+            *("--out", str(tmp_path / "curation.jsonl"), "--problems-out", str(curated)),
+            *("--model", str(REPO / first["sft_model_dir"]), "--num-samples", "4", "--enforce-eager"),
+            *("--set", "data.chat_template=true", "--set", f"reward.sandbox_url={sandbox.url}"),
+        ]
+    )
+    assert curation["num_kept"] == 2, curation
+    rates = {r["id"]: r["pass_rate"] for r in map(json.loads, curated.read_text().splitlines())}
+    assert set(rates) == {"double-1", "double-2"} and all(0 <= r <= 1 for r in rates.values()), rates
+    (data / "code-train.jsonl").write_text(curated.read_text())
+
+    # 3. code, Megatron trainer at TP 1 on the same model (its warm-up: the cached result of run 1's), on
+    # the curated file: its pass rates start the prioritized sampling (difficulty: the curriculum's labels)
+    out, log = tmp_path / "code", []
+    summary = _run(_job(out, data, "code", model, sandbox.url, 2, "trainer.type=megatron", "trainer.tp_size=1"), log)
+    assert "prioritized sampling: 2 of 2 training problems start from their pass rate" in log[0], log[0][-3000:]
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [1, 2]
     assert summary["trainer"] == "megatron" and summary["task"] == "file"
