@@ -480,12 +480,10 @@ class _UpdateSession:
             raise DeltaMismatch(f"this engine cannot apply a delta update: {why}")
         weights = dict(cache.items_except(set()))
         try:
-            brought = self.delta.finish(weights, self.held_checkpoint)
+            self.delta.finish(weights, self.held_checkpoint, self.r.state)  # the engine then holds its version
         except DeltaMismatch:
             cache.matches_model = True  # every base checksum is checked first: nothing was written
             raise
-        if brought is not None:  # the engine holds the version the delta names (the next delta's base)
-            self.r.state.name_pending(brought)
         pairs = list(weights.items())
         self._note(pairs)
         self.stream = ReloadStream(self.r._reload_fn)

@@ -89,11 +89,6 @@ class PlainEngine:
             # onto the version held now, every base checksum checked before anything is written
             delta, held = DeltaReceiver(), self.state.report()["checkpoint"]
 
-            def finish() -> None:
-                brought = delta.finish(self.weights, held)
-                if brought is not None:  # the engine now holds the version the delta names
-                    self.state.name_pending(brought)
-
             def run(named):
                 i = bucket["i"]
                 bucket["i"] += 1
@@ -118,7 +113,7 @@ class PlainEngine:
                 handle,
                 device_id,
                 run=run,
-                post_hook=finish,
+                post_hook=lambda: delta.finish(self.weights, held, self.state),
                 state=self.state,
                 timeout_s=self.timeout_s,
                 mapping_cache=self.mappings,

@@ -39,6 +39,7 @@ from checkpoint_engine.sharding.delta import (
     choose_update,
     encode_version,
 )
+from checkpoint_engine.state import EngineWeightState
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +119,13 @@ class DeltaReceiver:
     def is_delta(self) -> bool:
         return bool(self._parts)
 
-    def finish(self, weights: Mapping[str, torch.Tensor], held_checkpoint: str | None) -> str | None:
+    def finish(
+        self, weights: Mapping[str, torch.Tensor], held_checkpoint: str | None, state: EngineWeightState | None = None
+    ) -> str | None:
         """Apply the delta to `weights` (nothing written unless every base checksum matches); the
-        version it brings, or None when this update was not a delta."""
+        version it brings, or None when this update was not a delta. `state` (the engine's, receiving
+        this update): it then names that version as the checkpoint the engine will hold, whatever the
+        delta was sent as (the daemon sends `policy-vN.delta` beside the full `policy-vN`)."""
         if not self._parts:
             return None
         base, version, delta = from_wire(self._parts)
@@ -128,6 +133,8 @@ class DeltaReceiver:
             raise DeltaMismatch(f"the delta to {version!r} is from {base!r}, but this engine holds {held_checkpoint!r}")
         apply_version(weights, delta)
         self._parts = {}
+        if state is not None:
+            state.name_pending(version)
         return version
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "etcd_server",
     "free_port",
     "get_json",
+    "rank_pid",
     "rpc",
     "run_python",
     "run_ranks",
@@ -59,6 +60,24 @@ def rpc(url: str, method: str, timeout_s: float = 30.0) -> dict:
     )
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())["results"][0]
+
+
+def rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker of `rank` (its child with RANK=<rank> in its environment)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != torchrun_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(entry)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no worker of rank {rank} under torchrun {torchrun_pid}")
 
 
 class Engine:

@@ -10,7 +10,16 @@ import time
 
 import pytest
 
-from tests.integration.dist.harness import REPO, Engine, _env, free_port, get_json, run_scenario, stop_group
+from tests.integration.dist.harness import (
+    REPO,
+    Engine,
+    _env,
+    free_port,
+    get_json,
+    rank_pid,
+    run_scenario,
+    stop_group,
+)
 
 BUCKET = ["--bucket-size", "24576"]  # ~10 buckets per update: the double buffer wraps around
 
@@ -207,8 +216,6 @@ def test_the_python_api_under_torchrun_fails_within_seconds_and_the_same_job_the
     torchrun's job ends within seconds naming the rank (not at the 60 s collective deadline), the
     engines say what they hold, and the same job without the fault then updates both engines exactly
     (the scenario checks every tensor's digest)."""
-    from tests.integration.dist.test_ce_daemon_faults import _rank_pid
-
     engines = engines_for(2, (), ("--load-delay-s", "0.3"), timeout_s=5.0)
     try:
         for bad_rank in (0, 1):
@@ -229,7 +236,7 @@ def test_the_python_api_under_torchrun_fails_within_seconds_and_the_same_job_the
             while get_json(engines[1].url + "/health")["status"] != "receiving":
                 assert time.monotonic() < deadline and proc.poll() is None, "the update never started"
                 time.sleep(0.02)
-            os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+            os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
 
         rc, out, took_s = _torchrun(engines, tmp_path, *BUCKET, while_running=kill_rank1_once_receiving)
         assert rc != 0 and took_s < TORCHRUN_QUICK_S + 10, (rc, took_s, out[-3000:])

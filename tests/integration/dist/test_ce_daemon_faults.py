@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from ckpt_common.ports import free_port
 from testing.daemon import REPO, Daemon, repo_env
+from tests.integration.dist.harness import rank_pid
 
 SILENT_TIMEOUT_S = 3.0  # the silent-rank check's request deadline
 QUICK_S = 10.0  # a failing command answers within this (the old daemon hung for the collective timeout)
@@ -149,27 +150,9 @@ def test_unknown_names_twice_registered_names_and_bad_metas(daemon, files):
     assert registered(daemon) == [set(), set()]
 
 
-def _rank_pid(torchrun_pid: int, rank: int) -> int:
-    """The pid of torchrun's worker of `rank` (its child with RANK=<rank> in its environment)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != torchrun_pid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                    return int(entry)
-        except (OSError, ValueError, IndexError):
-            continue
-    raise AssertionError(f"no worker of rank {rank} under torchrun {torchrun_pid}")
-
-
 def test_a_silent_rank_is_named_then_every_command_answers_503_and_the_daemon_stops(daemon, files):
     """Runs last: it leaves the daemon needing a restart."""
-    pid = _rank_pid(daemon.proc.pid, 1)
+    pid = rank_pid(daemon.proc.pid, 1)
     os.kill(pid, signal.SIGSTOP)  # silent, as a hung or dead rank on another agent (torchrun sees nothing)
     try:
         # the request's own deadline bounds the check phase (CHECK_TIMEOUT_S without one)
