@@ -4,6 +4,7 @@
 
     loop: enter("rollout", i) ... enter("training", i) ... enter("weight sync", i) ... enter("evaluation", i)
           ... enter("checkpoint write", i)                       (main thread: the phase for the stop line)
+    Rollout's result callback: reached("rollout result")        (a request finished, others in flight)
     WeightSync's req_func thread: reached("weight update")       (the engines are receiving the weights)
 
 Test hooks (read from the environment by the entry point, ``configure_test_hooks(os.environ)``; unset in

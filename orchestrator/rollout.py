@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from orchestrator import phases
 from orchestrator.engines.base import GenRequest, GenResult, RolloutEngine, SamplingSettings
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import ReplayBuffer, Trajectory
@@ -110,6 +111,8 @@ class Rollout:
         return score_response(self.reward_fn, self.problems[trajectory.problem_id], text, self.correct_threshold)
 
     def _on_result(self, result: GenResult, policy_version: int) -> None:
+        # a point inside the rollout, other requests still in flight (a test can stop the job here)
+        phases.reached("rollout result")
         with self._lock:
             trajectory = self.buffer.record_segment(
                 result.request_id,

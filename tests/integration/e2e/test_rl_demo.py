@@ -8,11 +8,13 @@ repository's cache (``.cache/sft/sft-<config hash>``, the same cache ``scripts/m
    task's path, on a task that learns) raises held-out accuracy (learning.py), and vLLM's greedy
    accuracy of the SFT model before RL, on dummy weights plus the first sync, matches transformers' on
    the same held-out problems (the sync is real);
-2. one run of the built-in demo stopped by Ctrl-C, resumed, SIGKILLed, resumed again: the Ctrl-C lands
-   in a weight sync (the engine asked to take the update) and the job ends within seconds with one line
-   and exit 130, no traceback; it resumes from its last checkpoint with the stored trajectories of its
-   replay buffer and finishes; the stopped runs' vLLM processes do not outlive them; its vLLM greedy
-   accuracy of the SFT model matches the SFT's own evaluation (transformers) level by level.
+2. one run of the built-in demo stopped six times and finished: Ctrl-C (SIGINT to the job's process
+   group, as a terminal sends it) in each phase of an iteration (rollout, weight sync, evaluation,
+   training, checkpoint write) ends the job within seconds with one line naming the phase and exit
+   130, no traceback, no vLLM process left; a SIGKILL after a checkpoint leaves partial rollouts; each
+   start resumes from the last checkpoint, and the last one continues the stored trajectories of the
+   replay buffer and finishes. Its vLLM greedy accuracy of the SFT model matches the SFT's own
+   evaluation (transformers) level by level.
 """
 
 from __future__ import annotations
@@ -272,47 +274,27 @@ def _iteration_of(state: pathlib.Path) -> int:
     return json.loads((state / "progress.json").read_text())["iteration"]
 
 
-def _saved_after(out: pathlib.Path, iteration: int) -> bool:
-    """Whether the run (resumed: resume.jsonl written) saved a checkpoint after ``iteration``; False
-    while nothing newer is there to read."""
-    try:
-        return (out / "resume.jsonl").exists() and _iteration_of(_latest_state(out)) > iteration
-    except (OSError, ValueError, KeyError):
-        return False
-
-
 def _wait_children_gone(children: list[psutil.Process], timeout_s: float, what: str) -> None:
     _wait_for(
         lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], timeout_s, what
     )
 
 
-@pytest.mark.e2e
-@pytest.mark.vllm
-def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_trajectories(sft_model_dir, tmp_path):
-    """One run stopped twice, then finished: Ctrl-C as a terminal sends it (SIGINT to the job's whole
-    process group, vLLM's processes too) in the weight sync after its first checkpoint; resumed,
-    SIGKILL to the job alone after its next one (the reaper ends vLLM's processes); resumed again, it
-    continues the partial rollouts its replay buffer stored and finishes."""
-    out = tmp_path / "run"
-    cmd = _job(out, RESUME_RUN)
-
-    # 1. Ctrl-C in the weight sync of iteration 2 (after the first checkpoint), the engine asked to take
-    # the update: a sync takes tens of milliseconds, so the job holds there until the signal
-    # (orchestrator/phases.py); it stops within seconds, with one line, exit 130, no traceback
-    stderr_path, stdout_path, phase_path = tmp_path / "stderr-1.txt", tmp_path / "stdout-1.txt", tmp_path / "phases"
-    held = "weight update 2"
-    proc = _start_job(
-        cmd,
-        stderr_path,
-        stdout_path,
-        **{phases.PHASE_FILE_ENV: str(phase_path), phases.HOLD_ENV: "@".join(held.rsplit(" ", 1))},
-    )
+def _ctrl_c_in(cmd: list[str], run_dir: pathlib.Path, held: str, phase: str) -> float:
+    """One start of the job, held at point ``held`` (``name@iteration``: orchestrator/phases.py) and
+    stopped there by Ctrl-C as a terminal sends it (SIGINT to the job's whole process group, vLLM's
+    engine core too). The job must end within seconds, exit 130, print one line naming ``phase`` and
+    nothing else (no traceback, no vLLM error), and leave no child process behind. Returns the stop's
+    seconds."""
+    run_dir.mkdir()
+    stderr_path, stdout_path, phase_path = run_dir / "stderr.txt", run_dir / "stdout.txt", run_dir / "phases"
+    proc = _start_job(cmd, stderr_path, stdout_path, **{phases.PHASE_FILE_ENV: str(phase_path), phases.HOLD_ENV: held})
+    line = " ".join(held.rsplit("@", 1))
     try:
         _wait_for(
-            lambda: phase_path.exists() and held in phase_path.read_text().splitlines(),
+            lambda: phase_path.exists() and line in phase_path.read_text().splitlines(),
             900,
-            "the weight sync of iteration 2",
+            f"the job to reach {line!r}",
             proc,
             stderr_path,
         )
@@ -328,34 +310,67 @@ def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_tra
             time.sleep(2)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
-            pytest.fail(f"the job outlived its stop deadline; its stderr:\n{stderr_path.read_text()[-8000:]}")
+            pytest.fail(f"the job outlived its stop deadline ({line}); its stderr:\n{stderr_path.read_text()[-8000:]}")
     err, out_text = stderr_path.read_text(), stdout_path.read_text()
     if FORCED_EXIT_MARKER in err:  # the stop deadline ended a hung clean-up: keep the stacks in the log
-        warnings.warn(f"the job's clean-up hung and its stop deadline ended it:\n{err[-8000:]}", stacklevel=1)
-    assert rc == 128 + signal.SIGINT, err[-3000:]
+        warnings.warn(f"the job's clean-up hung ({line}) and its stop deadline ended it:\n{err[-8000:]}", stacklevel=1)
+    assert rc == 128 + signal.SIGINT, (line, err[-3000:])
     # what the job printed after the signal: its stop line, nothing else (vLLM's engine core, in the
     # same process group, does not die of the Ctrl-C under the job; the errors a stop sets off stay off
     # the console)
     stop_lines = err.encode()[printed[0] :].decode().splitlines()
-    assert len(stop_lines) == 1, err[-5000:]
-    assert stop_lines[0].startswith("interrupted (SIGINT) during weight sync of iteration 2: "), stop_lines
+    assert len(stop_lines) == 1, (line, err[-5000:])
+    assert stop_lines[0].startswith(f"interrupted (SIGINT) during {phase}: "), stop_lines
     assert "run the same command to resume" in stop_lines[0]
-    assert out_text.encode()[printed[1] :] == b"", out_text[-3000:]
-    assert "Traceback" not in err + out_text, err[-5000:]
+    assert out_text.encode()[printed[1] :] == b"", (line, out_text[-3000:])
+    assert "Traceback" not in err + out_text, (line, err[-5000:])
     # a few seconds here (the engine's close: vLLM gives its engine core up to 5 s); the bound leaves
     # room for a slow, busy CI machine
-    assert stop_s < 10, f"Ctrl-C took {stop_s:.1f} s to stop the job"
-    print(f"Ctrl-C in the weight sync: the job stopped in {stop_s:.1f} s")  # shown with pytest -s
-    _wait_children_gone(children, 30, "the interrupted job's child processes to end")
-    first_saved = _iteration_of(_latest_state(out))
-    assert first_saved == 1  # the sync of iteration 2 was cut short: iteration 1's checkpoint is the last
+    assert stop_s < 10, f"Ctrl-C in {phase} took {stop_s:.1f} s to stop the job"
+    print(f"Ctrl-C in {phase}: the job stopped in {stop_s:.1f} s")  # shown with pytest -s
+    _wait_children_gone(children, 30, f"the child processes of the job stopped in {phase} to end")
+    return stop_s
 
-    # 2. resumed, then SIGKILLed after its next checkpoint, with rollouts unfinished
-    stderr_path = tmp_path / "stderr-2.txt"
-    proc = _start_job(cmd, stderr_path)
+
+def _saved_iteration(out: pathlib.Path) -> int | None:
+    """The iteration of the run's last checkpoint; None before the first."""
+    return _iteration_of(_latest_state(out)) if (out / "state" / "LATEST").exists() else None
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_ctrl_c_in_every_phase_and_sigkill_stop_the_run_and_it_resumes_with_its_stored_trajectories(
+    sft_model_dir, tmp_path
+):
+    """One run stopped six times, then finished, each start resuming from the last checkpoint: Ctrl-C
+    in each phase of an iteration (a rollout with requests in flight, the weight sync with the engine
+    asked to take the update, an evaluation, training, the checkpoint write), and once SIGKILL to the
+    job alone after a checkpoint (the reaper ends vLLM's processes). The last start continues the
+    partial rollouts its replay buffer stored and finishes. A phase of this small run lasts from
+    milliseconds to a second, so each start holds at its point until the signal (orchestrator/phases.py)."""
+    out = tmp_path / "run"
+    cmd = _job(out, RESUME_RUN)
+
+    # 1-3. Ctrl-C mid-rollout (nothing saved yet), then in iteration 2's weight sync and evaluation,
+    # each after iteration 1's checkpoint: a stop loses the unfinished iteration, never a checkpoint
+    for n, (held, phase, saved) in enumerate(
+        [
+            ("rollout result@1", "rollout of iteration 1", None),
+            ("weight update@2", "weight sync of iteration 2", 1),
+            ("evaluation@2", "evaluation of iteration 2", 1),
+        ],
+        start=1,
+    ):
+        _ctrl_c_in(cmd, tmp_path / f"start-{n}", held, phase)
+        assert _saved_iteration(out) == saved, (phase, _saved_iteration(out))
+
+    # 4. resumed, then SIGKILLed after its next checkpoint (held before iteration 3's rollout, so the
+    # kill lands there), with rollouts unfinished
+    stderr_path, phase_path = tmp_path / "stderr-4.txt", tmp_path / "phases-4"
+    proc = _start_job(cmd, stderr_path, **{phases.PHASE_FILE_ENV: str(phase_path), phases.HOLD_ENV: "rollout@3"})
     try:
         _wait_for(
-            lambda: _saved_after(out, first_saved),
+            lambda: phase_path.exists() and "rollout 3" in phase_path.read_text().splitlines(),
             900,
             "the resumed run's next checkpoint",
             proc,
@@ -376,20 +391,29 @@ def test_ctrl_c_and_sigkill_each_stop_the_run_and_it_resumes_with_its_stored_tra
     saved_iteration = _iteration_of(latest)
     saved = json.loads((latest / "replay.json").read_text())["trajectories"]
     unfinished = [t["trajectory_id"] for t in saved if not t["finished"]]
-    assert first_saved < saved_iteration < RESUME_ITERATIONS and unfinished, "the kill should leave partial rollouts"
+    assert saved_iteration == 2 and unfinished, "the kill should leave partial rollouts after iteration 2"
 
-    # 3. resumed again: it continues them and finishes
+    # 5-6. Ctrl-C in iteration 3's training (its rollout continued the stored partial rollouts) and
+    # in its checkpoint write, before the state is written: iteration 2's checkpoint stays the last
+    for n, (held, phase) in enumerate(
+        [("training@3", "training of iteration 3"), ("checkpoint write@3", "checkpoint write of iteration 3")], start=5
+    ):
+        _ctrl_c_in(cmd, tmp_path / f"start-{n}", held, phase)
+        assert _saved_iteration(out) == saved_iteration, (phase, _saved_iteration(out))
+
+    # 7. resumed again: it continues the stored partial rollouts and finishes
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]
     resume = [json.loads(line) for line in (out / "resume.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in resume] == [first_saved, saved_iteration]
+    # starts 3 and 4 resumed from iteration 1, starts 5-7 from iteration 2 (1 and 2 had nothing to resume)
+    assert [r["iteration"] for r in resume] == [1, 1, 2, 2, 2]
     assert resume[-1]["num_trajectories"] == len(saved)
     assert sorted(resume[-1]["unfinished_trajectory_ids"]) == sorted(unfinished)
     records = _check_metrics(out, RESUME_ITERATIONS)
     assert records[saved_iteration]["num_continued"] >= 1  # the first resumed iteration continued them
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["num_iterations"] == RESUME_ITERATIONS
-    # measured before RL by the first (Ctrl-C'd) run and carried through both resumes
+    # measured before RL by a start before the first checkpoint and carried through the resumes
     assert summary["sft_match_checked"] is True
     assert summary["sft_match_ok"] is True, (
         f"vLLM {summary['sft_vllm_by_level']} vs transformers {summary['sft_transformers_by_level']}"
