@@ -101,7 +101,10 @@ class Launcher:
             self.engine_url,
             wait_s=self.cfg.gate_wait_s,
             remote_serving_only=self.cfg.gate_remote_routes == "serving",
-            status_extra={"update_route": self.cfg.update_route},
+            status_extra={
+                "update_route": self.cfg.update_route,
+                "tensor_parallel_size": tensor_parallel_size(self.cfg.vllm_args),
+            },
         )
         config = uvicorn.Config(
             app,

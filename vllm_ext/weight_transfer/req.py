@@ -17,7 +17,10 @@
         engine_req_func: the way into a vLLM server by name: "native" (the above over HTTP) or
                          "extension" (the worker extension's /collective_rpc, `vllm_ext.req`)
         served_route:    which of the two a server offers: a launcher (`vllm_ext.launch`) says so
-                         in GET /launcher/status ("update_route"); any other server: "extension"
+                         in GET /launcher/status ("update_route"); any other server: "extension".
+                         A launcher also says its tensor-parallel size: an engine whose workers are
+                         not fed one PS rank each is refused by name before anything is sent (vLLM
+                         would fail mid-sequence with an IndexError, or a rank would wait out its deadline)
 
 Every worker's update_info carries the engine's sockets in PS rank order (`NativeUpdateInfo`); each
 worker takes its own. A failed route stops the sequence (no finish: the version does not move), and
@@ -397,7 +400,9 @@ def engine_req_func(
     def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
         if not sender:
             return
-        chosen = served_route(endpoint)
+        status = launcher_status(endpoint)
+        check_workers(endpoint, status, ranks_per_engine)
+        chosen = route_of(status)
         logger.info("update into %s through the %s route", endpoint, chosen)
         (native if chosen == "native" else extension)(socket_paths)
 
@@ -409,11 +414,33 @@ def served_route(endpoint: str, *, timeout_s: float = 5.0) -> UpdateRoute:
     this backend (GET /launcher/status answers "update_route": "native"), else "extension" (a plain
     `vllm serve` with the worker extension, the project's plain engine, an older launcher). An
     unreachable server raises `EngineRpcError`: there is nothing to update."""
+    return route_of(launcher_status(endpoint, timeout_s=timeout_s))
+
+
+def launcher_status(endpoint: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
+    """GET /launcher/status of the server at `endpoint`: {} where it is no launcher (any answer but a
+    200 JSON object). An unreachable server raises `EngineRpcError`."""
     url = endpoint.rstrip("/") + "/launcher/status"
     try:
         status, body = status_json("GET", url, timeout_s=timeout_s)
     except (RuntimeError, OSError) as e:
         raise EngineRpcError(f"GET {url} failed: {e}") from None
-    if status == 200 and isinstance(body, dict) and body.get("update_route") in UPDATE_ROUTES:
-        return body["update_route"]
-    return "extension"
+    return body if status == 200 and isinstance(body, dict) else {}
+
+
+def route_of(status: Mapping[str, Any]) -> UpdateRoute:
+    """The update route a launcher's status names; "extension" for any other server."""
+    route = status.get("update_route")
+    return route if route in UPDATE_ROUTES else "extension"
+
+
+def check_workers(endpoint: str, status: Mapping[str, Any], ranks_per_engine: int) -> None:
+    """Refuse an engine whose tensor-parallel workers are not fed one PS rank each (a launcher says its
+    size; other servers are not checked): `EngineRpcError` naming both numbers."""
+    tp = status.get("tensor_parallel_size")
+    if isinstance(tp, int) and not isinstance(tp, bool) and tp != ranks_per_engine:
+        raise EngineRpcError(
+            f"the engine at {endpoint} runs {tp} tensor-parallel workers, but {ranks_per_engine} parameter-server "
+            f"rank(s) feed it: each worker takes its weights from one rank of its own (ranks_per_engine = "
+            f"the engine's tensor-parallel size; the daemon's managed engines are one worker each)"
+        )

@@ -12,6 +12,7 @@ import pytest
 
 from testing.http_stub import serve_stub
 from vllm_ext.launch_config import EXTENSION
+from vllm_ext.req import EngineRpcError
 from vllm_ext.weight_transfer.req import (
     RESET_KV_ROUTE,
     NativeRouteError,
@@ -129,6 +130,33 @@ def test_auto_route_asks_the_server_at_each_update(fake):
     cls.calls = []
     engine_req_func(url, route="auto", rank=1, ranks_per_engine=2)(SOCKETS[:2])  # not the engine's first rank
     assert cls.calls == []
+
+
+@pytest.mark.parametrize(
+    ("tp", "ranks_per_engine", "fed"),
+    [(2, 1, True), (1, 2, True), (2, 2, False), (None, 1, False), (True, 1, False), ("2", 1, False)],
+)
+def test_an_engine_whose_workers_are_not_fed_one_rank_each_is_refused_before_anything_is_sent(
+    fake, tp, ranks_per_engine, fed
+):
+    """A launcher says its tensor-parallel size: two workers fed by one PS rank (a TP 2 engine under the
+    daemon's one engine per rank) would fail inside vLLM with an IndexError after /pause; one worker fed
+    by two ranks would leave rank 1 waiting out its deadline. Both are refused by name, nothing sent.
+    A server that says no size (None), or no integer, is not checked."""
+    url, cls = fake
+    cls.launcher_status = {"update_route": "native", **({"tensor_parallel_size": tp} if tp is not None else {})}
+    req = engine_req_func(url, route="auto", rank=0, ranks_per_engine=ranks_per_engine, timeout_s=10)
+    if fed:
+        with pytest.raises(
+            EngineRpcError,
+            match=rf"the engine at {url} runs {tp} tensor-parallel workers, but {ranks_per_engine} "
+            r"parameter-server rank\(s\) feed it",
+        ):
+            req(SOCKETS[:ranks_per_engine])
+        assert cls.calls == []
+    else:
+        req(SOCKETS[:ranks_per_engine])
+        assert _paths(cls) == SEQUENCE
 
 
 @pytest.mark.parametrize(
