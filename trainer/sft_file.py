@@ -45,6 +45,7 @@ from typing import Any
 
 from orchestrator.tasks.problems import Collector, Issue, ProblemFileError, parse_messages
 from orchestrator.tasks.records import got, is_text, json_object_lines
+from orchestrator.tasks.template import PromptStyle
 from trainer.sft import SFTConfig, cached_training, lr_at
 
 logger = logging.getLogger(__name__)
@@ -77,18 +78,6 @@ class SFTExample:
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     line: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptStyle:
-    """How the RL job renders a problem's prompt (its ``data.prompt_template`` and ``data.chat_template``);
-    a ``prompt`` record is rendered the same way. The default: as written."""
-
-    template: str = "{prompt}"
-    chat_template: bool = False
-
-    def messages(self, prompt: str) -> list[dict[str, str]]:
-        return [{"role": "user", "content": self.template.format(prompt=prompt)}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +173,7 @@ def encode_example(example: SFTExample, tokenizer: Any, style: PromptStyle = Pro
     if messages is None and style.chat_template:
         messages = style.messages(example.prompt)
     if messages is None:
-        prompt_ids = tokenizer(style.template.format(prompt=example.prompt))["input_ids"]
+        prompt_ids = tokenizer(style.text(example.prompt))["input_ids"]
     else:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials

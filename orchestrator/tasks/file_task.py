@@ -40,7 +40,7 @@ from orchestrator.tasks.problems import (
     read_problems,
     split_heldout,
 )
-from orchestrator.tasks.template import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, template_error
+from orchestrator.tasks.template import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, PromptStyle, template_error
 
 if TYPE_CHECKING:
     from orchestrator.config import DataConfig, RewardConfig
@@ -109,6 +109,7 @@ class FileTask(Task):
         self.heldout_path = self.train_path if heldout_path is None else os.fspath(heldout_path)
         self.prompt_template = prompt_template
         self.chat_template = chat_template
+        self.style = PromptStyle(prompt_template, chat_template)  # the SFT warm-up renders prompts by it too
         self.answer_markers = tuple(answer_markers)
         train = _read(self.train_path, "data.train_path")
         if not hold_out:
@@ -211,13 +212,13 @@ class FileTask(Task):
         """The conversation handed to the chat template (a prompt: one user message, the template applied)."""
         if problem.messages is not None:
             return [dict(m) for m in problem.messages]
-        return [{"role": "user", "content": self.prompt_template.format(prompt=problem.prompt)}]
+        return self.style.messages(problem.prompt)
 
     def prompt_text(self, problem: Problem, tokenizer: Any = None) -> str:
         if not self.chat_template:
             if problem.prompt is None:  # refused when the task was built
                 raise ValueError(f"{self.where(problem)}: messages need data.chat_template=true")
-            return self.prompt_template.format(prompt=problem.prompt)
+            return self.style.text(problem.prompt)
         if tokenizer is None:
             raise ValueError("data.chat_template=true: rendering a prompt needs the model's tokenizer")
         if not getattr(tokenizer, "chat_template", None):

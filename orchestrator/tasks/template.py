@@ -1,12 +1,14 @@
-"""The plain prompt template of problem files (``data.prompt_template``: a string with ``{prompt}``)
-and the default answer marker (``data.answer_markers``).
+"""The plain prompt template of problem files (``data.prompt_template``: a string with ``{prompt}``),
+how a prompt is rendered (``PromptStyle``), and the default answer marker (``data.answer_markers``).
 
 Its own module, free of project imports, so that the job config (``orchestrator.config``) checks a
-template with the same rule the file task (``orchestrator.tasks.file_task``) renders it by.
+template with the same rule the file task (``orchestrator.tasks.file_task``) renders it by, and the
+SFT warm-up (``trainer.sft_file``) renders its ``prompt`` records as the file task renders problems.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import string
 from typing import Any
@@ -32,3 +34,22 @@ def template_error(template: Any) -> str | None:
             "write a literal brace as {{ or }}"
         )
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+    """How the RL job renders a prompt: ``data.prompt_template`` with ``{prompt}`` filled in, as plain
+    text (``chat_template`` False) or as one user turn handed to the model's chat template (True). The
+    file task renders its problems' prompts by it, the SFT warm-up its ``prompt`` records. The
+    default: as written, plain."""
+
+    template: str = DEFAULT_TEMPLATE
+    chat_template: bool = False
+
+    def text(self, prompt: str) -> str:
+        """The prompt with the template filled in (the whole prompt when ``chat_template`` is False)."""
+        return self.template.format(prompt=prompt)
+
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        """The conversation the chat template gets: one user turn."""
+        return [{"role": "user", "content": self.text(prompt)}]
