@@ -107,8 +107,6 @@ class FileTask(Task):
             )
         self.train_path = os.fspath(train_path)
         self.heldout_path = self.train_path if heldout_path is None else os.fspath(heldout_path)
-        self.prompt_template = prompt_template
-        self.chat_template = chat_template
         self.style = PromptStyle(prompt_template, chat_template)  # the SFT warm-up renders prompts by it too
         self.answer_markers = tuple(answer_markers)
         train = _read(self.train_path, "data.train_path")
@@ -203,6 +201,14 @@ class FileTask(Task):
 
     def heldout_problems(self) -> Sequence[Problem]:
         return self._heldout
+
+    @property
+    def prompt_template(self) -> str:
+        return self.style.template
+
+    @property
+    def chat_template(self) -> bool:
+        return self.style.chat_template
 
     def where(self, problem: Problem) -> str:
         path = self._path_of.get(problem.id, "<problems>")
