@@ -148,15 +148,20 @@ def main(argv=None) -> int:
         relay = Relay(store, rank, ps.world_size, result_timeout_s=cfg.collective_timeout_s + 60)
         board = None
         if args.engine_config is not None:
-            board = EngineBoard(store, ps.world_size)
-            host = engines.EngineHost(
-                rank,
-                ps.world_size,
-                args.engine_config,
-                device=_engine_device(cfg.transport),
-                publish=_engine_publisher(board, ps, rank),
-                store=dist.PrefixStore("ckpt-engines-agree/", store.clone()),
-            )
+            per = args.engine_config.ranks_per_engine
+            board = EngineBoard(store, ps.world_size, per)
+            try:
+                host = engines.EngineHost(
+                    rank,
+                    ps.world_size,
+                    args.engine_config,
+                    device=_engine_device(cfg.transport, per),
+                    publish=_engine_publisher(board, ps, rank),
+                    store=dist.PrefixStore("ckpt-engines-agree/", store.clone()),
+                )
+            except ValueError as e:  # the engine groups do not fit the ranks started (every rank says so)
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         if rank == 0:
             driver = Driver(ps, relay, host, board)
             asyncio.run(serve_http(driver, cfg.host, cfg.port, cfg.uds, cfg.stop_timeout_s, token=args.token))
@@ -177,12 +182,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def _engine_device(transport: str) -> str:
-    """The `{device}` of this rank's engine: the rank's GPU with the CUDA transport, else cpu."""
+def _engine_device(transport: str, ranks_per_engine: int = 1) -> str:
+    """The `{device}` of this rank's engine: the GPUs of its group's ranks with the CUDA transport
+    (`cuda:N`, or `cuda:N,N+1` for 2 ranks per engine), else cpu. A group lives on one host."""
     import torch
 
+    from checkpoint_engine.engines.config import group_device
+
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local_size and local_size % ranks_per_engine:
+        raise ValueError(
+            f"--ranks-per-engine {ranks_per_engine} must divide the ranks per host ({local_size}, torchrun's "
+            "--nproc-per-node): an engine's workers run on one host"
+        )
     if transport == "cuda" or (transport == "auto" and torch.cuda.is_available()):
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        return group_device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}", ranks_per_engine)
     return "cpu"
 
 

@@ -18,7 +18,7 @@ class UpdateMetrics:
     checkpoint: str
     rank: int
     world_size: int
-    mode: Mode  # how the bytes moved: "collective", "local" or "p2p"
+    mode: Mode  # how the bytes moved: "collective", "local", "p2p" or "p2p_engine"
     num_buckets: int = 0
     num_tensors: int = 0
     bucket_size_bytes: int = 0
@@ -50,7 +50,8 @@ class UpdateMetrics:
 
     def summary(self) -> str:
         return (
-            f"update {self.checkpoint!r}: {self.total_bytes / 2**30:.3f} GiB in {self.num_buckets} buckets, "
+            f"update {self.checkpoint!r} ({self.mode}): {self.total_bytes / 2**30:.3f} GiB in "
+            f"{self.num_buckets} buckets, "
             f"{self.total_s:.3f} s ({self.gib_per_s:.2f} GiB/s; copy-in {self.copy_in_s:.3f} s, "
             f"broadcast {self.broadcast_s:.3f} s, engine wait {self.engine_wait_s:.3f} s)"
         )

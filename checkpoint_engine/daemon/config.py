@@ -39,6 +39,7 @@ _ENGINE_FIELDS = {
     "update_timeout_s": "collective_timeout_s",
     "p2p_host": "p2p_host",
     "update_route": "engine_update_route",
+    "ranks_per_engine": "ranks_per_engine",
 }
 
 
@@ -128,6 +129,14 @@ class DaemonConfig:
             "'python -m checkpoint_engine.engines.plain --port {port}'"
         ),
     )
+    ranks_per_engine: int = field(
+        default=EngineConfig.ranks_per_engine,
+        metadata=meta(
+            "ranks per managed engine: N > 1 runs one tensor-parallel engine per N consecutive ranks (its "
+            "first rank starts it; pass --tensor-parallel-size {ranks_per_engine} in --engine-cmd), each "
+            "worker fed by one rank of the group; must divide the ranks per host"
+        ),
+    )
     auto_heal: bool = field(
         default=EngineConfig.auto_heal,
         metadata=meta("restart a dead managed engine and bring it to the current checkpoint"),
@@ -179,6 +188,9 @@ class DaemonConfig:
             raise ValueError(f"port={self.port!r} must be <= 65535")
         check_number("stop_timeout_s", self.stop_timeout_s)
         check_number("engine_start_timeout_s", self.engine_start_timeout_s)
+        check_int("ranks_per_engine", self.ranks_per_engine)
+        if self.ranks_per_engine > 1 and self.engine_cmd is None:
+            raise ValueError("ranks_per_engine groups the managed engines' ranks: it needs --engine-cmd")
         if self.bucket_size_mib is not None:
             check_int("bucket_size_mib", self.bucket_size_mib)
         check_log_level("log_level", self.log_level)
@@ -224,4 +236,5 @@ class DaemonConfig:
             update_timeout_s=self.collective_timeout_s,
             p2p_host=self.p2p_host,
             update_route=self.engine_update_route,
+            ranks_per_engine=self.ranks_per_engine,
         )

@@ -110,12 +110,13 @@ def _lost(rank: int, what: str) -> dict:
 
 
 class EngineBoard:
-    """Every rank's engine record in the process group's store: each rank writes its own, rank 0 reads
-    them all. Its own store connection, so a rank's command thread waiting on the relay never delays it."""
+    """Every engine's record in the process group's store: each engine's rank writes its own (the first
+    rank of its group when `ranks_per_engine` > 1), rank 0 reads them all. Its own store connection,
+    so a rank's command thread waiting on the relay never delays it."""
 
-    def __init__(self, store: dist.Store, world_size: int):
+    def __init__(self, store: dist.Store, world_size: int, ranks_per_engine: int = 1):
         self.store = dist.PrefixStore("ckpt-engines/", store.clone())
-        self.world_size = world_size
+        self.world_size, self.ranks_per_engine = world_size, ranks_per_engine
         self._lock = threading.Lock()
 
     def put(self, record: dict) -> None:
@@ -125,8 +126,10 @@ class EngineBoard:
     def records(self) -> list[dict]:
         out = []
         with self._lock:
-            for r in range(self.world_size):
+            for r in range(0, self.world_size, self.ranks_per_engine):
                 key = f"engines/{r}"
                 known = self.store.check([key])
-                out.append(json.loads(self.store.get(key)) if known else {"rank": r, "state": "stopped"})
+                group = list(range(r, r + self.ranks_per_engine))
+                unknown = {"rank": r, "ranks": group, "state": "stopped"}
+                out.append(json.loads(self.store.get(key)) if known else unknown)
         return out

@@ -181,7 +181,7 @@ def make_app(driver: Driver, stop: asyncio.Event, *, token: str | None = None, m
         if busy is not None:
             return busy
         wanted = set(data.get("ranks") or range(driver.ps.world_size))
-        records = [r for r in driver.board.records() if r["rank"] in wanted]
+        records = [r for r in driver.board.records() if _selected(r, wanted)]
         name = data.get("name")
         dropped = sorted(r["rank"] for r in records if r.get("sleep_level") == 2)
         if dropped and name is None:
@@ -291,6 +291,12 @@ def _check_engine_request(driver: Driver, data: dict, fields: tuple[str, ...]):
     return None
 
 
+def _selected(record: dict, wanted: set[int]) -> bool:
+    """An engine record that `wanted` ranks select: any rank of its group (a tensor-parallel engine
+    serves several ranks, named in its record's `ranks`)."""
+    return bool(wanted.intersection(record.get("ranks") or [record["rank"]]))
+
+
 def _engines_not_in(driver: Driver, ranks, allowed: frozenset, why: str):
     """A 409 answer when an engine of `ranks` (all when None) is not in an `allowed` state, else None."""
     from aiohttp import web
@@ -302,7 +308,7 @@ def _engines_not_in(driver: Driver, ranks, allowed: frozenset, why: str):
     wrong = {
         r["rank"]: r["state"]
         for r in records
-        if r["rank"] in wanted and (r["state"] not in allowed or (allowed is UPDATABLE and not r.get("healthy")))
+        if _selected(r, wanted) and (r["state"] not in allowed or (allowed is UPDATABLE and not r.get("healthy")))
     }
     if not wrong:
         return None

@@ -1,6 +1,10 @@
 """What each rank's managed engine runs: the `--engine-cmd` template (`{port}`, `{rank}`, `{device}`,
-`{rendezvous}`, `{p2p_host}` filled in), its environment (torchrun's variables removed, one GPU
-visible) and `EngineConfig`.
+`{rendezvous}`, `{p2p_host}`, `{ranks_per_engine}` filled in), its environment (torchrun's variables
+removed, its GPUs visible) and `EngineConfig`.
+
+`ranks_per_engine` N > 1: one engine per N consecutive ranks (a tensor-parallel engine of N workers,
+each worker fed by one rank of the group: `vllm_ext.launch ... -- --tensor-parallel-size
+{ranks_per_engine}`). The group's first rank runs the process; its GPU list is the group's.
 
 `{rendezvous}` marks an engine that takes its first weights in its own load step from this rank's
 parameter server (`vllm_ext.launch --load-rendezvous {rendezvous}`, the `checkpoint_engine` load
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 from checkpoint_engine.types import REQUESTED_ROUTES
 
-PLACEHOLDERS = ("{port}", "{rank}", "{device}", "{rendezvous}", "{p2p_host}")
+PLACEHOLDERS = ("{port}", "{rank}", "{device}", "{rendezvous}", "{p2p_host}", "{ranks_per_engine}")
 
 
 def parse_engine_cmd(text: str) -> tuple[str, ...]:
@@ -62,6 +66,7 @@ def render_cmd(
     device: str,
     rendezvous: str | None = None,
     p2p_host: str | None = None,
+    ranks_per_engine: int = 1,
 ) -> list[str]:
     """The argv of one engine: each placeholder replaced (other braces, e.g. JSON args, stay as they are)."""
     if rendezvous is None and loads_from_ps(cmd):
@@ -74,6 +79,7 @@ def render_cmd(
         "{device}": device,
         "{rendezvous}": rendezvous or "",
         "{p2p_host}": p2p_host or "",
+        "{ranks_per_engine}": str(ranks_per_engine),
     }
     out = []
     for arg in cmd:
@@ -101,18 +107,28 @@ TORCHRUN_VARS += ("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "M
 
 def engine_env(environ: dict[str, str] | None = None, device: str = "cpu") -> dict[str, str]:
     """The daemon's environment without torchrun's process-group variables; a GPU engine sees only
-    its rank's device (`cuda:N` -> CUDA_VISIBLE_DEVICES naming that GPU, within the daemon's own list)."""
+    its ranks' devices (`cuda:N`, or `cuda:N,M` for a tensor-parallel group -> CUDA_VISIBLE_DEVICES
+    naming those GPUs, within the daemon's own list)."""
     env = dict(os.environ if environ is None else environ)
     for key in list(env):
         if key in TORCHRUN_VARS or key.startswith(("TORCHELASTIC_", "TORCH_NCCL_ASYNC")):
             del env[key]
     if device.startswith("cuda:"):
-        index = int(device.split(":", 1)[1])
-        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        if visible and index >= len(visible):
+        indices = [int(i) for i in device.split(":", 1)[1].split(",")]
+        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if visible and max(indices) >= len(visible):
             raise ValueError(f"device {device} is not among CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
-        env["CUDA_VISIBLE_DEVICES"] = visible[index].strip() if visible else str(index)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in indices)
     return env
+
+
+def group_device(device: str, ranks_per_engine: int) -> str:
+    """The `{device}` of an engine serving `ranks_per_engine` consecutive local ranks from `device`
+    (its first rank's): `cuda:2` with 2 -> `cuda:2,3`; cpu stays cpu."""
+    if ranks_per_engine == 1 or not device.startswith("cuda:"):
+        return device
+    first = int(device.split(":", 1)[1])
+    return "cuda:" + ",".join(str(first + i) for i in range(ranks_per_engine))
 
 
 @dataclass(frozen=True)
@@ -141,6 +157,9 @@ class EngineConfig:
     # the engine says it serves them in GET /launcher/status: `vllm_ext.launch` does by default;
     # extension otherwise: a plain engine, a bare `vllm serve`); asked at each update
     update_route: str = "auto"
+    # consecutive ranks per engine: a tensor-parallel engine of this many workers, one rank each (the
+    # group's first rank runs it); must divide the world size and the ranks per host
+    ranks_per_engine: int = 1
 
     @property
     def loads_from_ps(self) -> bool:
@@ -167,5 +186,12 @@ class EngineConfig:
         for name in ("start_timeout_s", "stop_grace_s", "poll_interval_s", "update_timeout_s"):
             check_number(f"EngineConfig.{name}", getattr(self, name))
         check_int("EngineConfig.max_heal_attempts", self.max_heal_attempts, low=0)
+        check_int("EngineConfig.ranks_per_engine", self.ranks_per_engine, low=1)
+        if self.ranks_per_engine > 1 and self.loads_from_ps:
+            raise ValueError(
+                f"EngineConfig.ranks_per_engine={self.ranks_per_engine} with a {{rendezvous}} engine command: the "
+                "load step feeds one tensor-parallel worker from one rank; start tensor-parallel engines with "
+                "dummy weights (e.g. vllm_ext.launch --no-initial-push) and the daemon pushes into them"
+            )
         if self.update_route not in REQUESTED_ROUTES:
             raise ValueError(f"EngineConfig.update_route={self.update_route!r} must be one of {list(REQUESTED_ROUTES)}")

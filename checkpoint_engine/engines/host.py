@@ -33,6 +33,14 @@ all ranks whatever the metadata store is (the in-process default is per process)
 deadline: health (`start_timeout_s`), stop (`stop_grace_s`, then SIGKILL of the engine's process
 group), the agreements (start deadline + margin), the update (its `timeout_s`).
 
+Tensor-parallel engines (`EngineConfig.ranks_per_engine` N > 1): the ranks form groups of N consecutive
+ranks, one engine each, its worker i fed by the group's rank i. The group's first rank runs the
+process, publishes its record (with `ranks`: the group) and sends the update request naming every
+rank's socket (`engine_update_req_func`, ranks_per_engine=N); the others take part in the agreements
+and serve their worker's socket. A command's `ranks` select whole groups (`EngineHost.members`). A
+heal pulls (`ps.update(ranks=group)`) even when the group is every rank: with `--p2p-reader engine`
+each worker reads only its slices of the owners' memory.
+
 Engines that take their first weights in their load step (`{rendezvous}` in the template, e.g.
 `vllm_ext.launch --load-rendezvous {rendezvous}`): rank r starts its engine and waits until it
 listens in its load step (`checkpoint_engine.transport.load_rendezvous`), the ranks agree, then the update of
@@ -66,17 +74,43 @@ class EngineHost:
     """This rank's managed engine, its watchdog, and the store the ranks agree through.
 
     `store`: a torch.distributed Store shared by all ranks (its own client connection); None only
-    with one rank."""
+    with one rank. With `config.ranks_per_engine` N > 1 the ranks form groups of N consecutive ranks,
+    one tensor-parallel engine each: the group's first rank (`leads`) runs and publishes it, the
+    others only feed its workers in updates. A command's `ranks` select whole groups (`members`)."""
 
     AGREE_MARGIN_S = 30.0
 
     def __init__(self, rank: int, world_size: int, config: EngineConfig, *, device: str, publish, store=None):
         if store is None and world_size > 1:
             raise ValueError(f"EngineHost of {world_size} ranks needs a store shared by the ranks")
+        n = config.ranks_per_engine
+        if world_size % n:
+            raise ValueError(
+                f"ranks_per_engine={n} must divide the world size {world_size}: each engine's workers are fed "
+                "by a group of that many consecutive ranks"
+            )
         self.rank, self.world_size, self.config, self.store = rank, world_size, config, store
-        self.engine = ManagedEngine(rank, config, device=device, publish=publish)
+        self.ranks_per_engine = n
+        first = rank // n * n
+        self.group = list(range(first, first + n))
+        self.leads = rank == first
+        quiet = lambda record: None  # a group's other ranks run no engine: nothing to publish
+        self.engine = ManagedEngine(
+            rank, config, device=device, publish=publish if self.leads else quiet, ranks=self.group
+        )
         self.watchdog = Watchdog(self.engine, config.poll_interval_s)
         self._num_agreements = 0  # every rank runs the same commands, so the counts match
+
+    def members(self, ranks: list[int] | None) -> list[int]:
+        """`ranks` (None or empty: all) widened to whole engine groups: a rank selects its group's engine."""
+        if not ranks:
+            return list(range(self.world_size))
+        n = self.ranks_per_engine
+        return sorted({g for r in ranks for g in range(r // n * n, r // n * n + n)})
+
+    def runs(self, members: list[int]) -> bool:
+        """This rank runs one of the engines of `members` (it leads a group among them)."""
+        return self.leads and self.rank in members
 
     @property
     def start_agreement_timeout_s(self) -> float:
@@ -115,7 +149,7 @@ def _start_and_agree(host: EngineHost, ranks: list[int], wait, what: str, *, aba
     None when every engine got there; else this rank's result (raises on a rank whose engine failed),
     and with `abandon` an engine of this rank that got there is stopped and marked failed."""
     error = None
-    if host.rank in ranks:
+    if host.runs(ranks):
         try:
             host.engine.start()
             wait()
@@ -125,7 +159,7 @@ def _start_and_agree(host: EngineHost, ranks: list[int], wait, what: str, *, aba
     if not failed:
         return None
     why = f"engines of ranks {sorted(failed)} {what}"
-    if abandon and error is None and host.rank in ranks:
+    if abandon and error is None and host.runs(ranks):
         host.engine.abandon(f"start abandoned: {why}")
     if host.rank in failed:
         raise RuntimeError(failed[host.rank])
@@ -135,8 +169,8 @@ def _start_and_agree(host: EngineHost, ranks: list[int], wait, what: str, *, aba
 def engine_start(host: EngineHost, ps, cmd: dict) -> dict:
     """Start the engines of `ranks` (dummy weights), wait until healthy; with `name`, push it to them.
     Engines that load from the PS (`{rendezvous}`) get `name` in their load step instead."""
-    ranks = cmd.get("ranks") or list(range(host.world_size))
-    if host.config.loads_from_ps:
+    ranks = host.members(cmd.get("ranks"))
+    if host.config.loads_from_ps:  # one rank per engine (EngineConfig refuses groups there)
         return _start_loading(host, ps, cmd, ranks)
     # a heal's engine that started while another did not: failed again, the healer retries (bounded)
     skipped = _start_and_agree(host, ranks, host.engine.wait_healthy, "did not start", abandon=bool(cmd.get("heal")))
@@ -144,7 +178,10 @@ def engine_start(host: EngineHost, ps, cmd: dict) -> dict:
         return skipped
     result = {"engine": host.engine.record()}
     if cmd.get("name"):
-        result["update"] = managed_update(host, ps, cmd["name"], ranks, cmd.get("timeout_s"))
+        # a heal pulls from the owners' memory (P2P where the daemon has Mooncake) even when the
+        # restarted engine is the only one: a tensor-parallel engine's workers then read only their slices
+        heal = bool(cmd.get("heal"))
+        result["update"] = managed_update(host, ps, cmd["name"], ranks, cmd.get("timeout_s"), pull=heal)
         result["engine"] = host.engine.record()
     return result
 
@@ -194,14 +231,15 @@ def engine_update_req_func(host: EngineHost, name: str, timeout_s: float):
     from checkpoint_engine.api import http_req_func
     from vllm_ext.weight_transfer.req import engine_req_func
 
-    url = host.engine.url
+    url, per = host.engine.url, host.ranks_per_engine
     return engine_req_func(
         url,
         route=host.config.update_route,
         rank=host.rank,
+        ranks_per_engine=per,
         timeout_s=timeout_s,
         weight_version=name,
-        extension=http_req_func(url, rank=host.rank, ranks_per_engine=1, timeout_s=timeout_s),
+        extension=http_req_func(url, rank=host.rank, ranks_per_engine=per, timeout_s=timeout_s),
     )
 
 
@@ -212,16 +250,19 @@ def managed_update(
     ranks: list[int] | None,
     timeout_s: float | None,
     full_checkpoint: str | None = None,
+    *,
+    pull: bool = False,
 ) -> dict:
     """`ps.update(name)` into the managed engines of `ranks` (all by default): updating -> serving/incomplete.
 
     Every rank calls it. The receivers first agree that each of their engines can take an update, so
     a stopped engine refuses the update on all ranks instead of leaving the others in a collective.
     `full_checkpoint`: `name` is a delta (`checkpoint_engine.sharding.delta_sync`) whose result is that
-    registered checkpoint's weights: the engines then serve it by that name (and vLLM reports it)."""
+    registered checkpoint's weights: the engines then serve it by that name (and vLLM reports it).
+    `pull`: read from the owners' memory (`ps.update(ranks=...)`) even when every engine takes part."""
     serves = full_checkpoint or name
-    members = sorted(set(ranks)) if ranks else list(range(host.world_size))
-    mine = host.rank in members
+    members = host.members(ranks)  # every rank of a selected engine's group feeds one of its workers
+    mine = host.runs(members)  # this rank runs one of the engines: it asks it, and keeps its state
     refused = _agree(host, host.engine.update_refusal() if mine else None, host.AGREE_MARGIN_S)
     if refused:
         raise RuntimeError(
@@ -233,8 +274,9 @@ def managed_update(
         except RuntimeError:
             pass  # it died since the agreement: the update below fails on every rank through its engine
     timeout_s = float(timeout_s or host.config.update_timeout_s)
+    # the group's other ranks answer their workers' sockets; the first rank's request names them all
     req_func = engine_update_req_func(host, serves, timeout_s) if mine else (lambda paths: None)
-    pull_ranks = None if len(members) == host.world_size else members
+    pull_ranks = None if len(members) == host.world_size and not pull else members
     try:
         metrics = ps.update(name, req_func, timeout=timeout_s, ranks=pull_ranks)
     except Exception as e:
@@ -247,16 +289,14 @@ def managed_update(
 
 
 def engine_stop(host: EngineHost, cmd: dict) -> dict:
-    ranks = cmd.get("ranks") or list(range(host.world_size))
-    if host.rank in ranks:
+    if host.runs(host.members(cmd.get("ranks"))):
         host.engine.stop()
     return {"engine": host.engine.record()}
 
 
 def engine_sleep(host: EngineHost, cmd: dict) -> dict:
     """Put the serving engines of `ranks` to sleep at `level` (1: weights to host memory; 2: dropped)."""
-    ranks = cmd.get("ranks") or list(range(host.world_size))
-    if host.rank in ranks:
+    if host.runs(host.members(cmd.get("ranks"))):
         host.engine.sleep(
             int(cmd.get("level") or 1), timeout_s=float(cmd.get("timeout_s") or host.config.update_timeout_s)
         )
@@ -267,10 +307,9 @@ def engine_wake(host: EngineHost, ps, cmd: dict) -> dict:
     """Wake the sleeping engines of `ranks`; those of `update_ranks` then take `name` (every rank calls
     this: the update is collective). Rank 0 picks `update_ranks` from the records: engines that slept at
     level 2 and those whose weights are not `name`."""
-    ranks = cmd.get("ranks") or list(range(host.world_size))
-    update_ranks = sorted(set(cmd.get("update_ranks") or []))
+    update_ranks = host.members(cmd["update_ranks"]) if cmd.get("update_ranks") else []
     timeout_s = float(cmd.get("timeout_s") or host.config.update_timeout_s)
-    mine = host.rank in ranks
+    mine = host.runs(host.members(cmd.get("ranks")))
     weights_only = mine and host.rank in update_ranks and host.engine.sleep_level == 2
     error = None
     if mine:

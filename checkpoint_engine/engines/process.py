@@ -41,9 +41,16 @@ class ManagedEngine:
     """
 
     def __init__(
-        self, rank: int, config: EngineConfig, *, device: str = "cpu", publish: Callable[[dict], None] | None = None
+        self,
+        rank: int,
+        config: EngineConfig,
+        *,
+        device: str = "cpu",
+        publish: Callable[[dict], None] | None = None,
+        ranks: list[int] | None = None,
     ):
         self.rank, self.config, self.device = rank, config, device
+        self.ranks = list(ranks) if ranks else [rank]  # the PS ranks whose devices it serves (its workers)
         self._publish = publish or (lambda record: None)
         self._lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
@@ -79,6 +86,7 @@ class ManagedEngine:
         with self._lock:
             return {
                 "rank": self.rank,
+                "ranks": self.ranks,
                 "state": self.state,
                 "checkpoint": self.checkpoint,
                 "pid": self.pid,
@@ -153,6 +161,7 @@ class ManagedEngine:
                 device=self.device,
                 rendezvous=self.rendezvous,
                 p2p_host=self.config.p2p_host,
+                ranks_per_engine=self.config.ranks_per_engine,
             )
             self._close_log()
             self._log = open(self.log_path, "a")  # open for the process's lifetime

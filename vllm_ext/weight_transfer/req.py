@@ -393,9 +393,17 @@ def engine_req_func(
     )
     if extension is None:
         extension = vllm_http_req_func(endpoint, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s)
-    if route != "auto":
-        return native if route == "native" else extension
     sender = rank % ranks_per_engine == 0  # the engine's first rank asks (and sends)
+    if route == "extension":
+        return extension
+    if route == "native":  # the route is given; the worker count is still checked, one GET per update
+
+        def checked(socket_paths: Sequence[tuple[str, str]]) -> None:
+            if sender:
+                check_workers(endpoint, launcher_status(endpoint), ranks_per_engine)
+            native(socket_paths)
+
+        return checked
 
     def req_func(socket_paths: Sequence[tuple[str, str]]) -> None:
         if not sender:
@@ -436,7 +444,8 @@ def route_of(status: Mapping[str, Any]) -> UpdateRoute:
 
 def check_workers(endpoint: str, status: Mapping[str, Any], ranks_per_engine: int) -> None:
     """Refuse an engine whose tensor-parallel workers are not fed one PS rank each (a launcher says its
-    size; other servers are not checked): `EngineRpcError` naming both numbers."""
+    size; other servers are not checked): `EngineRpcError` naming both numbers. Asked by the `auto` and
+    `native` routes before anything is sent (`extension` is MoonshotAI's request, sent as it was)."""
     tp = status.get("tensor_parallel_size")
     if isinstance(tp, int) and not isinstance(tp, bool) and tp != ranks_per_engine:
         raise EngineRpcError(

@@ -22,6 +22,14 @@ worker reads the ranks' chunks over Mooncake itself, only the byte ranges of its
              every update of this engine went through vLLM's own layerwise reload (`reload_weights`:
              the direct reload is for one TP rank), chosen by the default `reload_impl: "auto"`
 
+The daemon's tensor-parallel engine (second test): `torchrun --nproc-per-node 2 -m checkpoint_engine
+--ranks-per-engine 2 --engine-cmd "python -m vllm_ext.launch ... --no-initial-push -- --tensor-parallel-size
+{ranks_per_engine} ..."`: one vLLM TP 2 engine fed by both ranks, started with dummy weights and
+updated to B by a broadcast (its checksums and tokens those of the first test's engine, loaded from
+disk); then SIGKILLed: the daemon's healer restarts it and the heal pulls B from the ranks' memory over
+Mooncake, each worker reading only its slices: the same checksums and tokens again, each worker taking
+at most 0.55 of the checkpoint.
+
 The launcher's `--sharded-max-ranges-per-tensor 0` is set here through `--additional-config`, as
 the launcher passes it: every row-parallel slice is read row by row (exact bytes; the default, 64
 ranges, reads a row-parallel slice's covering range and trades bytes for fewer reads).
@@ -31,7 +39,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +61,9 @@ STARTUP_TIMEOUT_S = 600.0
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 PUSH_TIMEOUT_S = 180.0
 MAX_SHARE_PER_WORKER = 0.55  # issue 44's bound; an exact half plus the replicated norms is ~0.50
+# what the first test's engine, B loaded from disk, answered: the daemon test's reference (filled there;
+# the daemon test alone starts such an engine itself)
+DISK_REFERENCE: dict = {}
 
 
 def _push(model_dir: Path, url: str, log_dir: Path, tag: str) -> list[dict]:
@@ -152,6 +166,7 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         disk = _checksums(url)["checksums"]
         assert {k.split(":")[3] for k in disk} == {"tp0", "tp1"}, sorted(disk)[:4]
         disk_tokens = completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS)
+        DISK_REFERENCE.update(checksums=disk, tokens=disk_tokens)
 
         _push(model_a, url, tmp_path, "push-a")
         after_a = _checksums(url)["checksums"]
@@ -209,3 +224,104 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         for proc in trainers:
             proc.stop()
         server.stop()
+
+
+def _check_shares(states: list[dict], checkpoint_bytes: int) -> list[float]:
+    """Each worker read its last update itself and took at most MAX_SHARE_PER_WORKER of the checkpoint."""
+    shares = []
+    for rank, state in enumerate(states):
+        reads = (state.get("last_update") or {}).get("engine_reads")
+        assert reads, f"worker {rank} did not read the pull itself: {state.get('last_update')}"
+        took = reads["placed_bytes"] + reads["scratch_bytes"] + reads["mapped_slice_bytes"]
+        shares.append(took / checkpoint_bytes)
+        assert 0.45 < shares[-1] <= MAX_SHARE_PER_WORKER, reads
+    return shares
+
+
+def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path):
+    from demo.tiny_model import make_tiny_model
+    from testing.daemon import start_daemon
+    from testing.vllm_servers import ServerProcess, child_env, completion_token_ids, vllm_serve_command
+    from tests.integration.dist.test_ce_engines import engines
+    from vllm_ext.launch_config import model_safetensors_files
+    from vllm_ext.req import collective_rpc
+
+    # the first test's B, value for value, in three files: the daemon's ranks each register some (a
+    # worker then maps its own rank's memory and reads the other's over Mooncake)
+    model_b = make_tiny_model(tmp_path / "B", seed=2, max_shard_size_bytes=6_000_000)
+    assert len(list(model_b.glob("*.safetensors"))) == 3
+    checkpoint_bytes = sum(p.stat().st_size for p in model_b.glob("*.safetensors"))
+    env = child_env(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_EXT_START_METHOD="fork")
+    if not DISK_REFERENCE:  # run alone: B from disk at TP 2 once, as the first test does
+        from ckpt_common.ports import free_port
+
+        port = free_port()
+        cmd = vllm_serve_command(model_b, port, vllm_args=TP2_ARGS)
+        server = ServerProcess(
+            cmd,
+            f"http://127.0.0.1:{port}",
+            tmp_path / "disk.log",
+            env=child_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_EXT_START_METHOD="fork"),
+        )
+        try:
+            server.wait_for("/health", timeout_s=STARTUP_TIMEOUT_S)
+            DISK_REFERENCE.update(
+                checksums=_checksums(server.url)["checksums"],
+                tokens=completion_token_ids(server.url, str(model_b), PROMPTS, MAX_TOKENS),
+            )
+        finally:
+            server.stop()
+    disk, disk_tokens = DISK_REFERENCE["checksums"], DISK_REFERENCE["tokens"]
+
+    tp_args = [a if a != "2" else "{ranks_per_engine}" for a in TP2_ARGS[:2]] + list(TP2_ARGS[2:-2])
+    engine_cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", str(model_b), "--port", "{port}"]
+    engine_cmd += ["--no-initial-push", "--sharded-max-ranges-per-tensor", "0", "--", *tp_args]
+    daemon = start_daemon(
+        *("--ranks-per-engine", "2", "--collective-timeout-s", "300", "--engine-log-dir", str(tmp_path)),
+        # the start's update is a broadcast; the heal a pull each worker reads itself, only its slices
+        *("--p2p-host", "127.0.0.1", "--mode", "collective", "--p2p-reader", "engine"),
+        *("--engine-start-timeout-s", str(STARTUP_TIMEOUT_S), "--engine-health-path", "/version"),
+        engine_cmd=engine_cmd,
+        env=env,
+        log=tmp_path / "daemon.log",
+        ready_timeout_s=120,
+        interval_s=0.2,
+    )
+
+    def call(method: str, path: str, body: dict | None = None):
+        return daemon.call(method, path, body, timeout_s=STARTUP_TIMEOUT_S)
+
+    try:
+        code, res = call("POST", "/checkpoints", {"name": "B", "files": model_safetensors_files(str(model_b))})
+        assert code == 200 and res["ok"], res
+        code, res = call("POST", "/engines/start", {"name": "B"})  # dummy weights, then B by broadcast
+        assert code == 200 and res["ok"], res
+        states = engines(daemon.url)
+        # one engine for both ranks, published by its first rank
+        assert [(e["rank"], e["ranks"], e["state"], e["checkpoint"]) for e in states] == [(0, [0, 1], "serving", "B")]
+        url = states[0]["url"]
+        assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
+        assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
+
+        os.kill(states[0]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            now = engines(daemon.url)
+            if now[0]["state"] == "serving" and now[0]["restarts"] == 1:
+                break
+            assert now[0]["state"] in ("serving", "failed", "starting", "updating"), now
+            assert time.monotonic() < deadline, f"not healed within {STARTUP_TIMEOUT_S} s: {now}"
+            time.sleep(1.0)
+        healed = now[0]
+        assert (healed["checkpoint"], healed["ranks"]) == ("B", [0, 1]) and healed["pid"] != states[0]["pid"]
+        url = healed["url"]
+        assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
+        assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
+        shares = _check_shares(collective_rpc(url, "weights_state", timeout_s=60.0), checkpoint_bytes)
+        print(
+            f"heal of the TP 2 engine: failure to serving {healed['recovery_s']} s; each worker took "
+            f"{[round(x, 3) for x in shares]} of the checkpoint"
+        )
+        assert daemon.shutdown() == 0
+    finally:
+        daemon.stop()

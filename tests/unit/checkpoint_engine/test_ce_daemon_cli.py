@@ -42,6 +42,7 @@ FLAGS = {
     "--engine-url-host": (None, None),
     "--engine-health-path": ("/health", None),
     "--engine-update-route": ("auto", ["auto", "native", "extension"]),
+    "--ranks-per-engine": (1, None),
     "--engine-start-timeout-s": (300.0, None),
     "--engine-log-dir": (None, None),
     "--stop-timeout-s": (20.0, None),
@@ -63,6 +64,7 @@ SHARED = {
     "--engine-url-host": EngineConfig(cmd=("e", "{port}")).url_host,
     "--engine-health-path": EngineConfig(cmd=("e", "{port}")).health_path,
     "--engine-update-route": EngineConfig(cmd=("e", "{port}")).update_route,
+    "--ranks-per-engine": EngineConfig(cmd=("e", "{port}")).ranks_per_engine,
     "--engine-start-timeout-s": EngineConfig(cmd=("e", "{port}")).start_timeout_s,
     "--engine-log-dir": EngineConfig(cmd=("e", "{port}")).log_dir,
 }
@@ -113,7 +115,7 @@ def test_every_flag_reaches_the_configs_it_sets(monkeypatch, tmp_path):
     argv += ["--p2p-device", "mlx5_0", "--p2p-cpus", "0-1", "--p2p-reader", "engine"]
     argv += ["--engine-cmd", '["e", "--port", "{port}"]', "--no-auto-heal", "--engine-url-host", "10.0.0.3"]
     argv += ["--engine-health-path", "/up", "--engine-start-timeout-s", "9", "--engine-log-dir", "logs"]
-    argv += ["--stop-timeout-s", "5", "--log-level", "debug"]
+    argv += ["--stop-timeout-s", "5", "--log-level", "debug", "--ranks-per-engine", "2"]
     args = parse_args(argv)
     cfg = args.config
     assert (cfg.host, cfg.port, cfg.uds, cfg.stop_timeout_s, cfg.log_level) == ("0.0.0.0", 9000, None, 5.0, "debug")
@@ -136,6 +138,7 @@ def test_every_flag_reaches_the_configs_it_sets(monkeypatch, tmp_path):
         log_dir="logs",
         update_timeout_s=30.0,
         p2p_host="10.0.0.2",
+        ranks_per_engine=2,
     )
 
 
@@ -157,6 +160,9 @@ def test_every_flag_reaches_the_configs_it_sets(monkeypatch, tmp_path):
         (["--engine-cmd", "e {port}", "--engine-health-path", "up"], "--engine-health-path"),
         (["--engine-cmd", "e {port}", "--engine-url-host", "http://a"], "--engine-url-host"),
         (["--token-file", "/nonexistent/token"], "--token-file"),
+        (["--ranks-per-engine", "2"], "--ranks-per-engine"),
+        (["--engine-cmd", "e {port}", "--ranks-per-engine", "0"], "--ranks-per-engine"),
+        (["--engine-cmd", "e {port} {rendezvous}", "--ranks-per-engine", "2"], "--ranks-per-engine"),
     ],
 )
 def test_a_bad_value_exits_2_naming_its_flag(argv, flag, capsys, monkeypatch):

@@ -173,6 +173,61 @@ def test_engine_env_gives_a_gpu_engine_its_rank_device(device, daemon_visible, e
     assert engine_env(environ, device=device).get("CUDA_VISIBLE_DEVICES") == engine_visible
 
 
+@pytest.mark.parametrize(
+    "device,per,daemon_visible,engine_visible",
+    [
+        ("cpu", 2, None, None),
+        ("cuda:0", 2, None, "0,1"),
+        ("cuda:2", 2, "4,5,6,7", "6,7"),
+        ("cuda:4", 4, None, "4,5,6,7"),
+    ],
+)
+def test_a_tensor_parallel_engine_sees_its_group_s_gpus(device, per, daemon_visible, engine_visible):
+    from checkpoint_engine.engines.config import group_device
+
+    environ = {"PATH": "/bin"} | ({"CUDA_VISIBLE_DEVICES": daemon_visible} if daemon_visible else {})
+    assert engine_env(environ, device=group_device(device, per)).get("CUDA_VISIBLE_DEVICES") == engine_visible
+
+
+def test_render_cmd_fills_the_engine_s_tensor_parallel_size():
+    cmd = ("e", "--port", "{port}", "--", "--tensor-parallel-size", "{ranks_per_engine}")
+    assert render_cmd(cmd, port=9, rank=0, device="cpu", ranks_per_engine=2)[-1] == "2"
+    assert render_cmd(cmd, port=9, rank=0, device="cpu")[-1] == "1"
+
+
+@pytest.mark.parametrize(
+    "world,per,rank,ranks,members,group,leads",
+    [
+        (4, 1, 2, [2], [2], [2], True),
+        (4, 2, 0, None, [0, 1, 2, 3], [0, 1], True),
+        (4, 2, 1, [3], [2, 3], [0, 1], False),  # any rank of a group selects its engine
+        (4, 2, 3, [1, 2], [0, 1, 2, 3], [2, 3], False),
+        (8, 4, 4, [5], [4, 5, 6, 7], [4, 5, 6, 7], True),
+    ],
+)
+def test_engine_groups_select_whole_engines(tmp_path, world, per, rank, ranks, members, group, leads):
+    from checkpoint_engine.engines.host import EngineHost
+
+    published: list[dict] = []
+    config = EngineConfig(cmd=("e", "{port}"), log_dir=str(tmp_path), ranks_per_engine=per)
+    host = EngineHost(rank, world, config, device="cpu", publish=published.append, store=object())
+    try:
+        assert (host.members(ranks), host.group, host.leads) == (members, group, leads)
+        assert host.runs(members) == leads
+        # only the engine's first rank publishes it: one record per engine, naming its ranks
+        assert [(r["rank"], r["ranks"]) for r in published] == ([(rank, group)] if leads else [])
+    finally:
+        host.close()
+
+
+def test_engine_groups_must_divide_the_world(tmp_path):
+    from checkpoint_engine.engines.host import EngineHost
+
+    config = EngineConfig(cmd=("e", "{port}"), log_dir=str(tmp_path), ranks_per_engine=2)
+    with pytest.raises(ValueError, match="ranks_per_engine=2 must divide the world size 3"):
+        EngineHost(0, 3, config, device="cpu", publish=None, store=object())
+
+
 def test_engine_env_refuses_a_device_outside_the_visible_list():
     with pytest.raises(ValueError, match="cuda:2 is not among CUDA_VISIBLE_DEVICES=0,1"):
         engine_env({"CUDA_VISIBLE_DEVICES": "0,1"}, device="cuda:2")
@@ -187,6 +242,7 @@ def test_engine_env_refuses_a_device_outside_the_visible_list():
         ("url_host", "", "url_host='' must be a host name or IP address"),
         ("url_host", "http://10.0.0.1", "no scheme, port or path"),
         ("url_host", "10.0.0.1/x", "no scheme, port or path"),
+        ("ranks_per_engine", 0, "ranks_per_engine=0 must be an int >= 1"),
     ],
 )
 def test_engine_config_checks(field, value, match):

@@ -132,12 +132,13 @@ def test_auto_route_asks_the_server_at_each_update(fake):
     assert cls.calls == []
 
 
+@pytest.mark.parametrize("route", ["auto", "native"])
 @pytest.mark.parametrize(
     ("tp", "ranks_per_engine", "fed"),
     [(2, 1, True), (1, 2, True), (2, 2, False), (None, 1, False), (True, 1, False), ("2", 1, False)],
 )
 def test_an_engine_whose_workers_are_not_fed_one_rank_each_is_refused_before_anything_is_sent(
-    fake, tp, ranks_per_engine, fed
+    fake, tp, ranks_per_engine, fed, route
 ):
     """A launcher says its tensor-parallel size: two workers fed by one PS rank (a TP 2 engine under the
     daemon's one engine per rank) would fail inside vLLM with an IndexError after /pause; one worker fed
@@ -145,7 +146,7 @@ def test_an_engine_whose_workers_are_not_fed_one_rank_each_is_refused_before_any
     A server that says no size (None), or no integer, is not checked."""
     url, cls = fake
     cls.launcher_status = {"update_route": "native", **({"tensor_parallel_size": tp} if tp is not None else {})}
-    req = engine_req_func(url, route="auto", rank=0, ranks_per_engine=ranks_per_engine, timeout_s=10)
+    req = engine_req_func(url, route=route, rank=0, ranks_per_engine=ranks_per_engine, timeout_s=10)
     if fed:
         with pytest.raises(
             EngineRpcError,
