@@ -6,7 +6,11 @@ sleep routes (`POST /sleep?level=N`, `POST /wake_up[?tags=weights|kv_cache]`, `G
 127.0.0.1. Fault injection flags make failure tests possible.
 
     python -m checkpoint_engine.engines.plain --port 8100 [--device cpu|cuda:0] [--fail-on-bucket N]
-        [--load-rendezvous ipc://PATH]
+        [--load-rendezvous ipc://PATH] [--workers N]
+
+`--workers N` stands in for a tensor-parallel engine of N workers (`PlainWorkers`): an update names
+one socket per worker (one parameter-server rank each, in order), each worker receives its own in a
+thread and holds the whole model, and `/collective_rpc` answers one result per worker, as vLLM does.
 
 With `--load-rendezvous` it first waits, like vLLM's `checkpoint_engine` load format, for a parameter
 server to update it through that address (`checkpoint_engine.transport.load_rendezvous`), and listens on
@@ -178,11 +182,66 @@ class PlainEngine:
         with self._lock:
             return {name: tensor_checksum(t) for name, t in self.weights.items()}
 
+    def rpc(self, method: str, args: list) -> list:
+        """`/collective_rpc`: one result (one worker)."""
+        return [getattr(self, method)(*args)]
+
+
+class PlainWorkers:
+    """N plain workers in one process, as the N workers of a tensor-parallel engine: worker i takes the
+    update of the i-th socket it is given (its own PS rank), all at once (the ranks send together)."""
+
+    def __init__(self, num_workers: int, **kwargs):
+        self.workers = [PlainEngine(**kwargs) for _ in range(num_workers)]
+        self.sleep_mode = self.workers[0].sleep_mode
+
+    @property
+    def asleep(self) -> set[str]:
+        return self.workers[0].asleep
+
+    def rpc(self, method: str, args: list) -> list:
+        """`/collective_rpc`: every worker's result, in worker order (an update: each its own socket)."""
+        if method != "update_weights_from_ipc":
+            return [getattr(w, method)(*args) for w in self.workers]
+        handles = args[0] if args else {}
+        if not isinstance(handles, dict) or len(handles) != len(self.workers):
+            raise ValueError(f"this engine has {len(self.workers)} workers, got handles for {sorted(handles)}")
+        results: list = [None] * len(self.workers)
+        errors: list[BaseException] = []
+
+        def run(i: int, key: str, path: str) -> None:
+            try:
+                results[i] = self.workers[i].update_weights_from_ipc({key: path})
+            except BaseException as e:  # noqa: BLE001 - the first worker's failure is the update's
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i, *kv), daemon=True) for i, kv in enumerate(handles.items())]
+        for t in threads:
+            t.start()
+        for t in threads:  # each worker's waits on its PS rank have their own deadline (timeout_s)
+            t.join(self.workers[0].timeout_s * 2 + 30)
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError("a worker's update did not end within its deadline")
+        if errors:
+            raise errors[0]
+        return results
+
+    def weights_state(self) -> dict:
+        return self.workers[0].weights_state()
+
+    def sleep(self, level: int) -> None:
+        for w in self.workers:
+            w.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> bool:
+        awake = [w.wake_up(tags) for w in self.workers]  # every worker wakes, not only up to the first asleep
+        return all(awake)
+
 
 METHODS = ("update_weights_from_ipc", "weights_state", "weights_digest", "reset_weights")
 
 
-def make_handler(engine: PlainEngine):
+def make_handler(engine: PlainEngine | PlainWorkers):
     class Handler(JsonRequestHandler):
         def do_GET(self):
             if self.path == "/health":
@@ -223,10 +282,10 @@ def make_handler(engine: PlainEngine):
             if not isinstance(args, list):
                 return self.reply(400, {"error": "args must be a list"})
             try:
-                result = getattr(engine, method)(*args)
+                results = engine.rpc(method, args)
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 return self.reply(500, {"error": f"{type(e).__name__}: {e}", "state": engine.weights_state()})
-            return self.reply(200, {"results": [result]})
+            return self.reply(200, {"results": results})
 
     return Handler
 
@@ -246,20 +305,24 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="ipc:// or tcp:// address: receive the first weights there (a load step) before serving HTTP",
     )
+    p.add_argument("--workers", type=int, default=1, help="workers of a tensor-parallel engine, one PS rank each (CPU)")
     args = p.parse_args(argv)
     if args.load_rendezvous is not None and not args.load_rendezvous.startswith(("ipc://", "tcp://")):
         p.error(f"--load-rendezvous must be an ipc:// or tcp:// address, got {args.load_rendezvous!r}")
+    if args.workers < 1 or (args.workers > 1 and (args.load_rendezvous is not None or args.device != "cpu")):
+        p.error(f"--workers {args.workers}: must be >= 1, and more than one runs on cpu without --load-rendezvous")
     from ckpt_common.logs import setup_logging
 
     setup_logging("INFO")
-    engine = PlainEngine(
-        args.device,
-        args.fail_on_bucket,
-        args.die_on_bucket,
-        args.load_delay_s,
-        args.timeout_s,
+    kwargs = dict(
+        device=args.device,
+        fail_on_bucket=args.fail_on_bucket,
+        die_on_bucket=args.die_on_bucket,
+        load_delay_s=args.load_delay_s,
+        timeout_s=args.timeout_s,
         sleep_mode=not args.no_sleep_mode,
     )
+    engine = PlainEngine(**kwargs) if args.workers == 1 else PlainWorkers(args.workers, **kwargs)
     if args.load_rendezvous is not None:
         from checkpoint_engine.transport.load_rendezvous import serve_initial_load
 

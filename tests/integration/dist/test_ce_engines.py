@@ -170,6 +170,63 @@ def test_engines_start_update_heal_stop(tmp_path):
         daemon.stop()
 
 
+def test_tensor_parallel_engines_of_two_ranks_each_start_update_heal_and_stop_as_one(tmp_path):
+    """Four ranks, `--ranks-per-engine 2`: two engines of two workers (the plain engine's `--workers`),
+    each worker fed by its own rank. One record per engine under its first rank; a SIGKILLed engine is
+    healed by a pull of both its workers while the other serves on; any rank of a group selects it."""
+    files, expected = write_checkpoint(tmp_path / "v1", seed=0)
+    cmd = [*json.loads(ENGINE_CMD), "--workers", "{ranks_per_engine}"]
+    daemon = harness.start_daemon(
+        *("--collective-timeout-s", "60", "--engine-start-timeout-s", "60", "--engine-log-dir", str(tmp_path)),
+        *("--ranks-per-engine", "2", "--p2p-host", "127.0.0.1", "--mode", "collective"),
+        engine_cmd=cmd,
+        nproc=4,
+        log=tmp_path / "daemon.log",
+    )
+    base = daemon.url
+    try:
+        assert call("POST", base + "/checkpoints", {"name": "v1", "files": files})[0] == 200
+        code, res = call("POST", base + "/engines/start", {"name": "v1"})
+        assert code == 200 and res["ok"], res
+        states = engines(base)
+        assert [(e["rank"], e["ranks"], e["state"], e["checkpoint"]) for e in states] == [
+            (0, [0, 1], "serving", "v1"),
+            (2, [2, 3], "serving", "v1"),
+        ], states
+        # each worker took the update of its own rank, whole (a plain worker keeps every tensor)
+        assert all(rpc_all(e["url"], "weights_digest") == [expected] * 2 for e in states)
+
+        pid0, pid2 = states[0]["pid"], states[1]["pid"]
+        os.kill(pid2, signal.SIGKILL)
+
+        def healed():
+            now = engines(base)
+            assert now[0]["state"] == "serving" and now[0]["pid"] == pid0, now  # the other engine serves on
+            return now if now[1]["state"] == "serving" and now[1]["pid"] != pid2 else None
+
+        states = wait_for(healed, "the engine of ranks 2-3 healed", timeout_s=60)
+        assert (states[1]["restarts"], states[1]["checkpoint"], states[1]["ranks"]) == (1, "v1", [2, 3]), states
+        assert rpc_all(states[1]["url"], "weights_digest") == [expected] * 2
+        assert [w["checkpoint"] for w in rpc_all(states[1]["url"], "weights_state")] == ["v1", "v1"]
+
+        # rank 3 names its group's engine: only that one stops
+        code, res = call("POST", base + "/engines/stop", {"ranks": [3]})
+        assert code == 200 and res["ok"], res
+        assert [e["state"] for e in engines(base)] == ["serving", "stopped"]
+        assert not alive(states[1]["pid"]) and alive(pid0)
+        shutdown(daemon)
+        assert not alive(pid0)
+    finally:
+        daemon.stop()
+
+
+def rpc_all(url: str, method: str) -> list:
+    """Every worker's result of a `/collective_rpc` call."""
+    code, res = status_json("POST", url + "/collective_rpc", {"method": method, "args": []}, timeout_s=30.0)
+    assert code == 200, res
+    return res["results"]
+
+
 def test_engines_that_load_from_the_ps_start_and_heal_through_their_load_step(tmp_path):
     """`{rendezvous}` engines never run on dummy weights: each start, heals included, updates the
     engine's load step (the P2P pull on a heal) and only then waits for its health."""
