@@ -74,7 +74,7 @@ from checkpoint_engine.sharding.delta_sync import DeltaSender, Prepared
 from ckpt_common import hf_dir
 from orchestrator.config import EngineConfig, SyncConfig
 from orchestrator.engines.base import RolloutEngine
-from orchestrator.engines.daemon_client import DaemonClient, SwitchError, describe_engines, write_version
+from orchestrator.engines.daemon_client import DaemonClient, SwitchError, describe_engines, num_ranks, write_version
 from orchestrator.engines.daemon_client import shard_size_bytes as shard_size_bytes  # its importers use it from here
 from orchestrator.engines.pool import EnginePool
 from orchestrator.engines.pool_members import SERVING, Member
@@ -160,7 +160,7 @@ def start_daemon_pool(
     ``probe_path``: what answers 200 while an engine is alive."""
     engine_for_url = engine_for_url or (lambda url: _http_engine(config, url))
     client = DaemonClient(config.endpoint, timeout_s)
-    ranks = client.engines()["engines"]
+    records = client.engines()["engines"]
     handoff = pathlib.Path(handoff_dir)
     model = handoff / MODEL_DIR
     if model.exists():
@@ -169,7 +169,7 @@ def start_daemon_pool(
     # waits for the first update), so the SFT weights travel once, as the first version's files
     shutil.copytree(model_dir, model, ignore=shutil.ignore_patterns("*.safetensors", hf_dir.INDEX_FILE))
     name = "policy-v0"
-    files = write_version(handoff, name, hf_dir.read_tensors(model_dir), len(ranks))
+    files = write_version(handoff, name, hf_dir.read_tensors(model_dir), num_ranks(records))
     client.register(name, files)
     started = time.monotonic()
     client.start_engines(name, timeout_s=config.start_timeout_s)
@@ -374,7 +374,7 @@ class DaemonWeightSync:
             start = time.monotonic()
             records = self.client.engines()["engines"]
             if name not in (self._current, self._registered):  # a retried push has its files registered
-                files = write_version(self.handoff, name, named_tensors, len(records))
+                files = write_version(self.handoff, name, named_tensors, num_ranks(records))
                 self.client.register(name, files)
                 self._registered = name
             if self._parked:
@@ -383,7 +383,8 @@ class DaemonWeightSync:
             ready = [i for i, r in enumerate(records) if r.get("state") in ("serving", "incomplete")]
             if not ready:
                 raise RuntimeError(f"no daemon engine can take weights v{version}: {records}")
-            ranks = None if len(ready) == len(records) else ready
+            # the daemon selects engines by rank: a tensor-parallel engine's record has its first rank
+            ranks = None if len(ready) == len(records) else [records[i].get("rank", i) for i in ready]
             t0 = time.monotonic()
             kind, reason, nbytes = "full", "", None
             if self.delta is not None:
@@ -392,7 +393,7 @@ class DaemonWeightSync:
                 prepared = self.delta.prepare(name, named_tensors, held.pop() if len(held) == 1 else None)
                 kind, reason = prepared.choice.kind, prepared.choice.reason
                 if kind == "delta":
-                    kind, reason = self._update_by_delta(name, prepared, ranks, len(records))
+                    kind, reason = self._update_by_delta(name, prepared, ranks, num_ranks(records))
                     nbytes = prepared.nbytes if kind == "delta" else None
                 else:
                     self.client.update(name, ranks)

@@ -169,6 +169,11 @@ def shard_size_bytes(sizes_bytes: Mapping[str, int], num_ranks: int) -> int:
     return max(max(sizes_bytes.values(), default=1), math.ceil(total / max(num_ranks, 1)))
 
 
+def num_ranks(records: list[dict]) -> int:
+    """The daemon's ranks behind its engine records (a tensor-parallel engine's record names its group)."""
+    return sum(len(r.get("ranks") or [0]) for r in records)
+
+
 def write_version(handoff: pathlib.Path, name: str, tensors: Mapping[str, torch.Tensor], num_ranks: int) -> list[str]:
     sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
     files = hf_dir.write_safetensors(handoff / name, tensors, max_shard_size_bytes=shard_size_bytes(sizes, num_ranks))

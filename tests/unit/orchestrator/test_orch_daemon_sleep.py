@@ -136,6 +136,12 @@ class FakeDaemon(JsonRequestHandler):
                 self.engines[1]["checkpoint"] = "policy-v0"
             ranks = [{"rank": e["rank"], "result": {"update": {"total_s": UPDATE_S}}} for e in self.engines]
             return 200, {"ok": True, "ranks": ranks}
+        if route == "/update":
+            wanted = set(body.get("ranks") or [r for e in self.engines for r in e.get("ranks", [e["rank"]])])
+            for e in self.engines:
+                if wanted & set(e.get("ranks", [e["rank"]])):
+                    e.update(state="serving", checkpoint=body["name"])
+            return 200, {"ok": True, "ranks": []}
         return 404, {"ok": False, "error": f"no route {route}"}
 
 
@@ -276,3 +282,20 @@ def test_a_wake_that_leaves_an_engine_on_the_old_version_is_a_switch_error(make_
         r"\(rank 1: serving policy-v0\)",
     ):
         sync.push(TENSORS, 1)
+
+
+def test_a_push_names_tensor_parallel_engines_by_their_first_rank(make_sync):
+    """The daemon's records of TP 2 engines (`--ranks-per-engine 2`): the second engine, of ranks 2-3,
+    is selected by rank 2, not by its place in the list (1 would select the first engine's group)."""
+    from orchestrator.engines.daemon_client import num_ranks
+
+    FakeDaemon.engines = [
+        {"rank": 0, "ranks": [0, 1], "state": "failed", "checkpoint": None, "url": "http://127.0.0.1:9000"},
+        {"rank": 2, "ranks": [2, 3], "state": "serving", "checkpoint": "policy-v0", "url": "http://127.0.0.1:9002"},
+    ]
+    sync = make_sync(0)
+    sync.colocated = False
+    sync.push(TENSORS, 1)
+    assert bodies("POST /update") == [{"name": "policy-v1", "ranks": [2]}]
+    assert [e["checkpoint"] for e in FakeDaemon.engines] == [None, "policy-v1"]  # the healing one is left to its heal
+    assert num_ranks(FakeDaemon.engines) == 4 and num_ranks([{"rank": 0}, {"rank": 1}]) == 2
