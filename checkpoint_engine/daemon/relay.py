@@ -19,6 +19,7 @@ import time
 import torch.distributed as dist
 
 from checkpoint_engine.daemon.store_wait import FIRST_PAUSE_S, MAX_PAUSE_S, wait_for_keys
+from checkpoint_engine.engines.config import engine_group
 
 IDLE_WAIT_S = 5.0
 
@@ -129,7 +130,6 @@ class EngineBoard:
             for r in range(0, self.world_size, self.ranks_per_engine):
                 key = f"engines/{r}"
                 known = self.store.check([key])
-                group = list(range(r, r + self.ranks_per_engine))
-                unknown = {"rank": r, "ranks": group, "state": "stopped"}
+                unknown = {"rank": r, "ranks": engine_group(r, self.ranks_per_engine), "state": "stopped"}
                 out.append(json.loads(self.store.get(key)) if known else unknown)
         return out

@@ -122,6 +122,12 @@ def engine_env(environ: dict[str, str] | None = None, device: str = "cpu") -> di
     return env
 
 
+def engine_group(rank: int, ranks_per_engine: int) -> list[int]:
+    """The ranks whose devices `rank`'s engine serves: its group of `ranks_per_engine` consecutive ranks."""
+    first = rank // ranks_per_engine * ranks_per_engine
+    return list(range(first, first + ranks_per_engine))
+
+
 def group_device(device: str, ranks_per_engine: int) -> str:
     """The `{device}` of an engine serving `ranks_per_engine` consecutive local ranks from `device`
     (its first rank's): `cuda:2` with 2 -> `cuda:2,3`; cpu stays cpu."""

@@ -65,9 +65,7 @@ from __future__ import annotations
 import json
 
 from checkpoint_engine.daemon.store_wait import wait_for_keys
-from checkpoint_engine.engines.config import (
-    EngineConfig,
-)
+from checkpoint_engine.engines.config import EngineConfig, engine_group
 from checkpoint_engine.engines.process import ManagedEngine, Watchdog
 
 
@@ -92,9 +90,8 @@ class EngineHost:
             )
         self.rank, self.world_size, self.config, self.store = rank, world_size, config, store
         self.ranks_per_engine = n
-        first = rank // n * n
-        self.group = list(range(first, first + n))
-        self.leads = rank == first
+        self.group = engine_group(rank, n)
+        self.leads = rank == self.group[0]
         quiet = lambda record: None  # a group's other ranks run no engine: nothing to publish
         self.engine = ManagedEngine(
             rank, config, device=device, publish=publish if self.leads else quiet, ranks=self.group
@@ -106,8 +103,7 @@ class EngineHost:
         """`ranks` (None or empty: all) widened to whole engine groups: a rank selects its group's engine."""
         if not ranks:
             return list(range(self.world_size))
-        n = self.ranks_per_engine
-        return sorted({g for r in ranks for g in range(r // n * n, r // n * n + n)})
+        return sorted({g for r in ranks for g in engine_group(r, self.ranks_per_engine)})
 
     def runs(self, members: list[int]) -> bool:
         """This rank runs one of the engines of `members` (it leads a group among them)."""

@@ -29,6 +29,7 @@ __all__ = [
     "get_json",
     "rank_pid",
     "rpc",
+    "rpc_all",
     "run_python",
     "run_ranks",
     "run_scenario",
@@ -53,13 +54,19 @@ def get_json(url: str, timeout_s: float = 10.0) -> dict:
 
 
 def rpc(url: str, method: str, timeout_s: float = 30.0) -> dict:
+    """The first worker's result of a `/collective_rpc` call (a plain engine has one)."""
+    return rpc_all(url, method, timeout_s)[0]
+
+
+def rpc_all(url: str, method: str, timeout_s: float = 30.0) -> list:
+    """Every worker's result of a `/collective_rpc` call (one per worker, as vLLM answers)."""
     req = urllib.request.Request(
         url + "/collective_rpc",
         data=json.dumps({"method": method, "args": []}).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())["results"][0]
+        return json.loads(r.read())["results"]
 
 
 def rank_pid(torchrun_pid: int, rank: int) -> int:

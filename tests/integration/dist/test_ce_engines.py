@@ -20,7 +20,7 @@ from checkpoint_engine.checksum import tensor_checksum
 from ckpt_common.httpjson import status_json
 from testing.daemon import status_json_when_free
 from tests.integration.dist import harness
-from tests.integration.dist.harness import Daemon, rpc
+from tests.integration.dist.harness import Daemon, rpc, rpc_all
 
 ENGINE_CMD = json.dumps(
     [sys.executable, "-m", "checkpoint_engine.engines.plain", "--port", "{port}", "--device", "{device}"]
@@ -218,13 +218,6 @@ def test_tensor_parallel_engines_of_two_ranks_each_start_update_heal_and_stop_as
         assert not alive(pid0)
     finally:
         daemon.stop()
-
-
-def rpc_all(url: str, method: str) -> list:
-    """Every worker's result of a `/collective_rpc` call."""
-    code, res = status_json("POST", url + "/collective_rpc", {"method": method, "args": []}, timeout_s=30.0)
-    assert code == 200, res
-    return res["results"]
 
 
 def test_engines_that_load_from_the_ps_start_and_heal_through_their_load_step(tmp_path):
