@@ -71,6 +71,13 @@ class EngineWeightState:
             self.status = WeightsStatus.INCOMPLETE
             self.last_error = f"update {self.version}->{self.version + 1} aborted: {reason}"
 
+    def invalidate(self, reason: str) -> None:
+        """Weights that completed turn out not to be what the engine computes with (a check after the
+        update): incomplete until the next update completes."""
+        with self._lock:
+            self.status = WeightsStatus.INCOMPLETE
+            self.last_error = f"version {self.version} failed its check: {reason}"
+
     def report(self) -> dict:
         """JSON-ready view: what a health endpoint or `collective_rpc` returns."""
         with self._lock:

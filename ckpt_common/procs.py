@@ -352,7 +352,9 @@ SHM_DIR = "/dev/shm"
 # Python's multiprocessing names them so: shared_memory.SharedMemory (vLLM's message queues) and the
 # named semaphores of its locks under the spawn start method (vLLM's workers). A process that has
 # imported joblib gets its semaphores named by joblib's loky instead (it renames multiprocessing's).
-SHM_PREFIXES = ("psm_", "sem.mp-", "sem.loky-")
+# vLLM's CPU backend names the shared-memory buffers of its tensor-parallel communicator
+# "vllm_dist_<id>-tp:<group>-cpushm_<rank>" (4 MiB each, one per worker).
+SHM_PREFIXES = ("psm_", "sem.mp-", "sem.loky-", "vllm_dist_")
 
 
 def group_pids(pgid: int) -> list[int]:

@@ -127,6 +127,41 @@ def completion_token_ids(
     return [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])]
 
 
+def completion_logprobs(
+    base_url: str, model: str, prompts: Sequence[str], max_tokens: int, *, timeout_s: float = 120.0
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy completions' (token ids, each token's logprob), in prompt order: a model that computes
+    with other weights shows in the logprobs even where its greedy tokens happen to agree."""
+    body = {
+        "model": model,
+        "prompt": list(prompts),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": 1,
+    }
+    status, out = http_json("POST", base_url.rstrip("/") + "/v1/completions", body, timeout_s=timeout_s)
+    if status != 200:
+        raise RuntimeError(f"completions at {base_url} answered {status}: {str(out)[:500]}")
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    return [(c["token_ids"], [float(x) for x in c["logprobs"]["token_logprobs"]]) for c in choices]
+
+
+def assert_same_logprobs(got: list, want: list, *, abs_tol: float = 1e-3) -> None:
+    """Two `completion_logprobs` answers agree: the same tokens, each logprob within `abs_tol`."""
+    assert [t for t, _ in got] == [t for t, _ in want], f"tokens differ: {got} vs {want}"
+    worst = max(abs(a - b) for (_, la), (_, lb) in zip(got, want) for a, b in zip(la, lb))
+    assert worst <= abs_tol, f"logprobs differ by up to {worst:.3g} (> {abs_tol}): {got} vs {want}"
+
+
+def assert_kernels_checked(states: list[dict]) -> None:
+    """Every worker's last reload checked its kernels against its weights, the head among them."""
+    for rank, state in enumerate(states):
+        check = state.get("kernel_check")
+        assert check and check["modules_checked"] > 0 and not check["failed"], f"worker {rank}: {check}"
+
+
 class StreamedCompletion:
     """One greedy completion streamed on a thread, one event per token, each token's arrival time
     noted: a request in flight while the weights change (`pause_across` measures what it saw).

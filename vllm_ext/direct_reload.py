@@ -185,6 +185,11 @@ class DirectReloader:
         """Checkpoint name -> staging slice that holds exactly that tensor (learned on the first update)."""
         return dict(self._slots)
 
+    def reference_weights(self) -> dict[torch.nn.Module, torch.Tensor]:
+        """Module -> its model-format weight as last loaded (the staging weights), for
+        `vllm_ext.kernel_check` to compare each packed kernel with."""
+        return dict(self._staging)
+
     def _learn_slot(self, loaded_weight: torch.Tensor, capture: RecordCopies) -> None:
         """Keep the loader's destination as the name's slot when the loader was one plain copy of it
         (`placement.plain_slot`: a tensor found in its slot later skips its loader)."""

@@ -34,6 +34,10 @@ class ReceiverConfig:
     # them: over TCP thousands of row-sized reads cost more than the bytes they save
     # (benchmarks/bench_sharded.py). 0: every slice row by row (RDMA).
     sharded_max_ranges_per_tensor: int = 64
+    # After each reload, run every linear/embedding layer's kernel on a few fixed rows and compare
+    # with its weights (vllm_ext.kernel_check): a layer computing with stale values fails the update
+    # (the engine reports incomplete). A 4-row GEMM per layer; off only to save that.
+    kernel_check: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "reload_timeout_s"):
@@ -42,6 +46,8 @@ class ReceiverConfig:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
         if not isinstance(self.weight_cache, bool):
             raise ValueError(f"weight_cache must be true or false, got {self.weight_cache!r}")
+        if not isinstance(self.kernel_check, bool):
+            raise ValueError(f"kernel_check must be true or false, got {self.kernel_check!r}")
         if not isinstance(self.keep_mappings, bool):
             raise ValueError(f"keep_mappings must be true or false, got {self.keep_mappings!r}")
         v = self.sharded_max_ranges_per_tensor

@@ -75,6 +75,8 @@ class VllmColocateWorkerExtension:
         report.update(
             reload_impl=None if not decided else "vllm" if direct is None else "direct",
             reload_impl_note=getattr(self, "_ckpt_engine_impl_note", None),
+            shared_weights=getattr(self, "_ckpt_engine_shared_note", None),
+            kernel_check=getattr(self, "_ckpt_engine_kernel_report", None),
             direct_reload_last=None
             if stats is None
             else {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.__dict__.items()},
@@ -112,6 +114,7 @@ class VllmColocateWorkerExtension:
                 self._ckpt_engine_receiver_obj = receiver
                 logger.info("checkpoint-engine receiver taken over from the load step (%s)", receiver.config)
                 self._ckpt_engine_shard_reads(receiver)
+                self._ckpt_engine_check_loaded(receiver)
                 return receiver
             extra = getattr(self.vllm_config, "additional_config", None) or {}
             settings = extra.get("checkpoint_engine") if isinstance(extra, Mapping) else None
@@ -142,19 +145,72 @@ class VllmColocateWorkerExtension:
             logger.info("checkpoint-engine: pulls this worker reads itself take only its tensor-parallel slices")
 
     def _ckpt_engine_reload(self, weights_iterator) -> None:
+        """One reload (vLLM's or the direct one), then the weights other modules share processed again
+        (`vllm_ext.shared_weights`) and, unless `kernel_check` is off, every layer's kernel checked
+        against its weights (`vllm_ext.kernel_check`: raises, so the update fails and the engine
+        reports `incomplete`)."""
+        from vllm.config import set_current_vllm_config
+
         direct = self._ckpt_engine_direct()
         if direct is None:  # vLLM's own reload (the worker's wraps the runner's under the vLLM config)
             self.reload_weights(weights_iterator=weights_iterator)
+        else:
+            with set_current_vllm_config(self.vllm_config):
+                direct(weights_iterator)
+            runner = self.model_runner
+            for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as runner.reload_weights
+                reset = getattr(runner, name, None)
+                if callable(reset):
+                    reset()
+        self._ckpt_engine_after_reload(direct)
+
+    def _ckpt_engine_models(self) -> list:
+        """(prefix, model) of what this worker computes with: the model and, with speculative decoding,
+        its draft model (which may share the target's embedding or head)."""
+        import torch
+
+        models = [("", self.model_runner.get_model())]
+        draft = getattr(getattr(self.model_runner, "drafter", None), "model", None)
+        if isinstance(draft, torch.nn.Module):
+            models.append(("drafter.", draft))
+        return models
+
+    def _ckpt_engine_check_loaded(self, receiver) -> None:
+        """The kernel check for weights vLLM's load step took (vLLM processed every layer after it):
+        a failure turns the version incomplete, so the gate refuses generation."""
+        from vllm_ext.kernel_check import KernelMismatch
+
+        if not receiver.config.kernel_check:
             return
+        try:
+            self._ckpt_engine_run_kernel_check(None)
+        except KernelMismatch as e:
+            logger.error("the weights of the load step failed the kernel check: %s", e)
+            receiver.state.invalidate(str(e))
+
+    def _ckpt_engine_run_kernel_check(self, direct) -> None:
         from vllm.config import set_current_vllm_config
 
+        from vllm_ext.kernel_check import check_kernels
+
+        models = self._ckpt_engine_models()
+        modules = [(f"{prefix}{name}", m) for prefix, model in models for name, m in model.named_modules()]
+        refs = direct.reference_weights() if direct is not None else None
+        self._ckpt_engine_kernel_report = None
         with set_current_vllm_config(self.vllm_config):
-            direct(weights_iterator)
-        runner = self.model_runner
-        for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as runner.reload_weights
-            reset = getattr(runner, name, None)
-            if callable(reset):
-                reset()
+            self._ckpt_engine_kernel_report = check_kernels(modules, refs).as_dict()
+
+    def _ckpt_engine_after_reload(self, direct) -> None:
+        from vllm.config import set_current_vllm_config
+
+        from vllm_ext.shared_weights import reprocess_shared
+
+        with set_current_vllm_config(self.vllm_config):
+            plan = reprocess_shared(self._ckpt_engine_models())
+        self._ckpt_engine_shared_note = {"reprocessed": list(plan.reprocess), "refused": list(plan.refused)}
+        self._ckpt_engine_kernel_report = None
+        if self._ckpt_engine_receiver().config.kernel_check:
+            self._ckpt_engine_run_kernel_check(direct)  # raises KernelMismatch: the update fails
 
     def _ckpt_engine_direct(self):
         """The direct reloader when `reload_impl` allows and the model qualifies (decided once), else None."""

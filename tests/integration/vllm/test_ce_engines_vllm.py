@@ -25,12 +25,22 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 def test_daemon_heals_a_killed_vllm_engine(tmp_path):
+    from ckpt_common.procs import group_shm_segments
     from demo.tiny_model import TinyModelConfig, make_tiny_model
-    from testing.vllm_servers import CPU_ENGINE_ARGS, child_env, completion_token_ids, http_json
+    from testing.vllm_servers import (
+        CPU_ENGINE_ARGS,
+        assert_kernels_checked,
+        assert_same_logprobs,
+        child_env,
+        completion_logprobs,
+        completion_token_ids,
+        http_json,
+    )
     from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import collective_rpc
 
-    model = make_tiny_model(tmp_path / "A", TinyModelConfig.tiny(init_std=0.1), seed=11)
+    # tied embeddings (no lm_head.weight in the checkpoint), as most small open models have
+    model = make_tiny_model(tmp_path / "A", TinyModelConfig.tiny(init_std=0.1, tie_word_embeddings=True), seed=11)
     engine_cmd = [
         *(sys.executable, "-m", "vllm_ext.launch", "--model", str(model), "--load-rendezvous", "{rendezvous}"),
         # the load step starts its transfer engine, connects to the owners and places the tensors
@@ -62,8 +72,16 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         assert [(e["state"], e["checkpoint"]) for e in states] == [("serving", "A")] * 2, states
         tokens = [completion_token_ids(e["url"], str(model), PROMPTS, MAX_TOKENS) for e in states]
         assert tokens[0] == tokens[1]
+        logprobs = completion_logprobs(states[0]["url"], str(model), PROMPTS, MAX_TOKENS)
+        assert_same_logprobs(completion_logprobs(states[1]["url"], str(model), PROMPTS, MAX_TOKENS), logprobs)
+        # the load step's weights passed the kernel check (asked when the receiver is taken over)
+        for e in states:
+            assert_kernels_checked(collective_rpc(e["url"], "weights_state", timeout_s=30.0))
 
-        os.kill(states[1]["pid"], signal.SIGKILL)
+        # the engine's whole process group SIGKILLed (as the OOM killer or a batch system's kill of
+        # everything leaves it): its segments in /dev/shm must not outlive the heal
+        dead_segments = group_shm_segments(states[1]["pid"])
+        os.killpg(states[1]["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         answered_during_heal = 0
         deadline = killed_at + STARTUP_TIMEOUT_S
@@ -81,6 +99,9 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         assert answered_during_heal >= 1
         assert now[1]["last_failure"]["exit_code"] == -9 and now[1]["checkpoint"] == "A", now
         assert completion_token_ids(now[1]["url"], str(model), PROMPTS, MAX_TOKENS) == tokens[0]
+        assert_same_logprobs(completion_logprobs(now[1]["url"], str(model), PROMPTS, MAX_TOKENS), logprobs)
+        left = sorted(p for p in dead_segments if os.path.exists(p))
+        assert not left, f"the killed engine's segments outlived its heal: {left}"
         # the healed engine's weights came in its load step (version 1), not as a push into dummy weights
         (healed_state,) = collective_rpc(now[1]["url"], "weights_state", timeout_s=30.0)
         assert healed_state["version"] == 1 and healed_state["checkpoint"] == "A", healed_state
@@ -107,13 +128,18 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
             assert http_json("GET", e["url"] + "/launcher/status")[1]["update_route"] == "native"
             assert http_json("GET", e["url"] + "/weight_info")[1] == {"weight_version": "A2"}, e
             assert completion_token_ids(e["url"], str(model), PROMPTS, MAX_TOKENS) == tokens[0]
+            assert_same_logprobs(completion_logprobs(e["url"], str(model), PROMPTS, MAX_TOKENS), logprobs)
+            assert_kernels_checked(collective_rpc(e["url"], "weights_state", timeout_s=30.0))
 
+        serving_segments = set().union(*(group_shm_segments(e["pid"]) for e in engines(daemon.url)))
         code, res = call("POST", "/engines/stop", {})
         assert code == 200 and res["ok"], res
         assert [e["state"] for e in engines(daemon.url)] == ["stopped", "stopped"]
         for pid in (states[0]["pid"], states[1]["pid"], now[1]["pid"]):  # launchers and their vLLM processes
             with pytest.raises(ProcessLookupError):
                 os.killpg(pid, 0)  # each engine ran in its own process group: none of it is left
+        left = sorted(p for p in serving_segments if os.path.exists(p))
+        assert not left, f"stopped engines left segments: {left}"
         assert daemon.shutdown(120) == 0, daemon.log_tail()
         print(f"heal of a vLLM engine: {heal_s:.1f} s (recovery_s {now[1]['recovery_s']})")
     finally:

@@ -16,6 +16,11 @@ Four vLLM starts for the whole module, all at once (module fixtures):
            the RL routes share one receiver (the routes' tests, pause modes abort and keep, run on it)
 `fast` and `gated` are ranks 0 and 1 of the two-rank pushes (`python -m vllm_ext.push`).
 Tests run in file order: `test_gated_engine_refuses_before_weights` must see `gated` unpushed.
+
+The models have tied embeddings (no `lm_head.weight` in the checkpoint: the head computes with the
+embedding), so every route here (the load step, the direct reload, vLLM's reload, deltas, the native
+routes) is checked on that shape: against the reference engines by each token's logprob, and by each
+worker's kernel check (`weights_state()["kernel_check"]`).
 """
 
 from __future__ import annotations
@@ -60,12 +65,19 @@ def _reference(model_dir: str, out_json: str, update_to: str | None, native_to: 
 
     native = {"weight_transfer_config": {"backend": "checkpoint_engine"}} if native_to else {}
     llm = cpu_llm(model_dir, load_format="auto", **native)  # started normally (+ extension)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
 
     def generate(prompts=PROMPTS):
         return [list(r.outputs[0].token_ids) for r in llm.generate(prompts, params, use_tqdm=False)]
 
-    out = {"token_ids": generate(), "state": llm.collective_rpc("weights_state")[0]}
+    def logprobs():  # as testing.vllm_servers.completion_logprobs reads them from a server
+        out = []
+        for r in llm.generate(PROMPTS, params, use_tqdm=False):
+            ids = list(r.outputs[0].token_ids)
+            out.append((ids, [lp[t].logprob for t, lp in zip(ids, r.outputs[0].logprobs)]))
+        return out
+
+    out = {"token_ids": generate(), "logprobs": logprobs(), "state": llm.collective_rpc("weights_state")[0]}
     out["long_token_ids"] = generate([LONG_PROMPT])[0]
     if update_to:
         ps = ParameterServer(
@@ -77,6 +89,7 @@ def _reference(model_dir: str, out_json: str, update_to: str | None, native_to: 
         ps.gather_metas("B")
         ps.update("B", llm_req_func(llm, timeout_s=120.0))
         out["updated_token_ids"] = generate()
+        out["updated_logprobs"] = logprobs()
         out["updated_state"] = llm.collective_rpc("weights_state")[0]
         out["updated_checksum"] = llm.collective_rpc("weights_checksum")[0]
     if native_to:  # vLLM's weight-transfer API with the checkpoint_engine backend (issue 43)
@@ -130,7 +143,7 @@ def models(workdir) -> dict[str, Path]:
     from demo.tiny_model import TinyModelConfig, make_tiny_model
 
     # A larger init std than the default gives clear logit margins, so greedy ties cannot flip.
-    cfg = TinyModelConfig.tiny(init_std=0.1)
+    cfg = TinyModelConfig.tiny(init_std=0.1, tie_word_embeddings=True)
     return {"A": make_tiny_model(workdir / "A", cfg, seed=11), "B": make_tiny_model(workdir / "B", cfg, seed=12)}
 
 
@@ -229,6 +242,15 @@ def _outputs(engines) -> list[list[list[int]]]:
     return [completion_token_ids(engines[k].url, engines[k].model, PROMPTS, MAX_TOKENS) for k in ("fast", "gated")]
 
 
+def _assert_logprobs_of(engines, want: list) -> None:
+    """Both engines answer with each token's logprob as the reference engine did (from disk)."""
+    from testing.vllm_servers import assert_same_logprobs, completion_logprobs
+
+    for k in ("fast", "gated"):
+        got = completion_logprobs(engines[k].url, engines[k].model, PROMPTS, MAX_TOKENS)
+        assert_same_logprobs(got, [tuple(x) for x in want])
+
+
 def _expected_checksum(model_dir: Path) -> str:
     from demo.tiny_model import load_state_dict_from_dir
     from vllm_ext.weight_cache import checkpoint_checksum
@@ -317,10 +339,13 @@ def test_gated_engine_refuses_before_weights(engines):
 
 
 def test_two_ranks_two_updates_follow_weights(engines, models):
+    from testing.vllm_servers import assert_kernels_checked
+
     refs = engines["refs"]
     results = _push(models, engines, "B", tag="two-ranks-B")
     assert [c for c, _ in results] == [0, 0], results
     assert _outputs(engines) == [refs["b"]["token_ids"]] * 2
+    _assert_logprobs_of(engines, refs["b"]["logprobs"])
     before = _states(engines)
     assert all(s["status"] == "ready" and s["checkpoint"] == "B" for s in before)
     checksum_b = _expected_checksum(models["B"])
@@ -330,7 +355,10 @@ def test_two_ranks_two_updates_follow_weights(engines, models):
     results = _push(models, engines, "A", tag="two-ranks-A")
     assert [c for c, _ in results] == [0, 0], results
     assert _outputs(engines) == [refs["a"]["token_ids"]] * 2
+    _assert_logprobs_of(engines, refs["a"]["logprobs"])
     after = _states(engines)
+    assert_kernels_checked(after)  # the direct reload (fast) and vLLM's (gated): every kernel, the head too
+    assert [s["shared_weights"]["reprocessed"] for s in after] == [["model.embed_tokens", "lm_head"]] * 2
     assert [a["version"] - b["version"] for a, b in zip(after, before)] == [1, 1]
     assert _checksums(engines) == [_expected_checksum(models["A"]), None]
     zero_copy = after[1]["last_update"]
@@ -345,10 +373,16 @@ def test_two_ranks_two_updates_follow_weights(engines, models):
 
 
 def test_in_process_llm_update_matches_normal_start(engines, models):
+    from testing.vllm_servers import assert_same_logprobs
+
     ref_a = engines["refs"]["a"]
     # started normally: no update received, its own weights are complete
     assert (ref_a["state"]["status"], ref_a["state"]["weights_complete"]) == ("initial", True)
     assert ref_a["updated_token_ids"] == engines["refs"]["b"]["token_ids"]
+    assert_same_logprobs(
+        [tuple(x) for x in ref_a["updated_logprobs"]], [tuple(x) for x in engines["refs"]["b"]["logprobs"]]
+    )
+    assert ref_a["updated_state"]["kernel_check"]["failed"] == [], ref_a["updated_state"]
     assert (ref_a["updated_state"]["version"], ref_a["updated_state"]["status"]) == (1, "ready")
     assert ref_a["updated_state"]["last_update"]["num_buckets"] > 1
     assert ref_a["updated_checksum"]["checksum"] == _expected_checksum(models["B"])
@@ -625,6 +659,7 @@ def test_a_delta_update_reaches_vllm_and_an_engine_without_a_weight_cache_takes_
     from checkpoint_engine.ps import ParameterServer
     from checkpoint_engine.sharding.delta_sync import DeltaSync
     from demo.tiny_model import load_state_dict_from_dir
+    from testing.vllm_servers import assert_kernels_checked, assert_same_logprobs, completion_logprobs
     from vllm_ext.req import collective_rpc
     from vllm_ext.weight_cache import checkpoint_checksum
     from vllm_ext.weight_transfer.req import engine_req_func
@@ -657,6 +692,9 @@ def test_a_delta_update_reaches_vllm_and_an_engine_without_a_weight_cache_takes_
     )
     outputs = _outputs(engines)
     assert outputs[0] == outputs[1] and outputs[0] != engines["refs"]["b"]["token_ids"], outputs
+    assert_kernels_checked([fast_state, gated_state])  # the delta's reload too
+    got = [completion_logprobs(engines[k].url, engines[k].model, PROMPTS, MAX_TOKENS) for k in ("fast", "gated")]
+    assert_same_logprobs(got[0], got[1])
 
 
 def torch_randn_like(t, seed: int):

@@ -30,6 +30,13 @@ disk); then SIGKILLed: the daemon's healer restarts it and the heal pulls B from
 Mooncake, each worker reading only its slices: the same checksums and tokens again, each worker taking
 at most 0.55 of the checkpoint.
 
+The model has tied embeddings (`tie_word_embeddings`, as Qwen2.5 up to 3B, Llama 3.2 1B/3B): the
+checkpoint holds no `lm_head.weight`, and the head computes with the embedding. Every comparison with
+the engine loaded from disk is by vLLM's `/weight_checker` and by each generated token's logprob, not
+only greedy tokens, and every worker's kernel check passed (`weights_state()["kernel_check"]`): vLLM's
+layerwise reload at TP 2 once left the head's packed CPU copy at the dummy weights (every logprob
+-ln(vocab)) while every state said it served B.
+
 The launcher's `--sharded-max-ranges-per-tensor 0` is set here through `--additional-config`, as
 the launcher passes it: every row-parallel slice is read row by row (exact bytes; the default, 64
 ranges, reads a row-parallel slice's covering range and trades bytes for fewer reads).
@@ -64,6 +71,12 @@ MAX_SHARE_PER_WORKER = 0.55  # issue 44's bound; an exact half plus the replicat
 # what the first test's engine, B loaded from disk, answered: the daemon test's reference (filled there;
 # the daemon test alone starts such an engine itself)
 DISK_REFERENCE: dict = {}
+
+
+def _tied():
+    from demo.tiny_model import TinyModelConfig
+
+    return TinyModelConfig.tiny(tie_word_embeddings=True)
 
 
 def _push(model_dir: Path, url: str, log_dir: Path, tag: str) -> list[dict]:
@@ -143,11 +156,22 @@ def _equal_in_a_and_b(model_a: Path, model_b: Path) -> set[str]:
 def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
     from ckpt_common.ports import free_port
     from demo.tiny_model import load_state_dict_from_dir, make_tiny_model
-    from testing.vllm_servers import ServerProcess, child_env, completion_token_ids, http_json, vllm_serve_command
+    from testing.vllm_servers import (
+        ServerProcess,
+        assert_kernels_checked,
+        assert_same_logprobs,
+        child_env,
+        completion_logprobs,
+        completion_token_ids,
+        http_json,
+        vllm_serve_command,
+    )
     from vllm_ext.req import collective_rpc
 
-    model_a = make_tiny_model(tmp_path / "A", seed=1)
-    model_b = make_tiny_model(tmp_path / "B", seed=2)
+    TIED = _tied()
+
+    model_a = make_tiny_model(tmp_path / "A", TIED, seed=1)
+    model_b = make_tiny_model(tmp_path / "B", TIED, seed=2)
     checkpoint_bytes = sum(p.stat().st_size for p in model_b.glob("*.safetensors"))
     port = free_port()
     cmd = vllm_serve_command(
@@ -166,7 +190,8 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         disk = _checksums(url)["checksums"]
         assert {k.split(":")[3] for k in disk} == {"tp0", "tp1"}, sorted(disk)[:4]
         disk_tokens = completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS)
-        DISK_REFERENCE.update(checksums=disk, tokens=disk_tokens)
+        disk_logprobs = completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS)
+        DISK_REFERENCE.update(checksums=disk, tokens=disk_tokens, logprobs=disk_logprobs)
 
         _push(model_a, url, tmp_path, "push-a")
         after_a = _checksums(url)["checksums"]
@@ -184,14 +209,15 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         assert [m.get("mode") for m in metrics] == ["p2p_engine"] * 2, metrics
         compared = _checksums(url, "compare", baseline=disk)
         assert compared == {"match": True, "mismatches": []}, compared
-        assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
+        assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
+        assert_kernels_checked(collective_rpc(url, "weights_state", timeout_s=60.0))
 
         # every weight lost (vLLM's reset zeroes them, the norms and biases too): the same pull restores all
         assert _checksums(url, "reset") == {"status": "reset"}
         assert _checksums(url, "compare", baseline=disk)["match"] is False
         _push(model_b, url, tmp_path, "push-b-again")
         assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
-        assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
+        assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
 
         states = collective_rpc(url, "weights_state", timeout_s=60.0)
         assert len(states) == 2
@@ -214,6 +240,7 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         assert sum(r["num_tensors"] for r in results) == len(load_state_dict_from_dir(model_a))
         assert min(r["num_tensors"] for r in results) > 0  # each rank registered its share
         assert _checksums(url, "compare", baseline=after_a) == {"match": True, "mismatches": []}
+        assert_kernels_checked(collective_rpc(url, "weights_state", timeout_s=60.0))
         status, info = http_json("GET", f"{url}/weight_info", timeout_s=30.0)
         assert (status, info) == (200, {"weight_version": "vllm-native-1"}), info
         # the direct reload is for one TP rank: at TP 2 every update went through vLLM's layerwise reload
@@ -240,18 +267,27 @@ def _check_shares(states: list[dict], checkpoint_bytes: int) -> list[float]:
 
 
 def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path):
+    from ckpt_common.procs import group_shm_segments
     from demo.tiny_model import make_tiny_model
     from testing.daemon import start_daemon
-    from testing.vllm_servers import ServerProcess, child_env, completion_token_ids, vllm_serve_command
+    from testing.vllm_servers import (
+        ServerProcess,
+        assert_kernels_checked,
+        assert_same_logprobs,
+        child_env,
+        completion_logprobs,
+        completion_token_ids,
+        vllm_serve_command,
+    )
     from tests.integration.dist.test_ce_engines import engines
     from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import collective_rpc
 
     # the first test's B, value for value, in three files: the daemon's ranks each register some (a
     # worker then maps its own rank's memory and reads the other's over Mooncake)
-    model_b = make_tiny_model(tmp_path / "B", seed=2, max_shard_size_bytes=6_000_000)
+    model_b = make_tiny_model(tmp_path / "B", _tied(), seed=2, max_shard_size_bytes=6_000_000)
     assert len(list(model_b.glob("*.safetensors"))) == 3
-    model_a = make_tiny_model(tmp_path / "A", seed=1, max_shard_size_bytes=6_000_000)
+    model_a = make_tiny_model(tmp_path / "A", _tied(), seed=1, max_shard_size_bytes=6_000_000)
     checkpoint_bytes = sum(p.stat().st_size for p in model_b.glob("*.safetensors"))
     env = child_env(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_EXT_START_METHOD="fork")
     if not DISK_REFERENCE:  # run alone: B from disk at TP 2 once, as the first test does
@@ -270,10 +306,11 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
             DISK_REFERENCE.update(
                 checksums=_checksums(server.url)["checksums"],
                 tokens=completion_token_ids(server.url, str(model_b), PROMPTS, MAX_TOKENS),
+                logprobs=completion_logprobs(server.url, str(model_b), PROMPTS, MAX_TOKENS),
             )
         finally:
             server.stop()
-    disk, disk_tokens = DISK_REFERENCE["checksums"], DISK_REFERENCE["tokens"]
+    disk, disk_tokens, disk_logprobs = DISK_REFERENCE["checksums"], DISK_REFERENCE["tokens"], DISK_REFERENCE["logprobs"]
 
     tp_args = [a if a != "2" else "{ranks_per_engine}" for a in TP2_ARGS[:2]] + list(TP2_ARGS[2:-2])
     engine_cmd = [sys.executable, "-m", "vllm_ext.launch", "--model", str(model_b), "--port", "{port}"]
@@ -304,8 +341,16 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
         url = states[0]["url"]
         assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
         assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
+        assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
+        assert_kernels_checked(collective_rpc(url, "weights_state", timeout_s=60.0))
 
-        os.kill(states[0]["pid"], signal.SIGKILL)
+        # the whole engine SIGKILLed (launcher, API server, engine core, both workers: an OOM kill of
+        # its group): what it shares by name in /dev/shm must not outlive its heal
+        dead_segments = group_shm_segments(states[0]["pid"])
+        assert dead_segments, "a TP 2 vLLM engine maps shared-memory segments (its message queues)"
+        # ... the buffers of vLLM-CPU's tensor-parallel communicator among them (one per worker)
+        assert sum("cpushm" in p for p in dead_segments) == 2, sorted(dead_segments)
+        os.killpg(states[0]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             now = engines(daemon.url)
@@ -319,6 +364,10 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
         url = healed["url"]
         assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
         assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) == disk_tokens
+        assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
+        assert_kernels_checked(collective_rpc(url, "weights_state", timeout_s=60.0))
+        left = sorted(p for p in dead_segments if os.path.exists(p))
+        assert not left, f"the killed engine's segments outlived its heal: {left}"
         shares = _check_shares(collective_rpc(url, "weights_state", timeout_s=60.0), checkpoint_bytes)
         print(
             f"heal of the TP 2 engine: failure to serving {healed['recovery_s']} s; each worker took "
@@ -334,8 +383,15 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
             assert code == 200 and res["ok"], res
             assert {r["result"]["mode"] for r in res["ranks"]} == {"p2p_engine"}, res
             assert _checksums(url, "compare", baseline=DISK_REFERENCE["after_a"]) == {"match": True, "mismatches": []}
-            shares = _check_shares(collective_rpc(url, "weights_state", timeout_s=60.0), checkpoint_bytes)
+            states_a = collective_rpc(url, "weights_state", timeout_s=60.0)
+            assert_kernels_checked(states_a)
+            shares = _check_shares(states_a, checkpoint_bytes)
             print(f"update to A: each worker took {[round(x, 3) for x in shares]} of the checkpoint")
+        healed_segments = group_shm_segments(healed["pid"])
+        code, res = call("POST", "/engines/stop", {})
+        assert code == 200 and res["ok"], res
+        left = sorted(p for p in healed_segments if os.path.exists(p))
+        assert not left, f"a stopped engine's segments are left: {left}"
         assert daemon.shutdown() == 0
     finally:
         daemon.stop()
