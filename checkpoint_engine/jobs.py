@@ -34,6 +34,7 @@ from checkpoint_engine.sources import (
     EngineP2PSource,
     LocalSource,
     P2PSource,
+    RelaySource,
 )
 from checkpoint_engine.transport.devices import Transport
 from checkpoint_engine.transport.mooncake import P2PStore
@@ -68,6 +69,13 @@ class GlobalMetas:
             if r < len(self.pids):
                 self.owner_pids.setdefault(r, self.pids[r])
                 self.owner_hosts.setdefault(r, self.hosts[r])
+
+    @property
+    def owners_described(self) -> bool:
+        """Every owner rank has its own process and host recorded: the metas may come from a job of
+        another size (a trainer's world of one feeding a daemon of many), whose next update gathers
+        this job's side (`ParameterServer._with_job_info`)."""
+        return bool(self.rank_metas) and all(r in self.owner_pids and r in self.owner_hosts for r in self.rank_metas)
 
     @property
     def owners_in_job(self) -> bool:
@@ -189,13 +197,25 @@ def choose_mode(
     turns a Mooncake pull into "p2p_engine" (the engines read it themselves).
     """
     local_ok = not cannot_map
+    if requested == "relay" and not local_ok:
+        if not pull or g.owners_in_job:
+            raise ValueError(
+                f"mode='relay' pulls from owners in another job (load_metas of their metas); {g.checkpoint!r} "
+                "is owned by this job's ranks: use 'auto' or 'collective'"
+            )
+        if not have_p2p:
+            raise ValueError("mode='relay' reads the owners over Mooncake: start the parameter servers with p2p")
+        missing = [r for r in g.rank_metas if r not in g.p2p_addrs]
+        if missing:
+            raise ValueError(f"owner ranks {missing} of {g.checkpoint!r} have no P2P address: start them with p2p")
+        return "relay"
     if requested == "local" and not local_ok:
         raise ValueError(
             "mode='local' needs every owner on the receivers' host with CPU transport (ranks "
             f"{cannot_map} cannot map the owners' chunks; owner hosts: "
             f"{sorted(set(g.owner_hosts.values()))}, transport: {backend})"
         )
-    if local_ok and requested in ("auto", "local"):
+    if local_ok and requested in ("auto", "local", "relay"):
         return "local"
     if not pull:
         return "collective"
@@ -241,6 +261,10 @@ def make_source(mode: Mode, g: GlobalMetas, ckpt: RegisteredCheckpoint | None, p
         if p2p is None:
             raise ValueError("mode 'p2p_engine' needs a Mooncake transfer engine (ParameterServerConfig(p2p=...))")
         return EngineP2PSource(ckpt, p2p.cfg.host, g.p2p_addrs, g.chunk_ptrs, g.chunk_handles)
+    if mode == "relay":
+        if p2p is None:
+            raise ValueError("mode 'relay' needs a Mooncake transfer engine (ParameterServerConfig(p2p=...))")
+        return RelaySource(p2p, g.p2p_addrs, g.chunk_ptrs)
     raise ValueError(f"unknown update mode {mode!r}")
 
 

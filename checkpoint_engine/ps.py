@@ -329,7 +329,7 @@ class ParameterServer:
         if not isinstance(metas, Mapping):
             raise TypeError(f"metas must be the dict get_metas() returned, got {type(metas).__name__}")
         g = GlobalMetas.from_dict(metas)
-        if len(g.device_ids) != self._world_size:
+        if len(g.device_ids) != self._world_size and not g.owners_described:
             raise ValueError(f"metas describe {len(g.device_ids)} ranks but this world has {self._world_size}")
         if not len(g.device_ids) == len(g.pids) == len(g.hosts):
             raise ValueError(

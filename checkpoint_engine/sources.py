@@ -12,6 +12,10 @@ the engine maps and what happens to a bucket before the engine is told to read i
                 (CUDA: into pinned staging, then H2D); the owners do no work
     p2p_engine  the same pull read by the engine itself (`engine_reads`): the rank sends where each
                 tensor is in the owners' memory and the engine reads it into its parameters (CPU)
+    relay       owners in another job (a trainer's memory, on another host): the job's first rank
+                reads each bucket once over Mooncake and broadcasts it to the others, reading the
+                next bucket while this one is broadcast; each byte crosses the owners' link once
+                per update, however many hosts the job spans
 
 A source is built for one update (`jobs.make_job`), opened once by the pipeline, then asked to
 `fill` every bucket in order.
@@ -285,3 +289,87 @@ class EngineP2PSource:
 
     def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         pass  # the engine reads the bucket itself
+
+
+@dataclass
+class RelaySource:
+    """Read every bucket once from the owners (another job, e.g. the trainer) on the job's first rank
+    and broadcast it to every rank of the job; the next bucket's read overlaps this one's broadcast.
+
+    Root (job.members[0]): staging[k % 2] <- Mooncake read of bucket k (a thread, one bucket ahead);
+    half <- staging (memcpy), then broadcast(half, src=root). Other ranks: broadcast into their half.
+    A failed read is recorded on the root's link (the next agreement aborts the update on every rank)
+    and the root still broadcasts, so no rank waits in a broadcast that never comes."""
+
+    store: P2PStore
+    owner_addrs: dict[int, str]
+    chunk_ptrs: dict[int, list[int]]
+    mode: ClassVar[Mode] = "relay"
+    _shared: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _staging: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _buffers: EngineBuffers | None = field(default=None, init=False, repr=False)
+    _root: int = field(default=0, init=False)
+    _index: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _buckets: list = field(default_factory=list, init=False, repr=False)
+    _ahead: dict[int, tuple[threading.Thread, list]] = field(default_factory=dict, init=False, repr=False)
+    _half_stride: int = field(default=0, init=False)
+    read_bytes: int = field(default=0, init=False)
+
+    def open(self, job: SourceJob) -> EngineBuffers:
+        self._shared, self._buffers = _double_buffer(job, None)
+        self._root = min(job.members) if getattr(job, "members", None) else 0
+        self._buckets = list(getattr(job, "buckets", []))
+        self._index = {id(b): i for i, b in enumerate(self._buckets)}
+        self._half_stride = job.half_stride
+        if job.rank == self._root:
+            import torch
+
+            self._staging = torch.empty(2 * job.half_stride, dtype=torch.uint8)
+            self.store.register(self._staging.data_ptr(), self._staging.numel())
+            if self._buckets:
+                self._start_read(0)
+        return self._buffers
+
+    def _read(self, k: int, out: list) -> None:
+        bucket = self._buckets[k]
+        try:
+            remote = self.chunk_ptrs[bucket.owner_rank][bucket.chunk] + bucket.start_bytes
+            local = self._staging[(k % 2) * self._half_stride :][: bucket.size_bytes]
+            self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
+        except Exception as e:  # noqa: BLE001 - reported on the link, spread at the next agreement
+            out.append(f"relay read of bucket {k} from owner rank {bucket.owner_rank} at "
+                       f"{self.owner_addrs.get(bucket.owner_rank)} failed: {type(e).__name__}: {e}")
+
+    def _start_read(self, k: int) -> None:
+        out: list = []
+        t = threading.Thread(target=self._read, args=(k, out), daemon=True, name=f"relay-read-{k}")
+        t.start()
+        self._ahead[k] = (t, out)
+
+    def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
+        job, m = run.job, run.metrics
+        dst = self._shared[half : half + bucket.size_bytes]
+        if job.rank == self._root:
+            k = self._index[id(bucket)]
+            t0 = time.perf_counter()
+            thread, out = self._ahead.pop(k, (None, ["not read: an earlier relay read failed"]))
+            if thread is not None:
+                thread.join(self.store.cfg.read_timeout_s + 5)
+            if thread is not None and thread.is_alive():
+                out.append(f"relay read of bucket {k} did not finish within {self.store.cfg.read_timeout_s:g} s")
+            m.broadcast_s += time.perf_counter() - t0  # waiting for the owners' bytes
+            if k + 1 < len(self._buckets) and not out:
+                self._start_read(k + 1)  # the owners' link works while this bucket is broadcast
+            link = getattr(run, "link", None)
+            if out and link is not None and link.failure is None:
+                link.failure = out[0]
+            if not out:
+                t0 = time.perf_counter()
+                dst.copy_(self._staging[(k % 2) * self._half_stride :][: bucket.size_bytes])
+                m.copy_in_s += time.perf_counter() - t0
+                self.read_bytes += bucket.size_bytes
+        t0 = time.perf_counter()
+        if job.world_size > 1:
+            job.transport.broadcast(dst, self._root, job.group)
+        job.transport.synchronize()
+        m.broadcast_s += time.perf_counter() - t0

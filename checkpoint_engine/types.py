@@ -11,6 +11,8 @@ import them from here):
     local       every engine reads every owner's chunks in place (CPU, one host)
     p2p         a Mooncake one-sided read from the owner's chunk, through this rank
     p2p_engine  the same pull read by the engine itself (`UpdateConfig.p2p_reader="engine"`)
+    relay       a pull from owners in another job (the trainer's memory), read once by the job's
+                first rank and broadcast to the others: each byte crosses the owners' link once
 
 An update's config may ask for `SelectableMode` (or "auto": let `jobs.choose_mode` pick); "p2p" is
 never asked for: a pull takes it when local reads are impossible.
@@ -24,9 +26,9 @@ from typing import Literal, get_args
 ReqFunc = Callable[[list[tuple[str, str]]], None]
 
 SelectableMode = Literal["collective", "local"]
-Mode = Literal[SelectableMode, "p2p", "p2p_engine"]  # what an update runs as (Literal flattens: the three names)
+Mode = Literal[SelectableMode, "p2p", "p2p_engine", "relay"]  # what an update runs as (Literal flattens)
 MODES: tuple[Mode, ...] = get_args(Mode)
-RequestedMode = Literal["auto", SelectableMode]  # `UpdateConfig.mode`, daemon `--mode`
+RequestedMode = Literal["auto", SelectableMode, "relay"]  # `UpdateConfig.mode`, daemon `--mode`
 REQUESTED_MODES: tuple[RequestedMode, ...] = get_args(RequestedMode)
 
 # How an update reaches a vLLM server (vllm_ext.weight_transfer.req): vLLM's weight-transfer routes

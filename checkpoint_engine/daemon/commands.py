@@ -173,7 +173,7 @@ def check_metas(ps: ParameterServer, metas) -> GlobalMetas:
             f"malformed metas: device_ids, pids and hosts differ in length ({len(g.device_ids)}, "
             f"{len(g.pids)}, {len(g.hosts)})"
         )
-    if len(g.device_ids) != ps.world_size:
+    if len(g.device_ids) != ps.world_size and not g.owners_described:
         raise ValueError(f"metas describe {len(g.device_ids)} ranks but this world has {ps.world_size}")
     check_global_metas(g.rank_metas)
     if not g.rank_metas:

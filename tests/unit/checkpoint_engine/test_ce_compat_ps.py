@@ -220,8 +220,10 @@ def test_load_metas_keeps_this_jobs_rank_info_and_takes_the_owners():
             assert other.get_metas("c")["pids"] == theirs["pids"]
         finally:
             other.close()
+        orphan = {**theirs, "device_ids": ["a", "b"], "pids": [1, 2], "hosts": ["h", "h"]}
+        orphan.update(owner_pids={}, owner_hosts={}, ranks={"5": theirs["ranks"]["0"]})
         with pytest.raises(ValueError, match="metas describe 2 ranks but this world has 1"):
-            joiner.load_metas({**theirs, "device_ids": ["a", "b"], "pids": [1, 2], "hosts": ["h", "h"]})
+            joiner.load_metas(orphan)
         with pytest.raises(ValueError, match="malformed metas.*differ in length"):
             joiner.load_metas({**theirs, "pids": [1, 2]})
         with pytest.raises(ValueError, match="malformed metas"):

@@ -27,7 +27,7 @@ FLAGS = {
     "--token-file": (None, None),
     "--transport": ("auto", ["auto", "cpu", "cuda"]),
     "--bucket-size-mib": (None, None),
-    "--mode": ("auto", ["auto", "collective", "local"]),
+    "--mode": ("auto", ["auto", "collective", "local", "relay"]),
     "--collective-timeout-s": (300.0, None),
     "--metrics-jsonl": (None, None),
     "--progress": (False, None),

@@ -119,9 +119,13 @@ def test_metas_roundtrip_and_validation(ps):
     ps.load_metas(metas)
     with pytest.raises(ValueError, match="malformed metas"):
         ps.load_metas({"checkpoint": "c"})
-    bad = dict(metas, device_ids=["a", "b"], pids=[1, 2])
+    # another job's world of another size (a trainer's) is taken: its owners are named by pid and host
+    ps.load_metas(dict(metas, device_ids=["a", "b"], pids=[1, 2], hosts=["h", "h"]))
+    # ... but not metas whose owner is no rank of the world they describe and has no pid or host of its own
+    orphan = dict(metas, device_ids=["a", "b"], pids=[1, 2], hosts=["h", "h"], owner_pids={}, owner_hosts={})
+    orphan["ranks"] = {"5": metas["ranks"]["0"]}
     with pytest.raises(ValueError, match="describe 2 ranks but this world has 1"):
-        ps.load_metas(bad)
+        ps.load_metas(orphan)
 
 
 def test_rank_validation():
