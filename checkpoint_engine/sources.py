@@ -337,8 +337,10 @@ class RelaySource:
             local = self._staging[(k % 2) * self._half_stride :][: bucket.size_bytes]
             self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
         except Exception as e:  # noqa: BLE001 - reported on the link, spread at the next agreement
-            out.append(f"relay read of bucket {k} from owner rank {bucket.owner_rank} at "
-                       f"{self.owner_addrs.get(bucket.owner_rank)} failed: {type(e).__name__}: {e}")
+            out.append(
+                f"relay read of bucket {k} from owner rank {bucket.owner_rank} at "
+                f"{self.owner_addrs.get(bucket.owner_rank)} failed: {type(e).__name__}: {e}"
+            )
 
     def _start_read(self, k: int) -> None:
         out: list = []

@@ -3,8 +3,9 @@
 Each host is a Linux network namespace with its own IP stack and loopback, joined to one bridge by a
 veth pair; both directions of a host's link can be shaped to a stated rate with `tc qdisc ... tbf`
 (egress of each end of the pair), and a partition is the host's link set down. A host's processes
-run in its namespace and, through `unshare --mount --uts`, with its own host name and its own
-/dev/shm (a tmpfs), so nothing can cross between two hosts but the network: a daemon cannot find a
+run in its namespace and, through a holder process made with `unshare --mount --uts` and entered
+with `nsenter`, with its own host name and its own /dev/shm (a tmpfs, shared by the host's processes
+as on one machine), so nothing can cross between two hosts but the network: a daemon cannot find a
 "local" path between them. Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN); `Testbed.unavailable()`
 says why not, for a test's skip.
 
@@ -92,17 +93,30 @@ class Host:
         self.inner_if = "eth0"  # inside the namespace
         self.outer_if = f"{bed.prefix}v{index}"  # its peer, on the bridge
         self.procs: list[subprocess.Popen] = []
+        self._holder: subprocess.Popen | None = None
 
     def command(self, cmd: Sequence[str]) -> list[str]:
-        """`cmd` as it runs inside this host: its namespace, own host name and own /dev/shm."""
-        inner = f"mount -t tmpfs -o size=8g tmpfs /dev/shm && hostname {shlex.quote(self.name)} && exec " + " ".join(
-            shlex.quote(c) for c in cmd
+        """`cmd` as it runs inside this host: its network, mount (own /dev/shm) and UTS namespaces,
+        entered through the host's holder process (every process of a host shares one /dev/shm, as
+        processes of one machine do)."""
+        return ["nsenter", "-t", str(self._holder.pid), "-n", "-m", "-u", "--", *cmd]
+
+    def _start_holder(self) -> None:
+        """The process that keeps this host's mount and UTS namespaces (a tmpfs on /dev/shm, its name)."""
+        inner = f"mount -t tmpfs -o size=8g tmpfs /dev/shm && hostname {shlex.quote(self.name)} && exec sleep 1000000"
+        self._holder = subprocess.Popen(
+            ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--uts", "--propagation", "private"]
+            + ["sh", "-c", inner],
+            start_new_session=True,
         )
-        return ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--uts", "--propagation", "private"] + [
-            "sh",
-            "-c",
-            inner,
-        ]
+        deadline = time.monotonic() + 20
+        while True:
+            out = subprocess.run(self.command(["hostname"]), capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip() == self.name:
+                return
+            if self._holder.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"host {self.name}: its namespaces did not come up ({out.stderr.strip()})")
+            time.sleep(0.05)
 
     def popen(self, cmd: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start `cmd` in this host (its own process group, ended by `Testbed.close`)."""
@@ -150,6 +164,9 @@ class Host:
             except subprocess.TimeoutExpired:
                 logger.warning("host %s: process %d did not end after SIGKILL", self.name, proc.pid)
         self.procs.clear()
+        if self._holder is not None and self._holder.poll() is None:
+            os.killpg(self._holder.pid, signal.SIGKILL)
+            self._holder.wait(10)
 
 
 class Testbed:
@@ -157,7 +174,7 @@ class Testbed:
 
     __test__ = False  # not a pytest class, whatever its name
 
-    def __init__(self, names: Sequence[str], *, rate_mbit: float | None = None, burst_kbit: int = 256):
+    def __init__(self, names: Sequence[str], *, rate_mbit: float | None = None, burst_kbit: int | None = None):
         if not names or len(set(names)) != len(names):
             raise ValueError(f"host names must be distinct and at least one, got {list(names)}")
         if len(names) > 200:
@@ -173,7 +190,8 @@ class Testbed:
         tag = uuid.uuid4().int
         self.subnet = f"10.{200 + tag % 50}.{(tag >> 8) % 250 + 1}"
         self.rate_mbit = rate_mbit
-        self.burst_kbit = burst_kbit
+        # the token bucket holds 10 ms at the rate (at least 256 kbit): what a kernel timer tick needs
+        self.burst_kbit = burst_kbit or max(256, int((rate_mbit or 0) * 10))
         self.hosts: dict[str, Host] = {}
         self._closed = False
         with _LIVE_LOCK:
@@ -192,7 +210,7 @@ class Testbed:
         """Why hosts cannot be made here (None: they can)."""
         if os.geteuid() != 0:
             return "it needs root (network namespaces, veth pairs, tc)"
-        for tool in ("ip", "tc", "unshare"):
+        for tool in ("ip", "tc", "unshare", "nsenter"):
             if shutil.which(tool) is None:
                 return f"{tool!r} is not installed (iproute2, util-linux)"
         probe = f"ckprobe{os.getpid() % 100000}"
@@ -219,6 +237,7 @@ class Testbed:
             shape += ["latency", "100ms"]
             _tc("qdisc", "add", "dev", host.inner_if, *shape, netns=host.netns)  # what the host sends
             _tc("qdisc", "add", "dev", host.outer_if, *shape)  # what it receives
+        host._start_holder()
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]

@@ -189,3 +189,30 @@ def test_engine_buffers_wire(base, double_buffer, half, expected_bufs, expected_
     assert [w.checksum for w in wire] == [1, 2]
     assert buffers.stable_buffers() == ((1, 2) if double_buffer else (0, 1, 2))
     assert all(w.checksum is None for w in buffers.wire(bucket, half, None))
+
+
+@pytest.mark.parametrize(
+    "owners_in_job,pull,cannot_map,have_p2p,p2p_addrs,expected",
+    [
+        (False, True, [0, 1], True, True, "relay"),  # the trainer's memory on another host: read once, relayed
+        (False, True, [], True, True, "local"),  # every engine maps the owners' chunks: nothing to relay
+        (True, True, [1], True, True, "owned by this job's ranks"),
+        (True, False, [1], True, True, "owned by this job's ranks"),
+        (False, True, [0, 1], False, True, "reads the owners over Mooncake"),
+        (False, True, [0, 1], True, False, "have no P2P address"),
+    ],
+)
+def test_choose_mode_relay(owners_in_job, pull, cannot_map, have_p2p, p2p_addrs, expected):
+    g = metas(owners_in_job=owners_in_job, p2p=p2p_addrs)
+    if expected in MODES:
+        assert choose_mode(g, "relay", pull=pull, cannot_map=cannot_map, have_p2p=have_p2p, backend="gloo") == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            choose_mode(g, "relay", pull=pull, cannot_map=cannot_map, have_p2p=have_p2p, backend="gloo")
+
+
+def test_metas_of_a_world_of_another_size_describe_their_owners():
+    g = metas(owners_in_job=False)
+    assert g.owners_described and not g.owners_in_job
+    legacy = GlobalMetas("ck", {3: (TensorMeta("w", "float32", (4,), 0, 0),)}, ("d",), (1,), ("h",), None, {})
+    assert not legacy.owners_described  # rank 3 of a one-rank world, no pid or host of its own
