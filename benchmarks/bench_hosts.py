@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=300.0)
     args = p.parse_args(argv)
-    from testing.hosts import Testbed
     from testing.host_sync import HostSync
+    from testing.hosts import Testbed
 
     why = Testbed.unavailable()
     if why:
