@@ -264,7 +264,7 @@ def make_source(mode: Mode, g: GlobalMetas, ckpt: RegisteredCheckpoint | None, p
     if mode == "relay":
         if p2p is None:
             raise ValueError("mode 'relay' needs a Mooncake transfer engine (ParameterServerConfig(p2p=...))")
-        return RelaySource(p2p, g.p2p_addrs, g.chunk_ptrs)
+        return RelaySource(p2p, g.p2p_addrs, g.chunk_ptrs, g.owner_hosts)
     raise ValueError(f"unknown update mode {mode!r}")
 
 

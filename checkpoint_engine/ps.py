@@ -91,6 +91,8 @@ class ParameterServer:
         self._owns_pg = False
         self._run_id = uuid.uuid4().hex[:8]
         self.last_metrics: UpdateMetrics | None = None
+        self._broken: str | None = None  # why no update can run any more (see _note_if_broken)
+        self._failed_updates: list[BaseException] = []
         self._p2p = P2PStore(self.config.p2p) if self.config.p2p is not None else None
         self.registry = CheckpointRegistry(
             metadata_store if metadata_store is not None else make_store(self.config.metadata_url)
@@ -379,6 +381,10 @@ class ParameterServer:
         """
         if req_func is None or not callable(req_func):
             raise ValueError("req_func must be a callable taking the list of (device_id, zmq_address) pairs")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"rank {self._rank}: this parameter server cannot update any more ({self._broken}): restart it"
+            )
         members = self.check_update(checkpoint_name, ranks)
         g = self._global[checkpoint_name]
         self._ensure_pg()
@@ -424,6 +430,10 @@ class ParameterServer:
             metrics = run_update(job)
         except UpdateFailed as e:
             logger.error("rank %d: %s", self._rank, e)
+            self._note_if_broken(e)
+            raise
+        except BaseException as e:
+            self._note_if_broken(e)
             raise
         finally:
             if group is not None:
@@ -438,6 +448,21 @@ class ParameterServer:
         if cfg.metrics_path:
             append_jsonl(cfg.metrics_path, metrics.to_dict())
         return metrics
+
+    def _note_if_broken(self, e: BaseException) -> None:
+        """A broadcast given up on (a peer's host cut off) leaves operations pending in the process
+        group: no later collective can be trusted, and freeing the failed update's objects would wait
+        on them. Keep the exception (and what its frames hold) and refuse further updates by name."""
+        from checkpoint_engine.transport.devices import BroadcastTimeout
+
+        seen, x = set(), e
+        while x is not None and id(x) not in seen:
+            seen.add(id(x))
+            if isinstance(x, BroadcastTimeout) or "BroadcastTimeout" in str(x):
+                self._broken = f"a broadcast timed out: {x}"
+                self._failed_updates.append(e)
+                return
+            x = x.__cause__ or x.__context__
 
     def check_update(self, checkpoint_name: str, ranks: list[int] | None = None) -> list[int]:
         """What `update` checks on this rank before its first collective (local, no state change):

@@ -304,6 +304,7 @@ class RelaySource:
     store: P2PStore
     owner_addrs: dict[int, str]
     chunk_ptrs: dict[int, list[int]]
+    owner_hosts: dict[int, str] = field(default_factory=dict)
     mode: ClassVar[Mode] = "relay"
     _shared: torch.Tensor | None = field(default=None, init=False, repr=False)
     _staging: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -337,9 +338,10 @@ class RelaySource:
             local = self._staging[(k % 2) * self._half_stride :][: bucket.size_bytes]
             self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
         except Exception as e:  # noqa: BLE001 - reported on the link, spread at the next agreement
+            host = self.owner_hosts.get(bucket.owner_rank, "?")
             out.append(
-                f"relay read of bucket {k} from owner rank {bucket.owner_rank} at "
-                f"{self.owner_addrs.get(bucket.owner_rank)} failed: {type(e).__name__}: {e}"
+                f"relay read of bucket {k} from owner rank {bucket.owner_rank} (host {host}, "
+                f"{self.owner_addrs.get(bucket.owner_rank)}) failed: {type(e).__name__}: {e}"
             )
 
     def _start_read(self, k: int) -> None:
@@ -348,11 +350,30 @@ class RelaySource:
         t.start()
         self._ahead[k] = (t, out)
 
+    def _broadcast(self, job: SourceJob, dst: torch.Tensor, k: int) -> None:
+        """Bucket k from the root to every rank, within the job's per-bucket deadline; a timeout names
+        the ranks and hosts that may be cut off."""
+        from checkpoint_engine.transport.devices import BroadcastTimeout
+
+        timeout_s = job.cfg.engine_timeout_s if hasattr(job, "cfg") else None
+        if timeout_s is not None and job.rank != self._root:  # the root may first wait for its read
+            timeout_s += self.store.cfg.read_timeout_s
+        try:
+            job.transport.broadcast(dst, self._root, job.group, timeout_s=timeout_s)
+        except BroadcastTimeout as e:
+            hosts = getattr(job, "hosts", ())
+            others = [r for r in getattr(job, "members", []) if r != job.rank]
+            where = ", ".join(f"rank {r} on {hosts[r] if r < len(hosts) else '?'}" for r in others)
+            raise BroadcastTimeout(
+                f"relay of bucket {k} between rank {job.rank} and {where or 'the other ranks'}: {e} "
+                "(a host partitioned from the others?)"
+            ) from e
+
     def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         job, m = run.job, run.metrics
         dst = self._shared[half : half + bucket.size_bytes]
+        k = self._index[id(bucket)]
         if job.rank == self._root:
-            k = self._index[id(bucket)]
             t0 = time.perf_counter()
             thread, out = self._ahead.pop(k, (None, ["not read: an earlier relay read failed"]))
             if thread is not None:
@@ -372,6 +393,6 @@ class RelaySource:
                 self.read_bytes += bucket.size_bytes
         t0 = time.perf_counter()
         if job.world_size > 1:
-            job.transport.broadcast(dst, self._root, job.group)
+            self._broadcast(job, dst, k)
         job.transport.synchronize()
         m.broadcast_s += time.perf_counter() - t0

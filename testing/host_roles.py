@@ -59,7 +59,11 @@ def _trainer(args) -> int:
 
 
 def _inference(args) -> int:
+    import faulthandler
     from datetime import timedelta
+
+    # a rank still running well past every deadline shows where it waits (a test's failure says why)
+    faulthandler.dump_traceback_later(3 * args.timeout_s + 30, exit=False)
 
     import torch.distributed as dist
 
@@ -119,8 +123,11 @@ def _inference(args) -> int:
         "error": error,
     }
     print(json.dumps(out), flush=True)
+    if error is not None:  # its process group may hold operations with a cut-off peer: no clean close
+        sys.stderr.flush()
+        os._exit(1)
     ps.close()
-    return 0 if error is None else 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

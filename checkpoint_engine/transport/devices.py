@@ -47,7 +47,9 @@ class Transport(Protocol):
     def shared_buffer(self, nbytes: int) -> tuple[torch.Tensor, BufferHandle]: ...
     def release_shared(self) -> None: ...
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
-    def broadcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None: ...
+    def broadcast(
+        self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout_s: float | None = None
+    ) -> None: ...
     def synchronize(self) -> None: ...
 
 
@@ -80,11 +82,43 @@ class CpuTransport:
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def broadcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
-        dist.broadcast(t, src=src, group=group)
+    def broadcast(
+        self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout_s: float | None = None
+    ) -> None:
+        """gloo's broadcast, waited for at most `timeout_s`: a peer whose host dropped off the network
+        leaves the sender blocked in a TCP send that gloo's own timeout does not end."""
+        broadcast_within(t, src, group, timeout_s)
 
     def synchronize(self) -> None:
         pass
+
+
+class BroadcastTimeout(TimeoutError):
+    """A bucket's broadcast did not finish in time (a peer's host is unreachable, or the peer hangs)."""
+
+
+# Broadcasts given up on: gloo's work object waits for its operation when freed, so one dropped with
+# the exception's frames would block the thread that drops it. Kept here instead (a process whose
+# peers are cut off leaves its process group unusable; it reports the failure and is restarted).
+_ABANDONED: list = []
+
+
+def broadcast_within(t: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout_s: float | None) -> None:
+    if timeout_s is None:
+        dist.broadcast(t, src=src, group=group)
+        return
+    from datetime import timedelta
+
+    work = dist.broadcast(t, src=src, group=group, async_op=True)
+    try:
+        done = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        _ABANDONED.append(work)
+        del work
+        raise BroadcastTimeout(f"the broadcast from rank {src} did not finish within {timeout_s:g} s: {e}") from None
+    if done is False:
+        _ABANDONED.append(work)
+        raise BroadcastTimeout(f"the broadcast from rank {src} did not finish within {timeout_s:g} s")
 
 
 def _fd_handle(seg: shm.Segment) -> BufferHandle:
@@ -143,8 +177,10 @@ class CudaTransport:
             dst.copy_(src, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
 
-    def broadcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
-        dist.broadcast(t, src=src, group=group)
+    def broadcast(
+        self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout_s: float | None = None
+    ) -> None:
+        broadcast_within(t, src, group, timeout_s)
 
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
