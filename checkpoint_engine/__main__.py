@@ -66,6 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--host {cfg.host} is not a loopback address: the daemon needs a bearer token there; give "
             f"--token-file PATH or set {TOKEN_ENV} (or bind 127.0.0.1, or serve on --uds PATH)"
         )
+    from checkpoint_engine.daemon.relay import relay_key_required
+
+    master = os.environ.get("MASTER_ADDR")
+    if args.token is None and relay_key_required(master):
+        p.error(
+            f"the ranks' store is at MASTER_ADDR={master}, which other hosts may reach: the daemon signs the "
+            f"commands it relays there with its bearer token; give --token-file PATH or set {TOKEN_ENV}"
+        )
     args.p2p_cpu_list = None
     if cfg.p2p_cpus is not None:
         from checkpoint_engine.transport.mooncake import rank_cpus
@@ -116,7 +124,7 @@ def main(argv=None) -> int:
 
     from checkpoint_engine.daemon.commands import serve_rank
     from checkpoint_engine.daemon.driver import Driver
-    from checkpoint_engine.daemon.relay import EngineBoard, Relay
+    from checkpoint_engine.daemon.relay import EngineBoard, Relay, relay_key
     from checkpoint_engine.daemon.server import serve_http
     from checkpoint_engine.engines import host as engines
     from checkpoint_engine.ps import ParameterServer
@@ -145,7 +153,8 @@ def main(argv=None) -> int:
     try:
         ps.init_process_group()
         store = dist.distributed_c10d._get_default_store()
-        relay = Relay(store, rank, ps.world_size, result_timeout_s=cfg.collective_timeout_s + 60)
+        key = relay_key(args.token)
+        relay = Relay(store, rank, ps.world_size, result_timeout_s=cfg.collective_timeout_s + 60, key=key)
         board = None
         if args.engine_config is not None:
             per = args.engine_config.ranks_per_engine
@@ -164,7 +173,10 @@ def main(argv=None) -> int:
                 return 2
         if rank == 0:
             driver = Driver(ps, relay, host, board)
-            asyncio.run(serve_http(driver, cfg.host, cfg.port, cfg.uds, cfg.stop_timeout_s, token=args.token))
+            serve = serve_http(
+                driver, cfg.host, cfg.port, cfg.uds, cfg.stop_timeout_s, token=args.token, ssl_context=cfg.ssl_context()
+            )
+            asyncio.run(serve)
         else:
             from ckpt_common.procs import exit_on_signals, stop_deadline
 

@@ -10,8 +10,10 @@
                                        event, ConnectionError when the stream breaks off
     JsonRequestHandler             ──   server side: reply(status, body), read_json()
 
-URLs are ``http://host:port/path``; ``uds=PATH`` sends the request over a Unix socket instead;
-``token=TOKEN`` sends ``Authorization: Bearer TOKEN`` (the checkpoint-engine daemon's credential).
+URLs are ``http://host:port/path`` or ``https://...`` (verified against the system's CAs, or only the
+CA in ``ca_file=PATH``: a daemon serving ``--tls-cert-file``); ``uds=PATH`` sends the request over a
+Unix socket instead; ``token=TOKEN`` sends ``Authorization: Bearer TOKEN`` (the checkpoint-engine
+daemon's credential).
 """
 
 from __future__ import annotations
@@ -52,22 +54,36 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self._uds)
 
 
-def _connection(url: str, timeout_s: float, uds: str | None) -> tuple[http.client.HTTPConnection, str]:
+def _connection(
+    url: str, timeout_s: float, uds: str | None, ca_file: str | None = None
+) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     if uds:
         conn: http.client.HTTPConnection = _UnixHTTPConnection(uds, timeout_s)
     elif parts.scheme == "http":
         conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    elif parts.scheme == "https":
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=ca_file)
+        conn = http.client.HTTPSConnection(parts.hostname, parts.port or 443, timeout=timeout_s, context=ctx)
     else:
-        raise ValueError(f"only http:// URLs are supported, got {url!r}")
+        raise ValueError(f"only http:// and https:// URLs are supported, got {url!r}")
     return conn, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
 def _request(
-    method: str, url: str, body: Any, timeout_s: float, uds: str | None, token: str | None = None
+    method: str,
+    url: str,
+    body: Any,
+    timeout_s: float,
+    uds: str | None,
+    token: str | None = None,
+    ca_file: str | None = None,
 ) -> tuple[int, str]:
-    """(status, body text) of one request; OSError (ConnectionError for protocol failures) when it fails."""
-    conn, path = _connection(url, timeout_s, uds)
+    """(status, body text) of one request; OSError (ConnectionError for protocol failures; ssl.SSLError,
+    an OSError, for a certificate that does not verify) when it fails."""
+    conn, path = _connection(url, timeout_s, uds, ca_file)
     data = None if body is None else json.dumps(body)
     headers = {} if body is None else {"Content-Type": "application/json"}
     if token is not None:
@@ -83,11 +99,18 @@ def _request(
 
 
 def status_json(
-    method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None, token: str | None = None
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    timeout_s: float,
+    uds: str | None = None,
+    token: str | None = None,
+    ca_file: str | None = None,
 ) -> tuple[int, dict]:
     """(HTTP status, decoded JSON answer) whatever the status: {} for an empty answer, {"raw": text}
     for one that is not JSON. An unreachable server raises OSError."""
-    status, text = _request(method, url, body, timeout_s, uds, token)
+    status, text = _request(method, url, body, timeout_s, uds, token, ca_file)
     try:
         return status, json.loads(text) if text else {}
     except json.JSONDecodeError:
@@ -95,12 +118,19 @@ def status_json(
 
 
 def call_json(
-    method: str, url: str, body: Any = None, *, timeout_s: float, uds: str | None = None, token: str | None = None
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    timeout_s: float,
+    uds: str | None = None,
+    token: str | None = None,
+    ca_file: str | None = None,
 ) -> Any:
     """The decoded JSON answer ({} when empty). HTTPError (with `.status`) for status >= 400;
     RuntimeError naming the URL when the server cannot be reached or answers non-JSON."""
     try:
-        status, text = _request(method, url, body, timeout_s, uds, token)
+        status, text = _request(method, url, body, timeout_s, uds, token, ca_file)
     except OSError as e:
         raise RuntimeError(f"{method} {url} failed: {type(e).__name__}: {e}") from None
     if status >= 400:
@@ -111,9 +141,17 @@ def call_json(
         raise RuntimeError(f"{method} {url} answered non-JSON: {text[:500]!r}") from None
 
 
-def post_json(url: str, body: Any, *, timeout_s: float, uds: str | None = None, token: str | None = None) -> Any:
+def post_json(
+    url: str,
+    body: Any,
+    *,
+    timeout_s: float,
+    uds: str | None = None,
+    token: str | None = None,
+    ca_file: str | None = None,
+) -> Any:
     """POST JSON, return the decoded JSON answer (see `call_json` for the errors)."""
-    return call_json("POST", url, body, timeout_s=timeout_s, uds=uds, token=token)
+    return call_json("POST", url, body, timeout_s=timeout_s, uds=uds, token=token, ca_file=ca_file)
 
 
 def post_sse(url: str, body: Any, *, timeout_s: float, uds: str | None = None) -> Iterator[Any]:

@@ -85,10 +85,14 @@ class Daemon:
     url: str
     log: Path
     uds: str | None = None
+    token: str | None = None  # sent on every call (the daemon's --token-file)
+    ca_file: str | None = None  # the CA of its --tls-cert-file (url https://)
 
     def call(self, method: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, object]:
         """(status, decoded answer) for any status; OSError while nothing listens."""
-        return status_json(method, self.url + path, body, timeout_s=timeout_s, uds=self.uds)
+        return status_json(
+            method, self.url + path, body, timeout_s=timeout_s, uds=self.uds, token=self.token, ca_file=self.ca_file
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -143,6 +147,8 @@ def start_daemon(
     ready_timeout_s: float = 90.0,
     ready_path: str = "/health",
     interval_s: float = 0.1,
+    token: str | None = None,
+    ca_file: str | None = None,
 ) -> Daemon:
     """`torchrun --nproc-per-node NPROC -m checkpoint_engine --port PORT (or --uds UDS) [--engine-cmd
     JSON] FLAGS...` from the checkout, its output in `log`; returns once GET `ready_path` answers 200
@@ -163,7 +169,9 @@ def start_daemon(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    daemon = Daemon(proc, "http://localhost" if uds else f"http://127.0.0.1:{port}", log, uds)
+    scheme = "https" if "--tls-cert-file" in flags else "http"
+    url = "http://localhost" if uds else f"{scheme}://127.0.0.1:{port}"
+    daemon = Daemon(proc, url, log, uds, token, ca_file)
     try:
         daemon.wait_ready(ready_timeout_s, ready_path, interval_s)
     except BaseException:

@@ -15,6 +15,7 @@ process (the token, this rank's CPU list), so a bad flag exits 2 naming it befor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from checkpoint_engine.config import MiB, P2PReader, ParameterServerConfig, Transport, UpdateConfig
@@ -68,6 +69,17 @@ class DaemonConfig:
             "loopback address",
             metavar="PATH",
         ),
+    )
+    tls_cert_file: str | None = field(
+        default=None,
+        metadata=meta(
+            "serve HTTPS with this certificate (PEM; with --tls-key-file), so the bearer token never crosses "
+            "the network in clear text; clients then give the CA that signed it",
+            metavar="PATH",
+        ),
+    )
+    tls_key_file: str | None = field(
+        default=None, metadata=meta("the private key of --tls-cert-file (PEM)", metavar="PATH")
     )
     transport: Transport = field(
         default=ParameterServerConfig.transport,
@@ -189,6 +201,14 @@ class DaemonConfig:
         check_number("stop_timeout_s", self.stop_timeout_s)
         check_number("engine_start_timeout_s", self.engine_start_timeout_s)
         check_int("ranks_per_engine", self.ranks_per_engine)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both (or neither)")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}={path!r} is not a readable file")
+        if self.tls_cert_file is not None and self.uds:
+            raise ValueError("tls_cert_file serves HTTPS over TCP; a unix socket (uds) is local: drop one of them")
         if self.ranks_per_engine > 1 and self.engine_cmd is None:
             raise ValueError("ranks_per_engine groups the managed engines' ranks: it needs --engine-cmd")
         if self.bucket_size_mib is not None:
@@ -202,6 +222,17 @@ class DaemonConfig:
             except ValueError as e:
                 raise ValueError(f"p2p_cpus: {e}") from None
         self.ps_config()  # the parameter server's and the update's own checks (EngineConfig's: engine_config)
+
+    def ssl_context(self):
+        """The server's TLS context (None: plain HTTP)."""
+        if self.tls_cert_file is None:
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        return ctx
 
     def ps_config(self, p2p_cpus: tuple[int, ...] | None = None) -> ParameterServerConfig:
         """Every rank's ParameterServerConfig; `p2p_cpus`: this rank's list (from `p2p_cpus` and its local rank)."""

@@ -69,12 +69,20 @@ def _clear_stale_socket(path: str) -> None:
 
 
 async def serve_http(
-    driver: Driver, host: str, port: int, uds: str | None, stop_timeout_s: float, *, token: str | None = None
+    driver: Driver,
+    host: str,
+    port: int,
+    uds: str | None,
+    stop_timeout_s: float,
+    *,
+    token: str | None = None,
+    ssl_context=None,
 ) -> None:
     """Rank 0's HTTP server until SIGTERM/SIGINT or POST /shutdown (from then on every route but the
     health checks answers 503); the shutdown (engines stopped, the other ranks told to exit) then has
     `stop_timeout_s`, after which the process dumps its stacks and exits 128 + signum. `token`: the
-    bearer token every route but the health checks requires (`__main__` reads it; None: none)."""
+    bearer token every route but the health checks requires (`__main__` reads it; None: none);
+    `ssl_context`: serve HTTPS (`DaemonConfig.ssl_context`)."""
     from aiohttp import web
 
     from ckpt_common.procs import force_exit_after
@@ -85,9 +93,9 @@ async def serve_http(
     await runner.setup()
     if uds:
         _clear_stale_socket(uds)
-    site = web.UnixSite(runner, uds) if uds else web.TCPSite(runner, host, port)
+    site = web.UnixSite(runner, uds) if uds else web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
-    where = uds or f"http://{host}:{port}"
+    where = uds or f"{'https' if ssl_context is not None else 'http'}://{host}:{port}"
     logger.info(
         "checkpoint-engine daemon serving on %s (world size %d; bearer token %s)",
         where,

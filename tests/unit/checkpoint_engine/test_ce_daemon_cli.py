@@ -25,6 +25,8 @@ FLAGS = {
     "--port": (8400, None),
     "--uds": (None, None),
     "--token-file": (None, None),
+    "--tls-cert-file": (None, None),
+    "--tls-key-file": (None, None),
     "--transport": ("auto", ["auto", "cpu", "cuda"]),
     "--bucket-size-mib": (None, None),
     "--mode": ("auto", ["auto", "collective", "local", "relay"]),
@@ -195,3 +197,28 @@ def test_help_is_instant_and_the_docstring_is_its_description():
     assert entry.__doc__.splitlines()[0] in out.stdout and "--no-auto-heal" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert not imported & {"torch", "numpy", "aiohttp", "zmq"}, sorted(imported & {"torch", "numpy", "aiohttp", "zmq"})
+
+
+def test_tls_files_go_together_and_must_exist(tmp_path):
+    from checkpoint_engine.daemon.config import DaemonConfig
+
+    f = tmp_path / "x.pem"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="go together"):
+        DaemonConfig(tls_cert_file=str(f))
+    with pytest.raises(ValueError, match="not a readable file"):
+        DaemonConfig(tls_cert_file=str(f), tls_key_file=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="unix socket"):
+        DaemonConfig(tls_cert_file=str(f), tls_key_file=str(f), uds=str(tmp_path / "s"))
+
+
+def test_a_store_off_loopback_needs_a_token(monkeypatch, capsys):
+    from checkpoint_engine.__main__ import parse_args
+
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.delenv("CKPT_ENGINE_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as e:
+        parse_args([])
+    assert e.value.code == 2 and "MASTER_ADDR=10.1.2.3" in capsys.readouterr().err
+    monkeypatch.setenv("CKPT_ENGINE_TOKEN", "t")
+    assert parse_args([]).token == "t"
