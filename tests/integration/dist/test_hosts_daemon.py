@@ -1,0 +1,163 @@
+"""The daemon across two hosts of the testbed, fed from the trainer's memory on a third, and probed by
+a fourth host that reaches every port but holds no token.
+
+Hosts: "trainer" (a parameter server of one holding 16 MiB in memory), "inf0" and "inf1" (one torchrun
+agent each: `--nnodes 2`, the store at inf0's address, `--mode relay`, a bearer token, a plain engine
+per rank), "attacker" (on the same bridge). From the trainer host: `POST /metas` with the trainer's
+metas, `POST /engines/start`: both engines serve the trainer's tensors (checksums), the trainer's
+link sent each byte once. From the attacker host, without the token (and with a wrong one): every
+route but the health checks answers 401 and nothing changes (the engines still serve); the daemon
+refuses to start off loopback without a token. The trainer host's shutdown with the token ends both
+agents with exit code 0. (The store's own signed relay is tested in
+tests/unit/checkpoint_engine/test_ce_relay_auth.py; gloo and Mooncake cannot be authenticated:
+docs/deploy.md names their ports.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testing.hosts import Testbed
+
+TOKEN = "hosts-daemon-token-0123456789"
+PORT = 8400
+CLIENT = """
+import json, sys, urllib.request as u, urllib.error as e
+method, url, token, body = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+h = {"Content-Type": "application/json"}
+if token != "-":
+    h["Authorization"] = "Bearer " + token
+r = u.Request(url, data=None if body == "-" else body.encode(), headers=h, method=method)
+try:
+    with u.urlopen(r, timeout=120) as resp:
+        print(json.dumps([resp.status, json.loads(resp.read() or b"{}")]))
+except e.HTTPError as x:
+    print(json.dumps([x.code, json.loads(x.read() or b"{}")]))
+"""
+
+pytestmark = pytest.mark.skipif(bool(Testbed.unavailable()), reason=f"no testbed here: {Testbed.unavailable()}")
+
+
+def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_without_the_token(tmp_path):
+    from testing.host_sync import _env
+
+    with Testbed(["trainer", "inf0", "inf1", "attacker"], rate_mbit=400) as bed:
+        trainer, inf0 = bed["trainer"], bed["inf0"]
+        metas_path = tmp_path / "metas.json"
+        tlog = open(tmp_path / "trainer.log", "w")
+        cmd = [sys.executable, "-m", "testing.host_roles", "trainer", "--host-ip", trainer.ip, "--size-mib", "16"]
+        tproc = trainer.popen(
+            cmd + ["--metas-out", str(metas_path)], stdout=subprocess.PIPE, stderr=tlog, text=True, env=_env()
+        )
+        ready = json.loads(tproc.stdout.readline())
+        digest = {k: int(v) for k, v in ready["digest"].items()}
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN)
+        engine = [sys.executable, "-m", "checkpoint_engine.engines.plain", "--port", "{port}", "--host", "0.0.0.0"]
+        agents = []
+        for n, h in enumerate([bed["inf0"], bed["inf1"]]):
+            (tmp_path / f"node{n}").mkdir()
+            log = open(tmp_path / f"node{n}.log", "w")
+            agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n)]
+            agent += ["--nproc-per-node", "1", "--master-addr", inf0.ip, "--master-port", "29500"]
+            agent += [
+                "-m",
+                "checkpoint_engine",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(PORT),
+                "--token-file",
+                str(token_file),
+            ]
+            agent += [
+                "--mode",
+                "relay",
+                "--p2p-host",
+                h.ip,
+                "--engine-url-host",
+                h.ip,
+                "--engine-cmd",
+                json.dumps(engine),
+            ]
+            agent += ["--collective-timeout-s", "60", "--engine-start-timeout-s", "60"]
+            agent += ["--engine-log-dir", str(tmp_path / f"node{n}")]
+            agents.append(h.popen(agent, stdout=log, stderr=subprocess.STDOUT, env=_env()))
+        api = f"http://{inf0.ip}:{PORT}"
+
+        def call(host, method, path, body=None, token=TOKEN):
+            out = host.run(
+                [
+                    sys.executable,
+                    "-c",
+                    CLIENT,
+                    method,
+                    api + path,
+                    token or "-",
+                    "-" if body is None else json.dumps(body),
+                ],
+                timeout_s=150,
+            )
+            assert out.returncode == 0, out.stderr[-2000:]
+            return json.loads(out.stdout)
+
+        def logs():
+            return "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
+
+        deadline = time.monotonic() + 90
+        while True:
+            assert all(a.poll() is None for a in agents), logs()
+            out = trainer.run([sys.executable, "-c", CLIENT, "GET", api + "/health", "-", "-"], timeout_s=30)
+            if out.returncode == 0 and json.loads(out.stdout)[0] == 200:
+                break
+            assert time.monotonic() < deadline, logs()
+            time.sleep(0.5)
+
+        before = trainer.counters()
+        code, res = call(trainer, "POST", "/metas", json.loads(metas_path.read_text()))
+        assert code == 200, (res, logs())
+        code, res = call(trainer, "POST", "/engines/start", {"name": "v1"})
+        assert code == 200 and res.get("ok"), (res, logs())
+        sent = (trainer.counters() - before).tx_bytes
+        assert ready["bytes"] <= sent <= 1.1 * ready["bytes"], sent  # once, relayed by inf0 to inf1
+        code, res = call(trainer, "GET", "/engines")
+        engines = res["engines"]
+        assert [(e["state"], e["checkpoint"]) for e in engines] == [("serving", "v1")] * 2, engines
+        attacker = bed["attacker"]
+        for token in (None, "wrong"):
+            for method, path, body in [
+                ("GET", "/engines", None),
+                ("POST", "/metas", json.loads(metas_path.read_text())),
+                ("POST", "/update", {"name": "v1"}),
+                ("POST", "/engines/stop", {}),
+                ("POST", "/engines/start", {"name": "v1"}),
+                ("POST", "/shutdown", None),
+            ]:
+                code, res = call(attacker, method, path, body, token=token)
+                assert code == 401, (method, path, token, code, res)
+        code, res = call(trainer, "GET", "/engines")
+        assert [e["state"] for e in res["engines"]] == ["serving", "serving"], res
+        for e in res["engines"]:  # each engine holds the trainer's tensors
+            out = bed["inf0"].run(
+                [
+                    sys.executable,
+                    "-c",
+                    CLIENT,
+                    "POST",
+                    e["url"] + "/collective_rpc",
+                    "-",
+                    json.dumps({"method": "weights_digest", "args": []}),
+                ],
+                timeout_s=60,
+            )
+            got = json.loads(out.stdout)[1]["results"][0]
+            assert {k: int(v) for k, v in got.items()} == digest, e
+        code, res = call(trainer, "POST", "/shutdown")
+        assert code == 200, res
+        for a in agents:
+            assert a.wait(120) == 0, logs()
