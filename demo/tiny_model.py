@@ -328,6 +328,14 @@ def write_model_dir(
     max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES,
 ) -> pathlib.Path:
     """Write config, generation config, tokenizer and (sharded) safetensors for ``state_dict``."""
+    out = write_model_files(out_dir, config)
+    write_safetensors(out, state_dict, max_shard_size_bytes=max_shard_size_bytes)
+    return out
+
+
+def write_model_files(out_dir: str | pathlib.Path, config: TinyModelConfig) -> pathlib.Path:
+    """Write config, generation config and tokenizer, no weights: what an engine started with dummy
+    weights needs (its weights come from the checkpoint engine)."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config.hf_config())
@@ -335,7 +343,6 @@ def write_model_dir(
         out / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     )
     save_tokenizer(out, max_length=config.max_position_embeddings)
-    write_safetensors(out, state_dict, max_shard_size_bytes=max_shard_size_bytes)
     return out
 
 

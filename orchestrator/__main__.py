@@ -32,7 +32,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "checkpoint-engine weight sync after every iteration. Re-running with the same --output-dir resumes.",
     )
     add_job_config_args(parser, example="rl.num_iterations=40")
-    parser.add_argument("--output-dir", required=True, help="where metrics, plot, summary and state go")
+    parser.add_argument("--output-dir", help="where metrics, plot, summary and state go (required to run)")
+    parser.add_argument(
+        "--write-engine-model",
+        metavar="DIR",
+        help="write the engines' model folder for this config (config, generation config, tokenizer; no "
+        "weights: the checkpoint engine brings them) into DIR and exit: an inference host's --model "
+        "without a shared volume (sync.source=memory)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_log_level_flag(parser)
@@ -44,6 +51,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "engines hangs (it then prints every thread's stack); the saved state is kept either way",
     )
     args = parser.parse_args(argv)
+    if args.output_dir is None and args.write_engine_model is None and not args.print_config:
+        parser.error("--output-dir is required")
     if args.stop_timeout_s <= 0:
         parser.error(f"--stop-timeout-s must be > 0, got {args.stop_timeout_s}")
     return args
@@ -157,6 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.print_config:
         print(json.dumps(to_dict(config), indent=2))
+        return 0
+    if args.write_engine_model is not None:
+        from orchestrator.engines.daemon import write_engine_model
+
+        try:
+            out = write_engine_model(config, args.write_engine_model)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote the engines' model folder (no weights) to {out}")
         return 0
     from ckpt_common.logs import setup_logging
 

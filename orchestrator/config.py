@@ -411,8 +411,23 @@ class SyncConfig:
     # there: heals pull it; orchestrator.engines.daemon).
     delta: bool = False
     delta_max_ratio: float = 0.5
+    # engine.type=daemon: how versions reach the daemon. "files": safetensors in handoff_dir (a volume
+    # every daemon node mounts); "memory": registered in this process's memory (a parameter server of
+    # one, Mooncake at p2p_host, an address the daemon's hosts reach), the daemon reads them there
+    # (POST /metas; its --mode relay across hosts). orchestrator.engines.memory_source
+    source: Literal["files", "memory"] = "files"
+    p2p_host: str = "127.0.0.1"
+    p2p_protocol: Literal["tcp", "rdma"] = "tcp"  # the daemon's --p2p-protocol: both ends speak the same
 
     def __post_init__(self) -> None:
+        if self.source not in ("files", "memory"):
+            raise ValueError(f"sync.source={self.source!r} must be 'files' or 'memory'")
+        if self.source == "memory" and self.delta:
+            raise ValueError("sync.source='memory' sends full versions: set sync.delta=false (deltas go as files)")
+        if not isinstance(self.p2p_host, str) or not self.p2p_host:
+            raise ValueError(f"sync.p2p_host={self.p2p_host!r} must be an address")
+        if self.p2p_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"sync.p2p_protocol={self.p2p_protocol!r} must be 'tcp' or 'rdma'")
         if not isinstance(self.handoff_dir, str) or not self.handoff_dir:
             raise ValueError(f"sync.handoff_dir={self.handoff_dir!r} must be a folder path")
         if not isinstance(self.delta, bool):

@@ -132,10 +132,13 @@ def make_rollout_engine(
 ) -> Any:
     if engine_factory is not None:
         return engine_factory(c.engine, str(sft_model_dir))
-    if c.engine.type == "daemon":  # the checkpoint-engine daemon's engines; versions as files
+    if c.engine.type == "daemon":  # the checkpoint-engine daemon's engines; versions as files or from memory
         from orchestrator.engines.daemon import start_daemon_pool
+        from orchestrator.engines.memory_source import memory_source
 
-        return start_daemon_pool(c.engine, str(sft_model_dir), c.sync.handoff_dir, c.sync.timeout_s)
+        return start_daemon_pool(
+            c.engine, str(sft_model_dir), c.sync.handoff_dir, c.sync.timeout_s, source=memory_source(c.sync)
+        )
     from orchestrator.engines.factory import make_engine
 
     # engine.num_engines >= 2: a pool of vLLM servers, their logs beside the run's

@@ -239,25 +239,36 @@ def _load(model_dir, num_threads: int | None):
     )
 
 
+def model_shape(config: SFTConfig):
+    """The warm-up model's shape (a demo.tiny_model.TinyModelConfig) for `config`."""
+    from demo.tiny_model import TinyModelConfig
+
+    return TinyModelConfig.tiny(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=4 * config.hidden_size,
+        num_attention_heads=config.hidden_size // 64,
+        num_key_value_heads=max(1, config.hidden_size // 128),
+    )
+
+
+def write_engine_model(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """The engines' model folder for `config`'s model: config, generation config and tokenizer, no
+    weights (the checkpoint engine brings them). What an inference host needs without a shared volume."""
+    from demo.tiny_model import write_model_files
+
+    return write_model_files(out_dir, model_shape(config))
+
+
 def _train(config: SFTConfig, work_dir: pathlib.Path) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from demo.tiny_model import TinyModelConfig, make_tiny_model
+    from demo.tiny_model import make_tiny_model
     from trainer.base import TrainerConfig
     from trainer.hf import HFTrainer
 
-    init_dir = make_tiny_model(
-        work_dir / "init",
-        TinyModelConfig.tiny(
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            intermediate_size=4 * config.hidden_size,
-            num_attention_heads=config.hidden_size // 64,
-            num_key_value_heads=max(1, config.hidden_size // 128),
-        ),
-        seed=config.init_seed,
-    )
+    init_dir = make_tiny_model(work_dir / "init", model_shape(config), seed=config.init_seed)
     trainer = HFTrainer(
         init_dir,
         TrainerConfig(

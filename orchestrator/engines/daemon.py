@@ -3,7 +3,9 @@
 The layouts of deploy/k8s: the daemon (``torchrun -m checkpoint_engine --engine-cmd ...``, one rank
 per inference device) owns the vLLM engines (start, update, stop, heal); this job only talks to its
 HTTP API and hands each version over as safetensors files in ``sync.handoff_dir`` (a memory-backed
-volume in the colocated pod, a shared volume across nodes)::
+volume in the colocated pod, a shared volume across nodes), or with ``sync.source="memory"`` from this
+process's memory (``memory_source``: the daemon's ranks read it over Mooncake, POST /metas instead of
+POST /checkpoints; across hosts the daemon's ``--mode relay`` reads each byte over this host's link once)::
 
     start_daemon_pool(engine config, SFT model, handoff dir)
         <handoff>/model: the SFT model (config, tokenizer, weights): what --engine-cmd's --model names
@@ -76,6 +78,7 @@ from orchestrator.config import EngineConfig, SyncConfig
 from orchestrator.engines.base import RolloutEngine
 from orchestrator.engines.daemon_client import DaemonClient, SwitchError, describe_engines, num_ranks, write_version
 from orchestrator.engines.daemon_client import shard_size_bytes as shard_size_bytes  # its importers use it from here
+from orchestrator.engines.memory_source import MemorySource, memory_source
 from orchestrator.engines.pool import EnginePool
 from orchestrator.engines.pool_members import SERVING, Member
 from orchestrator.engines.pool_servers import BATCH_SIZE
@@ -104,6 +107,7 @@ class DaemonEnginePool(EnginePool):
         self.daemon, self.handoff, self.probe_path = client, handoff, probe_path
         self.records = {i: r for i, r in enumerate(records)}  # each member's engine as the daemon last said
         self.current = "policy-v0"
+        self.source: MemorySource | None = None  # start_daemon_pool's, for DaemonWeightSync
 
     def url_answers(self, url: str) -> bool:
         from ckpt_common.httpjson import status_json
@@ -145,6 +149,26 @@ class DaemonEnginePool(EnginePool):
             self._cond.notify_all()
 
 
+def write_engine_model(job, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """The engines' --model folder for `job` (a JobConfig): its model's config, generation config and
+    tokenizer, no weights. `init_model_dir` (your model): its files but the weights; else the demo's
+    warm-up model's shape (trainer.sft.write_engine_model). What start_daemon_pool writes beside the
+    handoff dir, for a host that does not mount it."""
+    if job.init_model_dir is not None:
+        out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(
+            job.init_model_dir,
+            out,
+            ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", hf_dir.INDEX_FILE),
+            dirs_exist_ok=True,
+        )
+        return out
+    from trainer.sft import write_engine_model as write_demo_model
+
+    return write_demo_model(job.sft, out_dir)
+
+
 def start_daemon_pool(
     config: EngineConfig,
     model_dir: str,
@@ -153,11 +177,13 @@ def start_daemon_pool(
     *,
     engine_for_url: Callable[[str], RolloutEngine] | None = None,
     probe_path: str = "/v1/models",
+    source: MemorySource | None = None,
 ) -> DaemonEnginePool:
     """The SFT model into the handoff dir, the daemon's engines started on it, a pool over them.
 
     ``engine_for_url(url)``: the rollout client of one engine (default: vLLM's OpenAI API over HTTP);
-    ``probe_path``: what answers 200 while an engine is alive."""
+    ``probe_path``: what answers 200 while an engine is alive; ``source``: the job's memory source
+    (``sync.source="memory"``): the first version goes from this process's memory, not as files."""
     engine_for_url = engine_for_url or (lambda url: _http_engine(config, url))
     client = DaemonClient(config.endpoint, timeout_s)
     records = client.engines()["engines"]
@@ -169,8 +195,10 @@ def start_daemon_pool(
     # waits for the first update), so the SFT weights travel once, as the first version's files
     shutil.copytree(model_dir, model, ignore=shutil.ignore_patterns("*.safetensors", hf_dir.INDEX_FILE))
     name = "policy-v0"
-    files = write_version(handoff, name, hf_dir.read_tensors(model_dir), num_ranks(records))
-    client.register(name, files)
+    if source is not None:  # the daemon's ranks read it from this process (POST /metas)
+        client.load_metas(source.publish(name, hf_dir.read_tensors(model_dir)))
+    else:
+        client.register(name, write_version(handoff, name, hf_dir.read_tensors(model_dir), num_ranks(records)))
     started = time.monotonic()
     client.start_engines(name, timeout_s=config.start_timeout_s)
     records = client.engines()["engines"]
@@ -205,6 +233,7 @@ def start_daemon_pool(
         restart=restart,
         connect=connect,
     )
+    pool.source = source
     return pool
 
 
@@ -248,6 +277,9 @@ class DaemonWeightSync:
                 "engines start (or wake) for each version: set sync.delta=false or engine.colocated=false"
             )
         self.delta = DeltaSender(config.delta_max_ratio) if config.delta else None
+        # sync.source="memory": versions served from this process (memory_source); the pool's when
+        # it started the engines from memory
+        self.source = pool.source if pool.source is not None else memory_source(config)
         pool.set_bring_up(self.bring_up)
 
     def before_train(self) -> dict[str, float]:
@@ -374,8 +406,11 @@ class DaemonWeightSync:
             start = time.monotonic()
             records = self.client.engines()["engines"]
             if name not in (self._current, self._registered):  # a retried push has its files registered
-                files = write_version(self.handoff, name, named_tensors, num_ranks(records))
-                self.client.register(name, files)
+                if self.source is not None:  # the daemon reads it from this process's memory
+                    self.client.load_metas(self.source.publish(name, named_tensors))
+                else:
+                    files = write_version(self.handoff, name, named_tensors, num_ranks(records))
+                    self.client.register(name, files)
                 self._registered = name
             if self._parked:
                 return self._push_by_start(name, version, named_tensors, start)
@@ -403,8 +438,11 @@ class DaemonWeightSync:
                 self.client.update(name, ranks)
             update_s = time.monotonic() - t0
             if self._current is not None and self._current != name:
-                self.client.unregister(self._current)
-                shutil.rmtree(self.handoff / self._current, ignore_errors=True)
+                if self.source is None or self._current not in self.source.registered:  # its files
+                    self.client.unregister(self._current)
+                    shutil.rmtree(self.handoff / self._current, ignore_errors=True)
+                if self.source is not None:  # every earlier version in this process's memory
+                    self.source.release(keep=name)
             self._current, self._version = name, version
             for member, epoch in self.pool.sync_targets():
                 if member.index in ready:
@@ -486,3 +524,5 @@ class DaemonWeightSync:
                 except Exception as e:  # noqa: BLE001 - the daemon may be gone already
                     logger.warning("could not unregister %s: %s", self._current, e)
                 shutil.rmtree(self.handoff / self._current, ignore_errors=True)
+            if self.source is not None:
+                self.source.close()

@@ -95,6 +95,10 @@ class DaemonClient:
         )
         self._call("POST", "/checkpoints", body)
 
+    def load_metas(self, metas: dict) -> None:
+        """Every rank takes the owners' side of `metas` (another job's: the RL job's memory source)."""
+        self._call("POST", "/metas", metas)
+
     def unregister(self, name: str) -> None:
         self._call("DELETE", f"/checkpoints/{name}")
 

@@ -25,6 +25,7 @@ from demo.tiny_model import TinyModelConfig, make_tiny_model, random_state_dict
 from orchestrator.config import EngineConfig, SyncConfig
 from orchestrator.engines.daemon import DaemonWeightSync, start_daemon_pool
 from orchestrator.engines.daemon_client import SwitchError, shard_size_bytes
+from orchestrator.engines.memory_source import memory_source
 from tests.integration.dist.harness import rpc
 from tests.integration.dist.test_ce_engines import alive, call, engines, shutdown, start_daemon, wait_for
 
@@ -158,6 +159,52 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
             sync.close()
             pool.close()
         assert not (handoff / "policy-v5").exists()
+        shutdown(daemon)
+    finally:
+        daemon.stop()
+
+
+def test_versions_from_the_jobs_memory_reach_every_engine_without_a_file(tmp_path):
+    """`sync.source: memory`: each version is registered in the job's own parameter server and the daemon
+    takes its metas (POST /metas): no version is written to the handoff dir; on one host the engines read
+    the job's memory in place. A SIGKILLed engine is healed from it."""
+    config, model, handoff = _tiny_model_and_handoff(tmp_path)
+    daemon = start_daemon(tmp_path)
+    base = daemon.url
+    try:
+        engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60)
+        sync_config = SyncConfig(timeout_s=60, source="memory")
+        pool = start_daemon_pool(
+            engine_config,
+            str(model),
+            str(handoff),
+            timeout_s=60,
+            engine_for_url=NoRollouts,
+            probe_path="/health",
+            source=memory_source(sync_config),
+        )
+        sync = DaemonWeightSync(sync_config, pool)
+        try:
+            assert sync.source is pool.source and sync.source.registered == ["policy-v0"]
+            assert [p.name for p in handoff.iterdir()] == ["model"]  # the engines' config and tokenizer only
+            assert not list((handoff / "model").glob("*.safetensors"))
+            for version in (1, 2):
+                new = random_state_dict(config, seed=10 + version)
+                result = sync.push(new, version=version)
+                assert result.version == version
+                _assert_serving(base, f"policy-v{version}", new)
+                assert not (handoff / f"policy-v{version}").exists()  # nothing went through a file
+                assert sync.source.registered == [f"policy-v{version}"]  # the older one released
+            assert [p.name for p in handoff.iterdir()] == ["model"]
+            victim = engines(base)[1]
+            os.kill(victim["pid"], signal.SIGKILL)
+            pool.report_failure(pool.members[1], pool.members[1].epoch, "killed by the test")
+            wait_for(lambda: pool.members[1].state == "serving", "pool member 1 back", timeout_s=60)
+            assert engines(base)[1]["pid"] != victim["pid"]
+            _assert_serving(base, "policy-v2", new)
+        finally:
+            sync.close()
+            pool.close()
         shutdown(daemon)
     finally:
         daemon.stop()

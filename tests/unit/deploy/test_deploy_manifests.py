@@ -371,3 +371,63 @@ def test_vllm_dev_mode_is_not_reachable_beyond_the_pod():
                     assert p.get("targetPort", p["port"]) in declared, (
                         f"service {svc['metadata']['name']}: port {p['port']} is no declared port of {name}"
                     )
+
+
+# ── weights across nodes: from the trainer's memory, not through a shared volume ──────────────────────
+def test_weight_versions_cross_nodes_from_the_trainers_memory_not_a_shared_volume():
+    """An RL job whose daemon runs in another workload (another node) sends its versions from its memory
+    (sync.source=memory, at its pod's address, the daemon's P2P protocol), the daemon relays them
+    (--mode relay); no claim is mounted by both (no ReadWriteMany volume for weights); every engine's
+    --model is a folder its own pod has; the trainer's pod admits only the daemon's pods."""
+    docs = documents()
+    seen = 0
+    for name, trainer in [(f, d) for f, d in docs if d["kind"] in WORKLOADS]:
+        for c in pod_spec(trainer)["containers"]:
+            if "orchestrator" not in full_command(c):
+                continue
+            sets = dict(kv.split("=", 1) for kv in option_value(module_and_args(full_command(c))[2], "--set"))
+            if sets.get("engine.type") != "daemon" or sets.get("engine.colocated") == "true":
+                continue
+            seen += 1
+            where = f"{name}/{trainer['metadata']['name']}"
+            assert sets.get("sync.source") == "memory", f"{where}: versions across nodes need sync.source=memory"
+            assert sets.get("sync.p2p_host") == "$(POD_IP)", f"{where}: sync.p2p_host must be the pod's address"
+            assert any(e["name"] == "POD_IP" for e in c.get("env", [])), where
+            daemons = [
+                (d, dc) for f, d in docs if f == name and d["kind"] in WORKLOADS for dc in pod_spec(d)["containers"]
+            ]
+            daemons = [(d, dc) for d, dc in daemons if is_daemon(dc)]
+            assert daemons, f"{where}: no daemon beside it"
+            for d, dc in daemons:
+                args = module_and_args(full_command(dc))[2]
+                assert option_value(args, "--mode") == ["relay"], f"{name}: the daemon must run --mode relay"
+                protocol = (option_value(args, "--p2p-protocol") or ["tcp"])[-1]
+                assert sets.get("sync.p2p_protocol", "tcp") == protocol, f"{where}: P2P protocols differ"
+                claims = lambda doc: {
+                    v["persistentVolumeClaim"]["claimName"]
+                    for v in pod_spec(doc).get("volumes", [])
+                    if "persistentVolumeClaim" in v
+                }
+                shared = claims(d) & claims(trainer)
+                assert not shared, f"{name}: claims {shared} shared by the trainer and the daemon's pods"
+                mounted = {m["mountPath"] for m in dc.get("volumeMounts", [])}
+                for engine_cmd in option_value(args, "--engine-cmd"):
+                    model = option_value(shlex.split(engine_cmd.replace("{", "").replace("}", "")), "--model")[-1]
+                    assert any(model == m or model.startswith(m.rstrip("/") + "/") for m in mounted), (
+                        f"{name}: the engines' --model {model} is on no volume of the daemon's pod"
+                    )
+                writers = [
+                    ic
+                    for ic in pod_spec(d).get("initContainers", [])
+                    if option_value(module_and_args(full_command(ic))[2], "--write-engine-model")
+                ]
+                assert writers, f"{name}: nothing writes the engines' --model folder in the daemon's pod"
+            policies = [
+                p
+                for f, p in docs
+                if f == name
+                and p["kind"] == "NetworkPolicy"
+                and p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(trainer).items()
+            ]
+            assert policies, f"{where}: the trainer's Mooncake port is open to every pod (no NetworkPolicy)"
+    assert seen, "disaggregated.yaml's trainer calls a daemon on other nodes: it must be checked here"
