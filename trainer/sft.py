@@ -252,7 +252,7 @@ def model_shape(config: SFTConfig):
     )
 
 
-def write_engine_model(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
+def write_warmup_model_files(config: SFTConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
     """The engines' model folder for `config`'s model: config, generation config and tokenizer, no
     weights (the checkpoint engine brings them). What an inference host needs without a shared volume."""
     from demo.tiny_model import write_model_files

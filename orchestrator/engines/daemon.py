@@ -87,6 +87,8 @@ from orchestrator.engines.weight_sync import SyncResult
 logger = logging.getLogger(__name__)
 
 MODEL_DIR = "model"  # under the handoff dir: the engines' --model
+# what the engines' --model folder leaves out of a model folder: its weights (they come as versions)
+NOT_WEIGHTS = shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", hf_dir.INDEX_FILE)
 PARKED = "stopped"  # a pool member whose engine the daemon stopped or put to sleep (colocated, while training)
 
 
@@ -152,7 +154,7 @@ class DaemonEnginePool(EnginePool):
 def write_engine_model(job, out_dir: str | pathlib.Path) -> pathlib.Path:
     """The engines' --model folder for `job` (a JobConfig): its model's config, generation config and
     tokenizer, no weights. `init_model_dir` (your model): its files but the weights; else the demo's
-    warm-up model's shape (trainer.sft.write_engine_model). What start_daemon_pool writes beside the
+    warm-up model's shape (trainer.sft.write_warmup_model_files). What start_daemon_pool writes beside the
     handoff dir, for a host that does not mount it."""
     if job.init_model_dir is not None:
         out = pathlib.Path(out_dir)
@@ -160,13 +162,13 @@ def write_engine_model(job, out_dir: str | pathlib.Path) -> pathlib.Path:
         shutil.copytree(
             job.init_model_dir,
             out,
-            ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", hf_dir.INDEX_FILE),
+            ignore=NOT_WEIGHTS,
             dirs_exist_ok=True,
         )
         return out
-    from trainer.sft import write_engine_model as write_demo_model
+    from trainer.sft import write_warmup_model_files
 
-    return write_demo_model(job.sft, out_dir)
+    return write_warmup_model_files(job.sft, out_dir)
 
 
 def start_daemon_pool(
@@ -193,7 +195,7 @@ def start_daemon_pool(
         shutil.rmtree(model)
     # config and tokenizer for vLLM; the weights come from the daemon (--no-initial-push: the load step
     # waits for the first update), so the SFT weights travel once, as the first version's files
-    shutil.copytree(model_dir, model, ignore=shutil.ignore_patterns("*.safetensors", hf_dir.INDEX_FILE))
+    shutil.copytree(model_dir, model, ignore=NOT_WEIGHTS)
     name = "policy-v0"
     if source is not None:  # the daemon's ranks read it from this process (POST /metas)
         client.load_metas(source.publish(name, hf_dir.read_tensors(model_dir)))
