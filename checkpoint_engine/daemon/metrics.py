@@ -1,160 +1,132 @@
-"""The daemon's `GET /metrics`: Prometheus text exposition (format 0.0.4), written by hand (no client
-library needed: the daemon's `[server]` extra stays small).
+"""The daemon's `GET /metrics`: Prometheus text exposition, written by `prometheus_client`.
 
     routes ──observe_request(route, method, status)──▶ DaemonMetrics ──render(records)──▶ text/plain
-    Driver.run results ──observe_command(cmd, result, seconds)──▶   (one instance per app: no globals)
+    Driver.run results ──observe_command(cmd, result, seconds)──▶   (one registry per app: no globals)
     GET /metrics: the engine board's records (states, restarts, recovery) read at scrape time
 
-Every name starts with `checkpoint_engine_`; docs/daemon.md lists them all. Thread-safe: commands end
+`DaemonMetrics` keeps its numbers itself and is the collector of its own `CollectorRegistry`: each
+scrape turns them into metric families (`FAMILIES`), which `generate_latest` writes. prometheus_client's
+Counter and Summary would add a `_created` series to each family; the families here carry exactly the
+samples docs/daemon.md lists. Every name starts with `checkpoint_engine_`. Thread-safe: commands end
 on executor threads (and the healer's thread), scrapes run on the event loop.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 from checkpoint_engine.engines.states import STATES
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# what `generate_latest` writes (the text format, version 0.0.4): prometheus_client's own answer to a
+# scraper that asks for nothing else
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 PREFIX = "checkpoint_engine_"
 # UpdateMetrics' stage timings (seconds) as the label `stage` of the last update's gauge
 STAGES = ("open", "setup", "copy_in", "broadcast", "engine_wait", "agree", "finish", "close")
 
+# name (after PREFIX; a counter's without `_total`): type, help, label names, in the order of /metrics
+FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "world_size": ("gauge", "the daemon's ranks", ()),
+    "http_requests": (
+        "counter",
+        "HTTP requests answered, by route template, method and status code",
+        ("route", "method", "status"),
+    ),
+    "commands": (
+        "counter",
+        "commands relayed to every rank (HTTP routes and the healer), by operation and outcome",
+        ("op", "outcome"),
+    ),
+    "failures": (
+        "counter",
+        "failed commands by operation and failure kind (each kind its failing ranks reported, once per command)",
+        ("op", "kind"),
+    ),
+    "updates": ("counter", "weight updates (op update), by outcome", ("outcome",)),
+    "update_bytes": ("counter", "bytes of the checkpoints successful updates delivered (once per update)", ()),
+    "update_duration_seconds": ("summary", "seconds of successful updates (slowest rank)", ()),
+    "last_update_stage_seconds": (
+        "gauge",
+        "the last successful update's seconds per stage, on its slowest rank",
+        ("stage",),
+    ),
+    "last_update_seconds": ("gauge", "the last successful update's total seconds", ()),
+    "last_update_gib_per_second": ("gauge", "the last successful update's GiB/s", ()),
+    "last_update_bytes": ("gauge", "the last successful update's bytes", ()),
+    "last_update_timestamp_seconds": ("gauge", "Unix time at which the last successful update ended", ()),
+    "heals": ("counter", "engine heals (restart + update to the current checkpoint), by outcome", ("outcome",)),
+    "heal_duration_seconds": ("summary", "seconds of each heal command (restart and update)", ()),
+}
+# read from the engine board at each scrape (only when the daemon manages engines)
+ENGINE_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "engine_state": (
+        "gauge",
+        "1 for the state each rank's managed engine is in, 0 for the others",
+        ("rank", "state"),
+    ),
+    "engine_restarts": ("gauge", "restarts (heals) of each rank's managed engine", ("rank",)),
+    "engine_recovery_seconds": ("gauge", "seconds from failure to serving of each engine's last heal", ("rank",)),
+}
+_KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "summary": SummaryMetricFamily}
 
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-class _Family:
-    """One metric family: its type, help and samples keyed by their label values."""
-
-    def __init__(self, name: str, kind: str, help_text: str, labels: tuple[str, ...] = ()):
-        self.name, self.kind, self.help, self.labels = PREFIX + name, kind, help_text, labels
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, *label_values: str, by: float = 1.0) -> None:
-        key = tuple(str(v) for v in label_values)
-        self.values[key] = self.values.get(key, 0) + by
-
-    def set(self, value: float, *label_values: str) -> None:
-        self.values[tuple(str(v) for v in label_values)] = value
-
-    def lines(self, values: dict[tuple[str, ...], float] | None = None) -> list[str]:
-        out = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
-        for key, value in sorted((self.values if values is None else values).items()):
-            out.append(f"{self.name}{self._labels(key)} {_number(value)}")
-        return out
-
-    def _labels(self, key: tuple[str, ...]) -> str:
-        if not key:
-            return ""
-        return "{" + ",".join(f'{n}="{_escape_label(v)}"' for n, v in zip(self.labels, key)) + "}"
-
-
-class _Summary:
-    """A summary without quantiles: `_count` and `_sum` of observed seconds."""
-
-    def __init__(self, name: str, help_text: str):
-        self.name, self.help = PREFIX + name, help_text
-        self.count, self.sum = 0, 0.0
-
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.sum += value
-
-    def lines(self) -> list[str]:
-        return [
-            f"# HELP {self.name} {_escape_help(self.help)}",
-            f"# TYPE {self.name} summary",
-            f"{self.name}_count {self.count}",
-            f"{self.name}_sum {_number(self.sum)}",
-        ]
+def _family(name: str, spec: tuple[str, str, tuple[str, ...]], values: dict) -> Metric:
+    """One family's samples: `values` maps label values to the value (a summary's: to [count, sum])."""
+    kind, help_text, labels = spec
+    family = _KINDS[kind](PREFIX + name, help_text, labels=labels)
+    for key, value in sorted(values.items()):
+        if kind == "summary":
+            family.add_metric(list(key), count_value=value[0], sum_value=value[1])
+        else:
+            family.add_metric(list(key), value)
+    return family
 
 
 class DaemonMetrics:
-    """Counters and gauges of one daemon (one per `make_app`); `render` writes the exposition text."""
+    """Counters and gauges of one daemon (one per `make_app`), exposed through `registry`; `render`
+    writes the exposition text."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._lock = threading.Lock()
-        self.requests = _Family(
-            "http_requests_total",
-            "counter",
-            "HTTP requests answered, by route template, method and status code",
-            ("route", "method", "status"),
-        )
-        self.commands = _Family(
-            "commands_total",
-            "counter",
-            "commands relayed to every rank (HTTP routes and the healer), by operation and outcome",
-            ("op", "outcome"),
-        )
-        self.failures = _Family(
-            "failures_total",
-            "counter",
-            "failed commands by operation and failure kind (each kind its failing ranks reported, once per command)",
-            ("op", "kind"),
-        )
-        self.updates = _Family("updates_total", "counter", "weight updates (op update), by outcome", ("outcome",))
-        self.update_bytes = _Family(
-            "update_bytes_total", "counter", "bytes of the checkpoints successful updates delivered (once per update)"
-        )
-        self.update_seconds = _Summary("update_duration_seconds", "seconds of successful updates (slowest rank)")
-        self.last_stage = _Family(
-            "last_update_stage_seconds",
-            "gauge",
-            "the last successful update's seconds per stage, on its slowest rank",
-            ("stage",),
-        )
-        self.last_total = _Family("last_update_seconds", "gauge", "the last successful update's total seconds")
-        self.last_rate = _Family("last_update_gib_per_second", "gauge", "the last successful update's GiB/s")
-        self.last_bytes = _Family("last_update_bytes", "gauge", "the last successful update's bytes")
-        self.last_time = _Family(
-            "last_update_timestamp_seconds", "gauge", "Unix time at which the last successful update ended"
-        )
-        self.heals = _Family(
-            "heals_total",
-            "counter",
-            "engine heals (restart + update to the current checkpoint), by outcome",
-            ("outcome",),
-        )
-        self.heal_seconds = _Summary("heal_duration_seconds", "seconds of each heal command (restart and update)")
-        self.world = _Family("world_size", "gauge", "the daemon's ranks")
-        self.world.set(world_size)
-        self.last_total.set(0.0)
-        self.last_rate.set(0.0)
-        self.last_bytes.set(0)
-        self.last_time.set(0)
+        self._scrape_lock = threading.Lock()  # one scrape at a time sees `_engine_records`
+        self._values: dict[str, dict] = {name: {} for name in FAMILIES}
+        self._engine_records: list[dict] | None = None  # the board's, during one scrape
+        self._set("world_size", world_size)
+        for name in ("last_update_seconds", "last_update_gib_per_second", "last_update_bytes", "update_bytes"):
+            self._set(name, 0)
+        self._set("last_update_timestamp_seconds", 0)
         for stage in STAGES:
-            self.last_stage.set(0.0, stage)
-        self.update_bytes.set(0)
+            self._set("last_update_stage_seconds", 0, stage)
         for outcome in ("ok", "error"):
-            self.updates.set(0, outcome)
-            self.heals.set(0, outcome)
+            self._set("updates", 0, outcome)
+            self._set("heals", 0, outcome)
+        for name in ("update_duration_seconds", "heal_duration_seconds"):
+            self._values[name][()] = [0, 0.0]
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def _set(self, name: str, value: float, *labels: str) -> None:
+        self._values[name][labels] = value
+
+    def _inc(self, name: str, *labels: str, by: float = 1) -> None:
+        values = self._values[name]
+        values[labels] = values.get(labels, 0) + by
+
+    def _observe(self, name: str, seconds: float) -> None:
+        summary = self._values[name][()]
+        summary[0] += 1
+        summary[1] += seconds
 
     # -- fed by the routes and the driver ----------------------------------------------------------
     def observe_request(self, route: str, method: str, status: int) -> None:
         with self._lock:
-            self.requests.inc(route, method, str(status))
+            self._inc("http_requests", str(route), str(method), str(status))
 
     def observe_command(self, cmd: dict, result: dict, seconds: float) -> None:
         """One relayed command's result (`Driver.run`'s answer)."""
@@ -163,17 +135,17 @@ class DaemonMetrics:
         outcome = "ok" if ok else "error"
         ranks = [r for r in result.get("ranks") or [] if isinstance(r, dict)]
         with self._lock:
-            self.commands.inc(op, outcome)
+            self._inc("commands", op, outcome)
             if not ok:
                 kinds = {str(r["kind"]) for r in ranks if not r.get("ok") and r.get("kind")}
                 kinds = kinds or {str(result.get("kind") or "unknown")}
                 for kind in sorted(kinds):
-                    self.failures.inc(op, kind)
+                    self._inc("failures", op, kind)
             if cmd.get("heal"):
-                self.heals.inc(outcome)
-                self.heal_seconds.observe(seconds)
+                self._inc("heals", outcome)
+                self._observe("heal_duration_seconds", seconds)
             if op == "update":
-                self.updates.inc(outcome)
+                self._inc("updates", outcome)
                 if ok:
                     self._last_update([r.get("result") for r in ranks])
 
@@ -183,55 +155,44 @@ class DaemonMetrics:
             return
         slowest = max(metrics, key=lambda m: m.get("total_s") or 0.0)
         total_bytes = max(int(m.get("total_bytes") or 0) for m in metrics)
-        self.update_bytes.inc(by=total_bytes)
-        self.update_seconds.observe(float(slowest.get("total_s") or 0.0))
+        self._inc("update_bytes", by=total_bytes)
+        self._observe("update_duration_seconds", float(slowest.get("total_s") or 0.0))
         for stage in STAGES:
-            self.last_stage.set(float(slowest.get(f"{stage}_s") or 0.0), stage)
-        self.last_total.set(float(slowest.get("total_s") or 0.0))
-        self.last_rate.set(float(slowest.get("gib_per_s") or 0.0))
-        self.last_bytes.set(total_bytes)
-        self.last_time.set(round(time.time(), 3))
+            self._set("last_update_stage_seconds", float(slowest.get(f"{stage}_s") or 0.0), stage)
+        self._set("last_update_seconds", float(slowest.get("total_s") or 0.0))
+        self._set("last_update_gib_per_second", float(slowest.get("gib_per_s") or 0.0))
+        self._set("last_update_bytes", total_bytes)
+        self._set("last_update_timestamp_seconds", round(time.time(), 3))
 
     # -- the exposition ------------------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        """The families of one scrape (prometheus_client's collector interface)."""
+        with self._lock:
+            families = [_family(name, spec, self._values[name]) for name, spec in FAMILIES.items()]
+        yield from families
+        if self._engine_records is not None:
+            yield from _engine_families(self._engine_records)
+
     def render(self, engine_records: list[dict] | None = None) -> str:
         """The text of `GET /metrics`; `engine_records`: the engine board's (None: no managed engines)."""
-        with self._lock:
-            lines: list[str] = []
-            for family in (
-                self.world,
-                self.requests,
-                self.commands,
-                self.failures,
-                self.updates,
-                self.update_bytes,
-            ):
-                lines += family.lines()
-            lines += self.update_seconds.lines()
-            for family in (self.last_stage, self.last_total, self.last_rate, self.last_bytes, self.last_time):
-                lines += family.lines()
-            lines += self.heals.lines()
-            lines += self.heal_seconds.lines()
-        if engine_records is not None:
-            lines += _engine_lines(engine_records)
-        return "\n".join(lines) + "\n"
+        with self._scrape_lock:
+            self._engine_records = engine_records
+            try:
+                return generate_latest(self.registry).decode()
+            finally:
+                self._engine_records = None
 
 
-def _engine_lines(records: list[dict]) -> list[str]:
-    state = _Family(
-        "engine_state", "gauge", "1 for the state each rank's managed engine is in, 0 for the others", ("rank", "state")
-    )
-    restarts = _Family("engine_restarts", "gauge", "restarts (heals) of each rank's managed engine", ("rank",))
-    recovery = _Family(
-        "engine_recovery_seconds", "gauge", "seconds from failure to serving of each engine's last heal", ("rank",)
-    )
+def _engine_families(records: list[dict]) -> list[Metric]:
+    values: dict[str, dict] = {name: {} for name in ENGINE_FAMILIES}
     for rec in records:
         rank = str(rec.get("rank"))
         for s in STATES:
-            state.set(1 if rec.get("state") == s else 0, rank, s)
-        restarts.set(int(rec.get("restarts") or 0), rank)
+            values["engine_state"][(rank, s)] = 1 if rec.get("state") == s else 0
+        values["engine_restarts"][(rank,)] = int(rec.get("restarts") or 0)
         if rec.get("recovery_s") is not None:
-            recovery.set(float(rec["recovery_s"]), rank)
-    return state.lines() + restarts.lines() + recovery.lines()
+            values["engine_recovery_seconds"][(rank,)] = float(rec["recovery_s"])
+    return [_family(name, spec, values[name]) for name, spec in ENGINE_FAMILIES.items()]
 
 
 class ObservedDriver:

@@ -422,6 +422,120 @@ def test_metrics_after_one_update_are_consistent():
     assert fams[p + "updates"].type == "counter" and fams[p + "last_update_seconds"].type == "gauge"
 
 
+P = "checkpoint_engine_"
+# every family of GET /metrics: (type, help, label names, sample names); dashboards are built on these
+FAMILIES = {
+    P + "world_size": ("gauge", "the daemon's ranks", (), ("",)),
+    P + "http_requests": (
+        "counter",
+        "HTTP requests answered, by route template, method and status code",
+        ("method", "route", "status"),
+        ("_total",),
+    ),
+    P + "commands": (
+        "counter",
+        "commands relayed to every rank (HTTP routes and the healer), by operation and outcome",
+        ("op", "outcome"),
+        ("_total",),
+    ),
+    P + "failures": (
+        "counter",
+        "failed commands by operation and failure kind (each kind its failing ranks reported, once per command)",
+        ("kind", "op"),
+        ("_total",),
+    ),
+    P + "updates": ("counter", "weight updates (op update), by outcome", ("outcome",), ("_total",)),
+    P + "update_bytes": (
+        "counter",
+        "bytes of the checkpoints successful updates delivered (once per update)",
+        (),
+        ("_total",),
+    ),
+    P + "update_duration_seconds": (
+        "summary",
+        "seconds of successful updates (slowest rank)",
+        (),
+        ("_count", "_sum"),
+    ),
+    P + "last_update_stage_seconds": (
+        "gauge",
+        "the last successful update's seconds per stage, on its slowest rank",
+        ("stage",),
+        ("",),
+    ),
+    P + "last_update_seconds": ("gauge", "the last successful update's total seconds", (), ("",)),
+    P + "last_update_gib_per_second": ("gauge", "the last successful update's GiB/s", (), ("",)),
+    P + "last_update_bytes": ("gauge", "the last successful update's bytes", (), ("",)),
+    P + "last_update_timestamp_seconds": (
+        "gauge",
+        "Unix time at which the last successful update ended",
+        (),
+        ("",),
+    ),
+    P + "heals": (
+        "counter",
+        "engine heals (restart + update to the current checkpoint), by outcome",
+        ("outcome",),
+        ("_total",),
+    ),
+    P + "heal_duration_seconds": (
+        "summary",
+        "seconds of each heal command (restart and update)",
+        (),
+        ("_count", "_sum"),
+    ),
+    P + "engine_state": (
+        "gauge",
+        "1 for the state each rank's managed engine is in, 0 for the others",
+        ("rank", "state"),
+        ("",),
+    ),
+    P + "engine_restarts": ("gauge", "restarts (heals) of each rank's managed engine", ("rank",), ("",)),
+    P + "engine_recovery_seconds": (
+        "gauge",
+        "seconds from failure to serving of each engine's last heal",
+        ("rank",),
+        ("",),
+    ),
+}
+ENGINE_FAMILIES = {P + "engine_state", P + "engine_restarts", P + "engine_recovery_seconds"}
+
+
+def exposed_families(text: str) -> dict:
+    """(type, help, label names, sample name suffixes) of each family in the exposition text."""
+    out = {}
+    for f in families(text).values():
+        labels = tuple(sorted({k for s in f.samples for k in s.labels}))
+        out[f.name] = (f.type, f.documentation, labels, tuple(sorted({s.name[len(f.name) :] for s in f.samples})))
+    return out
+
+
+def test_metric_names_types_help_and_labels_are_the_dashboards():
+    metrics = DaemonMetrics(WORLD)
+    metrics.observe_request("/update", "POST", 200)
+    metrics.observe_command(
+        {"op": "update", "heal": True}, ok_result({"op": "update"}, [update_metrics(0, 1.0, 0.5)]), 1
+    )
+    metrics.observe_command({"op": "update"}, failed_result({"op": "update"}, 500), 0.5)
+    records = [{"rank": 0, "state": "serving", "restarts": 1, "recovery_s": 2.0}]
+    assert exposed_families(metrics.render(records)) == FAMILIES  # no family more (e.g. `_created`), none less
+    # a fresh daemon: every family is there; the counters with labels have no sample yet
+    fresh = families(DaemonMetrics(WORLD).render())
+    assert set(fresh) == set(FAMILIES) - ENGINE_FAMILIES
+    assert {f for f in fresh if not fresh[f].samples} == {P + "http_requests", P + "commands", P + "failures"}
+    assert sorted((s.name, tuple(s.labels.items()), s.value) for f in fresh.values() for s in f.samples) == sorted(
+        [(P + "world_size", (), WORLD), (P + "update_bytes_total", (), 0)]
+        + [
+            (P + f"{n}_{x}", (), 0)
+            for n in ("update_duration_seconds", "heal_duration_seconds")
+            for x in ("count", "sum")
+        ]
+        + [(P + f"{n}_total", (("outcome", o),), 0) for n in ("updates", "heals") for o in ("ok", "error")]
+        + [(P + "last_update_stage_seconds", (("stage", s),), 0) for s in STAGES]
+        + [(P + f"last_update_{n}", (), 0) for n in ("seconds", "gib_per_second", "bytes", "timestamp_seconds")]
+    )
+
+
 def test_heals_through_the_observed_driver_are_counted():
     driver = StubDriver(lambda cmd: ok_result(cmd) if cmd.get("ranks") == [0] else failed_result(cmd, 500))
     metrics = DaemonMetrics(WORLD)
