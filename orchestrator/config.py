@@ -35,6 +35,7 @@ from orchestrator.metric_sinks.sinks import WANDB_MISSING, wandb_importable
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, check_rollout_fields
 from orchestrator.sampling import CurriculumConfig
+from orchestrator.tasks.fields import FieldsConfig
 from orchestrator.tasks.template import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, template_error
 from trainer.sft import DEFAULT_CACHE_DIR, SFTConfig
 
@@ -52,7 +53,7 @@ RESUMABLE_CHANGES = (
 
 
 # data fields that apply to problem files only (the demo writes its own prompts and answers)
-FILE_ONLY_FIELDS = ("prompt_template", "chat_template", "answer_markers")
+FILE_ONLY_FIELDS = ("prompt_template", "chat_template", "answer_markers", "fields", "train_split", "heldout_split")
 
 
 def _levels(owner: str, name: str, value: Sequence[int]) -> None:
@@ -63,16 +64,20 @@ def _levels(owner: str, name: str, value: Sequence[int]) -> None:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The problems RL trains and evaluates on: the demo's (a pool drawn once from its training split, a
-    held-out set per level: the level, size and seed fields), or your own JSONL problem files.
+    held-out set per level: the level, size and seed fields), or your own problem sets.
 
-    ``train_path`` and ``heldout_path`` (both, or neither): problem files (``orchestrator.tasks.problems``;
+    ``train_path`` and ``heldout_path`` (both, or neither): problem sets: this project's JSONL, or a
+    parquet, CSV, JSON or Arrow file or a ``save_to_disk`` folder (``ckpt_common.tables``; ``train_split``
+    and ``heldout_split`` name a split where the source has several), their columns mapped by ``fields``
+    (``orchestrator.tasks.fields``: which column is the prompt, the answer and its format, the tests, ...;
+    the default: this project's record format) (``orchestrator.tasks.problems``;
     docs/rl-job.md "Your own problems"), read and checked before anything starts; the demo's fields are
     then unused. Or ``train_path`` alone with ``heldout_fraction`` (in (0, 1), instead of ``heldout_path``):
     that share of its problems is held out, chosen by a hash of (``split_seed``, id) (``split_heldout``).
     ``prompt_template``: the text a problem's ``prompt`` becomes (``{prompt}`` filled in);
     ``chat_template``: render through the model's chat template instead (needed for ``messages``);
     ``answer_markers``: math answers are read after the last of these in a response (empty: math-verify
-    reads the whole response). The last three apply to problem files only.
+    reads the whole response). These and the mapping and split fields apply to problem sets only.
     """
 
     train_levels: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
@@ -89,6 +94,9 @@ class DataConfig:
     prompt_template: str = DEFAULT_TEMPLATE
     chat_template: bool = False
     answer_markers: tuple[str, ...] = DEFAULT_ANSWER_MARKERS
+    fields: FieldsConfig = FieldsConfig()
+    train_split: str | None = None
+    heldout_split: str | None = None
 
     def __post_init__(self) -> None:
         self._check_files()
@@ -135,7 +143,16 @@ class DataConfig:
         for name in ("train_path", "heldout_path"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"data.{name}={value!r} must be the path of a JSONL problem file")
+                raise ValueError(f"data.{name}={value!r} must be the path of a problem set (a file or a folder)")
+        for name in ("train_split", "heldout_split"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"data.{name}={value!r} must be a split's name (train, test, ...) or null")
+        if self.fields.system_prompt is not None and not self.chat_template:
+            raise ValueError(
+                "data.fields.system_prompt is a system turn, which the model's chat template renders: set "
+                "data.chat_template=true (or put the text into data.prompt_template)"
+            )
         self._check_split()
         if self.train_path is None and self.heldout_path is not None:
             raise ValueError(
@@ -257,7 +274,8 @@ class RolloutConfig:
 class SamplingConfig:
     """Curriculum (difficulty = task level) times prioritized sampling (1 - success rate)."""
 
-    curriculum: CurriculumConfig = CurriculumConfig(warmup_iterations=5, min_difficulty=3, easy_weight=0.1)
+    # one difficulty scale for every task, [0, 1]: the demo's level L is (L - 1) / 6, so 1/3 is level 3 and up
+    curriculum: CurriculumConfig = CurriculumConfig(warmup_iterations=5, min_difficulty=1 / 3, easy_weight=0.1)
     prioritized: bool = True
     priority_epsilon: float = 0.05
     prior_success_rate: float = 0.5
@@ -541,8 +559,8 @@ class JobConfig:
                 "sync.delta=true needs engines that keep the version they serve between updates; colocated "
                 "engines start (or wake) for each version: set sync.delta=false or engine.colocated=false"
             )
+        self._check_curriculum()
         if self.data.uses_files:  # prompt lengths are checked with the model's tokenizer (Task.check_prompt_lengths)
-            self._check_file_curriculum()
             return
         longest_prompt = 1 + max(
             len(task.sample_problem(_FixedRng(), level).prompt)
@@ -556,14 +574,13 @@ class JobConfig:
                 f"({self.rollout.max_response_tokens})"
             )
 
-    def _check_file_curriculum(self) -> None:
+    def _check_curriculum(self) -> None:
         curriculum = self.sampling.curriculum
-        if curriculum.min_difficulty > 1 and curriculum.easy_weight < 1:
+        if not 0 <= curriculum.min_difficulty <= 1:
             raise ValueError(
-                f"sampling.curriculum.min_difficulty={curriculum.min_difficulty!r} is on the demo's level scale "
-                "(1-7), but problem files give difficulty in [0, 1] (0 easiest): set "
-                "sampling.curriculum.min_difficulty in [0, 1] (a problem without a difficulty counts as 1.0), "
-                "or sampling.curriculum.easy_weight=1 to turn the curriculum off"
+                f"sampling.curriculum.min_difficulty={curriculum.min_difficulty!r} must be in [0, 1], the "
+                "difficulty scale of every task (0 easiest; a problem file's own difficulty, a problem without "
+                "one counting as 1.0; the demo's level L is (L - 1) / 6, so level 3 and up is 0.33)"
             )
 
     def partial_rollout(self) -> PartialRolloutConfig:

@@ -121,7 +121,7 @@ class RLJob:
                 from trainer.sft_file import run_file_sft
 
                 phases.enter("SFT warm-up")
-                style = PromptStyle(c.data.prompt_template, c.data.chat_template)  # prompts as RL renders them
+                style = PromptStyle(c.data.prompt_template, c.data.chat_template, c.data.fields.system_prompt)
                 self.sft_model_dir = run_file_sft(c.sft, self.sft_model_dir, c.sft_cache_dir, style=style)
                 phases.enter("start-up")
             done = self.sft_model_dir.parent / sft.DONE_FILE

@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ckpt_common.cli_config import add_config_args, meta
@@ -101,6 +101,10 @@ class SFTConfig:
     # trainer.sft_file's: fine-tune your own model (the job's init_model_dir) on this JSONL file instead of
     # training the demo's; kept out of this key when None (the demo's keys predate it), and out of this CLI
     data_path: str | None = None
+    # which columns of data_path hold "prompt", "response" and "messages" (absent keys: those names), and
+    # its split where it has several (trainer.sft_file); both kept out of this key when None, as data_path
+    data_fields: Mapping[str, str] | None = None
+    data_split: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "batch_size", "num_threads", "num_layers", "hidden_size"):
@@ -127,7 +131,18 @@ class SFTConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         if self.data_path is not None and (not isinstance(self.data_path, str) or not self.data_path.strip()):
-            raise ValueError(f"data_path={self.data_path!r} must be the path of a JSONL SFT file")
+            raise ValueError(f"data_path={self.data_path!r} must be the path of an SFT file or folder")
+        if self.data_fields is not None:
+            known = ("prompt", "response", "messages")
+            if not isinstance(self.data_fields, Mapping) or any(
+                key not in known or not isinstance(value, str) or not value.strip()
+                for key, value in self.data_fields.items()
+            ):
+                raise ValueError(
+                    f"data_fields={self.data_fields!r} must map some of {list(known)} to column names (strings)"
+                )
+        if self.data_split is not None and (not isinstance(self.data_split, str) or not self.data_split.strip()):
+            raise ValueError(f"data_split={self.data_split!r} must be a split's name or null")
 
     def resolved(self) -> SFTConfig:
         """This config with "auto" settings replaced by what this machine uses (part of the cache key)."""
@@ -142,8 +157,9 @@ class SFTConfig:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IN_CACHE_KEY}
         if self.solution_style == "short":
             del fields["solution_style"]  # the key of a short-CoT model predates the field
-        if self.data_path is None:
-            del fields["data_path"]  # the demo's keys predate the field
+        for name in ("data_path", "data_fields", "data_split"):
+            if getattr(self, name) is None:
+                del fields[name]  # the demo's keys predate these fields
         payload = json.dumps({"recipe": SFT_RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -459,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", default=DEFAULT_CACHE_DIR, help="cache root (default: %(default)s)")
     # every field a flag (but data_path: trainer.sft_file's); defaults and help from SFTConfig
-    spec = add_config_args(parser, SFTConfig, exclude=("data_path",))
+    spec = add_config_args(parser, SFTConfig, exclude=("data_path", "data_fields", "data_split"))
     args = parser.parse_args(argv)
     config = spec.build(args, parser)
     from ckpt_common.logs import setup_logging

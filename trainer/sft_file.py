@@ -40,11 +40,12 @@ import os
 import pathlib
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from ckpt_common.records import got, is_text, json_object_lines
+from ckpt_common.tables import MISSING, TableError, column_value, read_table, table_name
 from orchestrator.tasks.problems import Collector, Issue, ProblemFileError, parse_messages
-from orchestrator.tasks.records import got, is_text, json_object_lines
 from orchestrator.tasks.template import PromptStyle
 from trainer.sft import SFTConfig, cached_training, lr_at
 
@@ -137,9 +138,24 @@ def parse_sft_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<sft>"
     """The examples of a JSONL text given as lines (line 1 first); ProblemFileError listing every error
     (up to 20) if any line is not valid. ``path`` only names the source in errors."""
     errors = Collector(os.fspath(path))
+    return _examples(json_object_lines(lines, errors), errors, None, strict=True)
+
+
+def _examples(
+    rows: Iterable[tuple[int, dict[str, Any]]], errors: Collector, columns: Mapping[str, str] | None, strict: bool
+) -> list[SFTExample]:
+    columns = dict(columns or {})
     examples: list[SFTExample] = []
-    for line_number, record in json_object_lines(lines, errors):
-        example = _parse_record(record, line_number, errors)
+    for line_number, row in rows:
+        if strict:
+            example = _parse_record(row, line_number, errors)
+        else:  # a table's columns, renamed to the record's fields; columns nobody named are left alone
+            record = {}
+            for name in RECORD_FIELDS:
+                value = column_value(row, columns.get(name, name))
+                if value is not MISSING:
+                    record[name] = value
+            example = _parse_record(record, line_number, _Renamed(errors, columns))
         if example is not None:
             examples.append(example)
     if not examples and not errors.count:
@@ -148,18 +164,51 @@ def parse_sft_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<sft>"
     return examples
 
 
-def read_sft_examples(path: str | os.PathLike[str]) -> list[SFTExample]:
-    """Every example of the SFT file at ``path`` (UTF-8), or ProblemFileError naming what is wrong."""
-    name = os.fspath(path)
+class _Renamed:
+    """Errors about a record's field named by the user's column (``sft.data_fields``)."""
+
+    def __init__(self, sink: Collector, columns: Mapping[str, str]) -> None:
+        self.sink, self.columns = sink, columns
+
+    @property
+    def count(self) -> int:
+        return self.sink.count
+
+    def add(self, line: int | None, field: str | None, message: str) -> None:
+        if field is not None:
+            head = field.split("[", 1)[0]
+            if head in self.columns:
+                field = self.columns[head] + field[len(head) :]
+        self.sink.add(line, field, message)
+
+
+def read_sft_examples(
+    path: str | os.PathLike[str], columns: Mapping[str, str] | None = None, split: str | None = None
+) -> list[SFTExample]:
+    """Every example of the SFT set at ``path`` (this project's JSONL, or a table ``ckpt_common.tables``
+    reads: parquet, CSV, JSON, Arrow, a ``save_to_disk`` folder; ``split`` where it has several), its
+    columns named by ``columns`` (``sft.data_fields``: which column is the prompt, the response, the
+    messages), or ProblemFileError naming what is wrong (the user's column)."""
+    name = table_name(path, split)
+    errors = Collector(name)
     try:
-        with open(name, encoding="utf-8") as f:
-            text = f.read()
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        issue = Issue(name, None, None, f"cannot read it ({e.strerror}): check sft.data_path")
-        raise ProblemFileError([issue]) from None
-    except UnicodeDecodeError as e:
-        raise ProblemFileError([Issue(name, None, None, f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
-    return parse_sft_lines(text.splitlines(), name)
+        table = read_table(path, errors, split)
+    except TableError as e:
+        hint = "" if pathlib.Path(path).exists() else ": check sft.data_path"
+        raise ProblemFileError([Issue(e.name, None, None, str(e)[len(e.name) + 2 :] + hint)]) from None
+    strict = table.kind == "jsonl" and not columns
+    return _examples(table.rows, errors, columns, strict)
+
+
+def data_sha256(path: str | os.PathLike[str]) -> str:
+    """The content hash of an SFT source: a file's bytes, or a folder's files (relative names and bytes)."""
+    source = pathlib.Path(path)
+    if not source.is_dir():
+        return file_sha256(source)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in source.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(source).as_posix().encode() + b"\0" + file_sha256(file).encode())
+    return digest.hexdigest()
 
 
 # -- tokens ------------------------------------------------------------------------------------------
@@ -272,6 +321,10 @@ def cache_key(config: SFTConfig, data_sha256: str, model_identity: str, style: P
         "prompt_style": dataclasses.asdict(style),
         **fields,
     }
+    if config.data_fields or config.data_split:  # keys of a plain JSONL file predate these
+        payload |= {"data_fields": dict(config.data_fields or {}), "data_split": config.data_split}
+    if style.system_prompt is None:
+        del payload["prompt_style"]["system_prompt"]  # keys without a system turn predate it
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -298,9 +351,9 @@ def run_file_sft(
     if config.data_path is None:
         raise ValueError("run_file_sft needs sft.data_path (a JSONL SFT file)")
     data_path = os.fspath(config.data_path)
-    examples = read_sft_examples(data_path)  # every line checked before anything else
+    examples = read_sft_examples(data_path, config.data_fields, config.data_split)  # all checked first
     config = dataclasses.replace(config, num_threads=num_threads_for(config.num_threads))
-    key = cache_key(config, file_sha256(data_path), model_dir_identity(init_model_dir), style)
+    key = cache_key(config, data_sha256(data_path), model_dir_identity(init_model_dir), style)
     final = pathlib.Path(cache_dir) / f"sft-file-{key}"
 
     def train(work_dir: pathlib.Path) -> dict[str, Any]:

@@ -4,10 +4,11 @@
 
     DataConfig (levels, sizes, seeds) ──orchestrator.data.train_pool / heldout_set──▶ demo.task.Problem
     prompt: the expression as written ("347+586\\n"); reference: the answer; reward: reward.type's
-    (math-verify reads the number after "#### "); difficulty and level: the task level (1-7)
+    (math-verify reads the number after "#### "); level: the task level (1-7); difficulty: the level
+    on the [0, 1] scale of every task's curriculum, (level - 1) / 6
 
-Behaviour is the RL job's before tasks existed: the same pool, held-out set, prompts, reward and
-curriculum labels, so a config without ``data.train_path`` runs as it always did.
+Behaviour is the RL job's before tasks existed: the same pool, held-out set, prompts and reward, and
+the same curriculum (its labels rescaled with ``sampling.curriculum.min_difficulty``'s default).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ if TYPE_CHECKING:
     from orchestrator.rewards import RewardFn
 
 logger = logging.getLogger(__name__)
+
+
+def demo_difficulty(level: int) -> float:
+    """A demo level (1-7) on the curriculum's [0, 1] scale: (level - 1) / (7 - 1)."""
+    low, high = min(demo.LEVELS), max(demo.LEVELS)
+    return (level - low) / (high - low)
 
 
 class DemoTask(Task):
@@ -59,7 +66,8 @@ class DemoTask(Task):
         return problem.answer
 
     def difficulty(self, problem: demo.Problem) -> float:
-        return float(problem.level)
+        """The level on the [0, 1] scale every task's curriculum uses: (level - 1) / 6."""
+        return demo_difficulty(problem.level)
 
     def level_of(self, problem: demo.Problem) -> int:
         return problem.level

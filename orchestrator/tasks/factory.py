@@ -67,7 +67,7 @@ def check_data_files(config: JobConfig) -> None:
     if config.sft.data_path is not None:
         from trainer.sft_file import read_sft_examples
 
-        read_sft_examples(config.sft.data_path)
+        read_sft_examples(config.sft.data_path, config.sft.data_fields, config.sft.data_split)
 
 
 # -- the task of a command around the job (long2short, curation) -------------------------------------

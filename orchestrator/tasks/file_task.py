@@ -30,7 +30,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckpt_common.tables import table_name
 from orchestrator.tasks.base import Task
+from orchestrator.tasks.fields import FieldsConfig
 from orchestrator.tasks.problems import (
     CodeTest,
     Issue,
@@ -51,13 +53,13 @@ logger = logging.getLogger(__name__)
 UNKNOWN_LEVEL = -1  # heldout_accuracy_by_level's bucket for problems without a difficulty
 
 
-def _read(path: str, field: str) -> list[Problem]:
-    try:
-        return read_problems(path)
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        raise ProblemFileError([Issue(path, None, None, f"cannot read it ({e.strerror}): check {field}")]) from None
-    except UnicodeDecodeError as e:
-        raise ProblemFileError([Issue(path, None, None, f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+def _read(path: str, field: str, fields: FieldsConfig, split: str | None) -> list[Problem]:
+    if not os.path.exists(path):
+        try:
+            read_problems(path, fields, split)  # its message: no such file (or how to fetch a Hub name)
+        except ProblemFileError as e:
+            raise ProblemFileError([Issue(e.path, None, None, f"{e.issues[0].message}: check {field}")]) from None
+    return read_problems(path, fields, split)
 
 
 class FileReward:
@@ -93,6 +95,9 @@ class FileTask(Task):
         chat_template: bool = False,
         answer_markers: Sequence[str] = DEFAULT_ANSWER_MARKERS,
         hold_out: bool = True,
+        fields: FieldsConfig | None = None,
+        train_split: str | None = None,
+        heldout_split: str | None = None,
     ) -> None:
         error = template_error(prompt_template)
         if error is not None:
@@ -105,15 +110,23 @@ class FileTask(Task):
                 "give exactly one of data.heldout_path (a held-out file) and data.heldout_fraction (a share of "
                 f"data.train_path held out), got heldout_path={heldout_path!r}, heldout_fraction={heldout_fraction!r}"
             )
-        self.train_path = os.fspath(train_path)
-        self.heldout_path = self.train_path if heldout_path is None else os.fspath(heldout_path)
-        self.style = PromptStyle(prompt_template, chat_template)  # the SFT warm-up renders prompts by it too
+        self.fields = fields or FieldsConfig()
+        if self.fields.system_prompt is not None and not chat_template:
+            raise ValueError(
+                "data.fields.system_prompt is a system turn, which the model's chat template renders: set "
+                "data.chat_template=true (or put the text into data.prompt_template)"
+            )
+        # the sources' names in errors and logs: the path, [split] added for a folder's split
+        self.train_path = table_name(train_path, train_split)
+        heldout_source = train_path if heldout_path is None else heldout_path
+        self.heldout_path = self.train_path if heldout_path is None else table_name(heldout_path, heldout_split)
+        self.style = PromptStyle(prompt_template, chat_template, self.fields.system_prompt)
         self.answer_markers = tuple(answer_markers)
-        train = _read(self.train_path, "data.train_path")
+        train = _read(os.fspath(train_path), "data.train_path", self.fields, train_split)
         if not hold_out:
             heldout: list[Problem] = []
         elif heldout_fraction is None:
-            heldout = _read(self.heldout_path, "data.heldout_path")
+            heldout = _read(os.fspath(heldout_source), "data.heldout_path", self.fields, heldout_split)
             check_disjoint(train, heldout, self.train_path, self.heldout_path)
         else:
             train, heldout = split_heldout(train, heldout_fraction, split_seed, self.train_path)
@@ -148,6 +161,9 @@ class FileTask(Task):
             prompt_template=data.prompt_template,
             chat_template=data.chat_template,
             answer_markers=data.answer_markers,
+            fields=data.fields,
+            train_split=data.train_split,
+            heldout_split=data.heldout_split,
         )
         task.check_reward(reward)
         return task
@@ -163,6 +179,8 @@ class FileTask(Task):
             chat_template=data.chat_template,
             answer_markers=data.answer_markers,
             hold_out=False,
+            fields=data.fields,
+            train_split=data.train_split,
         )
         task.check_reward(reward)
         return task
@@ -217,7 +235,7 @@ class FileTask(Task):
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         """The conversation handed to the chat template (a prompt: one user message, the template applied)."""
         if problem.messages is not None:
-            return [dict(m) for m in problem.messages]
+            return self.style.with_system([dict(m) for m in problem.messages])
         return self.style.messages(problem.prompt)
 
     def prompt_text(self, problem: Problem, tokenizer: Any = None) -> str:

@@ -28,7 +28,7 @@ errors naming both lines. ``check_disjoint`` keeps a held-out file apart from it
 holds out a seeded share of one file instead (``data.heldout_fraction``, ``data.split_seed``);
 ``write_problems`` writes the same format back (fields in a fixed order, None fields left out), atomically.
 SFT files (``trainer.sft_file``) are checked the same way: with the JSONL reading and value checks of
-``orchestrator.tasks.records``, ``parse_messages``, and a ``Collector`` that raises ``ProblemFileError``.
+``ckpt_common.records``, ``parse_messages``, and a ``Collector`` that raises ``ProblemFileError``.
 
 The RL job takes these files through ``orchestrator.tasks.file_task.FileTask`` (``data.train_path``,
 ``data.heldout_path``).
@@ -39,12 +39,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from ckpt_common.fsutil import atomic_write_text
-from orchestrator.tasks.records import got, is_text, json_object_lines
+from ckpt_common.records import IssueSink, got, is_text, json_object_lines
+from ckpt_common.tables import Table, TableError, read_table, table_name
+from orchestrator.tasks.fields import FieldsConfig, map_row
+
+logger = logging.getLogger(__name__)
 
 FIELDS: tuple[str, ...] = (
     "id",
@@ -176,13 +181,14 @@ class ProblemFileError(ValueError):
 
 class Collector:
     """Issues of one file, the first MAX_ERRORS kept, all counted; ``raise_if_any`` raises them as one
-    ProblemFileError. The ``IssueSink`` (``orchestrator.tasks.records``) of problem files and SFT files
+    ProblemFileError. The ``IssueSink`` (``ckpt_common.records``) of problem files and SFT files
     (``trainer.sft_file``) alike."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.issues: list[Issue] = []
         self.count = 0
+        self.skipped = 0  # rows dropped (data.fields.bad_rows=skip)
 
     def add(self, line: int | None, field: str | None, message: str) -> None:
         self.count += 1
@@ -321,42 +327,134 @@ def _unit_number(record: dict, field: str, meaning: str, line: int, errors: Any)
 def parse_problem_lines(lines: Iterable[str], path: str | os.PathLike[str] = "<problems>") -> list[Problem]:
     """The problems of a JSONL text given as lines (line 1 first); raises ProblemFileError listing every
     error (up to MAX_ERRORS) if any line is not valid. ``path`` only names the source in errors."""
-    name = os.fspath(path)
-    errors = Collector(name)
+    errors = Collector(os.fspath(path))
+    return parse_problem_rows(json_object_lines(lines, errors), errors)
+
+
+def parse_problem_rows(
+    rows: Iterable[tuple[int, dict[str, Any]]],
+    errors: Collector,
+    fields: FieldsConfig | None = None,
+    strict: bool = True,
+) -> list[Problem]:
+    """The problems of numbered rows, mapped by ``fields`` (None: this project's format), every error
+    added to ``errors`` (whose path names the source) and raised as one ProblemFileError. ``strict``:
+    a column the format does not know is an error (this project's JSONL); otherwise it is ignored.
+    With ``fields.bad_rows == "skip"`` a row that fails a check is dropped and counted instead (logged;
+    ``errors.skipped``), unless every row does."""
+    fields = fields or FieldsConfig()
+    skip = fields.bad_rows == "skip"
     problems: list[Problem] = []
     id_lines: dict[str, int] = {}
     content_lines: dict[str, int] = {}
-    for line_number, record in json_object_lines(lines, errors):
-        problem = _parse_record(record, line_number, errors)
+    skipped: list[Issue] = []
+    for line_number, row in rows:
+        sink = Collector(errors.path) if skip else errors
+        problem, explicit_id = _problem_of_row(row, line_number, fields, strict, _ColumnNames(sink, fields))
+        if problem is not None:
+            content = problem.content_key()
+            content_field = fields.column("prompt" if problem.prompt is not None else "messages")
+            same_content = content_lines.get(content)
+            if same_content is not None:
+                sink.add(
+                    line_number, content_field, f"the same {content_field} as line {same_content} (a duplicate problem)"
+                )
+            same_id = id_lines.get(problem.id)
+            if same_id is not None and (explicit_id or same_content is None):
+                sink.add(line_number, fields.column("id"), f'id "{problem.id}" is already used on line {same_id}')
+        if skip and sink.count:
+            skipped.extend(sink.issues[:1])
+            continue
         if problem is None:
             continue
-        content = problem.content_key()
-        content_field = "prompt" if problem.prompt is not None else "messages"
-        same_content = content_lines.get(content)
-        if same_content is not None:
-            errors.add(
-                line_number, content_field, f"the same {content_field} as line {same_content} (a duplicate problem)"
-            )
-        else:
-            content_lines[content] = line_number
-        same_id = id_lines.get(problem.id)
-        if same_id is not None and ("id" in record or same_content is None):
-            errors.add(line_number, "id", f'id "{problem.id}" is already used on line {same_id}')
-        else:
-            id_lines.setdefault(problem.id, line_number)
+        content_lines.setdefault(problem.content_key(), line_number)
+        id_lines.setdefault(problem.id, line_number)
         problems.append(problem)
+    errors.skipped = len(skipped)
+    if skipped:
+        logger.warning(
+            "%s: skipped %d row(s) that fail a check (data.fields.bad_rows=skip); the first: %s",
+            errors.path,
+            len(skipped),
+            "; ".join(str(issue) for issue in skipped[:3]),
+        )
     if not problems and not errors.count:
-        errors.add(None, None, "no problems: the file is empty (a problem file needs at least one line)")
+        what = f"all {len(skipped)} rows were skipped (data.fields.bad_rows=skip)" if skipped else "the file is empty"
+        errors.add(None, None, f"no problems: {what} (a problem file needs at least one)")
     errors.raise_if_any()
     return problems
 
 
-def read_problems(path: str | os.PathLike[str]) -> list[Problem]:
-    """Every problem of a JSONL problem file, in file order; raises ProblemFileError (nothing is returned)
-    if any line is not valid. The file is read as UTF-8."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    return parse_problem_lines(text.splitlines(), path)
+def _problem_of_row(
+    row: dict[str, Any], line: int, fields: FieldsConfig, strict: bool, errors: IssueSink
+) -> tuple[Problem | None, bool]:
+    """(the Problem of one row or None after adding its errors, whether the row gave its id)."""
+    if fields.is_default and strict:
+        return _parse_record(row, line, errors), "id" in row
+    record = map_row(row, fields, line, errors)
+    if record is None:
+        return None, False
+    return _parse_record(record, line, errors), "id" in record
+
+
+class _ColumnNames:
+    """An IssueSink that names the user's columns where the checks name this project's fields
+    (``answer`` -> ``reward_model.ground_truth``, ``tests[2].input`` -> ``input_output[2].input``)."""
+
+    def __init__(self, sink: IssueSink, fields: FieldsConfig) -> None:
+        self.sink, self.fields = sink, fields
+
+    @property
+    def count(self) -> int:
+        return self.sink.count
+
+    def add(self, line: int | None, field: str | None, message: str) -> None:
+        if field is not None:
+            head = field.split("[", 1)[0]
+            if head in FIELDS and getattr(self.fields, head, None) not in (None, head):
+                field = self.fields.column(head) + field[len(head) :]
+        self.sink.add(line, field, message)
+
+
+def read_problems(
+    path: str | os.PathLike[str], fields: FieldsConfig | None = None, split: str | None = None
+) -> list[Problem]:
+    """Every problem of a problem set, in its order: this project's JSONL, or any table ``read_table``
+    reads (parquet, CSV, JSON, Arrow, a ``save_to_disk`` folder; ``split`` where it has several), its
+    columns mapped by ``fields``. Raises ProblemFileError (nothing is returned) if any row is not valid;
+    a row's number is its line in JSONL, its 1-based row elsewhere."""
+    name = table_name(path, split)
+    errors = Collector(name)
+    try:
+        table = read_table(path, errors, split)
+    except TableError as e:
+        raise ProblemFileError([Issue(e.name, None, None, str(e)[len(e.name) + 2 :])]) from None
+    fields = fields or FieldsConfig()
+    strict = table.kind == "jsonl" and fields.is_default
+    if not strict:
+        _check_columns(table, fields, errors)
+    return parse_problem_rows(table.rows, errors, fields, strict)
+
+
+def _check_columns(table: Table, fields: FieldsConfig, errors: Collector) -> None:
+    """A table without a column for the prompt, or for the answer or tests, is refused at once, naming
+    the columns it has (one error for the file, not one per row)."""
+    tops = set(table.columns)
+
+    def present(field: str) -> bool:
+        column = getattr(fields, field)
+        return column is not None and (column in tops or column.split(".", 1)[0] in tops)
+
+    for first, second in (("prompt", "messages"), ("answer", "tests")):
+        if not (present(first) or present(second)):
+            named = [getattr(fields, f) for f in (first, second) if getattr(fields, f) is not None]
+            errors.add(
+                None,
+                None,
+                f"no column {' or '.join(repr(n) for n in named)} (data.fields.{first}/data.fields.{second}); "
+                f"its columns: {list(table.columns)}",
+            )
+    errors.raise_if_any()
 
 
 def check_disjoint(

@@ -45,11 +45,18 @@ class PromptStyle:
 
     template: str = DEFAULT_TEMPLATE
     chat_template: bool = False
+    system_prompt: str | None = None  # a system turn before every conversation (data.fields.system_prompt)
 
     def text(self, prompt: str) -> str:
         """The prompt with the template filled in (the whole prompt when ``chat_template`` is False)."""
         return self.template.format(prompt=prompt)
 
     def messages(self, prompt: str) -> list[dict[str, str]]:
-        """The conversation the chat template gets: one user turn."""
-        return [{"role": "user", "content": self.text(prompt)}]
+        """The conversation the chat template gets: one user turn (after the system turn, if any)."""
+        return self.with_system([{"role": "user", "content": self.text(prompt)}])
+
+    def with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``messages`` with the system turn first, unless there is none or they begin with their own."""
+        if self.system_prompt is None or (messages and messages[0].get("role") == "system"):
+            return messages
+        return [{"role": "system", "content": self.system_prompt}, *messages]

@@ -104,7 +104,7 @@ def test_sft_solution_style_wiring(tokenizer):
 
     fields = {k: v for k, v in dataclasses.asdict(short).items() if k not in sft._NOT_IN_CACHE_KEY}
     del fields["solution_style"]
-    del fields["data_path"]  # trainer.sft_file's, kept out of the key when None
+    del fields["data_path"], fields["data_fields"], fields["data_split"]  # trainer.sft_file's, out of the key when None
     payload = json.dumps({"recipe": sft.SFT_RECIPE_VERSION, **fields}, sort_keys=True)
     assert short.cache_key() == hashlib.sha256(payload.encode()).hexdigest()[:16]
     with pytest.raises(ValueError, match="solution_style"):

@@ -13,7 +13,7 @@ from demo import task as demo
 from orchestrator.config import DataConfig, RewardConfig, load_config
 from orchestrator.tasks import ProblemFileError
 from orchestrator.tasks.base import PromptTooLongError, Task
-from orchestrator.tasks.demo_task import DemoTask
+from orchestrator.tasks.demo_task import DemoTask, demo_difficulty
 from orchestrator.tasks.factory import check_data_files, make_task
 from orchestrator.tasks.file_task import FileReward, FileTask
 
@@ -75,11 +75,14 @@ def test_bad_data_settings_name_the_field(overrides, message):
     assert message in str(e.value)
 
 
-def test_the_demo_curriculum_scale_is_refused_for_problem_files(tmp_path):
+def test_one_difficulty_scale_serves_the_demo_and_files(tmp_path):
+    """A user's file runs with the job's defaults (no demo-only setting trips it); a level (3) where the
+    [0, 1] scale is meant is refused for the demo and files alike, naming the level's place on it."""
     files = _files(tmp_path)[:2]
-    with pytest.raises(ValueError, match=r"sampling.curriculum.min_difficulty=3(\.0)? is on the demo's level scale"):
-        load_config(DEMO_CONFIG, files)
-    assert load_config(None, [*files, "sampling.curriculum.easy_weight=1"]).data.uses_files  # curriculum off
+    assert load_config(None, files).data.uses_files  # the defaults fit a file
+    for overrides in ([], files):
+        with pytest.raises(ValueError, match=r"min_difficulty=3(\.0)? must be in \[0, 1\].*level 3 and up is 0.33"):
+            load_config(None, [*overrides, "sampling.curriculum.min_difficulty=3"])
     config = load_config(DEMO_CONFIG, _files(tmp_path))
     assert config.data.train_path.endswith("train.jsonl") and config.data.answer_markers == ("####",)
 
@@ -128,9 +131,7 @@ def test_a_bad_problem_file_is_refused_naming_file_line_and_field(
 def test_a_missing_file_names_its_setting(tmp_path):
     overrides = _files(tmp_path)
     overrides[1] = f"data.heldout_path={tmp_path / 'nowhere.jsonl'}"
-    with pytest.raises(
-        ProblemFileError, match=r"nowhere.jsonl: cannot read it \(No such file or directory\): check data.heldout_path"
-    ):
+    with pytest.raises(ProblemFileError, match=r"nowhere.jsonl: no such file or folder: check data.heldout_path"):
         check_data_files(load_config(None, overrides))
 
 
@@ -167,7 +168,10 @@ def test_the_demo_task_is_the_job_without_files():
     assert [p.id for p in task.heldout_problems()] == [p.id for p in data.heldout_set(config.data)]
     problem = task.heldout_problems()[0]
     assert task.prompt_text(problem) == problem.prompt and task.reference(problem) == problem.answer
-    assert task.difficulty(problem) == float(problem.level) and task.level_of(problem) == problem.level
+    assert task.difficulty(problem) == (problem.level - 1) / 6 and task.level_of(problem) == problem.level
+    # the curriculum's default splits the demo's levels where it always did: levels 3-7 are hard
+    hard = config.sampling.curriculum.min_difficulty
+    assert [level for level in range(1, 8) if demo_difficulty(level) >= hard] == [3, 4, 5, 6, 7]
     assert task.encode(problem, CharTokenizer()) == [1, *map(ord, problem.prompt)]
     reward = task.make_reward_fn(RewardConfig())
     assert reward(problem, demo.solution_text(problem)) == 1.0 and reward(problem, "#### -1") == 0.0
@@ -349,12 +353,12 @@ def test_the_demos_export_runs_as_problem_files_like_the_demo(tmp_path):
 def test_the_data_section_round_trips_through_a_saved_config_json(tmp_path):
     """config.json holds lists; a run's data section rebuilt from it (tests/integration/e2e/learning.py)
     holds the same values as the one it was saved from, with problem files or without."""
-    from ckpt_common.dictconfig import to_dict
+    from ckpt_common.dictconfig import from_dict, to_dict
 
     for overrides in ([], _files(tmp_path)):
         data = load_config(None, overrides).data
         saved = json.loads(json.dumps(to_dict(data)))
-        rebuilt = DataConfig(**saved)
+        rebuilt = from_dict(DataConfig, saved, "data")
         assert to_dict(rebuilt) == to_dict(data) and rebuilt.answer_markers == data.answer_markers
 
 

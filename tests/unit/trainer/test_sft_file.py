@@ -90,7 +90,7 @@ def test_every_bad_line_is_listed_and_a_missing_file_names_the_setting(tmp_path)
     with pytest.raises(ProblemFileError) as e:
         sf.read_sft_examples(path)
     assert e.value.num_errors == 2 and [i.line for i in e.value.issues] == [2, 3]
-    with pytest.raises(ProblemFileError, match=r"nope.jsonl: cannot read it \(No such file or directory\): check sft"):
+    with pytest.raises(ProblemFileError, match=r"nope.jsonl: no such file or folder: check sft.data_path"):
         sf.read_sft_examples(tmp_path / "nope.jsonl")
 
 
@@ -200,7 +200,7 @@ def test_batches_are_seeded_passes_over_the_file():
 def test_the_demos_sft_key_is_unchanged_by_the_field():
     default = sft.SFTConfig()
     fields = {k: v for k, v in dataclasses.asdict(default).items() if k not in sft._NOT_IN_CACHE_KEY}
-    del fields["solution_style"], fields["data_path"]
+    del fields["solution_style"], fields["data_path"], fields["data_fields"], fields["data_split"]
     payload = json.dumps({"recipe": sft.SFT_RECIPE_VERSION, **fields}, sort_keys=True)
     assert default.cache_key() == hashlib.sha256(payload.encode()).hexdigest()[:16]
     assert sft.SFTConfig(data_path="sft.jsonl").cache_key() != default.cache_key()

@@ -1,4 +1,4 @@
-"""The record checks problem files and SFT files share (orchestrator.tasks.records), and the job config
+"""The record checks problem files and SFT files share (ckpt_common.records), and the job config
 flags the RL job, curation and long2short share (orchestrator.tasks.factory.add_job_config_args)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
+from ckpt_common.records import got, is_text, json_object_lines
 from orchestrator.tasks.factory import add_job_config_args, add_task_args
 from orchestrator.tasks.problems import Collector, ProblemFileError
-from orchestrator.tasks.records import got, is_text, json_object_lines
 
 
 class Sink:
