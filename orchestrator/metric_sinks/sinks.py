@@ -4,17 +4,21 @@
 
     loop ──record──▶ MetricsLog.append (DIR/metrics.jsonl, the source of truth) ──▶ MetricsSinks.write
                                                                                       │ scalars(record)
-        TensorBoardSink ──▶ DIR/tensorboard/events.out.tfevents.*   (tag = JSONL key, step = iteration)
+        TensorBoardSink ──tensorboardX.SummaryWriter──▶ DIR/tensorboard/events.out.tfevents.*
+                                                          (tag = JSONL key, step = iteration)
         WandbSink       ──▶ wandb.init(id from DIR/wandb_run.json, resume="allow") ──▶ run.log(step=)
 
     start / resume at checkpoint iteration N, with metrics.jsonl already cut to N:
-        TensorBoardSink.resume: every old event file loses its steps > N; steps <= N of metrics.jsonl
-            that no file holds are written to the new file; no step is ever in two files
+        TensorBoardSink.resume: reads what TensorBoard shows of the old files (its EventAccumulator);
+            P = the first step that differs from metrics.jsonl (missing, held twice), else N + 1;
+            the new file starts with purge_step=P (TensorBoard drops the older files' steps >= P)
+            and holds metrics.jsonl's steps P..N: each step is shown once, with metrics.jsonl's values
         WandbSink.resume: the same W&B run continues; only steps > the last one it logged are sent
 
 Every number of a record (int, float, bool; finite) is a scalar named by its JSONL key; a nested mapping
-(e.g. heldout_accuracy_by_level) gives ``key/subkey``; None, strings and lists are skipped. ``wandb``
-is imported only when ``metrics.wandb`` is on (tests pass a stand-in module).
+(e.g. heldout_accuracy_by_level) gives ``key/subkey``; None, strings and lists are skipped. tensorboardX
+(and tensorboard's reader) are imported when the TensorBoard sink first needs them; ``wandb`` only when
+``metrics.wandb`` is on (tests pass a stand-in module).
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt_common.fsutil import atomic_write_text, fsync_dir
-from orchestrator.metric_sinks.tb_events import EventFileWriter, event_files, truncate_events
+from ckpt_common.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_FLUSH_S = 5  # the writer's thread flushes the file this often (a kill loses at most these)
 WANDB_STATE_FILE = "wandb_run.json"  # {"id", "project", "last_step"}: the W&B run a resumed job continues
 WANDB_MISSING = (
     "metrics.wandb=true needs the wandb package, which cannot be imported here: pip install wandb "
@@ -73,54 +77,93 @@ class MetricsSink:
         pass
 
 
+def shown_scalars(logdir: str | os.PathLike[str]) -> dict[int, tuple[float, list[str]]]:
+    """What TensorBoard shows of the scalars in ``logdir`` (its files in name order, each file's steps
+    from a purge_step on dropped from the older ones; a damaged record ends its file): per step, the
+    wall time of its first event and the tag of each of its events (a tag twice: the step is twice)."""
+    shown: dict[int, tuple[float, list[str]]] = {}
+    if not pathlib.Path(logdir).is_dir():
+        return shown
+    from tensorboard.backend.event_processing import event_accumulator
+
+    accumulator = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
+    accumulator.Reload()
+    for tag in accumulator.Tags()["scalars"]:
+        for event in accumulator.Scalars(tag):
+            wall_time, tags = shown.get(event.step, (event.wall_time, []))
+            shown[event.step] = (min(wall_time, event.wall_time), tags + [tag])
+    return shown
+
+
 class TensorBoardSink(MetricsSink):
-    """Scalars in TensorBoard event files in ``logdir``; each start of the job writes a new file."""
+    """Scalars in TensorBoard event files in ``logdir``, written by a tensorboardX ``SummaryWriter``; each
+    start of the job writes a new file, made on its first event (a start with nothing to write or to
+    drop leaves no file)."""
 
     name = "tensorboard"
 
     def __init__(self, logdir: str | os.PathLike[str]) -> None:
         self.logdir = pathlib.Path(logdir)
-        self.writer = EventFileWriter(self.logdir)
+        self.purge_step: int | None = None  # set by resume: the new file hides older files' steps >= it
+        self.writer = None  # the SummaryWriter, once there is something to write
 
     def resume(self, iteration: int, history: Sequence[Mapping[str, Any]]) -> None:
-        old_files = event_files(self.logdir)
-        wall_times: dict[int, float] = {}  # step -> when it was first written, for a rewrite
-        counts: dict[int, int] = {}  # step -> how many kept events (over all files) hold it
-        for path in old_files:
-            kept, dropped = truncate_events(path, iteration)
-            if dropped:
-                logger.info("%s: dropped %d steps written after checkpoint %d", path, dropped, iteration)
-            for event in kept:
-                if event.scalars:
-                    wall_times.setdefault(event.step, event.wall_time)
-                    counts[event.step] = counts.get(event.step, 0) + 1
-        wanted = [r for r in history if r["iteration"] <= iteration]
-        missing = [r for r in wanted if r["iteration"] not in counts]
-        duplicated = sorted(step for step, n in counts.items() if n > 1)
-        hole = missing and counts and min(r["iteration"] for r in missing) < max(counts)
-        if duplicated or hole:
-            # an older step appended now would come after later ones (TensorBoard then discards those);
-            # a step in two files is drawn twice: start the history over from metrics.jsonl instead
-            logger.warning(
-                "%s: the event files %s; rewriting them from metrics.jsonl",
+        shown = shown_scalars(self.logdir)
+        wanted = {r["iteration"]: r for r in history if r["iteration"] <= iteration}
+
+        def differs(step: int) -> bool:  # missing, partly there, there twice, or not in metrics.jsonl
+            tags = shown[step][1] if step in shown else []  # (tensorboardX may have cleaned their names)
+            return step not in wanted or not len(tags) == len(set(tags)) == len(scalars(wanted[step]))
+
+        steps = sorted(set(wanted) | {step for step in shown if step <= iteration})
+        self.purge_step = next((step for step in steps if differs(step)), iteration + 1)
+        dropped = [step for step in shown if step > iteration]
+        if dropped:
+            logger.info("%s: %d steps written after checkpoint %d are dropped", self.logdir, len(dropped), iteration)
+        rewrite = [step for step in sorted(wanted) if step >= self.purge_step]
+        if rewrite:
+            replaced = any(self.purge_step <= step <= iteration for step in shown)
+            logger.log(
+                logging.WARNING if replaced else logging.INFO,
+                "%s: the event files %s step %d: steps %d-%d written again from metrics.jsonl",
                 self.logdir,
-                f"hold steps {duplicated[:5]} twice" if duplicated else "miss steps of metrics.jsonl",
+                "differ from metrics.jsonl at" if replaced else "lack",
+                self.purge_step,
+                self.purge_step,
+                iteration,
             )
-            for path in event_files(self.logdir):
-                path.unlink()
-            fsync_dir(self.logdir)
-            missing = wanted
-        for record in missing:
-            step = record["iteration"]
-            self.writer.add_scalars(step, scalars(record), wall_time=wall_times.get(step, time.time()))
-        if missing:
-            logger.info("%s: wrote %d steps of metrics.jsonl it lacked", self.logdir, len(missing))
+        if any(step >= self.purge_step for step in shown):
+            self._open()  # the purge goes into the new file even if the run writes nothing more
+        for step in rewrite:
+            self._add(wanted[step], shown[step][0] if step in shown else None)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self.writer.add_scalars(record["iteration"], scalars(record))
+        self._add(record)
+
+    def _open(self) -> None:
+        if self.writer is not None:
+            return
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(
+            str(self.logdir),
+            purge_step=self.purge_step,
+            flush_secs=TENSORBOARD_FLUSH_S,
+            # TensorBoard reads a folder's files in name order; tensorboardX names them by the second
+            # and host only: the time in ns and the pid keep a later file later and never the same name
+            filename_suffix=f".{time.time_ns()}.{os.getpid()}",
+        )
+
+    def _add(self, record: Mapping[str, Any], wall_time: float | None = None) -> None:
+        self._open()
+        wall_time = time.time() if wall_time is None else wall_time
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["iteration"], walltime=wall_time)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def wandb_importable() -> bool:

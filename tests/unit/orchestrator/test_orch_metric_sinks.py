@@ -1,13 +1,17 @@
-"""Metrics where RL users look: hand-written TensorBoard event files (format, checks, resume without
-duplicate steps) and the optional W&B sink (against a stand-in ``wandb`` module), and their config."""
+"""Metrics where RL users look: the TensorBoard sink (tensorboardX's event files, read back with
+TensorBoard's own reader; resume without duplicate steps) and the optional W&B sink (against a stand-in
+``wandb`` module), and their config."""
 
 import json
+import pathlib
 import re
-import struct
 import sys
+import time
 import types
 
 import pytest
+from tensorboard.backend.event_processing import event_accumulator, event_file_loader
+from tensorboardX import SummaryWriter
 
 from orchestrator.config import load_config
 from orchestrator.loop_setup import check_resumable
@@ -19,20 +23,6 @@ from orchestrator.metric_sinks.sinks import (
     WandbSink,
     make_sinks,
     scalars,
-)
-from orchestrator.metric_sinks.tb_events import (
-    FILE_VERSION,
-    CorruptEventFile,
-    EventFileWriter,
-    crc32c,
-    decode_event,
-    encode_event,
-    event_files,
-    frame,
-    masked_crc32c,
-    read_events,
-    read_records,
-    truncate_events,
 )
 
 
@@ -51,136 +41,47 @@ def _record(iteration, **extra):
     }
 
 
-def _steps(logdir):
-    """(step, heldout_accuracy) of every scalar event in every file of ``logdir``, files oldest first."""
+def _accumulator(logdir):
+    """TensorBoard's reader over every event file of ``logdir``, as its UI reads a run (all scalars kept)."""
+    accumulator = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def _shown(logdir, tag="heldout_accuracy"):
+    """(step, value) of ``tag`` as TensorBoard shows it, in the order it draws them."""
+    accumulator = _accumulator(logdir)
+    if tag not in accumulator.Tags()["scalars"]:
+        return []
+    return [(e.step, round(e.value, 5)) for e in accumulator.Scalars(tag)]
+
+
+def _files(logdir):
+    """The event files of ``logdir`` in the order TensorBoard reads them (by name)."""
+    logdir = pathlib.Path(logdir)
+    return sorted(p for p in logdir.iterdir() if "tfevents" in p.name) if logdir.is_dir() else []
+
+
+def _raw_steps(logdir, tag="heldout_accuracy"):
+    """The steps of every ``tag`` event in the files, nothing dropped (what a purge hides is still there)."""
     return [
-        (e.step, round(e.scalars["heldout_accuracy"], 5))
-        for path in event_files(logdir)
-        for e in read_events(path)
-        if e.scalars
+        event.step
+        for path in _files(logdir)
+        for event in event_file_loader.LegacyEventFileLoader(str(path)).Load()
+        if any(v.tag == tag for v in event.summary.value)
     ]
 
 
-# -- the format -------------------------------------------------------------------------------------
-def test_crc32c_known_vectors():
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    assert crc32c(b"") == 0
-    assert crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
-    assert crc32c(b"\xff" * 32) == 0x62A8AB43  # ... and of ones
-    # TFRecord's mask: rotate right by 15, add 0xa282ead8 (mod 2^32)
-    assert masked_crc32c(b"123456789") == 0xC78AB0E5
-
-
-def test_a_record_is_length_crc_data_crc():
-    data = b"hello"
-    record = frame(data)
-    assert record[:8] == struct.pack("<Q", 5)
-    assert struct.unpack("<I", record[8:12])[0] == masked_crc32c(record[:8])
-    assert record[12:17] == data
-    assert struct.unpack("<I", record[17:])[0] == masked_crc32c(data)
-
-
-def test_events_round_trip_through_a_file(tmp_path):
-    writer = EventFileWriter(tmp_path / "tb")
-    assert event_files(tmp_path / "tb") == []  # no file before the first event
-    writer.add_scalars(1, {"loss": 0.5, "acc": 0.25}, wall_time=1000.5)
-    writer.add_scalars(2, {"loss": 1 / 3, "big": 1e300, "neg": -2.0})
-    writer.close()
-    (path,) = event_files(tmp_path / "tb")
-    assert path == writer.path
-    assert re.fullmatch(r"events\.out\.tfevents\.\d+\..+\.\d+\.\d+", path.name)
-    header, first, second = read_events(path)
-    assert header.file_version == FILE_VERSION and not header.scalars
-    assert (first.step, first.wall_time, first.scalars) == (1, 1000.5, {"loss": 0.5, "acc": 0.25})
-    assert second.step == 2 and second.scalars["loss"] == pytest.approx(1 / 3, rel=1e-6)  # float32
-    assert second.scalars["big"] == float("inf") and second.scalars["neg"] == -2.0
-    # a second writer in the same folder and second never writes onto the first's file
-    other = EventFileWriter(tmp_path / "tb")
-    other.add_scalars(3, {"loss": 0.0})
-    other.close()
-    assert len(event_files(tmp_path / "tb")) == 2
-
-
-def test_the_encoding_matches_protobuf():
-    """An independent reading: protobuf's own parser, on a message type built from the Event fields."""
-    pytest.importorskip("google.protobuf")
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    F = descriptor_pb2.FieldDescriptorProto
-    proto = descriptor_pb2.FileDescriptorProto(name="tb_event_test.proto", package="tbtest")
-    value = proto.message_type.add(name="Value")
-    value.field.add(name="tag", number=1, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
-    value.field.add(name="simple_value", number=2, type=F.TYPE_FLOAT, label=F.LABEL_OPTIONAL)
-    summary = proto.message_type.add(name="Summary")
-    summary.field.add(name="value", number=1, type=F.TYPE_MESSAGE, type_name=".tbtest.Value", label=F.LABEL_REPEATED)
-    event = proto.message_type.add(name="Event")
-    event.field.add(name="wall_time", number=1, type=F.TYPE_DOUBLE, label=F.LABEL_OPTIONAL)
-    event.field.add(name="step", number=2, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
-    event.field.add(name="file_version", number=3, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
-    event.field.add(name="summary", number=5, type=F.TYPE_MESSAGE, type_name=".tbtest.Summary", label=F.LABEL_OPTIONAL)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(proto)
-    Event = message_factory.GetMessageClass(pool.FindMessageTypeByName("tbtest.Event"))
-
-    parsed = Event.FromString(encode_event(12.25, step=300, scalars={"a": 0.5, "b/c": -4.0}))
-    assert (parsed.wall_time, parsed.step) == (12.25, 300)
-    assert [(v.tag, v.simple_value) for v in parsed.summary.value] == [("a", 0.5), ("b/c", -4.0)]
-    assert Event.FromString(encode_event(1.0, file_version=FILE_VERSION)).file_version == FILE_VERSION
-    for step in (0, 2**40, -3):  # int64: large, and negative as ten varint bytes
-        assert Event.FromString(encode_event(1.0, step=step)).step == step
-        assert decode_event(encode_event(1.0, step=step)).step == step
-    # and the other way: protobuf's bytes (also a negative int64) decoded here
-    message = Event(wall_time=3.5, step=-7)
-    message.summary.value.add(tag="x", simple_value=1.5)
-    decoded = decode_event(message.SerializeToString())
-    assert (decoded.wall_time, decoded.step, decoded.scalars) == (3.5, -7, {"x": 1.5})
-
-
 def _file_with_steps(logdir, steps, offset=0.0):
-    writer = EventFileWriter(logdir)
+    """An event file written as another run's SummaryWriter would have (no purge step)."""
+    writer = SummaryWriter(str(logdir), filename_suffix=f".{time.time_ns()}")
     for step in steps:
-        writer.add_scalars(step, scalars(_record(step, heldout_accuracy=step / 10 + offset)))
+        for tag, value in scalars(_record(step, heldout_accuracy=step / 10 + offset)).items():
+            writer.add_scalar(tag, value, step)
     writer.close()
-    return writer.path
+    return _files(logdir)[-1]
 
 
-def test_a_flipped_byte_fails_a_crc(tmp_path):
-    path = _file_with_steps(tmp_path, [1, 2, 3])
-    good = path.read_bytes()
-    sizes = [12 + len(r) + 4 for r in read_records(path)]
-    second = sizes[0]  # where the second record (step 1) starts
-    for where, message in [(second + 2, "length that fails its CRC"), (second + 12 + 5, "data that fails its CRC")]:
-        bad = bytearray(good)
-        bad[where] ^= 0x01
-        path.write_bytes(bytes(bad))
-        with pytest.raises(CorruptEventFile, match=f"record at byte {second} has (a )?{message}"):
-            read_records(path)
-        # a resumed run keeps what comes before the damage: the header only
-        assert len(read_records(path, tolerate_damaged_tail=True)) == 1
-
-
-def test_a_torn_last_record_is_an_error_or_dropped(tmp_path):
-    path = _file_with_steps(tmp_path, [1, 2])
-    path.write_bytes(path.read_bytes()[:-7])  # the writer killed inside the last record
-    with pytest.raises(CorruptEventFile, match="torn"):
-        read_records(path)
-    assert [e.step for e in read_events(path, tolerate_damaged_tail=True)] == [0, 1]
-
-
-def test_truncate_drops_later_steps_and_empty_files(tmp_path):
-    path = _file_with_steps(tmp_path, [1, 2, 3, 4, 5])
-    before = path.read_bytes()
-    kept, dropped = truncate_events(path, 5)
-    assert dropped == 0 and path.read_bytes() == before  # nothing to drop: not rewritten
-    kept, dropped = truncate_events(path, 3)
-    assert dropped == 2 and [e.step for e in kept if e.scalars] == [1, 2, 3]
-    assert [s for s, _ in _steps(tmp_path)] == [1, 2, 3]
-    assert before.startswith(path.read_bytes())  # the kept records byte for byte
-    kept, dropped = truncate_events(path, 0)
-    assert (kept, dropped) == ([], 3) and not path.exists()
-
-
-# -- the TensorBoard sink ---------------------------------------------------------------------------
 def test_scalars_keep_finite_numbers_by_jsonl_key():
     record = {
         "iteration": 3,
@@ -204,9 +105,46 @@ def test_scalars_keep_finite_numbers_by_jsonl_key():
     }
 
 
+# -- the TensorBoard sink ---------------------------------------------------------------------------
+def test_the_sink_writes_what_tensorboard_reads(tmp_path):
+    logdir = tmp_path / "tb"
+    sink = TensorBoardSink(logdir)
+    sink.resume(0, [])
+    assert _files(logdir) == []  # no file before the first event
+    first = _record(1)
+    second = _record(2, heldout_accuracy=1 / 3, big=1e300, neg=-2.0)
+    before = time.time()
+    sink.write(first)
+    sink.write(second)
+    sink.close()
+    (path,) = _files(logdir)
+    assert re.fullmatch(r"events\.out\.tfevents\.\d{10}\..+\.\d+\.\d+", path.name)
+    accumulator = _accumulator(logdir)
+    assert set(accumulator.Tags()["scalars"]) == set(scalars(first)) | set(scalars(second))
+    assert "heldout_accuracy_by_level/4" in scalars(first) and "mean_reward" not in scalars(first)
+    for record in (first, second):
+        for tag, value in scalars(record).items():
+            (event,) = [e for e in accumulator.Scalars(tag) if e.step == record["iteration"]]
+            assert event.value == pytest.approx(value, rel=1e-6) or value > 3.5e38  # float32
+            assert before - 1 <= event.wall_time <= time.time() + 1
+    assert [e.value for e in accumulator.Scalars("big")] == [float("inf")]
+    assert _shown(logdir, "heldout_accuracy_by_level/4") == [(1, 0.125), (2, 0.125)]
+
+
+def test_two_starts_in_one_second_write_two_files_in_their_order(tmp_path):
+    for step in (1, 2, 3):  # within a second: tensorboardX's own names alone would be the same file
+        sink = TensorBoardSink(tmp_path)
+        sink.resume(step - 1, [_record(i, heldout_accuracy=i / 10) for i in range(1, step)])
+        sink.write(_record(step, heldout_accuracy=step / 10))
+        sink.close()
+    assert len(_files(tmp_path)) == 3
+    assert _raw_steps(tmp_path) == [1, 2, 3]  # one step per file, in the files' name order
+    assert _shown(tmp_path) == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
 def test_tensorboard_resume_after_a_crash_writes_no_step_twice(tmp_path):
     """The run wrote steps 1-5 and died with its checkpoint at 3 (the last record torn): the rerun's
-    steps 4-6 replace the old 4-5; every step is in exactly one file, with the rerun's values."""
+    steps 4-6 replace the old 4-5; TensorBoard shows every step once, with the rerun's values."""
     logdir = tmp_path / "tensorboard"
     history = [_record(i, heldout_accuracy=i / 10) for i in range(1, 6)]
     sink = TensorBoardSink(logdir)
@@ -214,21 +152,32 @@ def test_tensorboard_resume_after_a_crash_writes_no_step_twice(tmp_path):
     for record in history:
         sink.write(record)
     sink.close()
-    (old,) = event_files(logdir)
-    old.write_bytes(old.read_bytes()[:-3])
-    assert [s for s, _ in _steps_tolerant(logdir)] == [1, 2, 3, 4]
+    (old,) = _files(logdir)
+    old.write_bytes(old.read_bytes()[:-3])  # killed inside the last record
+    assert [s for s, _ in _shown(logdir)] == [1, 2, 3, 4, 5]
+    assert _shown(logdir, "weight_sync_s")[-1][0] == 4  # step 5's last event is the torn one
 
     sink = TensorBoardSink(logdir)
     sink.resume(3, history[:3])  # metrics.jsonl already cut to the checkpoint
     for i in (4, 5, 6):
         sink.write(_record(i, heldout_accuracy=i / 10 + 0.5))
     sink.close()
-    assert _steps(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.9), (5, 1.0), (6, 1.1)]
-    assert len(event_files(logdir)) == 2  # the old file (cut, rewritten) and the rerun's
+    assert len(_files(logdir)) == 2  # the old file, untouched, and the rerun's
+    assert _raw_steps(logdir) == [1, 2, 3, 4, 5, 4, 5, 6]  # both files hold 4 and 5 ...
+    expected = [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.9), (5, 1.0), (6, 1.1)]
+    assert _shown(logdir) == expected  # ... TensorBoard shows the rerun's once
+    accumulator = _accumulator(logdir)
+    for tag in accumulator.Tags()["scalars"]:
+        steps = [e.step for e in accumulator.Scalars(tag)]
+        assert steps == sorted(set(steps)), (tag, steps)  # no tag has a step twice, none out of order
 
-
-def _steps_tolerant(logdir):
-    return [(e.step, 0) for p in event_files(logdir) for e in read_events(p, tolerate_damaged_tail=True) if e.scalars]
+    # and again: died after step 6 with the checkpoint at 5; the rerun's 6 replaces the 6 above
+    history = [_record(i, heldout_accuracy=v) for i, v in expected[:5]]
+    sink = TensorBoardSink(logdir)
+    sink.resume(5, history)
+    sink.write(_record(6, heldout_accuracy=2.0))
+    sink.close()
+    assert _shown(logdir) == expected[:5] + [(6, 2.0)]
 
 
 def test_tensorboard_catches_up_on_steps_it_lacks(tmp_path):
@@ -239,20 +188,37 @@ def test_tensorboard_catches_up_on_steps_it_lacks(tmp_path):
     sink.resume(3, history)
     sink.write(_record(4, heldout_accuracy=0.4))
     sink.close()
-    assert _steps(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
-    assert len(event_files(logdir)) == 1
-    # killed between metrics.jsonl and the event file: step 3 is appended in the new file
+    assert _shown(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert len(_files(logdir)) == 1
+    # killed between metrics.jsonl and the event file: step 3 goes into the new file
     logdir = tmp_path / "gap"
-    _file_with_steps(logdir, [1, 2])
+    old = _file_with_steps(logdir, [1, 2])
     sink = TensorBoardSink(logdir)
     sink.resume(3, history)
     sink.close()
-    assert _steps(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3)]
-    # a fresh start (no checkpoint) over event files of a run that never saved one: all dropped
+    assert _shown(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert _raw_steps(logdir) == [1, 2, 3] and len(_files(logdir)) == 2
+    # a start with nothing to catch up on or to drop leaves no file
+    sink = TensorBoardSink(logdir)
+    sink.resume(3, history)
+    sink.close()
+    assert len(_files(logdir)) == 2
+    # a damaged record ends what TensorBoard reads of its file: the steps after it are rewritten
+    logdir = tmp_path / "damaged"
+    old = _file_with_steps(logdir, [1, 2, 3])
+    data = bytearray(old.read_bytes())
+    data[-1] ^= 0xFF  # the CRC of step 3's last event
+    old.write_bytes(bytes(data))
+    sink = TensorBoardSink(logdir)
+    sink.resume(3, history)
+    sink.close()
+    assert _shown(logdir, "weight_sync_s") == [(1, 0.01), (2, 0.01), (3, 0.01)]
+    assert _shown(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    # a fresh start (no checkpoint) over event files of a run that never saved one: all of them hidden
     sink = TensorBoardSink(logdir)
     sink.resume(0, [])
     sink.close()
-    assert event_files(logdir) == []
+    assert _shown(logdir) == [] and _raw_steps(logdir)  # still in the files, not shown
 
 
 def test_tensorboard_rewrites_duplicated_or_holed_history_from_the_jsonl(tmp_path):
@@ -260,21 +226,20 @@ def test_tensorboard_rewrites_duplicated_or_holed_history_from_the_jsonl(tmp_pat
     logdir = tmp_path / "dup"
     _file_with_steps(logdir, [1, 2], offset=0.01)
     _file_with_steps(logdir, [2, 3], offset=0.01)  # step 2 twice (e.g. files copied in by hand)
+    assert [s for s, _ in _shown(logdir)] == [1, 2, 2, 3]
     sink = TensorBoardSink(logdir)
     sink.resume(4, history)
     sink.close()
-    assert _steps(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert sink.purge_step == 2
+    assert _shown(logdir) == [(1, 0.11), (2, 0.2), (3, 0.3), (4, 0.4)]  # from the first step held twice on
     logdir = tmp_path / "hole"
-    path = _file_with_steps(logdir, [1, 2, 3])
-    data = bytearray(path.read_bytes())
-    sizes = [12 + len(r) + 4 for r in read_records(path)]
-    data[sizes[0] + sizes[1] + 20] ^= 0xFF  # step 2 damaged: steps 2-3 lost, a later step 4 file exists
-    path.write_bytes(bytes(data))
-    _file_with_steps(logdir, [4])
+    _file_with_steps(logdir, [1])
+    _file_with_steps(logdir, [4])  # steps 2-3 lost, a later step 4 there: appending them would draw back
     sink = TensorBoardSink(logdir)
     sink.resume(4, history)
     sink.close()
-    assert _steps(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert sink.purge_step == 2
+    assert _shown(logdir) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
 
 
 def test_a_failing_sink_does_not_stop_the_others(caplog):
