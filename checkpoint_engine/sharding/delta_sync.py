@@ -7,10 +7,12 @@ parts) under the version's name, and the engine's load function hands the delta'
 post hook, before its final Ack), checking every tensor's base checksum before writing any.
 
     sender: DeltaSender.prepare(version, new weights in the engine dtype, engine's checkpoint)
-        choose_update ─▶ full: the new tensors, named as the model's
+        choose_update ─▶ full: the new tensors, named as the model's (the first version, a skipped
+                         one, an anchor every `anchor_every` versions, a delta not small enough)
                       ─▶ delta: "__ce_delta__" (JSON: base, version, per tensor: encoding, shape,
-                         dtype, changed count, CRC-32 of base and new, part count)
-                         + "<name>::delta<i>" (the encoding's payload tensors)
+                         dtype, changed count, CRC-32 of base and new, part count, gap width,
+                         which parts are zstd frames)
+                         + "<name>::delta<i>" (the encoding's payload tensors, or their zstd frames)
         ─▶ register under `version`, update the engines ─▶ commit(): this version is the next base
         an engine that refuses the delta (its weights are not the base: DeltaMismatch, nothing
         written) fails the update; `DeltaSync.push` then sends the full version and says why
@@ -61,6 +63,8 @@ def to_wire(delta: VersionDelta, base_version: str, version: str) -> dict[str, t
                 "base_checksum": d.base_checksum,
                 "new_checksum": d.new_checksum,
                 "parts": len(d.payload),
+                "gap_width": d.gap_width,
+                "compressed": list(d.compressed),
             }
             for name, d in delta.tensors.items()
         },
@@ -94,12 +98,20 @@ def from_wire(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str, VersionDel
                 int(h["num_changed"]),
                 int(h["base_checksum"]),
                 int(h["new_checksum"]),
+                int(h.get("gap_width", 0)),
+                tuple(_flag(x) for x in h.get("compressed", [])),
             )
         return str(header["base"]), str(header["version"]), VersionDelta(out)
     except DeltaMismatch:
         raise
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
         raise DeltaMismatch(f"unreadable delta header: {type(e).__name__}: {e}") from None
+
+
+def _flag(x: object) -> bool:
+    if not isinstance(x, bool):
+        raise ValueError(f"a compression flag is {x!r}, not true or false")
+    return x
 
 
 class DeltaReceiver:
@@ -153,21 +165,30 @@ class Prepared:
 
 
 class DeltaSender:
-    """Sender side: the base (the last version sent, in the engine dtype) and the full-or-delta choice."""
+    """Sender side: the base (the last version sent, in the engine dtype) and the full-or-delta choice.
 
-    def __init__(self, max_ratio: float = 0.5) -> None:
-        self.max_ratio = max_ratio
+    `anchor_every`: a full version every that many versions (None: only when a delta does not pay);
+    `compress`: zstd each delta payload part, kept where smaller (checkpoint_engine.sharding.delta)."""
+
+    def __init__(self, max_ratio: float = 0.5, *, anchor_every: int | None = None, compress: bool = True) -> None:
+        choose_update("v", "v", 0, 1, max_ratio, anchor_every=anchor_every)  # checks both, names the bad one
+        self.max_ratio, self.anchor_every, self.compress = max_ratio, anchor_every, compress
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version: str | None = None
+        self.deltas_since_full = 0  # deltas committed since the last full version
 
     def prepare(self, version: str, new: Mapping[str, torch.Tensor], engine_checkpoint: str | None) -> Prepared:
         """What to send an engine holding `engine_checkpoint` so that it holds `new` as `version`."""
         full_bytes = sum(t.numel() * t.element_size() for t in new.values())
-        if self.base is None or engine_checkpoint is None or engine_checkpoint != self.base_version:
-            choice = choose_update(engine_checkpoint, self.base_version, 0, full_bytes, self.max_ratio)
+        policy = {"deltas_since_full": self.deltas_since_full, "anchor_every": self.anchor_every}
+        # what does not depend on the delta's size first: no delta is encoded for a full version
+        choice = choose_update(engine_checkpoint, self.base_version, 0, full_bytes, self.max_ratio, **policy)
+        if self.base is None or choice.kind == "full":
+            if self.base is None and choice.kind == "delta":
+                choice = UpdateChoice("full", "this version has no delta (no base version kept)")
             return Prepared(version, choice, dict(new), new)
-        delta = encode_version(self.base, new)
-        choice = choose_update(engine_checkpoint, self.base_version, delta.nbytes, full_bytes, self.max_ratio)
+        delta = encode_version(self.base, new, compress=self.compress)
+        choice = choose_update(engine_checkpoint, self.base_version, delta.nbytes, full_bytes, self.max_ratio, **policy)
         tensors = to_wire(delta, self.base_version, version) if choice.kind == "delta" else dict(new)
         return Prepared(version, choice, tensors, new)
 
@@ -180,6 +201,7 @@ class DeltaSender:
         tensors may change with the next training step)."""
         self.base = {n: t.detach().to("cpu", copy=True) for n, t in prepared.new.items()}
         self.base_version = prepared.version
+        self.deltas_since_full = self.deltas_since_full + 1 if prepared.choice.kind == "delta" else 0
 
 
 @dataclass(frozen=True)
@@ -194,12 +216,22 @@ class Pushed:
 class DeltaSync:
     """Pushes versions through a ParameterServer (one rank here), delta where it pays, full where not.
 
-    `engine_checkpoint()` says which version the engine holds (its weights_state's "checkpoint").
+    `engine_checkpoint()` says which version the engine holds (its weights_state's "checkpoint");
+    `anchor_every`, `compress`: DeltaSender's.
     """
 
-    def __init__(self, ps, req_func: Callable, engine_checkpoint: Callable[[], str | None], max_ratio: float = 0.5):
+    def __init__(
+        self,
+        ps,
+        req_func: Callable,
+        engine_checkpoint: Callable[[], str | None],
+        max_ratio: float = 0.5,
+        *,
+        anchor_every: int | None = None,
+        compress: bool = True,
+    ):
         self.ps, self.req_func, self.engine_checkpoint = ps, req_func, engine_checkpoint
-        self.sender = DeltaSender(max_ratio)
+        self.sender = DeltaSender(max_ratio, anchor_every=anchor_every, compress=compress)
 
     def _send(self, prepared: Prepared) -> None:
         name = prepared.version

@@ -44,12 +44,13 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(bits(a), bits(b))
 
 
-# For N values of s bytes, k changed: sparse (6k for bf16) while 4k < N/8 (below 3.1 % changed), bitmask
-# (N/8 + k*s) until it reaches N*s (above 1 - 1/(8s) changed), then dense.
+# For N values of s bytes, k changed: gaps (k*w + k*s, w = 1 or 2 bytes at N = 4096) while k*w < N/8,
+# bitmask (N/8 + k*s) until it reaches N*s (above 1 - 1/(8s) changed), then dense; nothing changed: sparse
+# (0 bytes, ties gaps: the earlier).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "density,expected",
-    [(0.0, "sparse"), (1e-4, "sparse"), (0.01, "sparse"), (0.3, "bitmask"), (1.0, "dense")],
+    [(0.0, "sparse"), (1e-4, "gaps"), (0.01, "gaps"), (0.3, "bitmask"), (1.0, "dense")],
 )
 def test_round_trip_is_bitwise_exact_with_the_expected_encoding(dtype, density, expected):
     changed = math.ceil(density * N)
@@ -57,7 +58,9 @@ def test_round_trip_is_bitwise_exact_with_the_expected_encoding(dtype, density, 
     delta = encode(base, new)
     assert delta.encoding == expected
     assert delta.num_changed == changed
-    assert delta.nbytes == encoding_sizes(N, changed, base.element_size())[expected]
+    changed_at = (bits(base) != bits(new)).nonzero().reshape(-1)
+    max_gap = int(torch.diff(changed_at, prepend=changed_at.new_zeros(1)).max()) if changed else 0
+    assert delta.nbytes == encoding_sizes(N, changed, base.element_size(), max_gap)[expected]
     assert delta.nbytes == sum(t.numel() * t.element_size() for t in delta.payload)
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in delta.payload)
     target = base.clone()
@@ -71,13 +74,13 @@ def test_round_trip_is_bitwise_exact_with_the_expected_encoding(dtype, density, 
         (0, 0, 2, "dense"),  # every size 0: the simplest
         (1, 1, 2, "dense"),  # 2 vs bitmask 1 + 2, sparse 4 + 2
         (64, 0, 2, "sparse"),  # nothing to send
-        (64, 1, 2, "sparse"),  # 6 vs bitmask 10, dense 128
+        (64, 1, 2, "gaps"),  # 1 + 2 vs sparse 6, bitmask 10, dense 128
         (64, 8, 2, "bitmask"),  # 24 vs sparse 48
         (64, 60, 2, "dense"),  # bitmask 8 + 120 = 128 ties dense 128: the simpler
         (8, 1, 4, "bitmask"),  # 1 + 4 vs sparse 8
-        (64, 1, 1, "sparse"),  # 5 vs bitmask 9
-        (64, 3, 1, "bitmask"),  # 11 vs sparse 15
-        (64, 2, 1, "sparse"),  # sparse 2 * 5 = 10 ties bitmask 8 + 2: the simpler
+        (64, 1, 1, "gaps"),  # 2 vs sparse 5, bitmask 9
+        (64, 3, 1, "gaps"),  # 6 vs bitmask 11, sparse 15
+        (64, 8, 1, "bitmask"),  # bitmask 8 + 8 = 16 ties gaps 8 * 2: the earlier
         (64, 56, 1, "dense"),  # bitmask 64 ties dense 64
     ],
 )
@@ -184,7 +187,8 @@ def test_checksums_and_version_totals():
     d = delta.tensors["a"]
     assert (d.base_checksum, d.new_checksum) == (tensor_checksum(base), tensor_checksum(new))
     assert delta.full_bytes == 4000 and delta.changed_share == pytest.approx(0.01)
-    assert delta.nbytes == d.nbytes == 10 * (4 + 4)
+    assert d.encoding == "gaps" and d.gap_width in (1, 2)
+    assert delta.nbytes == d.nbytes == 10 * (d.gap_width + 4)
 
 
 def test_one_small_lr_step_changes_few_bf16_values():
