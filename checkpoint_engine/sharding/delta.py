@@ -227,16 +227,18 @@ def _decompress(frame: torch.Tensor, nbytes: int, width: int, label: str, i: int
     """A part's frame back to its `nbytes` bytes; DeltaMismatch for anything but one frame of that size."""
     if frame.dtype != torch.uint8 or frame.dim() != 1:
         raise DeltaMismatch(f"{label}: compressed payload part {i} is {frame.dtype} {tuple(frame.shape)}, not bytes")
-    data = memoryview(frame.numpy())
+    data = memoryview(frame.contiguous().numpy())
     try:
-        size = zstandard.frame_content_size(data)
+        size = zstandard.frame_content_size(data)  # checked first: a frame may claim any size
+        if size != nbytes:
+            raise DeltaMismatch(
+                f"{label}: payload part {i}'s zstd frame holds {size} bytes, expected {nbytes} (truncated payload)"
+            )
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=nbytes)
     except zstandard.ZstdError as e:
         raise DeltaMismatch(f"{label}: payload part {i} is a bad zstd frame ({e})") from None
-    if size != nbytes or len(raw) != nbytes:
-        raise DeltaMismatch(
-            f"{label}: payload part {i}'s zstd frame holds {len(raw)} bytes, expected {nbytes} (truncated payload)"
-        )
+    if len(raw) != nbytes:
+        raise DeltaMismatch(f"{label}: payload part {i}'s zstd frame gave {len(raw)} bytes, expected {nbytes}")
     return _unplanes(torch.frombuffer(bytearray(raw), dtype=torch.uint8), width)
 
 
