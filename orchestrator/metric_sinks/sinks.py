@@ -10,7 +10,7 @@
 
     start / resume at checkpoint iteration N, with metrics.jsonl already cut to N:
         TensorBoardSink.resume: reads what TensorBoard shows of the old files (its EventAccumulator);
-            P = the first step that differs from metrics.jsonl (missing, held twice), else N + 1;
+            P = the first step that differs from metrics.jsonl (missing, partly there, twice), else N + 1;
             the new file starts with purge_step=P (TensorBoard drops the older files' steps >= P)
             and holds metrics.jsonl's steps P..N: each step is shown once, with metrics.jsonl's values
         WandbSink.resume: the same W&B run continues; only steps > the last one it logged are sent
@@ -41,6 +41,12 @@ logger = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_FLUSH_S = 5  # the writer's thread flushes the file this often (a kill loses at most these)
+TENSORBOARD_PACKAGES = ("tensorboardX", "tensorboard")  # the event files' writer, and the reader resume uses
+TENSORBOARD_MISSING = (
+    "metrics.tensorboard=true needs the tensorboardX and tensorboard packages (the event files' writer and "
+    "reader), and {} cannot be imported here: pip install tensorboardX tensorboard "
+    "(or set metrics.tensorboard=false)"
+)
 WANDB_STATE_FILE = "wandb_run.json"  # {"id", "project", "last_step"}: the W&B run a resumed job continues
 WANDB_MISSING = (
     "metrics.wandb=true needs the wandb package, which cannot be imported here: pip install wandb "
@@ -103,6 +109,9 @@ class TensorBoardSink(MetricsSink):
     name = "tensorboard"
 
     def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        missing = [name for name in TENSORBOARD_PACKAGES if not importable(name)]
+        if missing:
+            raise ValueError(TENSORBOARD_MISSING.format(" and ".join(missing)))
         self.logdir = pathlib.Path(logdir)
         self.purge_step: int | None = None  # set by resume: the new file hides older files' steps >= it
         self.writer = None  # the SummaryWriter, once there is something to write
@@ -166,11 +175,15 @@ class TensorBoardSink(MetricsSink):
             self.writer = None
 
 
+def importable(name: str) -> bool:
+    """Whether ``import name`` can work, without importing it (slow; the config check runs it)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
+
+
 def wandb_importable() -> bool:
-    """Whether ``import wandb`` can work, without importing it (slow; the config check runs it)."""
-    if "wandb" in sys.modules:
-        return sys.modules["wandb"] is not None
-    return importlib.util.find_spec("wandb") is not None
+    return importable("wandb")
 
 
 def import_wandb() -> Any:

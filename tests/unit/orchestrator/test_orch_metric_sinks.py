@@ -142,6 +142,16 @@ def test_two_starts_in_one_second_write_two_files_in_their_order(tmp_path):
     assert _shown(tmp_path) == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
 
+@pytest.mark.parametrize("package", ["tensorboardX", "tensorboard"])
+def test_the_sink_needs_tensorboardx_and_tensorboard(tmp_path, monkeypatch, package):
+    monkeypatch.setitem(sys.modules, package, None)  # not importable
+    with pytest.raises(
+        ValueError, match=rf"metrics.tensorboard=true needs .*{package} cannot be imported.*pip install"
+    ):
+        make_sinks(load_config(None, []).metrics, tmp_path)
+    assert make_sinks(load_config(None, ["metrics.tensorboard=false"]).metrics, tmp_path).sinks == []
+
+
 def test_tensorboard_resume_after_a_crash_writes_no_step_twice(tmp_path):
     """The run wrote steps 1-5 and died with its checkpoint at 3 (the last record torn): the rerun's
     steps 4-6 replace the old 4-5; TensorBoard shows every step once, with the rerun's values."""
