@@ -24,9 +24,12 @@ from the model's own pass rate.
 
 That is the demo's curation (``curate``): lines of prompt text and an answer, ``demo.task.is_correct``.
 With ``--config`` and/or ``--set`` (the RL job's, ``orchestrator.tasks.factory``) it curates for any
-task (``curate_task``): IN.jsonl is a problem file (``orchestrator.tasks.problems``: ids, ``messages``,
-code ``tests``) read whole by a ``FileTask`` with the config's data section (``data.prompt_template``,
-``data.chat_template``, ``data.answer_markers``; its file paths are unused) and reward section. A bad
+task (``curate_task``): IN is a problem set (``orchestrator.tasks.problems``: ids, ``messages``,
+code ``tests``; this project's JSONL or any table ``ckpt_common.tables`` reads, its columns mapped by
+``data.fields``, its split ``data.train_split``) read whole by a ``FileTask`` with the config's data
+section (``data.prompt_template``, ``data.chat_template``, ``data.answer_markers``; its file paths are
+unused) and reward section. ``--problems-out`` is written in this project's JSONL format whatever the
+input's (the answers as the mapping extracted them: what the RL job reads with the default mapping). A bad
 line is then an error naming ``file:line`` (exit 2) before any engine starts; prompts are the task's
 (``task.encode``: its template or the model's chat template); a response is correct when the task's
 reward reaches ``reward.correct_threshold``; the easy-to-hack probe appends the task's
@@ -376,7 +379,9 @@ def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs, ConfigArgs]:
     p.add_argument(
         "--problems",
         required=True,
-        help="input JSONL, one problem per line (prompt, answer, ...); with --config/--set: a problem file",
+        help="input JSONL, one problem per line (prompt, answer, ...); with --config/--set: a problem set "
+        "(JSONL, parquet, CSV, JSON, Arrow or a save_to_disk folder; data.fields maps its columns, "
+        "data.train_split names its split)",
     )
     p.add_argument("--out", required=True, help="output JSONL: every problem with pass_rate, kept and reason")
     p.add_argument(
@@ -449,8 +454,8 @@ def _task(args: argparse.Namespace, config: CurationConfig):
             "--direct-answer-suffix is the demo's: with --config/--set the easy-to-hack probe asks for the task's "
             "answer marker (the first of data.answer_markers): set that instead"
         )
-    if not pathlib.Path(args.problems).is_file():
-        raise ValueError(f"--problems {args.problems}: no such file")
+    if not pathlib.Path(args.problems).exists():
+        raise ValueError(f"--problems {args.problems}: no such file or folder")
     data, reward = job_sections(args.config, args.overrides, args.problems)
     source = file_task_from_sections(data, reward, args.problems)
     return source, source.make_is_correct(reward)

@@ -1,10 +1,11 @@
 """RL on your own problems and your own model, end to end: what docs/own-data.md walks a user through.
 
 A model directory made here (a random Qwen2 with its own chat template: not the demo's model), a
-JSONL file of prompt/response pairs for the SFT warm-up (``sft.data_path``), a math problem set
-(``answer``, scored by math-verify) and a code problem set (``tests``, scored by the sandbox service,
-started here as a real process on a free port). Three runs of ``python -m orchestrator`` and one of
-curation:
+JSONL file of prompt/response pairs for the SFT warm-up (``sft.data_path``), a math problem set as
+GSM8K keeps it (parquet: ``question``, a worked ``answer`` ending ``#### 42``, mapped by
+``data.fields``; the final answer scored by math-verify) and a code problem set (``tests``, scored by
+the sandbox service, started here as a real process on a free port); the job's defaults otherwise.
+Three runs of ``python -m orchestrator`` and one of curation:
 
 1. math, the torch trainer: the SFT warm-up fine-tunes the model on the pairs (the loss on the
    responses only), so that RL starts from a policy that answers: rewards above 0 show that
@@ -44,17 +45,30 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 DOUBLE = "print(2*int(input()))"
+# The math set as GSM8K keeps it (a "question" and a worked "answer" ending "#### <final answer>"),
+# as parquet: the job maps it with data.fields (MATH_FIELDS) and scores the final answer
 MATH = [
-    {"id": "add-1", "prompt": "What is 12+30?", "answer": "42"},
-    {"id": "add-2", "prompt": "What is 20+22?", "answer": "42"},
-    {"id": "chat-1", "messages": [{"role": "user", "content": "What is 40+2?"}], "answer": "42"},
+    {"id": "add-1", "question": "What is 12+30?", "answer": "12 + 30 = 42\n#### 42"},
+    {"id": "add-2", "question": "What is 20+22?", "answer": "20 + 22 = 42\n#### 42"},
+    {"id": "chat-1", "messages": [{"role": "user", "content": "What is 40+2?"}], "answer": "40 + 2 = 42\n#### 42"},
 ]
+MATH_FIELDS = ("data.fields.prompt=question", "data.fields.answer_format=gsm8k")
 CODE = [
     {"id": "double-1", "prompt": "Read n, print 2n.", "tests": [{"input": "3\n", "output": "6\n"}]},
     {"id": "double-2", "prompt": "Print twice the input.", "tests": [{"input": "5\n", "output": "10\n"}]},
 ]
-MATH_HELDOUT = [{"id": "add-h", "prompt": "What is 41+1?", "answer": "42"}]
+MATH_HELDOUT = [{"id": "add-h", "question": "What is 41+1?", "answer": "41 + 1 = 42\n#### 42"}]
 CODE_HELDOUT = [{"id": "double-h", "prompt": "Double it.", "tests": [{"input": "7\n", "output": "14\n"}]}]
+
+
+def _write_parquet(path: pathlib.Path, records) -> pathlib.Path:
+    """``records`` as a parquet table (through datasets, as its users save theirs): every column in every
+    row, null where a record has no such field."""
+    import datasets
+
+    columns = list(dict.fromkeys(key for record in records for key in record))
+    datasets.Dataset.from_list([{key: record.get(key) for key in columns} for record in records]).to_parquet(path)
+    return path
 
 
 def _write_jsonl(path: pathlib.Path, records) -> pathlib.Path:
@@ -70,7 +84,7 @@ def _sft_pairs() -> list[dict]:
         if "messages" in problem:
             pairs.append({"messages": [*problem["messages"], {"role": "assistant", "content": response}]})
         else:
-            pairs.append({"prompt": problem["prompt"], "response": response})
+            pairs.append({"prompt": problem.get("prompt") or problem["question"], "response": response})
     return pairs
 
 
@@ -96,7 +110,9 @@ def _env() -> dict[str, str]:
 def _job(
     out: pathlib.Path, data: pathlib.Path, kind: str, model: pathlib.Path, sandbox_url: str, iterations: int, *extra
 ) -> list[str]:
-    """The run on the ``kind`` ("math" or "code") problem files; ``extra``: more ``--set`` items."""
+    """The run on the ``kind`` ("math": GSM8K-style parquet, or "code": this project's JSONL) problem
+    files; ``extra``: more ``--set`` items."""
+    suffix, fields = ("parquet", MATH_FIELDS) if kind == "math" else ("jsonl", ())
     sets = [
         f"init_model_dir={model}",
         f"sft.data_path={data / 'sft.jsonl'}",
@@ -104,11 +120,11 @@ def _job(
         "sft.batch_size=8",
         "sft.lr=0.003",
         "sft.warmup_steps=5",
-        f"data.train_path={data / f'{kind}-train.jsonl'}",
-        f"data.heldout_path={data / f'{kind}-heldout.jsonl'}",
+        f"data.train_path={data / f'{kind}-train.{suffix}'}",
+        f"data.heldout_path={data / f'{kind}-heldout.{suffix}'}",
+        *fields,
         "data.chat_template=true",
         f"reward.sandbox_url={sandbox_url}",
-        "sampling.curriculum.min_difficulty=0",
         f"rl.num_iterations={iterations}",
         "rl.num_responses_per_prompt=4",
         "eval.every_iterations=1",
@@ -159,8 +175,8 @@ def bwrap_available() -> None:
 def _data(tmp_path: pathlib.Path) -> pathlib.Path:
     data = tmp_path / "data"
     data.mkdir()
-    _write_jsonl(data / "math-train.jsonl", MATH)
-    _write_jsonl(data / "math-heldout.jsonl", MATH_HELDOUT)
+    _write_parquet(data / "math-train.parquet", MATH)
+    _write_parquet(data / "math-heldout.parquet", MATH_HELDOUT)
     _write_jsonl(data / "code-train.jsonl", CODE)
     _write_jsonl(data / "code-heldout.jsonl", CODE_HELDOUT)
     _write_jsonl(data / "sft.jsonl", _sft_pairs())

@@ -358,3 +358,18 @@ def test_an_sft_parquet_file_with_its_own_column_names(tmp_path):
     datasets.Dataset.from_list(rows).to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(ProblemFileError, match=r'bad.parquet:2: field "solution": expected a non-empty string'):
         read_sft_examples(tmp_path / "bad.parquet", {"prompt": "question", "response": "solution"})
+
+
+def test_curation_reads_a_mapped_set_and_its_problems_out_is_this_projects_format(tmp_path):
+    """Curation's input is named as the job names its files (job_sections with the command's own file);
+    what --problems-out writes (write_problems) is read back by the job with the default mapping."""
+    from orchestrator.tasks.factory import file_task_from_sections, job_sections
+    from orchestrator.tasks.problems import write_problems
+
+    datasets.Dataset.from_list(GSM8K).to_parquet(tmp_path / "gsm8k.parquet")
+    overrides = ["data.fields.prompt=question", "data.fields.answer_format=gsm8k"]
+    data, reward = job_sections(None, overrides, tmp_path / "gsm8k.parquet")
+    source = file_task_from_sections(data, reward, tmp_path / "gsm8k.parquet")
+    assert [p.answer for p in source.train_problems()] == ["72", "1010", "7"] and not source.heldout_problems()
+    write_problems(tmp_path / "kept.jsonl", source.train_problems())
+    assert read_problems(tmp_path / "kept.jsonl") == list(source.train_problems())
