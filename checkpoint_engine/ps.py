@@ -490,6 +490,23 @@ class ParameterServer:
         (the daemon undoes a `load_metas` that failed on another rank)."""
         return self._global.get(checkpoint_name), self._last_gathered
 
+    def has_loaded_metas(self, checkpoint_name: str) -> bool:
+        """Whether `checkpoint_name` is known here only by metas another job owns (``load_metas``)."""
+        return checkpoint_name in self._global and checkpoint_name not in self._checkpoints
+
+    def forget_metas(self, checkpoint_name: str) -> None:
+        """Drop the loaded metas of a checkpoint another job owns (it is about to free that memory): an
+        update or heal to it is then refused by name instead of reading memory that is gone."""
+        if not self.has_loaded_metas(checkpoint_name):
+            raise CheckpointNotFound(f"no loaded metas for {checkpoint_name!r} (loaded: {self.loaded_metas()})")
+        self._global.pop(checkpoint_name)
+        if self._last_gathered == checkpoint_name:
+            self._last_gathered = None
+
+    def loaded_metas(self) -> list[str]:
+        """The checkpoints known here only by loaded metas (another job owns their memory)."""
+        return sorted(n for n in self._global if n not in self._checkpoints)
+
     def restore_metas_state(self, checkpoint_name: str, state: tuple[GlobalMetas | None, str | None]) -> None:
         g, self._last_gathered = state
         if g is None:

@@ -206,7 +206,9 @@ def check(ps: ParameterServer, cmd: dict, host: engines.EngineHost | None = None
             raise CheckpointExists(f"checkpoint {_name(cmd)!r} is already registered; unregister it first")
         mine = my_files(ps, cmd)
         return {"files": mine, **check_files(mine)}
-    if op in ("unregister", "gather_metas"):  # the Driver answers 404 when no rank has it
+    if op == "unregister":  # the Driver answers 404 when no rank has it (registered, or by loaded metas)
+        return {"registered": _name(cmd) in ps.checkpoints() or ps.has_loaded_metas(_name(cmd))}
+    if op == "gather_metas":
         return {"registered": _name(cmd) in ps.checkpoints()}
     if op == "load_metas":
         return {"checkpoint": check_metas(ps, cmd.get("metas")).checkpoint}
@@ -236,6 +238,10 @@ def apply(ps: ParameterServer, cmd: dict, memo: dict) -> dict:
         ps.register_checkpoint(name, files=mine)
         return {"registered_files": mine, **ps.checkpoints()[name]}
     if op == "unregister":
+        if ps.has_loaded_metas(name):  # another job's memory (POST /metas): forget where it was
+            memo[("unregister", name)] = ps.metas_state(name)
+            ps.forget_metas(name)
+            return {"forgot_metas": name}
         if name not in ps.checkpoints():  # registered on other ranks only: they unregister it
             return {"skipped": "not registered on this rank"}
         ps.unregister_checkpoint(name)
@@ -257,6 +263,12 @@ def undo(ps: ParameterServer, cmd: dict, memo: dict) -> dict:
         if name in ps.checkpoints():
             ps.unregister_checkpoint(name)
         return {"undone": f"unregistered {name!r} again"}
+    if op == "unregister":
+        state = memo.pop(("unregister", name), None)
+        if state is None:
+            return {"skipped": "a registered checkpoint's freed memory cannot be taken back"}
+        ps.restore_metas_state(name, state)
+        return {"undone": f"the loaded metas of {name!r} as they were"}
     if op == "load_metas":
         checkpoint = str(cmd["metas"].get("checkpoint"))
         state = memo.pop(("load_metas", checkpoint), None)

@@ -180,7 +180,7 @@ class Driver:
             if phase in ("check", "apply"):
                 instead = {"skipped": f"not applied: ranks {culprits} failed the {phase} phase"}
             applied = []
-            if phase == "apply" and op in ("register", "load_metas"):
+            if phase == "apply" and op in ("register", "load_metas", "unregister"):  # unregister: loaded metas back
                 applied = [r for r in range(n) if r not in failed]
             elif phase == "collective" and op == "register":
                 applied = list(range(n))  # every rank had registered it

@@ -440,8 +440,10 @@ class DaemonWeightSync:
                 self.client.update(name, ranks)
             update_s = time.monotonic() - t0
             if self._current is not None and self._current != name:
+                # the daemon forgets the previous version (its files, or the metas of this process's
+                # memory, so that nothing reads that memory once it is released), then it goes here
+                self.client.unregister(self._current)
                 if self.source is None or self._current not in self.source.registered:  # its files
-                    self.client.unregister(self._current)
                     shutil.rmtree(self.handoff / self._current, ignore_errors=True)
                 if self.source is not None:  # every earlier version in this process's memory
                     self.source.release(keep=name)

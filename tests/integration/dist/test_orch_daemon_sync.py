@@ -195,6 +195,10 @@ def test_versions_from_the_jobs_memory_reach_every_engine_without_a_file(tmp_pat
                 _assert_serving(base, f"policy-v{version}", new)
                 assert not (handoff / f"policy-v{version}").exists()  # nothing went through a file
                 assert sync.source.registered == [f"policy-v{version}"]  # the older one released
+                # ... and the daemon forgot its metas: an update to it is refused by name, nothing reads
+                # the released memory
+                status, answer = call("POST", f"{base}/update", {"name": f"policy-v{version - 1}"})
+                assert status == 404 and f"policy-v{version - 1}" in json.dumps(answer), (status, answer)
             assert [p.name for p in handoff.iterdir()] == ["model"]
             victim = engines(base)[1]
             os.kill(victim["pid"], signal.SIGKILL)

@@ -71,6 +71,7 @@ class FakePS:
             raise CheckpointNotFound(f"{name} is not registered")
         del self.registered[name]
         self.metas.pop(name, None)
+        self.metas.pop(name, None)
 
     def gather_metas(self, name):
         self._step("gather")
@@ -90,6 +91,13 @@ class FakePS:
 
     def metas_state(self, name):
         return self.metas.get(name), None
+
+    def has_loaded_metas(self, name):
+        return name in self.metas and name not in self.registered
+
+    def forget_metas(self, name):
+        self._step("forget_metas")
+        del self.metas[name]
 
     def restore_metas_state(self, name, state):
         if state[0] is None:
@@ -248,11 +256,11 @@ def test_register_twice_conflicts_and_a_disagreement_is_repaired_by_unregister(d
     assert daemon.driver.run({"op": "register", "name": "x", "files": [f]})["ok"]
     answer = daemon.driver.run({"op": "register", "name": "x", "files": [f]})
     assert answer["status"] == 409 and answer["kind"] == "conflict" and set(answer["errors"]) == {"0", "1"}
-    daemon.ps[0].registered.pop("x")  # the ranks disagree (an older daemon's failure)
+    daemon.ps[0].registered.pop("x")  # the ranks disagree (an older daemon's failure): rank 0 keeps metas only
     answer = daemon.driver.run({"op": "register", "name": "x", "files": [f]})
     assert answer["status"] == 409 and set(answer["errors"]) == {"1"}
     answer = daemon.driver.run({"op": "unregister", "name": "x"})
-    assert answer["ok"] and answer["ranks"][0]["result"] == {"skipped": "not registered on this rank"}
+    assert answer["ok"] and answer["ranks"][0]["result"] == {"forgot_metas": "x"}
     assert names_on(daemon) == [set(), set()]
     answer = daemon.driver.run({"op": "unregister", "name": "x"})
     assert answer["status"] == 404 and answer["kind"] == "not_found" and set(answer["errors"]) == {"0", "1"}
@@ -408,3 +416,21 @@ def test_execute_runs_the_whole_command_with_its_checks(tmp_path):
     execute(ps, {"op": "unregister", "name": "x"})
     with pytest.raises(CheckpointNotFound):
         execute(ps, {"op": "unregister", "name": "x"})
+
+
+def test_unregister_forgets_the_loaded_metas_of_another_jobs_memory(daemon):
+    """POST /metas, then DELETE /checkpoints/<name>: every rank forgets the owners' addresses (the owner
+    is about to free that memory), so the next update to that name is a 404, not a read of freed memory;
+    a failed forget on one rank puts the other's metas back."""
+    for ps in daemon.ps:
+        ps.metas["v1"] = "loaded"
+    answer = daemon.driver.run({"op": "unregister", "name": "v1"})
+    assert answer["ok"] and [r["result"] for r in answer["ranks"]] == [{"forgot_metas": "v1"}] * 2
+    assert all("v1" not in ps.metas for ps in daemon.ps)
+    answer = daemon.driver.run({"op": "update", "name": "v1", "endpoints": ["http://a", "http://b"]})
+    assert answer["status"] == 404, answer
+    for ps in daemon.ps:
+        ps.metas["v2"] = "loaded"
+    daemon.ps[1].fail["forget_metas"] = RuntimeError("injected")
+    answer = daemon.driver.run({"op": "unregister", "name": "v2"})
+    assert not answer["ok"] and [ps.metas.get("v2") for ps in daemon.ps] == ["loaded"] * 2, answer
