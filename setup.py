@@ -25,6 +25,7 @@ setup(
         "safetensors>=0.4",
         "tqdm>=4.60",
         "psutil>=5.9",
+        "zstandard>=0.23",  # the delta encoding's per-part compressor (checkpoint_engine.sharding.delta)
     ],
     # what a user runs as one process (the daemon stays `torchrun -m checkpoint_engine`: one process
     # per rank); each is the module's main(), the same as `python -m <module>`
@@ -49,8 +50,20 @@ setup(
         "etcd": ["etcd-sdk-python==0.0.7"],
         # aiohttp: the daemon (`torchrun -m checkpoint_engine`) and the sandbox service (vllm_ext's gate
         # runs on the Starlette/uvicorn/httpx that vLLM brings)
-        "server": ["aiohttp>=3.9"],
-        "rl": ["matplotlib>=3.7", "math-verify==0.9.0", "cyaron==0.7.0", "transformers>=4.45", "tokenizers>=0.19"],
+        # prometheus_client: the daemon's /metrics (vLLM brings it too)
+        "server": ["aiohttp>=3.9", "prometheus_client>=0.20"],
+        # datasets: problem and SFT sets as users keep them; tensorboardX/tensorboard: the job's
+        # TensorBoard files (written, and read back on resume)
+        "rl": [
+            "matplotlib>=3.7",
+            "math-verify==0.9.0",
+            "cyaron==0.7.0",
+            "transformers>=4.45",
+            "tokenizers>=0.19",
+            "datasets>=5.2",
+            "tensorboardX>=2.6",
+            "tensorboard>=2.18",
+        ],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },
 )
