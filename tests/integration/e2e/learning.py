@@ -79,10 +79,12 @@ def greedy_drop_z(before: Sequence[bool], after: Sequence[bool]) -> tuple[int, i
 def run_heldout(run_dir: str | pathlib.Path) -> list:
     """The demo's held-out problems of the RL run in `run_dir`, rebuilt from its config.json's data section
     (a run on the demo's exported files keeps the section's demo fields: the same draw as the file)."""
+    from ckpt_common.dictconfig import from_dict
     from orchestrator.config import DataConfig
     from orchestrator.data import heldout_set
 
-    return list(heldout_set(DataConfig(**json.loads((pathlib.Path(run_dir) / "config.json").read_text())["data"])))
+    saved = json.loads((pathlib.Path(run_dir) / "config.json").read_text())["data"]
+    return list(heldout_set(from_dict(DataConfig, saved, "data")))  # nested sections (data.fields) rebuilt
 
 
 def _heldout_and_last_model(run_dir: pathlib.Path) -> tuple[list, pathlib.Path]:
