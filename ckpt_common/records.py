@@ -27,6 +27,26 @@ class IssueSink(Protocol):
     def add(self, line: int | None, field: str | None, message: str) -> None: ...
 
 
+class ColumnNames:
+    """An IssueSink that names the user's columns where a check names one of the record's fields:
+    ``columns`` maps a field to its column (``answer`` -> ``reward_model.ground_truth``, so
+    ``tests[2].input`` -> ``input_output[2].input``); ``count`` is the wrapped sink's."""
+
+    def __init__(self, sink: Any, columns: dict[str, str]) -> None:
+        self.sink, self.columns = sink, columns
+
+    @property
+    def count(self) -> int:
+        return self.sink.count
+
+    def add(self, line: int | None, field: str | None, message: str) -> None:
+        if field is not None:
+            head = field.split("[", 1)[0]
+            if head in self.columns:
+                field = self.columns[head] + field[len(head) :]
+        self.sink.add(line, field, message)
+
+
 def got(value: Any) -> str:
     """How an error shows the value it found: ``got 42 (int)``, ``got "" (string)`` (cut at 60 characters)."""
     text = json.dumps(value, ensure_ascii=False) if _is_json(value) else repr(value)

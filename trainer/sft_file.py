@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ckpt_common.records import got, is_text, json_object_lines
+from ckpt_common.records import ColumnNames, got, is_text, json_object_lines
 from ckpt_common.tables import MISSING, TableError, column_value, read_table, table_name
 from orchestrator.tasks.problems import Collector, Issue, ProblemFileError, parse_messages
 from orchestrator.tasks.template import PromptStyle
@@ -155,31 +155,13 @@ def _examples(
                 value = column_value(row, columns.get(name, name))
                 if value is not MISSING:
                     record[name] = value
-            example = _parse_record(record, line_number, _Renamed(errors, columns))
+            example = _parse_record(record, line_number, ColumnNames(errors, columns))
         if example is not None:
             examples.append(example)
     if not examples and not errors.count:
         errors.add(None, None, "no examples: the file is empty (an SFT file needs at least one line)")
     errors.raise_if_any()
     return examples
-
-
-class _Renamed:
-    """Errors about a record's field named by the user's column (``sft.data_fields``)."""
-
-    def __init__(self, sink: Collector, columns: Mapping[str, str]) -> None:
-        self.sink, self.columns = sink, columns
-
-    @property
-    def count(self) -> int:
-        return self.sink.count
-
-    def add(self, line: int | None, field: str | None, message: str) -> None:
-        if field is not None:
-            head = field.split("[", 1)[0]
-            if head in self.columns:
-                field = self.columns[head] + field[len(head) :]
-        self.sink.add(line, field, message)
 
 
 def read_sft_examples(

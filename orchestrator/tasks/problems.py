@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from ckpt_common.fsutil import atomic_write_text
-from ckpt_common.records import IssueSink, got, is_text, json_object_lines
+from ckpt_common.records import ColumnNames, IssueSink, got, is_text, json_object_lines
 from ckpt_common.tables import Table, TableError, read_table, table_name
 from orchestrator.tasks.fields import FieldsConfig, map_row
 
@@ -348,9 +348,10 @@ def parse_problem_rows(
     id_lines: dict[str, int] = {}
     content_lines: dict[str, int] = {}
     skipped: list[Issue] = []
+    columns = {f: fields.column(f) for f in FIELDS if getattr(fields, f, None) not in (None, f)}
     for line_number, row in rows:
         sink = Collector(errors.path) if skip else errors
-        problem, explicit_id = _problem_of_row(row, line_number, fields, strict, _ColumnNames(sink, fields))
+        problem, explicit_id = _problem_of_row(row, line_number, fields, strict, ColumnNames(sink, columns))
         if problem is not None:
             content = problem.content_key()
             content_field = fields.column("prompt" if problem.prompt is not None else "messages")
@@ -395,25 +396,6 @@ def _problem_of_row(
     if record is None:
         return None, False
     return _parse_record(record, line, errors), "id" in record
-
-
-class _ColumnNames:
-    """An IssueSink that names the user's columns where the checks name this project's fields
-    (``answer`` -> ``reward_model.ground_truth``, ``tests[2].input`` -> ``input_output[2].input``)."""
-
-    def __init__(self, sink: IssueSink, fields: FieldsConfig) -> None:
-        self.sink, self.fields = sink, fields
-
-    @property
-    def count(self) -> int:
-        return self.sink.count
-
-    def add(self, line: int | None, field: str | None, message: str) -> None:
-        if field is not None:
-            head = field.split("[", 1)[0]
-            if head in FIELDS and getattr(self.fields, head, None) not in (None, head):
-                field = self.fields.column(head) + field[len(head) :]
-        self.sink.add(line, field, message)
 
 
 def read_problems(
