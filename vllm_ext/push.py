@@ -62,6 +62,22 @@ class PushConfig:
             "(a tensor-parallel worker then reads only the slices its loaders take). None: broadcast"
         ),
     )
+    delta_base: str | None = field(
+        default=None,
+        metadata=meta(
+            "model directory of the version the engine holds: send only the values that changed from it, "
+            "cut along the engine's tensor-parallel slices (each worker reads its own); when the engine "
+            "refuses the delta (it holds another version, or no copy to apply it to) the full version follows",
+            metavar="DIR",
+        ),
+    )
+    delta_base_name: str | None = field(
+        default=None, metadata=meta("the checkpoint name the engine reports for --delta-base (None: its directory's)")
+    )
+    delta_tp_size: int | None = field(
+        default=None,
+        metadata=meta("the engine's tensor-parallel size, to cut the delta by (None: the ranks per engine)"),
+    )
 
     def __post_init__(self) -> None:
         check_literals(self)
@@ -69,7 +85,12 @@ class PushConfig:
             raise ValueError(f"model={self.model!r} must be a model directory")
         if not self.engine_urls or not all(isinstance(u, str) and u for u in self.engine_urls):
             raise ValueError(f"engine_urls={self.engine_urls!r} must be one or more URLs (--engine-url)")
-        for name, low in (("rank", 0), ("world_size", 1), ("master_port", 1), ("bucket_size_bytes", 1)):
+        if self.delta_base is not None and not (isinstance(self.delta_base, str) and self.delta_base):
+            raise ValueError(f"delta_base={self.delta_base!r} must be a model directory")
+        if self.delta_base is None and (self.delta_base_name is not None or self.delta_tp_size is not None):
+            raise ValueError("delta_base_name and delta_tp_size need delta_base (--delta-base DIR)")
+        numbers = (("rank", 0), ("world_size", 1), ("master_port", 1), ("bucket_size_bytes", 1), ("delta_tp_size", 1))
+        for name, low in numbers:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=low)
         check_number("timeout_s", self.timeout_s)
@@ -135,19 +156,75 @@ def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_
         master_port=cfg.master_port,
         config=ps_cfg,
     )
-    try:
+    req_func = vllm_http_req_func(engine_url, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s)
+    ranks = list(range(world_size)) if cfg.p2p_reader is not None else None
+
+    def send(tensors: dict) -> tuple[dict, float]:
         t0 = time.perf_counter()
-        ps.register_checkpoint(name, named_tensors=load_shard(model_safetensors_files(cfg.model), rank, world_size))
-        ps.gather_metas(name)
-        register_s = time.perf_counter() - t0
-        metrics = ps.update(
-            name,
-            vllm_http_req_func(engine_url, rank=rank, ranks_per_engine=ranks_per_engine, timeout_s=timeout_s),
-            ranks=list(range(world_size)) if cfg.p2p_reader is not None else None,
-        )
-        return {**metrics.to_dict(), "register_s": round(register_s, 4)}
+        ps.register_checkpoint(name, named_tensors=tensors)
+        try:
+            ps.gather_metas(name)
+            register_s = time.perf_counter() - t0
+            return ps.update(name, req_func, ranks=ranks).to_dict(), register_s
+        finally:
+            ps.unregister_checkpoint(name)
+
+    try:
+        new = load_shard(model_safetensors_files(cfg.model), rank, world_size)
+        delta = None
+        if cfg.delta_base is not None:
+            tp_size = cfg.delta_tp_size or ranks_per_engine
+            delta = delta_shard(cfg, new, rank=rank, world_size=world_size, tp_size=tp_size)
+        if delta is None:
+            metrics, register_s = send(new)
+            return {**metrics, "register_s": round(register_s, 4)}
+        wire, info = delta
+        try:
+            metrics, register_s = send(wire)
+            info["kind"] = "delta"
+        except Exception as e:  # noqa: BLE001 - every rank's update fails alike: each sends the full version
+            info.update(kind="full", reason=f"the engine refused the delta ({type(e).__name__}: {e})")
+            logger.warning("rank %d: %s; sending the full version", rank, info["reason"])
+            metrics, register_s = send(new)
+        return {**metrics, "register_s": round(register_s, 4), "delta": info}
     finally:
         ps.close()
+
+
+def delta_shard(cfg: PushConfig, new: dict, *, rank: int, world_size: int, tp_size: int) -> tuple[dict, dict]:
+    """This rank's share of the delta from `cfg.delta_base` to `new` (its share of the version), cut
+    along the slices of a `tp_size` engine, as wire tensors (its own header), and what it holds."""
+    from checkpoint_engine.sharding.delta_slices import delta_slices, encode_sliced
+    from checkpoint_engine.sharding.delta_sync import HEADER, to_wire
+    from checkpoint_engine.sharding.plan import plan_hf
+    from checkpoint_engine.sharding.slices import EngineLayout
+    from ckpt_common.layout.shapes import ModelShape
+    from vllm_ext.launch_config import model_safetensors_files
+
+    base = load_shard(model_safetensors_files(cfg.delta_base), rank, world_size)
+    if set(base) != set(new):
+        raise ValueError(f"--delta-base {cfg.delta_base} holds other tensors than --model {cfg.model}")
+    slices = None
+    if tp_size > 1:
+        with open(os.path.join(cfg.model, "config.json")) as f:
+            shape = ModelShape.from_hf_config(json.load(f))
+        slices = delta_slices(plan_hf(shape, EngineLayout(tp_size=tp_size), names=new))
+    t0 = time.perf_counter()
+    delta = encode_sliced(base, new, slices, compress=True)
+    base_name = cfg.delta_base_name or os.path.basename(os.path.normpath(cfg.delta_base))
+    version = cfg.checkpoint_name or os.path.basename(os.path.normpath(cfg.model))
+    header = HEADER if world_size == 1 else f"{HEADER}/{rank}"
+    wire = to_wire(delta, base_name, version, header=header)
+    info = {
+        "base": base_name,
+        "tp_size": tp_size,
+        "entries": len(delta.tensors),
+        "nbytes": sum(t.numel() * t.element_size() for t in wire.values()),
+        "full_bytes": delta.full_bytes,
+        "changed_share": round(delta.changed_share, 6),
+        "encode_s": round(time.perf_counter() - t0, 4),
+    }
+    return wire, info
 
 
 def _parser() -> tuple[argparse.ArgumentParser, ConfigArgs]:

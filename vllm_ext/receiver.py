@@ -42,7 +42,7 @@ import torch
 import zmq
 
 from checkpoint_engine.sharding.delta import DeltaMismatch
-from checkpoint_engine.sharding.delta_sync import DeltaReceiver
+from checkpoint_engine.sharding.delta_sync import DeltaReceiver, RankSlices
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.transport.engine_reads import EngineReads
 from checkpoint_engine.transport.shm import MappingCache
@@ -193,6 +193,17 @@ class WeightReceiver:
         self.remote_reads = EngineReads(read_timeout_s=self.config.timeout_s)
         self._slot_probe: SlotProbe | None = None
         self._owed: set[str] = set()  # names probed ahead: the next update must bring every one
+        # a tensor-parallel worker's slices (`read_slices`), and whether the weight cache holds only
+        # those (the last full update was a sharded pull): a delta is then applied slice by slice
+        self.rank_slices: RankSlices | None = None
+        self.cache_sliced = False
+
+    def read_slices(self, probe, max_ranges_per_tensor: int = 0) -> None:
+        """Pulls this engine reads itself take only the slices `probe` says its loaders consume
+        (`vllm_ext.shard_probe`), and deltas only those slices' entries
+        (`checkpoint_engine.sharding.delta_sync.RankSlices`)."""
+        self.rank_slices = RankSlices(probe)
+        self.remote_reads.set_slices(self.rank_slices, max_ranges_per_tensor=max_ranges_per_tensor)
 
     def rebind(
         self,
@@ -327,13 +338,12 @@ class WeightReceiver:
         s = self._state_report()
         checksum, num_tensors = None, len(self.cache)
         definition = "sha256 over (name, dtype, shape, crc32) of the checkpoint-format tensors loaded"
-        sliced = ((self.last_update or {}).get("engine_reads") or {}).get("sliced_tensors", 0)
         if not self.config.weight_cache:
             definition, num_tensors = "unavailable: the engine runs with weight_cache off (no copy of the weights)", 0
-        elif sliced:  # a tensor-parallel worker's sharded pull: the cache holds this rank's slices only
+        elif self.cache_sliced:  # a tensor-parallel worker's sharded pull: the cache holds this rank's slices only
             definition = (
-                f"unavailable: the last update read only this rank's slices of {sliced} tensors "
-                "(sharded pull); the weight cache holds those slices only"
+                "unavailable: this rank's weights came by a sharded pull (only its tensor-parallel slices "
+                "were read); the weight cache holds those slices only"
             )
         else:
             checksum = self.cache.checksum()
@@ -349,12 +359,11 @@ class WeightReceiver:
     def delta_refusal(self, cache_matches_model: bool | None = None) -> str | None:
         """Why this engine cannot apply a delta update now (None: it can, given the right base).
         `cache_matches_model`: the cache's state before the update in progress (default: now)."""
-        sliced = ((self.last_update or {}).get("engine_reads") or {}).get("sliced_tensors", 0)
         matches = self.cache.matches_model if cache_matches_model is None else cache_matches_model
         if not self.config.weight_cache:
             return "it runs with weight_cache off: it keeps no copy of the weights to apply a delta to"
-        if sliced:
-            return "its last update read only this rank's tensor-parallel slices: its weight cache holds no whole base"
+        if self.cache_sliced and self.rank_slices is None:
+            return "its last update read only this rank's tensor-parallel slices, and it knows no slice plan"
         if not matches:
             return "its weight cache does not hold the weights it serves (no complete update yet, or an aborted one)"
         return None
@@ -397,7 +406,7 @@ class _UpdateSession:
         self.loaders_s = 0.0  # bucket mode: time in the load function, per bucket, summed
         # a delta update (checkpoint_engine.sharding.delta_sync): its tensors are kept as they arrive
         # and applied at the end onto the weight cache, which holds the version the engine serves
-        self.delta = DeltaReceiver()
+        self.delta = DeltaReceiver(receiver.rank_slices)
         self.held_checkpoint = receiver.state.report()["checkpoint"]
         self.delta_bytes = 0
 
@@ -480,7 +489,8 @@ class _UpdateSession:
             raise DeltaMismatch(f"this engine cannot apply a delta update: {why}")
         weights = dict(cache.items_except(set()))
         try:
-            self.delta.finish(weights, self.held_checkpoint, self.r.state)  # the engine then holds its version
+            # the engine then holds its version; a sharded cache: this rank's slices only
+            self.delta.finish(weights, self.held_checkpoint, self.r.state, sliced=self.r.cache_sliced)
         except DeltaMismatch:
             cache.matches_model = True  # every base checksum is checked first: nothing was written
             raise
@@ -506,7 +516,8 @@ class _UpdateSession:
                 f"and probed ahead, e.g. {sorted(owed)[:5]}"
             )
         cache = self.r.cache
-        if self.delta.is_delta:
+        delta = self.delta.is_delta
+        if delta:
             self._apply_delta()
         elif self.stream is None and self.order and self.mode == "end":  # the whole reload happens now
             self.stream = ReloadStream(self.r._reload_fn)
@@ -524,6 +535,9 @@ class _UpdateSession:
             if self.r._cache_slots_fn is not None:
                 self.r.num_cache_adopted = cache.adopt(self.r._cache_slots_fn())
         self.r.reload_error = None
+        if not delta:  # a full update decides what the cache holds; a delta keeps it as it was
+            reads = self.r.remote_reads.stats if self.remote else None
+            self.r.cache_sliced = reads is not None and reads.sliced_tensors > 0
         self.t_end = time.perf_counter()
 
     def abort(self) -> None:

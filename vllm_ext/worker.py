@@ -141,7 +141,7 @@ class VllmColocateWorkerExtension:
             from vllm_ext.shard_probe import meta_model_probe
 
             limit = receiver.config.sharded_max_ranges_per_tensor
-            receiver.remote_reads.set_slices(meta_model_probe(self.vllm_config), max_ranges_per_tensor=limit)
+            receiver.read_slices(meta_model_probe(self.vllm_config), max_ranges_per_tensor=limit)
             logger.info("checkpoint-engine: pulls this worker reads itself take only its tensor-parallel slices")
 
     def _ckpt_engine_reload(self, weights_iterator) -> None:

@@ -62,7 +62,7 @@ each tensor's bytes for its CRC-32 (checkpoint_engine.checksum hashes on the CPU
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -515,6 +515,11 @@ def apply_version(state: Mapping[str, torch.Tensor], delta: VersionDelta) -> Non
     """apply() of every tensor in place: every tensor is checked first (a mismatch anywhere writes
     nothing; the decoded payloads are kept until written), then each is written and verified."""
     _same_names(state, delta.tensors, "engine weights vs delta", DeltaMismatch)
-    checked = {name: _check(state[name], d, name) for name, d in delta.tensors.items()}
-    for name, d in delta.tensors.items():
-        _write(state[name], d, checked.pop(name), name)
+    apply_all([(name, state[name], d) for name, d in delta.tensors.items()])
+
+
+def apply_all(targets: Sequence[tuple[str, torch.Tensor, TensorDelta]]) -> None:
+    """apply() of each (label, contiguous tensor, delta), all checked before any is written."""
+    checked = [_check(t, d, label) for label, t, d in targets]
+    for (label, t, d), c in zip(targets, checked, strict=True):
+        _write(t, d, c, label)

@@ -17,7 +17,7 @@ post hook, before its final Ack), checking every tensor's base checksum before w
         an engine that refuses the delta (its weights are not the base: DeltaMismatch, nothing
         written) fails the update; `DeltaSync.push` then sends the full version and says why
     engine: load fn ─▶ DeltaReceiver.take(name, tensor): a delta tensor? (copied: it is small)
-            post hook ─▶ DeltaReceiver.finish(weights, held checkpoint): apply_version
+            post hook ─▶ DeltaReceiver.finish(weights, held checkpoint): apply_sliced
 
 The sender keeps the last version it sent in the engine dtype (one more copy of the model in host
 memory); the header is JSON, never pickle.
@@ -37,21 +37,34 @@ from checkpoint_engine.sharding.delta import (
     TensorDelta,
     UpdateChoice,
     VersionDelta,
-    apply_version,
     choose_update,
-    encode_version,
 )
+from checkpoint_engine.sharding.delta_slices import apply_sliced, encode_sliced, overlaps, parse_slice_key
+from checkpoint_engine.sharding.slices import SourceSlice
 from checkpoint_engine.state import EngineWeightState
 
 logger = logging.getLogger(__name__)
 
-HEADER = "__ce_delta__"
-PART = "::delta"  # "<name>::delta<i>": part i of the tensor's payload
+HEADER = "__ce_delta__"  # one per sender rank when several register a share: "__ce_delta__/<rank>"
+PART = "::delta"  # "<entry>::delta<i>": part i of the entry's payload (an entry: a tensor, or a slice of it)
 
 
-def to_wire(delta: VersionDelta, base_version: str, version: str) -> dict[str, torch.Tensor]:
-    """The delta as named tensors: the JSON header first, then each tensor's payload parts."""
-    header = {
+def is_delta_name(name: str) -> bool:
+    """Whether `name` is a delta's wire tensor (a header or a payload part), not a model tensor."""
+    return name == HEADER or name.startswith(HEADER + "/") or PART in name
+
+
+def entry_of_part(name: str) -> str:
+    """The entry (`delta_slices.slice_key`) whose payload the wire tensor `name` carries."""
+    return name.rpartition(PART)[0]
+
+
+def to_wire(delta: VersionDelta, base_version: str, version: str, *, header: str = HEADER) -> dict[str, torch.Tensor]:
+    """The delta as named tensors: the JSON header first (named `header`: a sender rank of several
+    names its own), then each entry's payload parts."""
+    if not (header == HEADER or header.startswith(HEADER + "/")):
+        raise ValueError(f"a delta header is named {HEADER!r} or {HEADER + '/<rank>'!r}, not {header!r}")
+    meta = {
         "base": base_version,
         "version": version,
         "tensors": {
@@ -69,21 +82,39 @@ def to_wire(delta: VersionDelta, base_version: str, version: str) -> dict[str, t
             for name, d in delta.tensors.items()
         },
     }
-    out = {HEADER: torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)}
+    out = {header: torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)}
     for name, d in delta.tensors.items():
         for i, part in enumerate(d.payload):
             out[f"{name}{PART}{i}"] = part
     return out
 
 
-def from_wire(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str, VersionDelta]:
-    """(base version, version, delta) from `to_wire`'s tensors; DeltaMismatch naming what is missing."""
-    if HEADER not in tensors:
+def from_wire(
+    tensors: Mapping[str, torch.Tensor], takes: Callable[[str], bool] | None = None
+) -> tuple[str, str, VersionDelta]:
+    """(base version, version, delta) from `to_wire`'s tensors (every sender rank's header merged);
+    DeltaMismatch naming what is missing. `takes(entry)`: only those entries (a tensor-parallel
+    rank's own slices; the others' parts were never read); None: every entry."""
+    headers = sorted(n for n in tensors if n == HEADER or n.startswith(HEADER + "/"))
+    if not headers:
         raise DeltaMismatch(f"a delta update without its header {HEADER!r}")
     try:
-        header = json.loads(bytes(tensors[HEADER].numpy()).decode())
+        versions: set[tuple[str, str]] = set()
+        entries: dict[str, dict] = {}
+        for name in headers:
+            one = json.loads(bytes(tensors[name].numpy()).decode())
+            versions.add((str(one["base"]), str(one["version"])))
+            for key, h in one["tensors"].items():
+                if key in entries:
+                    raise DeltaMismatch(f"delta entry {key!r} is in two headers")
+                entries[key] = h
+        if len(versions) != 1:
+            raise DeltaMismatch(f"the delta's headers disagree on (base, version): {sorted(versions)}")
+        ((base, version),) = versions
         out: dict[str, TensorDelta] = {}
-        for name, h in header["tensors"].items():
+        for name, h in entries.items():
+            if takes is not None and not takes(name):
+                continue
             parts = []
             for i in range(int(h["parts"])):
                 part = tensors.get(f"{name}{PART}{i}")
@@ -101,7 +132,7 @@ def from_wire(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str, VersionDel
                 int(h.get("gap_width", 0)),
                 tuple(_flag(x) for x in h.get("compressed", [])),
             )
-        return str(header["base"]), str(header["version"]), VersionDelta(out)
+        return base, version, VersionDelta(out)
     except DeltaMismatch:
         raise
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
@@ -114,37 +145,91 @@ def _flag(x: object) -> bool:
     return x
 
 
-class DeltaReceiver:
-    """Engine side of one update: keeps the delta's tensors as they arrive, applies them at the end."""
+class RankSlices:
+    """A tensor-parallel engine rank's slices, as its engine reads learn them, and which of a sliced
+    delta's wire tensors it takes: the `Slices` callable of `EngineReads.set_slices`, wrapped.
 
-    def __init__(self) -> None:
+    `probe` answers for model tensors ((name, dtype, shape) -> this rank's slices, () for none); its
+    answers are kept, so a later delta (whose wire tensors name entries, not tensors) is read only
+    where its entries overlap them. A delta tensor never reaches `probe` (a model's loaders would
+    refuse the unknown name and make the whole batch whole)."""
+
+    def __init__(self, probe: Callable[[list], Mapping[str, tuple[SourceSlice, ...]]]):
+        self._probe = probe
+        self._own: dict[str, tuple[SourceSlice, ...]] = {}
+
+    def __call__(self, items: list) -> dict[str, tuple[SourceSlice, ...]]:
+        plain = [item for item in items if not is_delta_name(item[0])]
+        out = dict(self._probe(plain)) if plain else {}
+        self._own.update(out)
+        for name, _, _ in items:
+            if is_delta_name(name):
+                out[name] = (SourceSlice(name),) if self.takes_wire(name) else ()
+        return out
+
+    def own(self, name: str) -> tuple[SourceSlice, ...] | None:
+        """This rank's slices of model tensor `name` (() none; None: no read asked about it yet)."""
+        return self._own.get(name)
+
+    def takes(self, entry: str) -> bool:
+        """Whether this rank takes delta entry `entry`: it overlaps one of the rank's slices (an entry of
+        a tensor it was never asked about is taken: the apply then names it)."""
+        s = parse_slice_key(entry)
+        held = self._own.get(s.name)
+        return held is None or any(overlaps(s, o) for o in held)
+
+    def takes_wire(self, name: str) -> bool:
+        """`takes` for a wire tensor: every header, and the parts of entries this rank takes."""
+        return PART not in name or self.takes(entry_of_part(name))
+
+
+class DeltaReceiver:
+    """Engine side of one update: keeps the delta's tensors as they arrive, applies them at the end.
+    `rank_slices`: a tensor-parallel rank's (it keeps and applies only its own slices' entries)."""
+
+    def __init__(self, rank_slices: RankSlices | None = None) -> None:
         self._parts: dict[str, torch.Tensor] = {}
+        self._rank_slices = rank_slices
+        self._seen = False
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
-        """True when `name` belongs to a delta (kept: the bucket's buffer is reused after its Ack)."""
-        if name == HEADER or PART in name:
+        """True when `name` belongs to a delta (kept, copied, when it is this rank's: the bucket's
+        buffer is reused after its Ack; another rank's part was never read and is dropped)."""
+        if not is_delta_name(name):
+            return False
+        self._seen = True
+        if self._rank_slices is None or self._rank_slices.takes_wire(name):
             self._parts[name] = tensor.detach().to("cpu", copy=True)
-            return True
-        return False
+        return True
 
     @property
     def is_delta(self) -> bool:
-        return bool(self._parts)
+        return self._seen
 
     def finish(
-        self, weights: Mapping[str, torch.Tensor], held_checkpoint: str | None, state: EngineWeightState | None = None
+        self,
+        weights: Mapping[str, torch.Tensor],
+        held_checkpoint: str | None,
+        state: EngineWeightState | None = None,
+        *,
+        sliced: bool = False,
     ) -> str | None:
         """Apply the delta to `weights` (nothing written unless every base checksum matches); the
         version it brings, or None when this update was not a delta. `state` (the engine's, receiving
         this update): it then names that version as the checkpoint the engine will hold, whatever the
-        delta was sent as (the daemon sends `policy-vN.delta` beside the full `policy-vN`)."""
-        if not self._parts:
+        delta was sent as (the daemon sends `policy-vN.delta` beside the full `policy-vN`). `sliced`:
+        `weights` hold only this rank's slices (a sharded pull): only its entries are applied, and
+        they must cover those slices."""
+        if not self._seen:
             return None
-        base, version, delta = from_wire(self._parts)
+        rank = self._rank_slices if sliced else None
+        base, version, delta = from_wire(self._parts, rank.takes if rank is not None else None)
         if held_checkpoint != base:
             raise DeltaMismatch(f"the delta to {version!r} is from {base!r}, but this engine holds {held_checkpoint!r}")
-        apply_version(weights, delta)
-        self._parts = {}
+        if sliced and rank is None:
+            raise DeltaMismatch("this rank holds only its slices of the weights, and no slice plan to apply a delta by")
+        apply_sliced(weights, delta, rank.own if rank is not None else None)
+        self._parts, self._seen = {}, False
         if state is not None:
             state.name_pending(version)
         return version
@@ -168,11 +253,22 @@ class DeltaSender:
     """Sender side: the base (the last version sent, in the engine dtype) and the full-or-delta choice.
 
     `anchor_every`: a full version every that many versions (None: only when a delta does not pay);
-    `compress`: zstd each delta payload part, kept where smaller (checkpoint_engine.sharding.delta)."""
+    `compress`: zstd each delta payload part, kept where smaller (checkpoint_engine.sharding.delta);
+    `slices`: per tensor, the distinct slices the engine's tensor-parallel ranks consume
+    (`delta_slices.delta_slices(plan)`): each is encoded on its own, so a rank that reads only its
+    slices takes only their changed values (None: whole tensors, for engines that hold whole tensors)."""
 
-    def __init__(self, max_ratio: float = 0.5, *, anchor_every: int | None = None, compress: bool = True) -> None:
+    def __init__(
+        self,
+        max_ratio: float = 0.5,
+        *,
+        anchor_every: int | None = None,
+        compress: bool = True,
+        slices: Mapping[str, tuple[SourceSlice, ...]] | None = None,
+    ) -> None:
         choose_update("v", "v", 0, 1, max_ratio, anchor_every=anchor_every)  # checks both, names the bad one
         self.max_ratio, self.anchor_every, self.compress = max_ratio, anchor_every, compress
+        self.slices = slices
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version: str | None = None
         self.deltas_since_full = 0  # deltas committed since the last full version
@@ -187,7 +283,7 @@ class DeltaSender:
             if self.base is None and choice.kind == "delta":
                 choice = UpdateChoice("full", "this version has no delta (no base version kept)")
             return Prepared(version, choice, dict(new), new)
-        delta = encode_version(self.base, new, compress=self.compress)
+        delta = encode_sliced(self.base, new, self.slices, compress=self.compress)
         choice = choose_update(engine_checkpoint, self.base_version, delta.nbytes, full_bytes, self.max_ratio, **policy)
         tensors = to_wire(delta, self.base_version, version) if choice.kind == "delta" else dict(new)
         return Prepared(version, choice, tensors, new)

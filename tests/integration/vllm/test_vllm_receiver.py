@@ -14,6 +14,7 @@ import torch
 from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
 from checkpoint_engine.errors import UpdateFailed
 from checkpoint_engine.ps import ParameterServer
+from checkpoint_engine.sharding.slices import SourceSlice
 from ckpt_common.dtypes import dtype_name
 from vllm_ext.receiver import FaultSpec, WeightReceiver
 from vllm_ext.settings import ReceiverConfig
@@ -605,12 +606,15 @@ def test_without_a_weight_cache_a_delta_is_refused_saying_why(ps):
     assert_same(model.weights, versions[1])
 
 
-def test_a_tensor_parallel_worker_that_read_only_its_slices_refuses_a_delta():
+def test_a_tensor_parallel_worker_refuses_a_delta_only_without_a_slice_plan():
     r = make_receiver(DictModel())
     r.cache.store("w", torch.zeros(2))
     r.cache.matches_model = True
     assert r.delta_refusal() is None
-    r.last_update = {"engine_reads": {"sliced_tensors": 3}}
-    assert "tensor-parallel slices" in r.delta_refusal()
-    r.last_update = None
+    r.cache_sliced = True  # its last full update read only its slices
+    assert "knows no slice plan" in r.delta_refusal()
+    r.read_slices(lambda items: {n: (SourceSlice(n),) for n, _, _ in items})
+    assert r.delta_refusal() is None  # it applies a delta cut along its slices
+    assert "sharded pull" in r.checksum_report()["definition"]
+    r.cache_sliced = False
     assert "does not hold the weights it serves" in r.delta_refusal(cache_matches_model=False)
