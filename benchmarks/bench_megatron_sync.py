@@ -158,7 +158,7 @@ def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> d
 
 
 def _model_shape(args):
-    from trainer.megatron.shapes import ModelShape
+    from ckpt_common.layout.shapes import ModelShape
 
     return ModelShape(
         num_layers=args.layers,
@@ -183,8 +183,8 @@ def _handoff_rank(args, rank: int, port: int) -> dict | None:
     from checkpoint_engine.plan import layout_tensors
     from checkpoint_engine.transport import shm
     from ckpt_common.dtypes import dtype_name
+    from ckpt_common.layout.shapes import Parallelism, hf_param_shapes
     from trainer.megatron.convert import hf_to_megatron, megatron_to_hf, write_rank_slices
-    from trainer.megatron.shapes import Parallelism, hf_param_shapes
 
     tp = args.handoff_tp
     torch.set_num_threads(1)  # the trainer's ranks share the CPUs (TrainerConfig: usable_cpus // tp)
@@ -359,8 +359,8 @@ def main(argv=None) -> dict:
         return {}
     import torch
 
+    from ckpt_common.layout.shapes import Parallelism, hf_param_shapes
     from trainer.megatron.convert import hf_to_megatron, megatron_to_hf
-    from trainer.megatron.shapes import Parallelism, hf_param_shapes
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

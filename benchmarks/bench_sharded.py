@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_shape(args):
     """The ModelShape: MODEL's widths, layers from --layers or to reach --size-gib (at least 1)."""
-    from trainer.megatron.shapes import ModelShape, hf_param_shapes
+    from ckpt_common.layout.shapes import ModelShape, hf_param_shapes
 
     def shape(layers: int):
         return ModelShape(
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     from checkpoint_engine.sharding.plan import plan_hf, slice_nbytes
     from checkpoint_engine.sharding.slices import EngineLayout
     from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore
-    from trainer.megatron.shapes import hf_param_shapes
+    from ckpt_common.layout.shapes import hf_param_shapes
 
     torch.set_num_threads(1)
     # Mooncake reads its TCP queue bounds when a transfer engine starts: set them before the first one.

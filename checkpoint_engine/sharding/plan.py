@@ -48,8 +48,8 @@ from typing import Any, TypeVar
 from checkpoint_engine.plan import TensorSpec
 from checkpoint_engine.sharding.slices import EngineLayout, SourceSlice
 from ckpt_common.dtypes import itemsize
-from trainer.megatron.layout import hf_sources, sources_of_slice
-from trainer.megatron.shapes import ModelShape, NormStyle, Parallelism, Piece, hf_param_shapes
+from ckpt_common.layout.pieces import hf_sources, sources_of_slice
+from ckpt_common.layout.shapes import ModelShape, NormStyle, Parallelism, Piece, hf_param_shapes
 
 Dest = tuple[int, int]  # (tp_rank, ep_rank), as EngineLayout.ranks names it
 SpecLike = TensorSpec | tuple[str, Sequence[int]]  # a TensorSpec, or (dtype, shape)
@@ -101,7 +101,7 @@ class ShardPlan:
 @dataclass(frozen=True)
 class MegatronFetch:
     """HF slice `slice` of one destination, and the Megatron pieces (rank + tensor + rows) that hold it,
-    ordered by position in the HF tensor (`trainer.megatron.layout.sources_of_slice`)."""
+    ordered by position in the HF tensor (`ckpt_common.layout.pieces.sources_of_slice`)."""
 
     slice: SourceSlice
     pieces: tuple[Piece, ...]

@@ -1,8 +1,8 @@
 """megatron-core backend.
 
 ``cpu_compat``  the CPU redirects (explicit ``apply_cpu_redirects()``, never on import)
-``layout``      the HF <-> Megatron layout as a table of pieces (pure; no tensors, no megatron)
-``convert``     HF <-> Megatron state dicts and a rank's slices (pure torch; no megatron)
+``convert``     HF <-> Megatron state dicts and a rank's slices (pure torch; no megatron), by the piece
+                table of ``ckpt_common.layout`` (shapes, parallelism, HF <-> Megatron pieces)
 ``model``       GPTModel construction, process groups, loading HF weights (imports megatron lazily)
 ``trainer``     ``MegatronTrainer``: the orchestrator's ``Trainer`` protocol on a GPTModel (one TP rank;
                 the whole model at TP=1, in the RL job's process); ``named_tensors``: every TP rank writes

@@ -1,11 +1,11 @@
 """HF Qwen2 <-> Megatron-core state dicts: pure functions on dicts of tensors (no megatron import).
 
 Both directions, and ``rank_slices`` (what one rank contributes, as views), walk the one piece
-table of ``trainer.megatron.layout``, so they cannot disagree:
+table of ``ckpt_common.layout.pieces``, so they cannot disagree:
 
     HF state dict ──hf_to_megatron──▶ {(pp, tp): Megatron state dict}      (trainer init from SFT)
     {(pp, tp): Megatron state dict} ──megatron_to_hf(out=host views)──▶ HF  (weight sync)
-    (MoE with ep_size > 1: the rank keys are (pp, tp, ep); see layout.Parallelism.rank_of)
+    (MoE with ep_size > 1: the rank keys are (pp, tp, ep); see ckpt_common.layout.shapes.Parallelism.rank_of)
     one rank's Megatron state dict ──rank_slices──▶ [(Piece, view)]        (sharding-aware plans)
     one rank's Megatron state dict ──write_rank_slices──▶ its slices of a shared HF buffer (weight sync)
 """
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 
 import torch
 
-from trainer.megatron.layout import conversion_pieces, hf_sources, writer_pieces
-from trainer.megatron.shapes import (
+from ckpt_common.layout.pieces import conversion_pieces, hf_sources, writer_pieces
+from ckpt_common.layout.shapes import (
     ModelShape,
     NormStyle,
     Parallelism,

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 import torch
 
 from ckpt_common.dtypes import dtype_from_name
+from ckpt_common.layout.shapes import ModelShape, NormStyle, Parallelism, Rank
 from trainer.megatron.convert import hf_to_megatron
-from trainer.megatron.shapes import ModelShape, NormStyle, Parallelism, Rank
 
 logger = logging.getLogger(__name__)
 

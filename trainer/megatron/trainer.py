@@ -27,14 +27,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ckpt_common.layout.pieces import hf_sources
+from ckpt_common.layout.shapes import ModelShape, hf_param_shapes
 from trainer.base import OptimizerSteps, TrainerConfig, disk_dtypes, make_optimizer, pad_sequences, save_hf_dir
 from trainer.cpu import num_threads_for, resolve_autocast_dtype
 from trainer.loss import sequence_logprobs as _masked_sequence_logprobs
 from trainer.loss import token_logprobs as _masked_token_logprobs
 from trainer.megatron.convert import write_rank_slices
-from trainer.megatron.layout import hf_sources
 from trainer.megatron.model import MegatronModelConfig
-from trainer.megatron.shapes import ModelShape, hf_param_shapes
 
 logger = logging.getLogger(__name__)
 

@@ -104,11 +104,11 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from ckpt_common.layout.shapes import ModelShape
     from demo.tiny_model import VOCAB_SIZE
     from tests.unit.trainer.tiny import tiny_hf
     from trainer.megatron import model as mg_model
     from trainer.megatron.convert import megatron_to_hf
-    from trainer.megatron.shapes import ModelShape
 
     rank = int(os.environ["RANK"])
     result: dict = {"rank": rank}

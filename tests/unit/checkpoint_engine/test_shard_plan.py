@@ -16,7 +16,7 @@ from checkpoint_engine.sharding.plan import (
     vocab_range,
 )
 from checkpoint_engine.sharding.slices import EngineLayout, SourceSlice
-from trainer.megatron.shapes import ModelShape, Parallelism, hf_param_shapes
+from ckpt_common.layout.shapes import ModelShape, Parallelism, hf_param_shapes
 
 DENSE = ModelShape(
     num_layers=2,

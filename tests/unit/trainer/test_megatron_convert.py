@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckpt_common.layout.pieces import conversion_pieces, hf_sources
+from ckpt_common.layout.shapes import ModelShape, Parallelism, hf_param_shapes, stage_layers
 from tests.unit.trainer.tiny import layout_shape, random_hf
 from trainer.megatron.convert import hf_to_megatron, megatron_to_hf
-from trainer.megatron.layout import conversion_pieces, hf_sources
-from trainer.megatron.shapes import ModelShape, Parallelism, hf_param_shapes, stage_layers
 
 
 def _labelled_hf(shape: ModelShape) -> dict[str, torch.Tensor]:
@@ -343,7 +343,7 @@ def test_qkv_bias_from_hf_config(extra, qkv_bias):
 
 
 def test_sources_of_an_inference_tp_shard():
-    from trainer.megatron.layout import sources_of_slice
+    from ckpt_common.layout.pieces import sources_of_slice
 
     shape = layout_shape(num_layers=1)  # 4 q heads of 4 rows, 2 groups
     sources = hf_sources(shape, Parallelism(tp_size=2))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckpt_common.layout.pieces import writer_pieces
+from ckpt_common.layout.shapes import ModelShape, Parallelism, hf_param_shapes
 from trainer.megatron.convert import hf_to_megatron, megatron_to_hf, write_rank_slices
-from trainer.megatron.layout import writer_pieces
-from trainer.megatron.shapes import ModelShape, Parallelism, hf_param_shapes
 
 # 1 layer, 4 heads in 2 query groups (head_dim 2), ffn 8, vocab 6: small enough to spell out.
 SHAPE = ModelShape(

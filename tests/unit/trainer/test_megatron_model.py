@@ -11,12 +11,12 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 transformers = pytest.importorskip("transformers")
 
+from ckpt_common.layout.shapes import ModelShape, Parallelism  # noqa: E402
 from demo.tiny_model import VOCAB_SIZE  # noqa: E402
 from tests.unit.trainer.tiny import tiny_hf  # noqa: E402
 from trainer.megatron import cpu_compat  # noqa: E402
 from trainer.megatron import model as mg_model  # noqa: E402
 from trainer.megatron.convert import megatron_to_hf  # noqa: E402
-from trainer.megatron.shapes import ModelShape, Parallelism  # noqa: E402
 
 LOGITS_ATOL = 1e-5
 GPU_LOGITS_ATOL = 1e-3  # GPU kernels (TF32 where enabled) differ more than CPU's

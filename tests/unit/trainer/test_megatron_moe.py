@@ -1,4 +1,4 @@
-"""MoE in the HF <-> Megatron piece table (trainer.megatron.layout): global <-> local expert indices
+"""MoE in the HF <-> Megatron piece table (ckpt_common.layout.pieces): global <-> local expert indices
 over EP ranks, coverage, and bit-exact round trips at TP/EP/PP 1-2. Pure: no megatron import."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckpt_common.layout.pieces import conversion_pieces, hf_sources, sources_of_slice, writer_pieces
+from ckpt_common.layout.shapes import ModelShape, Parallelism, global_expert_index, hf_param_shapes, local_expert_index
 from tests.unit.trainer.tiny import layout_shape, random_hf
 from trainer.megatron.convert import hf_to_megatron, megatron_to_hf, rank_slices, write_rank_slices
-from trainer.megatron.layout import conversion_pieces, hf_sources, sources_of_slice, writer_pieces
-from trainer.megatron.shapes import ModelShape, Parallelism, global_expert_index, hf_param_shapes, local_expert_index
 
 
 def _moe_shape(**overrides) -> ModelShape:

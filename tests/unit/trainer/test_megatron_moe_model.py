@@ -25,10 +25,10 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 transformers = pytest.importorskip("transformers")
 
+from ckpt_common.layout.shapes import ModelShape, Parallelism, hf_param_shapes  # noqa: E402
 from trainer.megatron import cpu_compat  # noqa: E402
 from trainer.megatron import model as mg_model  # noqa: E402
 from trainer.megatron.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
-from trainer.megatron.shapes import ModelShape, Parallelism, hf_param_shapes  # noqa: E402
 
 LOGITS_ATOL = 1e-5
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ckpt_common.layout.shapes import ModelShape, hf_param_shapes
 from demo.tiny_model import TinyModelConfig, random_state_dict
-from trainer.megatron.shapes import ModelShape, hf_param_shapes
 
 # The HF trainer tests' model: 2 layers, hidden 64, one head, SwiGLU 128; init std 0.1 (clear logit margins).
 SMALL = TinyModelConfig(

@@ -216,7 +216,7 @@ def test_learned_slices_equal_the_layout_planners(vllm_rank, tp_size):
     """The two planners agree slice by slice: vLLM's loaders (learned) and the shape rules (planned)."""
     from checkpoint_engine.sharding.plan import plan_hf
     from checkpoint_engine.sharding.slices import EngineLayout
-    from trainer.megatron.shapes import ModelShape
+    from ckpt_common.layout.shapes import ModelShape
 
     shape = ModelShape(
         num_layers=1,

@@ -23,7 +23,7 @@ from checkpoint_engine.sharding.slices import EngineLayout
 from checkpoint_engine.transport.engine_reads import EngineReads
 from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore
 from ckpt_common.dtypes import dtype_name
-from trainer.megatron.shapes import ModelShape
+from ckpt_common.layout.shapes import ModelShape
 from vllm_ext.shard_probe import ShardProbe
 
 TP = 2

@@ -1,7 +1,7 @@
 """Model shapes and parallel layouts of the HF <-> Megatron conversion (pure, no megatron import):
 ``ModelShape`` (dense or MoE, from an HF config), ``Parallelism`` (TP, PP, EP; ranks), the global <->
 local expert index, the HF tensors' shapes, each PP stage's layers, and ``Piece`` (one entry of the
-piece table). ``layout`` builds the piece table on these and re-exports them (``Piece``: ``convert``).
+piece table). ``pieces`` builds the piece table on these; ``trainer.megatron.convert`` copies by it.
 """
 
 from __future__ import annotations

@@ -47,15 +47,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from trainer.megatron.shapes import ModelShape as ModelShape
-from trainer.megatron.shapes import NormStyle as NormStyle
-from trainer.megatron.shapes import Parallelism as Parallelism
-from trainer.megatron.shapes import Piece, _experts_per_rank
-from trainer.megatron.shapes import Rank as Rank
-from trainer.megatron.shapes import global_expert_index as global_expert_index
-from trainer.megatron.shapes import hf_param_shapes as hf_param_shapes
-from trainer.megatron.shapes import local_expert_index as local_expert_index
-from trainer.megatron.shapes import stage_layers as stage_layers
+from ckpt_common.layout.shapes import (
+    ModelShape,
+    NormStyle,
+    Parallelism,
+    Piece,
+    Rank,
+    _experts_per_rank,
+    global_expert_index,
+    stage_layers,
+)
 
 
 @dataclasses.dataclass(frozen=True)
