@@ -78,6 +78,9 @@ def check_reports(results: list, where: str) -> list[dict]:
     reports = [r for r in results if isinstance(r, dict)]
     if len(reports) != len(results) or not reports:
         raise EngineRpcError(f"{where}: unexpected update results {str(results)[:300]}")
+    failed = [r["update_error"] for r in reports if r.get("update_error")]
+    if failed:  # a tensor-parallel worker answers its failure instead of raising (vllm_ext.worker)
+        raise EngineRpcError(f"{where}: update failed on {len(failed)} worker(s): {failed[0]}")
     bad = [r for r in reports if r.get("status") != "ready"]
     if bad:
         raise EngineRpcError(f"{where}: update not completed: {bad[0].get('status')} ({bad[0].get('last_error')})")

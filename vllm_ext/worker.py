@@ -42,7 +42,8 @@ class VllmColocateWorkerExtension:
     def update_weights_from_ipc(self, zmq_handles: dict[str, str]) -> dict:
         """Receive one update from this device's PS rank; return `weights_state()`.
 
-        Raises (and reports `incomplete` afterwards) when the update is aborted anywhere.
+        Raises (and reports `incomplete` afterwards) when the update is aborted anywhere; under tensor
+        parallelism it answers instead, with the error as `update_error` (see below).
         """
         if (target := self._ckpt_engine_target()) is not self:
             return target.update_weights_from_ipc(zmq_handles)
@@ -56,7 +57,18 @@ class VllmColocateWorkerExtension:
             uuid = str(torch.cuda.get_device_properties(device).uuid)
         handle = select_handle(zmq_handles, device_uuid=uuid, tp_rank=self._ckpt_engine_tp_rank())
         undefined_before = receiver.reload_error is not None
-        report = receiver.receive(handle, device.index if is_cuda else None)
+        try:
+            report = receiver.receive(handle, device.index if is_cuda else None)
+        except Exception as e:
+            if tp_rank_and_size()[1] == 1:
+                raise
+            # Under tensor parallelism a raise here would leave vLLM's multiproc executor one answer
+            # behind: its collective_rpc raises on the first failed worker and leaves the other workers'
+            # answers queued, where the next call (the full version after a refused delta, a state
+            # query) reads them as its own. Every worker answers instead; the PS learns of the failure
+            # over its link, the caller from `update_error` (`vllm_ext.req.check_reports`).
+            logger.warning("checkpoint-engine: update failed on this worker: %s: %s", type(e).__name__, e)
+            return {**receiver.report(), "update_error": f"{type(e).__name__}: {e}"}
         if undefined_before and receiver.reload_error is None:
             # The engine served from undefined weights (an aborted update with nothing to fill in): the
             # KV cache memory may hold NaNs, which attention can read from the unused slots of a reused

@@ -126,6 +126,8 @@ def test_unreachable_engine_is_clear():
         ([{"status": "incomplete", "last_error": "boom"}], False),
         ([], False),
         (["not a dict"], False),
+        # a tensor-parallel worker answers its failure (vllm_ext.worker), its state may still say ready
+        ([{"status": "ready"}, {"status": "ready", "update_error": "DeltaMismatch: x"}], False),
     ],
 )
 def test_check_reports(results, ok):

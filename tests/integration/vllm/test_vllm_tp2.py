@@ -9,12 +9,19 @@ worker reads the ranks' chunks over Mooncake itself, only the byte ranges of its
 
   push A  -> every checksum differs from the reference (but those of tensors equal in A and B: the
              tiny model's norms and biases): the pull reached every parameter of both workers
-  push B  -> vLLM's `compare` against the reference matches, greedy tokens equal
-  reset   -> vLLM's `/weight_checker` reset zeroes every weight, norms and biases too; push B again:
+  push B  -> sent as a delta from C (B with 3 % of each matrix's values changed) while the engine
+             holds A: both workers refuse it, nothing written, and `--delta-base`'s fallback sends the
+             full B by the same sharded pull; vLLM's `compare` against the reference matches, greedy
+             tokens and logprobs equal
+  reset   -> vLLM's `/weight_checker` reset zeroes every weight, norms and biases too; push C:
              everything restored by the same pull (a worker that lost its weights recovers); each
              worker took at most 0.55 of the checkpoint's bytes (the receiver's own count: the byte
              ranges it read from the other rank, plus its loaders' slices of its own rank's shard,
              which it maps)
+  delta   -> B as a delta from C, cut along TP 2's slices (`vllm_ext.push --delta-base`): each
+             worker reads only its own slices' changed values (at most 0.55 of the delta's bytes)
+             and applies them onto its cached slices, every base checksum checked first; vLLM's
+             `compare` against B loaded from disk matches, logprobs equal
   trainer -> two trainer ranks send A through vLLM's own trainer API (`trainer_init` + `send_weights`
              with the checkpoint_engine backend, `ModuleSource` over a transformers replica on each
              rank, `tp2_trainer_rank.py`): each registers its share, rank 0 drives vLLM's routes;
@@ -79,8 +86,9 @@ def _tied():
     return TinyModelConfig.tiny(tie_word_embeddings=True)
 
 
-def _push(model_dir: Path, url: str, log_dir: Path, tag: str) -> list[dict]:
-    """Two PS ranks push `model_dir` into the TP 2 engine at `url`; their metrics (last JSON line)."""
+def _push(model_dir: Path, url: str, log_dir: Path, tag: str, extra: tuple[str, ...] = ()) -> list[dict]:
+    """Two PS ranks push `model_dir` into the TP 2 engine at `url` (`extra`: more flags); their
+    metrics (last JSON line)."""
     from ckpt_common.ports import free_port
     from testing.vllm_servers import ServerProcess, child_env, wait_all
 
@@ -89,7 +97,7 @@ def _push(model_dir: Path, url: str, log_dir: Path, tag: str) -> list[dict]:
     for rank in range(2):
         cmd = [sys.executable, "-m", "vllm_ext.push", "--model", str(model_dir), "--rank", str(rank)]
         cmd += ["--world-size", "2", "--master-port", str(master), "--engine-url", url, "--transport", "cpu"]
-        cmd += ["--timeout-s", str(PUSH_TIMEOUT_S - 30), "--p2p-reader", "engine"]
+        cmd += ["--timeout-s", str(PUSH_TIMEOUT_S - 30), "--p2p-reader", "engine", *extra]
         procs.append(ServerProcess(cmd, url, log_dir / f"{tag}-r{rank}.log", env=child_env(OMP_NUM_THREADS="1")))
     results = wait_all(procs, PUSH_TIMEOUT_S)
     for rank, (rc, log) in enumerate(results):
@@ -129,6 +137,26 @@ def _checksums(url: str, action: str = "checksum", baseline: dict | None = None)
     body = {"action": action} if baseline is None else {"action": action, "baseline": baseline}
     status, out = http_json("POST", f"{url}/weight_checker", body, timeout_s=120.0)
     assert status == 200, out
+    return out
+
+
+def _near(model_b: Path, out: Path, share: float = 0.03) -> Path:
+    """A copy of `model_b` with `share` of every matrix's values changed (its norms and biases kept):
+    the version before B in a run of small steps, so the delta to B is sparse."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_b, out)
+    g = torch.Generator().manual_seed(5)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if t.dim() >= 2:
+                moved = torch.rand(t.shape, generator=g) < share
+                tensors[name] = torch.where(moved, t + 0.01, t)
+        save_file(tensors, f, metadata={"format": "pt"})
     return out
 
 
@@ -205,20 +233,23 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         assert same == _equal_in_a_and_b(model_a, model_b) - hidden, "parameters the pull of A left as loaded from B"
         assert completion_token_ids(url, str(model_b), PROMPTS, MAX_TOKENS) != disk_tokens
 
-        metrics = _push(model_b, url, tmp_path, "push-b")
+        # B as a delta from C, but the engine holds A: both workers refuse it (nothing written) and
+        # the full version follows, by the same sharded pull
+        model_c = _near(model_b, tmp_path / "C")
+        metrics = _push(model_b, url, tmp_path, "push-b", ("--delta-base", str(model_c)))
         assert [m.get("mode") for m in metrics] == ["p2p_engine"] * 2, metrics
+        for m in metrics:
+            assert m["delta"]["kind"] == "full" and "is from 'C', but this engine holds 'A'" in m["delta"]["reason"], m
         compared = _checksums(url, "compare", baseline=disk)
         assert compared == {"match": True, "mismatches": []}, compared
         assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
         assert_kernels_checked(collective_rpc(url, "weights_state", timeout_s=60.0))
 
-        # every weight lost (vLLM's reset zeroes them, the norms and biases too): the same pull restores all
+        # every weight lost (vLLM's reset zeroes them, the norms and biases too): a pull of C restores all
         assert _checksums(url, "reset") == {"status": "reset"}
         assert _checksums(url, "compare", baseline=disk)["match"] is False
-        _push(model_b, url, tmp_path, "push-b-again")
-        assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
-        assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
-
+        _push(model_c, url, tmp_path, "push-c")
+        assert _checksums(url, "compare", baseline=disk)["match"] is False  # C is not B
         states = collective_rpc(url, "weights_state", timeout_s=60.0)
         assert len(states) == 2
         for rank, state in enumerate(states):
@@ -233,6 +264,25 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
             share = took / checkpoint_bytes
             print(f"worker {rank}: took {took} of the checkpoint's {checkpoint_bytes} bytes ({share:.3f}): {reads}")
             assert 0.45 < share <= MAX_SHARE_PER_WORKER, reads
+
+        # B as a delta from C, cut along the engine's TP 2 slices: each worker reads only its own
+        # slices' changed values and applies them onto its cached slices; it then serves exactly B
+        metrics = _push(model_b, url, tmp_path, "delta-c-b", ("--delta-base", str(model_c)))
+        infos = [m["delta"] for m in metrics]
+        assert [i["kind"] for i in infos] == ["delta"] * 2, infos
+        delta_bytes = sum(i["nbytes"] for i in infos)
+        assert delta_bytes < 0.25 * checkpoint_bytes, infos  # 3 % of the values changed
+        assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
+        assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
+        states = collective_rpc(url, "weights_state", timeout_s=60.0)
+        assert_kernels_checked(states)
+        for rank, state in enumerate(states):
+            last = state["last_update"]
+            assert state["checkpoint"] == "B" and last["delta"]["base"] == "C", state
+            reads = last["engine_reads"]
+            took = reads["placed_bytes"] + reads["scratch_bytes"] + reads["mapped_slice_bytes"]
+            print(f"worker {rank}: took {took} of the delta's {delta_bytes} bytes ({took / delta_bytes:.3f})")
+            assert 0 < took <= MAX_SHARE_PER_WORKER * delta_bytes, (took, delta_bytes, reads)
 
         # vLLM's own trainer API, two trainer ranks (our backend): A again, exactly as pushed before
         go.touch()
