@@ -9,16 +9,24 @@ them, with every error naming the line, the field and what was expected
 
 Here is what both readers do alike, so that their errors read alike: ``json_object_lines`` (the
 objects of a JSONL text: blank lines skipped; invalid JSON, a field given twice and a value that is not
-an object reported by line), ``is_text`` (a non-empty string) and ``got`` (how an error shows the value
-it found). Errors go to an ``IssueSink``: ``orchestrator.tasks.problems.Collector``, which both readers
-use, and which raises ``ProblemFileError`` listing them. Nothing here knows either format's fields.
+an object reported by line), ``is_text`` (a non-empty string), ``got`` (how an error shows the value
+it found) and ``parse_messages`` (a conversation, ``messages``, which both formats accept). Errors go
+to an ``IssueSink``: ``Collector``, which both readers use, keeps them as ``Issue``s and raises
+``ProblemFileError`` listing them. Nothing here knows either format's other fields.
+
+It lives here, below both readers, because the trainer (SFT files) may not import the orchestrator
+(problem files); ``orchestrator.tasks`` re-exports these names for its callers.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
+
+ROLES: tuple[str, ...] = ("system", "user", "assistant")  # the roles of a conversation's turns
+MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")  # the fields of one turn
+MAX_ERRORS = 20  # errors listed in one ProblemFileError (the rest are counted)
 
 
 class IssueSink(Protocol):
@@ -45,6 +53,103 @@ class ColumnNames:
             if head in self.columns:
                 field = self.columns[head] + field[len(head) :]
         self.sink.add(line, field, message)
+
+
+class Issue(NamedTuple):
+    """One error of a problem or SFT file; ``line`` is None for the whole file, ``field`` None for the whole line."""
+
+    path: str
+    line: int | None
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        what = self.message if self.field is None else f'field "{self.field}": {self.message}'
+        return f"{where}: {what}"
+
+
+class ProblemFileError(ValueError):
+    """A problem file (or a pair of them), or an SFT file, is not valid: the one error type of both
+    readers. ``path``, ``line`` and ``field`` are the first error's (``line``/``field`` None where it
+    concerns the whole file/line); ``errors`` lists every error shown (at most ``MAX_ERRORS``),
+    ``num_errors`` counts all of them."""
+
+    def __init__(self, issues: Sequence[Issue], num_errors: int | None = None) -> None:
+        if not issues:
+            raise ValueError("ProblemFileError needs at least one issue")
+        self.issues = tuple(issues[:MAX_ERRORS])
+        self.num_errors = max(num_errors or 0, len(issues))
+        first = self.issues[0]
+        self.path, self.line, self.field = first.path, first.line, first.field
+        self.errors = tuple(str(issue) for issue in self.issues)
+        if self.num_errors == 1:
+            message = self.errors[0]
+        else:
+            more = self.num_errors - len(self.issues)
+            lines = [f"{first.path}: {self.num_errors} errors", *(f"  {e}" for e in self.errors)]
+            if more:
+                lines.append(f"  ... and {more} more")
+            message = "\n".join(lines)
+        super().__init__(message)
+
+
+class Collector:
+    """Issues of one file, the first MAX_ERRORS kept, all counted; ``raise_if_any`` raises them as one
+    ProblemFileError. The ``IssueSink`` of problem files and SFT files alike."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.issues: list[Issue] = []
+        self.count = 0
+        self.skipped = 0  # rows dropped (data.fields.bad_rows=skip)
+
+    def add(self, line: int | None, field: str | None, message: str) -> None:
+        self.count += 1
+        if len(self.issues) < MAX_ERRORS:
+            self.issues.append(Issue(self.path, line, field, message))
+
+    def raise_if_any(self) -> None:
+        if self.count:
+            raise ProblemFileError(self.issues, self.count)
+
+
+def parse_messages(value: Any, line: int, errors: IssueSink, last_role: str = "user") -> tuple[dict, ...] | None:
+    """The messages of a record, or None after adding their errors; the last one must be from ``last_role``
+    (a problem's conversation ends with the user's turn; an SFT record's, ``trainer.sft_file``, with the
+    assistant's answer)."""
+    if not isinstance(value, list) or not value:
+        errors.add(line, "messages", f"expected a non-empty list of {{role, content}} objects, {got(value)}")
+        return None
+    ok = True
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            errors.add(line, where, f'expected an object {{"role": ..., "content": ...}}, {got(message)}')
+            ok = False
+            continue
+        unknown = sorted(set(message) - set(MESSAGE_FIELDS))
+        if unknown:
+            errors.add(line, where, f"unknown field(s) {unknown}; allowed: {list(MESSAGE_FIELDS)}")
+            ok = False
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            errors.add(line, f"{where}.role", f"expected one of {list(ROLES)}, {got(role)}")
+            ok = False
+        if not is_text(content):
+            errors.add(line, f"{where}.content", f"expected a non-empty string, {got(content)}")
+            ok = False
+        messages.append({"role": role, "content": content})
+    if ok and messages[-1]["role"] != last_role:
+        last = len(messages) - 1
+        errors.add(
+            line,
+            f"messages[{last}].role",
+            f'expected the last message to be from "{last_role}", got "{messages[last]["role"]}"',
+        )
+        ok = False
+    return tuple(messages) if ok else None
 
 
 def got(value: Any) -> str:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from ckpt_common.dictconfig import apply_overrides, from_dict, merge, to_dict
+from ckpt_common.prompt_style import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, template_error
 from ckpt_common.validate import check_int, check_literals, check_number, check_qualname
 from demo import task
 from orchestrator.length_penalty import LengthPenaltyConfig
@@ -36,7 +37,6 @@ from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, check_rollout_fields
 from orchestrator.sampling import CurriculumConfig
 from orchestrator.tasks.fields import FieldsConfig
-from orchestrator.tasks.template import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, template_error
 from trainer.sft import DEFAULT_CACHE_DIR, SFTConfig
 
 logger = logging.getLogger(__name__)

@@ -117,7 +117,7 @@ class RLJob:
         if c.init_model_dir is not None:
             self.sft_model_dir = pathlib.Path(c.init_model_dir)
             if c.sft.data_path is not None:  # your model fine-tuned on your SFT file first (cached)
-                from orchestrator.tasks.template import PromptStyle
+                from ckpt_common.prompt_style import PromptStyle
                 from trainer.sft_file import run_file_sft
 
                 phases.enter("SFT warm-up")

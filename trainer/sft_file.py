@@ -25,8 +25,8 @@ user turn through the model's chat template; by default as written, with the tok
 tokens, a BOS for instance), so the warm-up sees the inputs RL sends; ``messages`` end with the
 assistant's turn, which is the response: the turns before it are rendered by the model's chat
 template (``apply_chat_template(..., add_generation_prompt=True)``). The response gets the
-tokenizer's eos appended; only response tokens carry loss. Errors name
-``path:line``, the field and what was expected, like problem files (``orchestrator.tasks.problems``:
+tokenizer's eos appended; only response tokens carry loss. Errors name ``path:line``, the field and
+what was expected, like problem files (by the record checks both share, ``ckpt_common.records``:
 ``ProblemFileError``), and every line is checked before anything trains.
 """
 
@@ -43,10 +43,18 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ckpt_common.records import ColumnNames, got, is_text, json_object_lines
+from ckpt_common.prompt_style import PromptStyle
+from ckpt_common.records import (
+    Collector,
+    ColumnNames,
+    Issue,
+    ProblemFileError,
+    got,
+    is_text,
+    json_object_lines,
+    parse_messages,
+)
 from ckpt_common.tables import MISSING, TableError, column_value, read_table, table_name
-from orchestrator.tasks.problems import Collector, Issue, ProblemFileError, parse_messages
-from orchestrator.tasks.template import PromptStyle
 from trainer.sft import SFTConfig, cached_training, lr_at
 
 logger = logging.getLogger(__name__)

@@ -9,16 +9,13 @@
   when chosen).
 """
 
+from ckpt_common.records import MAX_ERRORS, ROLES, Issue, ProblemFileError
 from orchestrator.tasks.base import Task
 from orchestrator.tasks.factory import make_task
 from orchestrator.tasks.problems import (
     FIELDS,
-    MAX_ERRORS,
-    ROLES,
     CodeTest,
-    Issue,
     Problem,
-    ProblemFileError,
     check_disjoint,
     parse_problem_lines,
     read_problems,

@@ -30,19 +30,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckpt_common.prompt_style import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, PromptStyle, template_error
+from ckpt_common.records import Issue, ProblemFileError
 from ckpt_common.tables import table_name
 from orchestrator.tasks.base import Task
 from orchestrator.tasks.fields import FieldsConfig
-from orchestrator.tasks.problems import (
-    CodeTest,
-    Issue,
-    Problem,
-    ProblemFileError,
-    check_disjoint,
-    read_problems,
-    split_heldout,
-)
-from orchestrator.tasks.template import DEFAULT_ANSWER_MARKERS, DEFAULT_TEMPLATE, PromptStyle, template_error
+from orchestrator.tasks.problems import CodeTest, Problem, check_disjoint, read_problems, split_heldout
 
 if TYPE_CHECKING:
     from orchestrator.config import DataConfig, RewardConfig

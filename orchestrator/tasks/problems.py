@@ -28,7 +28,8 @@ errors naming both lines. ``check_disjoint`` keeps a held-out file apart from it
 holds out a seeded share of one file instead (``data.heldout_fraction``, ``data.split_seed``);
 ``write_problems`` writes the same format back (fields in a fixed order, None fields left out), atomically.
 SFT files (``trainer.sft_file``) are checked the same way: with the JSONL reading and value checks of
-``ckpt_common.records``, ``parse_messages``, and a ``Collector`` that raises ``ProblemFileError``.
+``ckpt_common.records`` (``parse_messages``, and a ``Collector`` that raises ``ProblemFileError``;
+defined there, below both readers, and importable from here and ``orchestrator.tasks`` too).
 
 The RL job takes these files through ``orchestrator.tasks.file_task.FileTask`` (``data.train_path``,
 ``data.heldout_path``).
@@ -42,10 +43,20 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from ckpt_common.fsutil import atomic_write_text
-from ckpt_common.records import ColumnNames, IssueSink, got, is_text, json_object_lines
+from ckpt_common.records import (
+    Collector,
+    ColumnNames,
+    Issue,
+    IssueSink,
+    ProblemFileError,
+    got,
+    is_text,
+    json_object_lines,
+    parse_messages,
+)
 from ckpt_common.tables import Table, TableError, read_table, table_name
 from orchestrator.tasks.fields import FieldsConfig, map_row
 
@@ -60,10 +71,7 @@ FIELDS: tuple[str, ...] = (
     "difficulty",
     "pass_rate",
 )  # also the write order
-ROLES: tuple[str, ...] = ("system", "user", "assistant")
-MESSAGE_FIELDS: tuple[str, ...] = ("role", "content")
 TEST_FIELDS: tuple[str, ...] = ("input", "output")
-MAX_ERRORS = 20  # errors listed in one ProblemFileError (the rest are counted)
 ID_HEX_DIGITS = 16
 
 ProblemKind = Literal["math", "code"]
@@ -139,103 +147,6 @@ def _content_key(prompt: str | None, messages: Sequence[dict] | None) -> str:
 def stable_id(prompt: str | None = None, messages: Sequence[dict] | None = None) -> str:
     """The id of a problem that has none: first 16 hex digits of the sha256 of its canonical content."""
     return hashlib.sha256(_content_key(prompt, messages).encode()).hexdigest()[:ID_HEX_DIGITS]
-
-
-class Issue(NamedTuple):
-    """One error of a problem file; ``line`` is None for the whole file, ``field`` None for the whole line."""
-
-    path: str
-    line: int | None
-    field: str | None
-    message: str
-
-    def __str__(self) -> str:
-        where = self.path if self.line is None else f"{self.path}:{self.line}"
-        what = self.message if self.field is None else f'field "{self.field}": {self.message}'
-        return f"{where}: {what}"
-
-
-class ProblemFileError(ValueError):
-    """A problem file (or a pair of them) is not valid. ``path``, ``line`` and ``field`` are the first
-    error's (``line``/``field`` None where it concerns the whole file/line); ``errors`` lists every
-    error shown (at most ``MAX_ERRORS``), ``num_errors`` counts all of them."""
-
-    def __init__(self, issues: Sequence[Issue], num_errors: int | None = None) -> None:
-        if not issues:
-            raise ValueError("ProblemFileError needs at least one issue")
-        self.issues = tuple(issues[:MAX_ERRORS])
-        self.num_errors = max(num_errors or 0, len(issues))
-        first = self.issues[0]
-        self.path, self.line, self.field = first.path, first.line, first.field
-        self.errors = tuple(str(issue) for issue in self.issues)
-        if self.num_errors == 1:
-            message = self.errors[0]
-        else:
-            more = self.num_errors - len(self.issues)
-            lines = [f"{first.path}: {self.num_errors} errors", *(f"  {e}" for e in self.errors)]
-            if more:
-                lines.append(f"  ... and {more} more")
-            message = "\n".join(lines)
-        super().__init__(message)
-
-
-class Collector:
-    """Issues of one file, the first MAX_ERRORS kept, all counted; ``raise_if_any`` raises them as one
-    ProblemFileError. The ``IssueSink`` (``ckpt_common.records``) of problem files and SFT files
-    (``trainer.sft_file``) alike."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.issues: list[Issue] = []
-        self.count = 0
-        self.skipped = 0  # rows dropped (data.fields.bad_rows=skip)
-
-    def add(self, line: int | None, field: str | None, message: str) -> None:
-        self.count += 1
-        if len(self.issues) < MAX_ERRORS:
-            self.issues.append(Issue(self.path, line, field, message))
-
-    def raise_if_any(self) -> None:
-        if self.count:
-            raise ProblemFileError(self.issues, self.count)
-
-
-def parse_messages(value: Any, line: int, errors: Collector, last_role: str = "user") -> tuple[dict, ...] | None:
-    """The messages of a record, or None after adding their errors; the last one must be from ``last_role``
-    (a problem's conversation ends with the user's turn; an SFT record's, ``trainer.sft_file``, with the
-    assistant's answer)."""
-    if not isinstance(value, list) or not value:
-        errors.add(line, "messages", f"expected a non-empty list of {{role, content}} objects, {got(value)}")
-        return None
-    ok = True
-    messages = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            errors.add(line, where, f'expected an object {{"role": ..., "content": ...}}, {got(message)}')
-            ok = False
-            continue
-        unknown = sorted(set(message) - set(MESSAGE_FIELDS))
-        if unknown:
-            errors.add(line, where, f"unknown field(s) {unknown}; allowed: {list(MESSAGE_FIELDS)}")
-            ok = False
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            errors.add(line, f"{where}.role", f"expected one of {list(ROLES)}, {got(role)}")
-            ok = False
-        if not is_text(content):
-            errors.add(line, f"{where}.content", f"expected a non-empty string, {got(content)}")
-            ok = False
-        messages.append({"role": role, "content": content})
-    if ok and messages[-1]["role"] != last_role:
-        last = len(messages) - 1
-        errors.add(
-            line,
-            f"messages[{last}].role",
-            f'expected the last message to be from "{last_role}", got "{messages[last]["role"]}"',
-        )
-        ok = False
-    return tuple(messages) if ok else None
 
 
 def _parse_tests(value: Any, line: int, errors: Collector) -> tuple[CodeTest, ...] | None:

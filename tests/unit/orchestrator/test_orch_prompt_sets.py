@@ -13,12 +13,13 @@ import sys
 import datasets
 import pytest
 
+from ckpt_common.records import Collector
 from orchestrator.config import RewardConfig, load_config
 from orchestrator.tasks import ProblemFileError
 from orchestrator.tasks.factory import check_data_files, make_task
 from orchestrator.tasks.fields import FieldsConfig, code_tests, last_boxed
 from orchestrator.tasks.file_task import FileReward
-from orchestrator.tasks.problems import Collector, read_problems
+from orchestrator.tasks.problems import read_problems
 from trainer.sft_file import read_sft_examples
 
 GSM8K = [

@@ -7,9 +7,8 @@ import argparse
 
 import pytest
 
-from ckpt_common.records import got, is_text, json_object_lines
+from ckpt_common.records import Collector, ProblemFileError, got, is_text, json_object_lines
 from orchestrator.tasks.factory import add_job_config_args, add_task_args
-from orchestrator.tasks.problems import Collector, ProblemFileError
 
 
 class Sink:

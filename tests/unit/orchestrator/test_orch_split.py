@@ -10,10 +10,11 @@ import random
 
 import pytest
 
+from ckpt_common.records import ProblemFileError
 from orchestrator.config import load_config
 from orchestrator.tasks.factory import check_data_files, make_task
 from orchestrator.tasks.file_task import FileTask
-from orchestrator.tasks.problems import Problem, ProblemFileError, split_heldout
+from orchestrator.tasks.problems import Problem, split_heldout
 
 FILE_RUN = ["sampling.curriculum.min_difficulty=0.3"]  # difficulties of problem files are in [0, 1]
 

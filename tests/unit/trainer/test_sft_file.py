@@ -12,7 +12,7 @@ import pathlib
 import pytest
 import torch
 
-from orchestrator.tasks.problems import ProblemFileError
+from ckpt_common.records import ProblemFileError
 from trainer import sft
 from trainer import sft_file as sf
 

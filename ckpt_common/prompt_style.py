@@ -1,9 +1,10 @@
 """The plain prompt template of problem files (``data.prompt_template``: a string with ``{prompt}``),
 how a prompt is rendered (``PromptStyle``), and the default answer marker (``data.answer_markers``).
 
-Its own module, free of project imports, so that the job config (``orchestrator.config``) checks a
-template with the same rule the file task (``orchestrator.tasks.file_task``) renders it by, and the
-SFT warm-up (``trainer.sft_file``) renders its ``prompt`` records as the file task renders problems.
+Its own module, free of project imports and below both users, so that the job config
+(``orchestrator.config``) checks a template with the same rule the file task
+(``orchestrator.tasks.file_task``) renders it by, and the SFT warm-up (``trainer.sft_file``, which
+may not import the orchestrator) renders its ``prompt`` records as the file task renders problems.
 """
 
 from __future__ import annotations
