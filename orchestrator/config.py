@@ -157,14 +157,14 @@ class DataConfig:
         if self.train_path is None and self.heldout_path is not None:
             raise ValueError(
                 "data.heldout_path is set but data.train_path is not: RL on problem files needs both a training "
-                "and a held-out file (python -m demo export --out DIR writes an example pair)"
+                "and a held-out file (python -m orchestrator.tasks.demo_export --out DIR writes an example pair)"
             )
         if self.train_path is not None and self.heldout_path is None and self.heldout_fraction is None:
             raise ValueError(
                 "data.train_path is set but data.heldout_path is not, nor data.heldout_fraction: RL on problem "
-                "files needs held-out problems: a held-out file (data.heldout_path; python -m demo export --out "
-                "DIR writes an example pair), or a share of the training file held out (data.heldout_fraction, "
-                "in (0, 1), with data.split_seed)"
+                "files needs held-out problems: a held-out file (data.heldout_path; python -m "
+                "orchestrator.tasks.demo_export --out DIR writes an example pair), or a share of the training file "
+                "held out (data.heldout_fraction, in (0, 1), with data.split_seed)"
             )
         error = template_error(self.prompt_template)
         if error is not None:

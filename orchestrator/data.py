@@ -1,7 +1,7 @@
 """The demo task's problems for the RL job: a fixed training pool and the held-out evaluation set.
 
 ``orchestrator.tasks.demo_task.DemoTask`` serves them to the loop (problem files take the other
-task, ``orchestrator.tasks.file_task``); ``python -m demo export`` writes them as problem files.
+task, ``orchestrator.tasks.file_task``); ``python -m orchestrator.tasks.demo_export`` writes them as problem files.
 
 ::
 

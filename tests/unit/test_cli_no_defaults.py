@@ -21,7 +21,7 @@ ENTRY_POINTS = (
     "orchestrator/long2short/cli.py",
     "sandbox/__main__.py",
     "sandbox/testgen.py",
-    "demo/__main__.py",
+    "orchestrator/tasks/demo_export.py",
     "trainer/sft.py",
 )
 

@@ -4,7 +4,7 @@ Each test runs ``python -m orchestrator`` in a child process on configs/demo.jso
 overrides that keep it short. The SFT warm-up is shared: a session fixture trains it once into the
 repository's cache (``.cache/sft/sft-<config hash>``, the same cache ``scripts/main.sh`` uses).
 
-1. a short RL run on the demo's problems exported as JSONL files (``python -m demo export``: the file
+1. a short RL run on the demo's problems exported as JSONL files (``python -m orchestrator.tasks.demo_export``: the file
    task's path, on a task that learns) raises held-out accuracy (learning.py), and vLLM's greedy
    accuracy of the SFT model before RL, on dummy weights plus the first sync, matches transformers' on
    the same held-out problems (the sync is real);
@@ -168,11 +168,11 @@ SYNC_MATCH_TOLERANCE = 0.05
 
 
 def _export_demo_files(out_dir: pathlib.Path) -> list[str]:
-    """``python -m demo export`` of configs/demo.json into ``out_dir``: the overrides that make the job
-    run on those files instead of the built-in task (its curriculum on the files' [0, 1] scale:
+    """``python -m orchestrator.tasks.demo_export`` of configs/demo.json into ``out_dir``: the overrides that
+    make the job run on those files instead of the built-in task (its curriculum on the files' [0, 1] scale:
     difficulty (level - 1) / 6 >= 0.3 is the demo's level 3 and up)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "demo", "export", "--config", str(DEMO), "--out", str(out_dir)],
+        [sys.executable, "-m", "orchestrator.tasks.demo_export", "--config", str(DEMO), "--out", str(out_dir)],
         cwd=REPO,
         env=_env(),
         capture_output=True,

@@ -163,9 +163,9 @@ def _tensorboard(out):
 
 
 def test_a_run_on_the_demos_exported_problem_files_and_a_changed_config_refused_on_resume(model_dir, tmp_path):
-    """The loop on `python -m demo export` files (data.train_path, data.heldout_path): one iteration, its
-    metrics and summary; then a changed config is refused in the same output dir."""
-    from demo.__main__ import export
+    """The loop on `python -m orchestrator.tasks.demo_export` files (data.train_path, data.heldout_path): one
+    iteration, its metrics and summary; then a changed config is refused in the same output dir."""
+    from orchestrator.tasks.demo_export import export
 
     job = tmp_path / "job.json"  # the data section of the runs above, as a job config to export
     job.write_text(json.dumps({"data": {"train_levels": [2, 4], "heldout_levels": [2], "num_heldout_per_level": 6}}))

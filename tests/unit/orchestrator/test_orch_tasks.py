@@ -304,11 +304,11 @@ def test_prompts_too_long_for_the_context_are_refused_naming_file_and_line(tmp_p
 
 
 def test_the_demos_export_runs_as_problem_files_like_the_demo(tmp_path):
-    """`python -m demo export --config configs/demo.json` files through the file task give the loop the
-    demo's problems: the same prompts (token for token), references, rewards and curriculum order."""
+    """`python -m orchestrator.tasks.demo_export --config configs/demo.json` files through the file task give the
+    loop the demo's problems: the same prompts (token for token), references, rewards and curriculum order."""
     from demo import tiny_model as tm
-    from demo.__main__ import export
     from orchestrator.loop_setup import make_sampler
+    from orchestrator.tasks.demo_export import export
 
     train_path, heldout_path = export(tmp_path, num_train=48, config_path=DEMO_CONFIG)
     demo_config = load_config(DEMO_CONFIG, ["data.num_train_problems=48"])
@@ -423,12 +423,12 @@ def test_the_prioritized_sampler_starts_from_a_problem_files_pass_rates(tmp_path
 
 
 def test_export_of_a_config_that_names_files_or_none_is_an_error(tmp_path, capsys):
-    from demo.__main__ import main
+    from orchestrator.tasks.demo_export import main
 
-    assert main(["export", "--out", str(tmp_path), "--config", str(tmp_path / "nope.json")]) == 2
+    assert main(["--out", str(tmp_path), "--config", str(tmp_path / "nope.json")]) == 2
     assert "nope.json" in capsys.readouterr().err
     job = tmp_path / "job.json"
     data = {"train_path": "t.jsonl", "heldout_path": "h.jsonl"}
     job.write_text(json.dumps({"data": data, "sampling": {"curriculum": {"min_difficulty": 0.3}}}))
-    assert main(["export", "--out", str(tmp_path), "--config", str(job)]) == 2
+    assert main(["--out", str(tmp_path), "--config", str(job)]) == 2
     assert "names problem files already" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""The JSONL problem format (orchestrator.tasks.problems) and the demo's export in it (python -m demo export)."""
+"""The JSONL problem format (orchestrator.tasks.problems) and the demo's export in it
+(python -m orchestrator.tasks.demo_export)."""
 
 from __future__ import annotations
 
@@ -187,11 +188,11 @@ def test_stable_ids_are_stable():
 
 def test_demo_export_is_the_demos_own_split(tmp_path, capsys):
     from demo import task
-    from demo.__main__ import main
     from orchestrator.config import DataConfig
     from orchestrator.data import heldout_set
+    from orchestrator.tasks.demo_export import main
 
-    assert main(["export", "--out", str(tmp_path), "--num-train", "64", "--seed", "3"]) == 0
+    assert main(["--out", str(tmp_path), "--num-train", "64", "--seed", "3"]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and "train.jsonl (64" in printed[0] and "heldout.jsonl" in printed[0]
     train, heldout = read_problems(tmp_path / "train.jsonl"), read_problems(tmp_path / "heldout.jsonl")

@@ -1,4 +1,9 @@
-"""The demo task as files: ``python -m demo export --out DIR [--config JOB.json] [--num-train N] [--seed S]``.
+"""The demo task as files: ``python -m orchestrator.tasks.demo_export --out DIR [--config JOB.json] [--num-train N]
+[--seed S]``.
+
+It lives here, not in ``demo/``, because it draws the problems as the RL job does (the job config's
+data section, ``orchestrator.data``) and writes them in the orchestrator's problem format: ``demo/``
+sits below the orchestrator and imports nothing above it.
 
 Writes the demo's own split in the JSONL problem format (``orchestrator.tasks.problems``), for the
 data section of ``--config`` (a job config such as configs/demo.json; default: the built-in one):
@@ -31,28 +36,25 @@ from collections.abc import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m demo", description="The demo task's material.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser(
-        "export",
-        help="write the demo's training and held-out problems as JSONL problem files",
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.tasks.demo_export",
         description="Write DIR/train.jsonl and DIR/heldout.jsonl (the demo's own split) in the JSONL problem format.",
     )
-    export.add_argument("--out", required=True, metavar="DIR", help="folder to write into (made if missing)")
-    export.add_argument(
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder to write into (made if missing)")
+    parser.add_argument(
         "--config",
         default=None,
         metavar="JOB.json",
         help="export the data section of this RL job config (default: the built-in config)",
     )
-    export.add_argument(
+    parser.add_argument(
         "--num-train",
         type=int,
         default=None,
         metavar="N",
         help="training problems to export (default: the config's data.num_train_problems)",
     )
-    export.add_argument(
+    parser.add_argument(
         "--seed",
         type=int,
         default=None,
@@ -105,15 +107,15 @@ def export(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "export":
-        if args.num_train is not None and args.num_train < 1:
-            _parser().error(f"--num-train={args.num_train} must be >= 1")
-        try:
-            export(args.out, args.num_train, args.seed, args.config)
-        except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.num_train is not None and args.num_train < 1:
+        parser.error(f"--num-train={args.num_train} must be >= 1")
+    try:
+        export(args.out, args.num_train, args.seed, args.config)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
