@@ -118,9 +118,20 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
             assert time.monotonic() < deadline, logs()
             time.sleep(0.5)
 
+        # the attacker's store client, watching the relay's commands from here on (module docstring)
+        attacker = bed["attacker"]
+        spy = attacker.popen(
+            [sys.executable, "-m", "testing.relay_attack", inf0.ip, "29500"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_path / "attacker.log", "w"),
+            text=True,
+            env=_env(),
+        )
         before = trainer.counters()
         code, res = call(trainer, "POST", "/metas", json.loads(metas_path.read_text()))
         assert code == 200, (res, logs())
+        assert json.loads(spy.stdout.readline()) == {"watching": True}, (tmp_path / "attacker.log").read_text()
         code, res = call(trainer, "POST", "/engines/start", {"name": "v1"})
         assert code == 200 and res.get("ok"), (res, logs())
         sent = (trainer.counters() - before).tx_bytes
@@ -128,7 +139,6 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
         code, res = call(trainer, "GET", "/engines")
         engines = res["engines"]
         assert [(e["state"], e["checkpoint"]) for e in engines] == [("serving", "v1")] * 2, engines
-        attacker = bed["attacker"]
         for token in (None, "wrong"):
             for method, path, body in [
                 ("GET", "/engines", None),
@@ -140,8 +150,24 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
             ]:
                 code, res = call(attacker, method, path, body, token=token)
                 assert code == 401, (method, path, token, code, res)
+        # the relay through the store: forged, wrongly signed and replayed commands at the number rank 1
+        # waits on; each is taken away by rank 1 (read and refused) and logged there
+        spy.stdin.write("go\n")
+        spy.stdin.flush()
+        report = json.loads(spy.stdout.readline())
+        assert spy.wait(30) == 0, (tmp_path / "attacker.log").read_text()
+        print("relay attack:", json.dumps(report))
+        forged = report["forgeries"]
+        assert len(forged) == 7 and all(f["consumed_s"] is not None for f in forged), report
+        assert {f["op"] for f in forged} >= {"exit", "engine_stop", "update", "engine_start"}, report
+        key = f"cmd/{report['next']}"
+        node1 = (tmp_path / "node1.log").read_text()
+        unsigned = f"rank 1: refused {key}: {key}: an unsigned value (not written by a rank holding the token)"
+        wrong = f"rank 1: refused {key}: {key}: a value whose signature is wrong (forged, or replayed from another key)"
+        assert node1.count(unsigned) == 3 and node1.count(wrong) == 4, node1[-4000:]
+        assert all(a.poll() is None for a in agents), logs()
         code, res = call(trainer, "GET", "/engines")
-        assert [e["state"] for e in res["engines"]] == ["serving", "serving"], res
+        assert [(e["state"], e["checkpoint"]) for e in res["engines"]] == [("serving", "v1")] * 2, res
         for e in res["engines"]:  # each engine holds the trainer's tensors
             out = bed["inf0"].run(
                 [
@@ -157,6 +183,22 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
             )
             got = json.loads(out.stdout)[1]["results"][0]
             assert {k: int(v) for k, v in got.items()} == digest, e
+
+        def engine_rpc(host, url, method):
+            body = json.dumps({"method": method, "args": []})
+            out = host.run([sys.executable, "-c", CLIENT, "POST", url + "/collective_rpc", "-", body], timeout_s=60)
+            assert out.returncode == 0, out.stderr[-2000:]
+            return json.loads(out.stdout)
+
+        # an engine's own port has no authentication (docs/deploy.md: it stays on the private network):
+        # the attacker reads inf1's engine's checksums and drops its weights; the daemon cannot tell
+        victim = res["engines"][1]["url"]
+        code, got = engine_rpc(attacker, victim, "weights_digest")
+        assert code == 200 and {k: int(v) for k, v in got["results"][0].items()} == digest, got
+        assert engine_rpc(attacker, victim, "reset_weights")[0] == 200
+        assert engine_rpc(inf0, victim, "weights_digest")[1]["results"] == [{}]
+        code, res = call(trainer, "GET", "/engines")
+        assert [(e["state"], e["checkpoint"]) for e in res["engines"]] == [("serving", "v1")] * 2, res
         code, res = call(trainer, "POST", "/shutdown")
         assert code == 200, res
         for a in agents:
