@@ -39,8 +39,11 @@ def store_client(ip: str, port: int):
     """A plain client of the daemon's store (no token, no rank: any host that reaches the port)."""
     import torch.distributed as dist
 
-    # a short timeout: a get racing the relay's delete of that key fails fast instead of waiting
-    return dist.TCPStore(ip, port, is_master=False, timeout=timedelta(seconds=2))
+    # connecting waits (up to a minute) for a store that torchrun is still starting
+    store = dist.TCPStore(ip, port, is_master=False, timeout=timedelta(seconds=60))
+    # then a short timeout: a get racing the relay's delete of that key fails fast instead of waiting
+    store.set_timeout(timedelta(seconds=2))
+    return store
 
 
 def watch(store, stop: threading.Event) -> tuple[str | None, dict[int, bytes]]:
