@@ -31,123 +31,32 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import zmq
 
-from checkpoint_engine.sharding.delta import DeltaMismatch
-from checkpoint_engine.sharding.delta_sync import DeltaReceiver, RankSlices
+from checkpoint_engine.sharding.delta_sync import RankSlices
 from checkpoint_engine.state import EngineWeightState
 from checkpoint_engine.transport.engine_reads import EngineReads
 from checkpoint_engine.transport.shm import MappingCache
 from checkpoint_engine.worker import UpdateAborted, update_weights_from_ipc
 from ckpt_common.dtypes import dtype_from_name
 from vllm_ext.placement import SlotProbe
+from vllm_ext.receive.caching import CacheUse
+from vllm_ext.receive.delta import DeltaIntake
+from vllm_ext.receive.faults import BucketFault, FaultSlot, FaultSpec
+from vllm_ext.receive.modes import BucketLoad, NamedTensors, ReloadFn, ReloadStream, reload_failed, reload_for
+from vllm_ext.receive.reads import ReadTally
 from vllm_ext.settings import ReceiverConfig
 from vllm_ext.weight_cache import WeightCache
 
+# the names other modules and tests import from here, now defined in vllm_ext.receive
+__all__ = ["FaultSpec", "NamedTensors", "ReloadFn", "ReloadStream", "WeightReceiver", "reload_failed"]
+
 logger = logging.getLogger(__name__)
-
-NamedTensors = list[tuple[str, torch.Tensor]]
-ReloadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """Test-only fault for the next update: `raise` in bucket `bucket`, or `stall` there for `stall_s`.
-
-    `at` "start" or "finish": vLLM's weight-transfer backend (`vllm_ext.weight_transfer.engine`) raises
-    in its `start_weight_update` or `finish_weight_update` instead (kind "raise" only); the bucket
-    receive does not take such a fault. `marker_path`, if given, is created when the fault fires
-    (lets a test act at that moment).
-    """
-
-    kind: Literal["raise", "stall"]
-    bucket: int = 0
-    stall_s: float = 5.0
-    marker_path: str | None = None
-    at: Literal["bucket", "start", "finish"] = "bucket"
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("raise", "stall"):
-            raise ValueError(f"kind must be 'raise' or 'stall', got {self.kind!r}")
-        if self.at not in ("bucket", "start", "finish"):
-            raise ValueError(f"at must be 'bucket', 'start' or 'finish', got {self.at!r}")
-        if self.at != "bucket" and self.kind != "raise":
-            raise ValueError(f"a fault at {self.at!r} can only raise, got kind {self.kind!r}")
-        if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 0:
-            raise ValueError(f"bucket must be an int >= 0, got {self.bucket!r}")
-        if not 0 < self.stall_s <= 600:
-            raise ValueError(f"stall_s must be in (0, 600], got {self.stall_s!r}")
-
-    def fire(self) -> None:
-        """Write the marker (this process's pid), if any: the fault fires now."""
-        if self.marker_path:
-            with open(self.marker_path, "w") as fh:
-                fh.write(f"{os.getpid()}\n")
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> FaultSpec:
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown fault field(s) {unknown}")
-        return cls(**d)
-
-
-def reload_failed(e: BaseException) -> RuntimeError:
-    """The error an update reports when the engine's reload raised `e`."""
-    return RuntimeError(f"the engine's reload path failed: {type(e).__name__}: {e}")
-
-
-class ReloadStream:
-    """Runs `reload_fn` in a thread over an iterator fed batch by batch; `finish` joins it."""
-
-    _END = None
-
-    def __init__(self, reload_fn: ReloadFn):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self.num_fed = 0
-        self._thread = threading.Thread(target=self._run, args=(reload_fn,), daemon=True, name="ckpt-engine-reload")
-        self._thread.start()
-
-    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while (batch := self._queue.get()) is not self._END:
-            yield from batch
-
-    def _run(self, reload_fn: ReloadFn) -> None:
-        try:
-            with torch.no_grad():
-                reload_fn(self._pairs())
-        except BaseException as e:
-            logger.exception("the reload path failed")
-            self.error = e
-
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise reload_failed(self.error) from self.error
-
-    def feed(self, pairs: NamedTensors) -> None:
-        self.raise_if_failed()
-        self.num_fed += len(pairs)
-        self._queue.put(pairs)
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def finish(self, timeout_s: float) -> None:
-        self._queue.put(self._END)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the engine's reload path did not finish within {timeout_s:.0f} s")
-        self.raise_if_failed()
 
 
 class WeightReceiver:
@@ -185,7 +94,7 @@ class WeightReceiver:
         self._cache_slots_fn = cache_slots_fn
         self.num_cache_adopted = 0
         self._zmq_ctx = zmq.Context()
-        self._fault: FaultSpec | None = None
+        self._faults = FaultSlot()  # test-only (`arm_fault`)
         self._busy = threading.Lock()
         self.load_per_bucket = load_per_bucket
         # A pull the engine reads itself (PS `p2p_reader="engine"`): its transfer engine, started by
@@ -247,21 +156,14 @@ class WeightReceiver:
         )
 
     def arm_fault(self, spec: FaultSpec | Mapping) -> dict:
-        self._fault = spec if isinstance(spec, FaultSpec) else FaultSpec.from_dict(spec)
-        logger.warning("fault armed for the next weight update: %s", self._fault)
-        return {"armed": True, "fault": dict(self._fault.__dict__)}
-
-    def _disarm(self, at: str) -> FaultSpec | None:
-        """The armed fault if it is one `at` this point ("bucket", "start", "finish"), disarmed; else None."""
-        fault = self._fault
-        if fault is None or fault.at != at:
-            return None
-        self._fault = None
-        return fault
+        fault = self._faults.arm(spec)
+        logger.warning("fault armed for the next weight update: %s", fault)
+        return {"armed": True, "fault": dict(fault.__dict__)}
 
     def take_fault(self, at: str) -> FaultSpec | None:
-        """`_disarm`, firing the fault now (its marker written): for the start and finish points."""
-        fault = self._disarm(at)
+        """The armed fault if it is one `at` this point, disarmed and fired now (its marker written):
+        for the start and finish points; else None."""
+        fault = self._faults.take(at)
         if fault is not None:
             fault.fire()
         return fault
@@ -272,7 +174,7 @@ class WeightReceiver:
             raise RuntimeError("a weight update is already in progress on this engine")
         try:
             self.finish_error = None
-            fault = self._disarm("bucket")  # fires in its bucket (`_UpdateSession._maybe_fault`)
+            fault = self._faults.take("bucket")  # fires in its bucket (`receive.faults.BucketFault`)
             if self.load_per_bucket:  # plain parameters, loaded bucket by bucket: reads land in place
                 self._slot_probe = self._slot_probe or SlotProbe(lambda weights: self._reload_fn(weights))
                 self.remote_reads.set_destination(self._slot_probe)
@@ -381,123 +283,45 @@ class WeightReceiver:
 
 
 class _UpdateSession:
-    """What one update needs: received names in order, the reload stream, a fault, timings."""
+    """One update: the names received in order, their bytes, the timings and the summary. Each
+    other job is a piece of `vllm_ext.receive` it composes: the reload mode (`modes`), the weight
+    cache's use (`caching`), the engine's own reads (`reads`), a delta (`delta`), a fault (`faults`)."""
 
     def __init__(self, receiver: WeightReceiver, fault: FaultSpec | None):
         self.r = receiver
         self.mode = "bucket" if receiver.load_per_bucket else receiver.config.reload_mode
-        self.fault = fault
-        self.fallback_ok = receiver.cache.matches_model  # untouched names still hold the model's values
+        self.fault = BucketFault(fault)
+        self.caching = CacheUse(receiver.cache, weight_cache=receiver.config.weight_cache, mode=self.mode)
+        self.reads = ReadTally(receiver.remote_reads, receiver._slot_probe, len(receiver._owed))
+        self.reload = reload_for(self.mode, receiver._reload_fn, receiver.config.reload_timeout_s, self.reads.unread)
+        self.delta = DeltaIntake(
+            receiver.rank_slices, receiver.state.report()["checkpoint"], whole_only=self.mode == "bucket"
+        )
         self.order: list[str] = []
         self.received: set[str] = set()
         self.num_buckets = 0
         self.nbytes = 0
-        self.stream: ReloadStream | None = None
-        self.stable_ranges: list[tuple[int, int]] = []  # address ranges of buffers valid until Done
-        self.num_zero_copy = 0
         self.t_first: float | None = None
         self.t_done: float | None = None
         self.t_end: float | None = None
-        self.remote = False  # the engine reads this update itself (remote buffers)
-        self.num_loaded_by_read = 0  # bucket mode: tensors read into their slots, no loader run after
-        probe = receiver._slot_probe
-        self.probed_ahead = len(receiver._owed)  # bucket mode: names whose slots were found before the update
-        self._probed_before = probe.num_probed if probe is not None else 0
-        self.loaders_s = 0.0  # bucket mode: time in the load function, per bucket, summed
-        # a delta update (checkpoint_engine.sharding.delta_sync): its tensors are kept as they arrive
-        # and applied at the end onto the weight cache, which holds the version the engine serves
-        self.delta = DeltaReceiver(receiver.rank_slices)
-        self.held_checkpoint = receiver.state.report()["checkpoint"]
-        self.delta_bytes = 0
 
     def on_hello(self, hello, buffers: list[torch.Tensor | None]) -> None:
-        self.remote = any(h.kind == "remote" for h in hello.buffers)
-        if not self.r.config.weight_cache and self.mode == "streaming":
-            self.stable_ranges = [
-                (b.data_ptr(), b.data_ptr() + b.numel())
-                for i, b in enumerate(buffers)
-                if i in set(hello.stable_buffers)
-            ]
-
-    def _is_stable(self, view: torch.Tensor) -> bool:
-        start = view.data_ptr()
-        end = start + view.numel() * view.element_size()
-        return any(lo <= start and end <= hi for lo, hi in self.stable_ranges)
-
-    def _keep(self, name: str, view: torch.Tensor) -> torch.Tensor:
-        """The tensor to hand to the reload: the view itself when it stays valid until Done and no
-        cache is kept, else the cached copy."""
-        if self.stable_ranges and self._is_stable(view):
-            self.num_zero_copy += 1
-            return view
-        return self.r.cache.store(name, view)
+        self.reads.on_hello(hello)
+        self.caching.on_hello(hello, buffers)
 
     def on_bucket(self, views: NamedTensors) -> None:
         index = self.num_buckets
         self.num_buckets += 1
         self.t_first = self.t_first or time.perf_counter()
-        self._maybe_fault(index)
-        views = self._take_delta(views)
-        cache = self.r.cache
-        cache.matches_model = False
-        if self.mode == "bucket":  # loaded now, before the Ack frees the buffer half: no copy
-            self._note(views)
-            self.num_zero_copy += len(views)
-            probe = self.r._slot_probe if self.remote else None
-            # a tensor read straight into its slot is loaded: its loader ran (copy left out) in the probe
-            rest = views if probe is None else [(n, t) for n, t in views if not probe.holds(n, t)]
-            self.num_loaded_by_read += len(views) - len(rest)
-            if rest:
-                t0 = time.perf_counter()
-                try:
-                    with torch.no_grad():
-                        self.r._reload_fn(iter(rest))
-                except Exception as e:
-                    raise reload_failed(e) from e
-                self.loaders_s += time.perf_counter() - t0
-            return
-        pairs = [(name, self._keep(name, view)) for name, view in views]
-        self._note(pairs)
-        if self.mode == "streaming" and pairs:
-            if self.stream is None:
-                self.stream = ReloadStream(self.r._reload_fn)
-            self.stream.feed(pairs)
-
-    def _take_delta(self, views: NamedTensors) -> NamedTensors:
-        """Keep a delta's tensors aside (copied: the buffer is reused after the Ack); the rest."""
-        rest = []
-        for name, t in views:
-            if self.delta.take(name, t):
-                self.delta_bytes += t.numel() * t.element_size()
-            else:
-                rest.append((name, t))
-        if len(rest) < len(views) and self.mode == "bucket":
-            raise DeltaMismatch("vLLM's load step takes whole weights: a delta needs a version loaded before it")
-        return rest
-
-    def _apply_delta(self) -> None:
-        """The delta onto the cache's copy of the version held (every base checksum checked before
-        anything is written), then the whole model through the reload: the network carries only the
-        changes, but vLLM's layer-wise reload wants every tensor of a layer it reloads."""
-        cache = self.r.cache
-        why = self.r.delta_refusal(self.fallback_ok)
-        if why is None and self.received:
-            why = f"the update mixes whole tensors ({len(self.received)}) with a delta"
-        if why is not None:
-            # nothing of the delta was written; whole tensors of a mixed update were (cached, reloaded)
-            cache.matches_model = self.fallback_ok and not self.received
-            raise DeltaMismatch(f"this engine cannot apply a delta update: {why}")
-        weights = dict(cache.items_except(set()))
-        try:
-            # the engine then holds its version; a sharded cache: this rank's slices only
-            self.delta.finish(weights, self.held_checkpoint, self.r.state, sliced=self.r.cache_sliced)
-        except DeltaMismatch:
-            cache.matches_model = True  # every base checksum is checked first: nothing was written
-            raise
-        pairs = list(weights.items())
-        self._note(pairs)
-        self.stream = ReloadStream(self.r._reload_fn)
-        self.stream.feed(pairs)
+        self.fault.check(index)
+        views = self.delta.take(views)
+        self.caching.stale()
+        if self.reload.keeps:
+            views = [(name, self.caching.keep(name, view)) for name, view in views]
+        else:  # loaded now, before the Ack frees the buffer half: no copy
+            self.caching.num_zero_copy += len(views)
+        self._note(views)
+        self.reload.on_bucket(views)
 
     def _note(self, pairs: NamedTensors) -> None:
         for name, t in pairs:
@@ -508,86 +332,36 @@ class _UpdateSession:
 
     def finish(self) -> None:
         """post_hook: every bucket arrived; complete the reload."""
+        r = self.r
         self.t_done = time.perf_counter()
-        owed, self.r._owed = self.r._owed - self.received, set()
+        owed, r._owed = r._owed - self.received, set()
         if owed:  # their loaders ran in the probe ahead: the engine would count them as loaded
             raise RuntimeError(
                 f"the update left out {len(owed)} tensor(s) of the version the engine was told to expect "
                 f"and probed ahead, e.g. {sorted(owed)[:5]}"
             )
-        cache = self.r.cache
         delta = self.delta.is_delta
-        if delta:
-            self._apply_delta()
-        elif self.stream is None and self.order and self.mode == "end":  # the whole reload happens now
-            self.stream = ReloadStream(self.r._reload_fn)
-            self.stream.feed([(n, cache.get(n)) for n in self.order])
-        try:
-            if self.stream is not None:
-                self.stream.finish(self.r.config.reload_timeout_s)
-        except Exception as e:
-            self.stream = None  # nothing left for abort() to end
-            self.r.recover(f"reload failed: {type(e).__name__}: {e}")
-            raise
-        if self.r.config.weight_cache and self.mode != "bucket":  # per bucket: nothing was cached
-            cache.retain_only(self.received)
-            cache.matches_model = True
-            if self.r._cache_slots_fn is not None:
-                self.r.num_cache_adopted = cache.adopt(self.r._cache_slots_fn())
-        self.r.reload_error = None
+        if delta:  # the delta onto the cache, then the whole model through the reload
+            refusal = r.delta_refusal(self.caching.fallback_ok)
+            pairs = self.delta.apply(self.caching, refusal, self.received, r.state, sliced=r.cache_sliced)
+            self._note(pairs)
+            self.reload.start(pairs)
+        else:
+            self.reload.on_done(lambda: self.caching.kept(self.order))
+        self.reload.join(r)
+        adopted = self.caching.commit(self.received, r._cache_slots_fn)
+        if adopted is not None:
+            r.num_cache_adopted = adopted
+        r.reload_error = None
         if not delta:  # a full update decides what the cache holds; a delta keeps it as it was
-            reads = self.r.remote_reads.stats if self.remote else None
-            self.r.cache_sliced = reads is not None and reads.sliced_tensors > 0
+            r.cache_sliced = self.reads.sliced()
         self.t_end = time.perf_counter()
 
     def abort(self) -> None:
         """The update failed: end the reload so the engine keeps serving (status: incomplete)."""
-        stream, self.stream = self.stream, None
-        if self.mode == "bucket" and self.received:
-            self.r.reload_error = "aborted load: only some buckets reached the parameters"
-            return
-        if stream is None:  # no reload started ("end" mode, or failed before the first bucket)
-            return
-        if stream.error is not None or not stream.running:
-            self.r.recover(f"reload failed: {type(stream.error).__name__}: {stream.error}")
-            return
-        filled = False
-        try:
-            if self.fallback_ok:
-                stream.feed(self.r.cache.items_except(self.received))
-                filled = True
-            stream.finish(self.r.config.reload_timeout_s)
-        except Exception as e:  # noqa: BLE001 - the update is already failing; keep the first error
-            self.r.recover(f"reload failed while aborting: {type(e).__name__}: {e}")
-            return
-        # With the previous values filled in, the cache again mirrors the (mixed) model exactly.
-        self.r.cache.matches_model = filled
-        if not filled:
-            why = (
-                "weight_cache is off"
-                if not self.r.config.weight_cache
-                else "no copy of the previous weights: the cache is filled by a completed update"
-            )
-            self.r.reload_error = (
-                f"aborted update without previous values to fill in ({why}): layers "
-                "that were only partly received hold undefined values until the next update"
-            )
-
-    def _maybe_fault(self, index: int) -> None:
-        f = self.fault
-        if f is None or f.bucket != index:
-            return
-        self.fault = None
-        f.fire()
-        if f.kind == "raise":
-            raise RuntimeError(f"injected fault in bucket {index}")
-        logger.warning("injected stall of %.1f s in bucket %d", f.stall_s, index)
-        time.sleep(f.stall_s)
-
-    def _probed_in_update(self) -> int:
-        """Names whose slots this update had to find (0 when all were found ahead, or no probe ran)."""
-        probe = self.r._slot_probe
-        return probe.num_probed - self._probed_before if probe is not None else 0
+        filled = self.reload.abort(self.received, self.caching.previous(self.received), self.r)
+        if filled is not None and (why := self.caching.after_abort(filled)) is not None:
+            self.r.reload_error = why
 
     def summary(self) -> dict:
         def span(a, b):
@@ -598,20 +372,20 @@ class _UpdateSession:
             "num_tensors": len(self.received),
             "nbytes": self.nbytes,
             "mode": self.mode,
-            "num_zero_copy": self.num_zero_copy,
+            "num_zero_copy": self.caching.num_zero_copy,
             "transfer_s": span(self.t_first, self.t_done),
             "reload_tail_s": span(self.t_done, self.t_end),
             "total_s": span(self.t_first, self.t_end),
-            "engine_reads": self.r.remote_reads.stats.report() if self.remote else None,
-            "delta": {"base": self.held_checkpoint, "nbytes": self.delta_bytes} if self.delta_bytes else None,
+            "engine_reads": self.reads.report(),
+            "delta": {"base": self.delta.held_checkpoint, "nbytes": self.delta.nbytes} if self.delta.nbytes else None,
             **(
                 {
-                    "loaders_s": round(self.loaders_s, 4),
-                    "num_loaded_by_read": self.num_loaded_by_read,
-                    "probed_ahead": self.probed_ahead,
-                    "probed_in_update": self._probed_in_update(),
+                    "loaders_s": round(self.reload.loaders_s, 4),
+                    "num_loaded_by_read": self.reads.num_loaded_by_read,
+                    "probed_ahead": self.reads.probed_ahead,
+                    "probed_in_update": self.reads.probed_in_update(),
                 }
-                if self.mode == "bucket"
+                if isinstance(self.reload, BucketLoad)
                 else {}
             ),
         }
