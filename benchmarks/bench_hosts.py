@@ -1,7 +1,7 @@
 """Across hosts, against the link: a version from the trainer's memory into engines on two other hosts.
 
     sudo python benchmarks/bench_hosts.py [--rate-mbit 400] [--size-mib 512] [--runs 3]
-        [--bucket-mib 16] [--modes relay,auto] [--work-dir DIR]
+        [--bucket-mib 16] [--modes relay,auto] [--work-dir DIR] [--delta K [--lr 1e-6]]
 
 The multi-host testbed (testing/hosts.py): hosts "trainer", "inf0", "inf1", each its own network
 namespace, host name and /dev/shm, every link shaped to the same rate R both ways (tbf). The trainer
@@ -28,6 +28,23 @@ reads run at 0.36 GB/s here, gloo's broadcast at 2-3 GB/s: ENVIRONMENT.md), so t
 limit. The file handoff (a shared volume) has no honest stand-in here: the testbed has no network
 filesystem, and a folder on this machine's disk would be shared by every "host" without crossing
 any link. The last line is one JSON object.
+
+    --delta K   the trainer holds K+1 bf16 versions (--engine-dtype fp8: float8 e4m3 in 128x128
+                blocks, each with a float32 scale, as DeepSeek-V3 and Kimi-K2 are served) of float32
+                masters N(0, 0.02), one AdamW step of --lr on random gradients between two (synthetic
+                steps, not an RL run's), and registers the first in full, each later one as the delta
+                from the one before, and a last delta that changes nothing. Each run: the full
+                version, the K deltas, the empty one, in relay mode; every engine's digest checked
+                after each. Reported (medians over the deltas of every run, min and max):
+                    delta_ratio_link_bytes_vs_encoded  the busiest link's bytes (any host, sent or
+                                                       received) / the delta's wire bytes
+                    fixed_cost_s                       e2e of the delta that changes nothing: the
+                                                       process group and plan, the engine's round
+                                                       trip, and the CRC-32 of every tensor before
+                                                       and after the apply (a pass over the model)
+                    delta_ratio_e2e_vs_link_limit      (e2e - fixed_cost_s) / (wire bytes / R)
+                The plain engines are TP 1, so `delta_worker_share_max` is null here: a TP 2 worker's
+                share of a sharded delta is measured by tests/integration/vllm/test_vllm_tp2.py.
 """
 
 from __future__ import annotations
@@ -51,6 +68,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="relay,auto")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--delta",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K > 0: bf16 versions instead (M: one of them), each run a full update then K deltas and one "
+        "that changes nothing, in relay mode (see the module docstring); --modes is then ignored",
+    )
+    p.add_argument("--lr", type=float, default=1e-6, help="--delta: the AdamW learning rate between versions")
+    p.add_argument(
+        "--delta-bucket-mib",
+        type=int,
+        default=2,
+        help="--delta: the deltas' bucket size (a delta of a few MiB in --bucket-mib buckets would leave the "
+        "relay's two links one bucket apart: no overlap)",
+    )
+    p.add_argument(
+        "--engine-dtype", default="bf16", choices=["bf16", "fp8"], help="--delta: bf16, or fp8 in 128x128 blocks"
+    )
     args = p.parse_args(argv)
     from testing.host_sync import HostSync
     from testing.hosts import Testbed
@@ -62,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-hosts-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.delta:
+        return _deltas(args, work)
     figures: dict[str, list[dict]] = {m: [] for m in modes}
     with Testbed(["trainer", "inf0", "inf1"], rate_mbit=args.rate_mbit) as bed:
         sync = HostSync(bed, size_mib=args.size_mib, work_dir=work, timeout_s=args.timeout_s)
@@ -104,6 +142,84 @@ def main(argv: list[str] | None = None) -> int:
     if "relay" in figures:
         out["ratio_e2e_vs_link_limit"] = out["relay"]["ratio_e2e_vs_link_limit"]["median"]
         out["ratio_trainer_link_bytes_vs_copy"] = out["relay"]["trainer_tx_vs_copy"]["median"]
+    print(json.dumps(out))
+    return 0
+
+
+def _deltas(args, work: Path) -> int:
+    """--delta K: per run, v0 in full, then its K deltas and the one that changes nothing, relay mode."""
+    from testing.host_sync import HostSync
+    from testing.hosts import Testbed
+
+    rate_bytes_s = args.rate_mbit * 1e6 / 8
+    rows: list[dict] = []
+    with Testbed(["trainer", "inf0", "inf1"], rate_mbit=args.rate_mbit) as bed:
+        sync = HostSync(
+            bed,
+            size_mib=args.size_mib,
+            work_dir=work,
+            timeout_s=args.timeout_s,
+            delta_versions=args.delta,
+            lr=args.lr,
+            engine_dtype=args.engine_dtype,
+        )
+        try:
+            for run in range(args.runs):
+                for k in range(len(sync.deltas) + 1):  # 0: the full version the deltas start from
+                    r = sync.update("relay", bucket_mib=args.delta_bucket_mib if k else args.bucket_mib, delta=k)
+                    if not r.ok or not all(r.digests_match.values()):
+                        print(json.dumps({"error": f"run {run} update {k} failed", "results": r.results}))
+                        return 1
+                    d = sync.deltas[k - 1] if k else None
+                    sent = d["wire_bytes"] if d else sync.nbytes
+                    links = {name: max(c.tx_bytes, c.rx_bytes) for name, c in r.link_bytes.items()}
+                    row = {
+                        "run": run,
+                        "update": d["name"] if d else "full",
+                        "zero": bool(d) and d["changed_share"] == 0.0,
+                        "changed_share": d["changed_share"] if d else 1.0,
+                        "wire_bytes": sent,
+                        "e2e_s": r.e2e_s,
+                        "busiest_link_bytes": max(links.values()),
+                        "busiest_link": max(links, key=links.get),
+                        "trainer_tx_bytes": r.link_bytes["trainer"].tx_bytes,
+                    }
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            sync.close()
+
+    def spread(values: list[float]) -> dict:
+        return {k: round(f(values), 4) for k, f in (("median", statistics.median), ("min", min), ("max", max))}
+
+    fixed = [row["e2e_s"] for row in rows if row["zero"]]
+    fixed_s = statistics.median(fixed)
+    deltas = [row for row in rows if row["update"] != "full" and not row["zero"]]
+    full = [row for row in rows if row["update"] == "full"]
+    out = {
+        "rate_mbit": args.rate_mbit,
+        "full_bytes": sync.nbytes,
+        "lr": args.lr,
+        "engine_dtype": args.engine_dtype,
+        "runs": args.runs,
+        "deltas_per_run": args.delta,
+        "bucket_mib": args.bucket_mib,
+        "delta_bucket_mib": args.delta_bucket_mib,
+        "changed_share": spread([row["changed_share"] for row in deltas]),
+        "delta_wire_vs_full": spread([row["wire_bytes"] / sync.nbytes for row in deltas]),
+        "delta_e2e_s": spread([row["e2e_s"] for row in deltas]),
+        "full_e2e_s": spread([row["e2e_s"] for row in full]),
+        "fixed_cost_s": spread(fixed),
+        # the busiest link over the bytes one inference host needs: 1.0 is every changed byte once
+        "delta_ratio_link_bytes_vs_encoded": spread([row["busiest_link_bytes"] / row["wire_bytes"] for row in deltas]),
+        # (e2e - the fixed cost) over the encoded bytes at the link's rate
+        "delta_ratio_e2e_vs_link_limit": spread(
+            [(row["e2e_s"] - fixed_s) / (row["wire_bytes"] / rate_bytes_s) for row in deltas]
+        ),
+        "delta_worker_share_max": None,  # plain engines are TP 1 here (see the module docstring)
+    }
+    for key in ("delta_ratio_link_bytes_vs_encoded", "delta_ratio_e2e_vs_link_limit"):
+        out[key] = out[key] | {"value": out[key]["median"]}
     print(json.dumps(out))
     return 0
 

@@ -6,6 +6,10 @@
         tensors it holds in memory (made here from a seed; no file), gathers their metas, writes them
         (a few KB of JSON: the tensors' names, shapes and addresses, never their bytes) to PATH, and
         serves reads until SIGTERM.
+        With --delta-versions K: K+1 bf16 (--engine-dtype fp8: block-scaled) versions after AdamW
+        steps; the first registered in full, each later one as the delta from the one before
+        (`checkpoint_engine.sharding.delta_sync`), then one delta that changes nothing (NAME.d<K+1>:
+        an update's fixed cost).
     python -m testing.host_roles inference --rank R --world-size W --master-addr A --master-port P
             --host-ip IP --engine-url URL --metas PATH [--mode relay|auto] [--timeout-s T]
         Rank R of the inference hosts' world: loads the trainer's metas and updates its engine (a plain
@@ -29,26 +33,54 @@ def _trainer(args) -> int:
 
     import torch
 
+    from checkpoint_engine.checksum import tensor_checksum
     from checkpoint_engine.config import ParameterServerConfig
     from checkpoint_engine.ps import ParameterServer
     from checkpoint_engine.transport.mooncake import P2PConfig
 
     n = max(1, args.tensors)
-    per = args.size_mib * 2**20 // 4 // n
     gen = torch.Generator().manual_seed(args.seed)
-    tensors = {f"layers.{i}.weight": torch.randn(per, generator=gen) for i in range(n)}
     cfg = ParameterServerConfig(transport="cpu", p2p=P2PConfig(host=args.host_ip, read_timeout_s=args.timeout_s))
     ps = ParameterServer(rank=0, world_size=1, config=cfg)
-    ps.register_checkpoint(args.name, named_tensors=tensors)
-    ps.gather_metas(args.name)
-    tmp = args.metas_out + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(ps.get_metas(args.name), fh)
-    os.replace(tmp, args.metas_out)
-    from checkpoint_engine.checksum import tensor_checksum
 
-    digest = {name: tensor_checksum(t) for name, t in tensors.items()}
-    print(json.dumps({"ready": True, "bytes": sum(t.nbytes for t in tensors.values()), "digest": digest}), flush=True)
+    def register(name: str, named: dict, metas_out: str) -> None:
+        ps.register_checkpoint(name, named_tensors=named)
+        ps.gather_metas(name)
+        tmp = metas_out + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(ps.get_metas(name), fh)
+        os.replace(tmp, metas_out)
+
+    if args.delta_versions:
+        versions = _delta_versions(args, n, gen)
+        tensors = versions[0]
+    else:
+        per = args.size_mib * 2**20 // 4 // n
+        tensors = {f"layers.{i}.weight": torch.randn(per, generator=gen) for i in range(n)}
+    register(args.name, tensors, args.metas_out)
+    ready = {"ready": True, "bytes": sum(t.nbytes for t in tensors.values())}
+    ready["digest"] = {name: tensor_checksum(t) for name, t in tensors.items()}
+    if args.delta_versions:
+        from checkpoint_engine.sharding.delta import encode_version
+        from checkpoint_engine.sharding.delta_sync import to_wire
+
+        ready["deltas"] = []
+        for k in range(1, len(versions)):
+            name, base = f"{args.name}.d{k}", args.name if k == 1 else f"{args.name}.d{k - 1}"
+            delta = encode_version(versions[k - 1], versions[k], compress=True)
+            wire = to_wire(delta, base, name)
+            metas_out = f"{args.metas_out}.d{k}"
+            register(name, wire, metas_out)
+            ready["deltas"].append(
+                {
+                    "name": name,
+                    "metas": metas_out,
+                    "wire_bytes": sum(t.nbytes for t in wire.values()),
+                    "changed_share": round(delta.changed_share, 6),
+                    "digest": {n_: tensor_checksum(t) for n_, t in versions[k].items()},
+                }
+            )
+    print(json.dumps(ready), flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     deadline = time.monotonic() + args.serve_s
@@ -56,6 +88,32 @@ def _trainer(args) -> int:
         time.sleep(0.2)
     ps.close()
     return 0
+
+
+def _delta_versions(args, n: int, gen) -> list[dict]:
+    """`args.delta_versions` + 1 versions of `n` weights as the engine holds them (about `size_mib`
+    MiB each): float32 masters drawn N(0, 0.02), one AdamW step of lr `args.lr` on random gradients
+    between two versions (synthetic steps, not an RL run's), each version their cast to
+    `args.engine_dtype`: bf16, or fp8 in 128x128 blocks with a float32 scale each (1024 columns)."""
+    import torch
+
+    from testing.weight_versions import adamw_versions, fp8_block_cast
+
+    if args.engine_dtype == "fp8":
+        cols = 1024
+        rows = max(128, args.size_mib * 2**20 // n // cols // 128 * 128)
+        shape: tuple[int, ...] = (rows, cols)
+        cast = fp8_block_cast
+    else:
+        shape = (args.size_mib * 2**20 // 2 // n,)
+
+        def cast(name, w):
+            return {name: w.to(torch.bfloat16)}
+
+    master = {f"layers.{i}.weight": (torch.randn(shape, generator=gen) * 0.02).requires_grad_(True) for i in range(n)}
+    versions = adamw_versions(master, args.delta_versions + 1, args.lr, gen, cast)
+    # one more delta with nothing changed: what an update costs beside its bytes (the fixed cost)
+    return [*versions, versions[-1]]
 
 
 def _inference(args) -> int:
@@ -142,6 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--metas-out", required=True)
     t.add_argument("--timeout-s", type=float, default=120.0)
     t.add_argument("--serve-s", type=float, default=3600.0, help="serve reads this long at most")
+    t.add_argument(
+        "--delta-versions",
+        type=int,
+        default=0,
+        help="K > 0: bf16 versions, the first full (--name), then K deltas NAME.d1..d K each from the one "
+        "before (metas at METAS_OUT.dK; the ready line lists them)",
+    )
+    t.add_argument("--lr", type=float, default=1e-6, help="the AdamW learning rate between delta versions")
+    t.add_argument("--engine-dtype", default="bf16", choices=["bf16", "fp8"], help="the delta versions' dtype")
     i = sub.add_parser("inference")
     i.add_argument("--rank", type=int, required=True)
     i.add_argument("--world-size", type=int, required=True)

@@ -45,7 +45,20 @@ class SyncRun:
 
 
 class HostSync:
-    def __init__(self, bed: Testbed, *, size_mib: int, work_dir: Path, timeout_s: float = 120.0, tensors: int = 32):
+    def __init__(
+        self,
+        bed: Testbed,
+        *,
+        size_mib: int,
+        work_dir: Path,
+        timeout_s: float = 120.0,
+        tensors: int = 32,
+        delta_versions: int = 0,
+        lr: float = 1e-6,
+        engine_dtype: str = "bf16",
+    ):
+        """`delta_versions` K > 0: the trainer holds bf16 versions, the first in full, then K deltas
+        (`self.deltas`: each one's name, metas path, wire bytes, changed share and digest)."""
         self.bed = bed
         self.inference = [h for name, h in bed.hosts.items() if name != "trainer"]
         self.trainer = bed["trainer"]
@@ -57,12 +70,15 @@ class HostSync:
         cmd = [sys.executable, "-m", "testing.host_roles", "trainer", "--host-ip", self.trainer.ip]
         cmd += ["--size-mib", str(size_mib), "--tensors", str(tensors), "--metas-out", str(self.metas)]
         cmd += ["--timeout-s", str(timeout_s)]
+        if delta_versions:
+            cmd += ["--delta-versions", str(delta_versions), "--lr", str(lr), "--engine-dtype", engine_dtype]
         self._trainer_proc = self.trainer.popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=_env())
         line = self._trainer_proc.stdout.readline()  # the role prints one line when its tensors are registered
         if not line:
             raise RuntimeError(f"the trainer role exited: {(self.work_dir / 'trainer.log').read_text()[-3000:]}")
         ready = json.loads(line)
         self.nbytes, self.digest = ready["bytes"], {k: int(v) for k, v in ready["digest"].items()}
+        self.deltas: list[dict] = ready.get("deltas", [])
         for h in self.inference:
             elog = open(self.work_dir / f"engine-{h.name}.log", "w")
             cmd = [sys.executable, "-m", "checkpoint_engine.engines.plain", "--port", str(ENGINE_PORT)]
@@ -73,9 +89,14 @@ class HostSync:
     def counters(self) -> dict[str, LinkCounters]:
         return {name: h.counters() for name, h in self.bed.hosts.items()}
 
-    def update(self, mode: str = "relay", *, bucket_mib: int = 32, during=None) -> SyncRun:
+    def update(self, mode: str = "relay", *, bucket_mib: int = 32, during=None, delta: int = 0) -> SyncRun:
         """One update into every inference host's engine; `during(procs)` runs while it is under way
-        (a fault test partitions a host there)."""
+        (a fault test partitions a host there). `delta` k > 0: the k-th delta version (the engines must
+        hold the one before), its digest the one checked."""
+        metas, digest = self.metas, self.digest
+        if delta:
+            d = self.deltas[delta - 1]
+            metas, digest = d["metas"], {k: int(v) for k, v in d["digest"].items()}
         self._seq += 1
         master = self.inference[0]
         port = 29000 + self._seq % 500
@@ -84,7 +105,7 @@ class HostSync:
         for rank, h in enumerate(self.inference):
             cmd = [sys.executable, "-m", "testing.host_roles", "inference", "--rank", str(rank)]
             cmd += ["--world-size", str(len(self.inference)), "--master-addr", master.ip, "--master-port", str(port)]
-            cmd += ["--host-ip", h.ip, "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--metas", str(self.metas)]
+            cmd += ["--host-ip", h.ip, "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--metas", str(metas)]
             cmd += ["--mode", mode, "--bucket-mib", str(bucket_mib), "--timeout-s", str(self.timeout_s)]
             log = open(self.work_dir / f"rank{rank}-{self._seq}.log", "w")
             procs.append(h.popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=_env()))
@@ -107,7 +128,7 @@ class HostSync:
         after = self.counters()
         run = SyncRun(mode, results[0].get("e2e_s"), {k: after[k] - before[k] for k in after}, results)
         for h in self.inference:
-            run.digests_match[h.name] = self.engine_digest(h) == self.digest
+            run.digests_match[h.name] = self.engine_digest(h) == digest
         return run
 
     def engine_digest(self, host) -> dict[str, int]:

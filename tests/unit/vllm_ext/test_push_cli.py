@@ -23,6 +23,9 @@ FLAGS = {
     "--timeout-s": (300.0, None, False),
     "--transport": (ParameterServerConfig().transport, ["auto", "cpu", "cuda"], False),
     "--p2p-reader": (None, ["rank", "engine"], False),
+    "--delta-base": (None, None, False),
+    "--delta-base-name": (None, None, False),
+    "--delta-tp-size": (None, None, False),
 }
 
 
@@ -53,6 +56,16 @@ def test_the_flags_build_the_config_and_engine_urls_keep_their_order():
     assert cfg.layout({}) == (1, 2, 2)
     args = parser.parse_args(["--model", "m", "--engine-url", "u", "--p2p-reader", "engine"])
     assert spec.build(args, parser, engine_urls=("u",)).p2p_reader == "engine"
+    args = parser.parse_args(["--model", "m", "--engine-url", "u", "--delta-base", "b", "--delta-tp-size", "2"])
+    cfg = spec.build(args, parser, engine_urls=("u",))
+    assert (cfg.delta_base, cfg.delta_base_name, cfg.delta_tp_size) == ("b", None, 2)
+
+
+def test_delta_flags_need_a_base_and_a_positive_tp_size():
+    with pytest.raises(ValueError, match="need delta_base"):
+        PushConfig(model="m", engine_urls=("u",), delta_tp_size=2)
+    with pytest.raises(ValueError, match="delta_tp_size"):
+        PushConfig(model="m", engine_urls=("u",), delta_base="b", delta_tp_size=0)
 
 
 def test_rank_and_world_come_from_torchrun_when_not_given():
