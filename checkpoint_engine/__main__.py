@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     rank = int(os.environ["RANK"])
     cfg: DaemonConfig = args.config
     setup_logging(cfg.log_level, rank)
+    register_engine_adapter()
     from ckpt_common.procs import signal_when_orphaned
 
     signal_when_orphaned()  # a SIGKILLed torchrun: stop as on its SIGTERM (engines included)
@@ -192,6 +193,17 @@ def main(argv=None) -> int:
             host.close()  # engines end with the daemon, whatever ended it
         ps.close()
     return 0
+
+
+def register_engine_adapter() -> None:
+    """The served engines' adapter for this process: vLLM's (`vllm_ext.weight_transfer.req`: the native
+    and auto update routes; the plain engine takes the extension route, which needs none). This entry
+    point is the one module of the checkpoint engine that imports vllm_ext: the daemon's commands and
+    engine host ask `checkpoint_engine.engines.adapters` and name no engine. No vLLM import here."""
+    from checkpoint_engine.engines.adapters import register_engine_req_func
+    from vllm_ext.weight_transfer.req import engine_req_func
+
+    register_engine_req_func(engine_req_func)
 
 
 def _engine_device(transport: str, ranks_per_engine: int = 1) -> str:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from checkpoint_engine.api import group_req_func, http_req_func
 from checkpoint_engine.daemon.relay import Relay
 from checkpoint_engine.engines import host as engines
+from checkpoint_engine.engines.adapters import engine_req_func
 from checkpoint_engine.engines.states import SLEEP_LEVELS
 from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound, DaemonBusy, DaemonUnavailable
 from checkpoint_engine.host_memory import read_safetensors_index
@@ -373,9 +374,9 @@ def _req_func(ps: ParameterServer, cmd: dict):
     endpoints = cmd["endpoints"]
     per = int(cmd.get("ranks_per_engine", 1))
     endpoint = endpoints[ps.rank // per] if isinstance(endpoints, list) else endpoints
-    from vllm_ext.weight_transfer.req import engine_req_func
-
-    return engine_req_func(  # auto: native where the engine's launcher says it serves vLLM's routes
+    # the engine's own adapter (vLLM's, registered by the daemon's entry point); auto: native where the
+    # engine's launcher says it serves vLLM's routes
+    return engine_req_func(
         endpoint,
         route=cmd.get("route") or "auto",
         rank=ps.rank,

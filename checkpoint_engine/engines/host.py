@@ -222,11 +222,12 @@ def _start_loading(host: EngineHost, ps, cmd: dict, ranks: list[int]) -> dict:
 
 
 def engine_update_req_func(host: EngineHost, name: str, timeout_s: float):
-    """The update request into this rank's serving engine, by `config.update_route` (auto: the route the
-    engine offers, asked at the update: `vllm_ext.weight_transfer.req.served_route`). Native: vLLM's
+    """The update request into this rank's serving engine, by `config.update_route`, through the engine
+    adapter registered in this process (`adapters.engine_req_func`; the daemon's entry point registers
+    vLLM's). With vLLM's: auto is the route the engine offers, asked at the update; native: vLLM's
     weight-transfer routes, with `name` as the version vLLM reports; extension: /collective_rpc."""
     from checkpoint_engine.api import http_req_func
-    from vllm_ext.weight_transfer.req import engine_req_func
+    from checkpoint_engine.engines.adapters import engine_req_func
 
     url, per = host.engine.url, host.ranks_per_engine
     return engine_req_func(

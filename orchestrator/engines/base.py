@@ -30,7 +30,7 @@ from checkpoint_engine.types import ReqFunc
 from orchestrator.repeat import RepeatConfig
 
 if TYPE_CHECKING:
-    from vllm_ext.weight_transfer.req import WeightVersion
+    from checkpoint_engine.types import WeightVersion
 
 # vLLM's finish reasons -> ours (None: the request ended without one)
 VLLM_FINISH = {"stop": "stop", "length": "length", "abort": "abort", None: "abort"}

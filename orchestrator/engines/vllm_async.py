@@ -39,7 +39,7 @@ from orchestrator.engines.base import (
 from orchestrator.repeat import RepeatConfig
 
 if TYPE_CHECKING:
-    from vllm_ext.weight_transfer.req import WeightVersion
+    from checkpoint_engine.types import WeightVersion
 
 logger = logging.getLogger(__name__)
 

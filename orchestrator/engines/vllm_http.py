@@ -36,7 +36,7 @@ from orchestrator.engines.base import (
 from orchestrator.repeat import RepeatConfig, first_repeat_end
 
 if TYPE_CHECKING:
-    from vllm_ext.weight_transfer.req import WeightVersion
+    from checkpoint_engine.types import WeightVersion
 
 MAX_POOL_CLIENT_WORKERS = 256
 # Tokens per streamed event (vLLM's per-request ``stream_interval``): one event per token cost a pool

@@ -21,6 +21,9 @@ FLOORS: dict[str, int] = {
     "ckpt_common": 0,  # helpers every package uses; imports no other project package
     "ckpt_common.layout": 0,  # the model's tensor layout (shapes, HF <-> Megatron pieces): below engine and trainer
     "checkpoint_engine": 1,  # weight sync: daemon, engines, transport, sharding plan
+    # the daemon's entry point (`torchrun -m checkpoint_engine`) wires vLLM's engine adapter into the
+    # daemon (checkpoint_engine.engines.adapters): the one module of the package beside vllm_ext
+    "checkpoint_engine.__main__": 2,
     "sandbox": 1,  # the code sandbox service (imports only ckpt_common)
     "demo": 1,  # the demo's task and tiny model (imports only ckpt_common)
     "vllm_ext": 2,  # the inference side for vLLM, on the checkpoint engine
@@ -36,12 +39,8 @@ UPWARD_HOOKS: dict[tuple[str, str], str] = {
     edge: ALLOWED_EDGES[edge] for edge in [("checkpoint_engine.worker", "vllm_ext.worker")]
 }
 
-# Upward edges known today and not fixed yet (none may be added): the daemon's rank builds its
-# update request into a served engine with vLLM's req_func helpers, imported lazily at the command.
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("checkpoint_engine.daemon.commands", "vllm_ext.weight_transfer.req"): "engine adapter registration not built yet",
-    ("checkpoint_engine.engines.host", "vllm_ext.weight_transfer.req"): "engine adapter registration not built yet",
-}
+# Upward edges known and not fixed yet, each with its reason (none today; none may be added without one).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def floor_of(module: str, floors: dict[str, int] = FLOORS) -> int | None:

@@ -59,6 +59,7 @@ from checkpoint_engine.types import (
     ReqFunc,
     RequestedRoute,
     UpdateRoute,
+    WeightVersion,
 )
 from ckpt_common.httpjson import HTTPError, post_json, status_json
 from vllm_ext.gate import finish_failure
@@ -79,9 +80,6 @@ ROUTES = (
 # keep mode's step after finish: vLLM preempts the frozen requests (they recompute with the new weights)
 # and drops every cached block
 RESET_KV_ROUTE = "/reset_prefix_cache?reset_running_requests=true"
-# what /weight_info reports after an update: a name, or a callable asked at each update (a job whose
-# req_func outlives one version: `orchestrator.engines.weight_sync`), or None (the version stays)
-WeightVersion = str | Callable[[], str | None] | None
 RESUME_TIMEOUT_S = 30.0  # /resume has a deadline of its own: a late update must not leave the engine paused
 
 
