@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--delta-bucket-mib",
         type=int,
-        default=2,
-        help="--delta: the deltas' bucket size (a delta of a few MiB in --bucket-mib buckets would leave the "
-        "relay's two links one bucket apart: no overlap)",
+        default=0,
+        help="--delta: the deltas' bucket size (0: the parameter server's choice, which across hosts cuts a "
+        "small update into 8 buckets of at least 2 MiB: in --bucket-mib buckets a delta of a few tens of MiB "
+        "is two buckets, and the relay's two links barely overlap)",
     )
     p.add_argument(
         "--engine-dtype", default="bf16", choices=["bf16", "fp8"], help="--delta: bf16, or fp8 in 128x128 blocks"

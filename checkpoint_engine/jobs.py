@@ -309,11 +309,22 @@ def make_job(
     budgets = all_gather_obj([budget_bytes, seq, engine_can_map_owners(g, transport)], n, group)
     if len({b[1] for b in budgets}) != 1:
         raise RuntimeError(f"ranks disagree on the update sequence number: {[b[1] for b in budgets]}")
+    cannot_map = [r for r, b in zip(members, budgets) if not b[2]]
+    mode = choose_mode(
+        g,
+        cfg.mode,
+        pull=pull,
+        cannot_map=cannot_map,
+        have_p2p=p2p is not None,
+        backend=transport.backend,
+        p2p_reader=cfg.p2p_reader,
+    )
     bucket_size = plan.choose_bucket_size(
         g.rank_metas,
         requested_bytes=cfg.bucket_size_bytes,
         default_bytes=cfg.default_bucket_size_bytes,
         budget_bytes=min(b[0] for b in budgets),
+        pipeline_min_bytes=plan.pipeline_min_bytes(mode),
     )
     buckets = plan.plan_buckets(g.rank_metas, bucket_size)
     digests = all_gather_obj(plan.plan_digest(buckets).hex(), n, group)
@@ -325,16 +336,6 @@ def make_job(
             f"metas of {g.checkpoint!r} differ between ranks (ranks grouped by identical plans: "
             f"{sorted(groups.values())}); gather_metas/load_metas must give every rank the same view"
         )
-    cannot_map = [r for r, b in zip(members, budgets) if not b[2]]
-    mode = choose_mode(
-        g,
-        cfg.mode,
-        pull=pull,
-        cannot_map=cannot_map,
-        have_p2p=p2p is not None,
-        backend=transport.backend,
-        p2p_reader=cfg.p2p_reader,
-    )
     addresses = [(g.device_ids[r], zmq_address(g.pids[r], r, seq)) for r in range(world_size)]
     return UpdateJob(
         rank=rank,

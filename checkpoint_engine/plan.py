@@ -27,6 +27,17 @@ MIN_ALIGN_BYTES = 16
 # engine's load of the last bucket adds to the read instead of hiding behind the next one.
 PIPELINE_BUCKETS = 8
 PIPELINE_MIN_BUCKET_BYTES = 16 * 2**20
+# Across hosts (mode "relay") each bucket crosses two links in turn: the trainer's, then the first
+# rank's broadcast to the others. A small update (a delta of a few tens of MiB) in 16 MiB buckets is
+# two buckets, and the second link idles while the first fills: at 400 Mbit/s a 17 MB delta took
+# 2.0 s in 16 MiB buckets and 1.1 s in 2 MiB ones (benchmarks/bench_hosts.py --delta,
+# benchmarks/RESULTS.md). A link of tens of MB/s hides the per-bucket round trips (milliseconds).
+PIPELINE_MIN_BUCKET_BYTES_RELAY = 2 * 2**20
+
+
+def pipeline_min_bytes(mode: str) -> int:
+    """The smallest default bucket for an update in `mode` (see PIPELINE_MIN_BUCKET_BYTES_RELAY)."""
+    return PIPELINE_MIN_BUCKET_BYTES_RELAY if mode == "relay" else PIPELINE_MIN_BUCKET_BYTES
 
 
 def align_up(n: int, align: int) -> int:

@@ -140,6 +140,26 @@ def test_choose_bucket_size_cuts_a_checkpoint_into_enough_buckets_to_pipeline(
     assert got == expected
 
 
+def test_across_hosts_the_pipelined_minimum_is_smaller():
+    from checkpoint_engine.plan import PIPELINE_MIN_BUCKET_BYTES, PIPELINE_MIN_BUCKET_BYTES_RELAY, pipeline_min_bytes
+
+    assert pipeline_min_bytes("relay") == PIPELINE_MIN_BUCKET_BYTES_RELAY < PIPELINE_MIN_BUCKET_BYTES
+    assert {pipeline_min_bytes(m) for m in ("local", "collective", "p2p", "p2p_engine")} == {PIPELINE_MIN_BUCKET_BYTES}
+    # a 17 MiB delta: two buckets at the default floor, eight across hosts
+    rank_metas = {0: [TensorMeta(f"x{i}", "uint8", (2**20,), i * 2**20) for i in range(17)]}
+    sizes = [
+        choose_bucket_size(
+            rank_metas,
+            requested_bytes=None,
+            default_bytes=64 * 2**20,
+            budget_bytes=None,
+            pipeline_min_bytes=pipeline_min_bytes(m),
+        )
+        for m in ("collective", "relay")
+    ]
+    assert [len(plan_buckets(rank_metas, size)) for size in sizes] == [2, 9]
+
+
 def test_choose_bucket_size_fails_when_budget_too_small():
     with pytest.raises(ValueError, match="largest tensor needs 500 bytes"):
         choose_bucket_size({0: metas(500)}, requested_bytes=None, default_bytes=64, budget_bytes=600)
