@@ -42,7 +42,7 @@ any link. The last line is one JSON object.
                                                        process group and plan, the engine's round
                                                        trip, and the CRC-32 of every tensor before
                                                        and after the apply (a pass over the model)
-                    delta_ratio_e2e_vs_link_limit      (e2e - fixed_cost_s) / (wire bytes / R)
+                    delta_ratio_e2e_vs_link_limit      (e2e - that run's fixed cost) / (wire bytes / R)
                 The plain engines are TP 1, so `delta_worker_share_max` is null here: a TP 2 worker's
                 share of a sharded delta is measured by tests/integration/vllm/test_vllm_tp2.py.
 """
@@ -194,7 +194,7 @@ def _deltas(args, work: Path) -> int:
         return {k: round(f(values), 4) for k, f in (("median", statistics.median), ("min", min), ("max", max))}
 
     fixed = [row["e2e_s"] for row in rows if row["zero"]]
-    fixed_s = statistics.median(fixed)
+    fixed_of_run = {row["run"]: row["e2e_s"] for row in rows if row["zero"]}  # each delta's own run's
     deltas = [row for row in rows if row["update"] != "full" and not row["zero"]]
     full = [row for row in rows if row["update"] == "full"]
     out = {
@@ -213,9 +213,9 @@ def _deltas(args, work: Path) -> int:
         "fixed_cost_s": spread(fixed),
         # the busiest link over the bytes one inference host needs: 1.0 is every changed byte once
         "delta_ratio_link_bytes_vs_encoded": spread([row["busiest_link_bytes"] / row["wire_bytes"] for row in deltas]),
-        # (e2e - the fixed cost) over the encoded bytes at the link's rate
+        # (e2e - the fixed cost measured in the same run) over the encoded bytes at the link's rate
         "delta_ratio_e2e_vs_link_limit": spread(
-            [(row["e2e_s"] - fixed_s) / (row["wire_bytes"] / rate_bytes_s) for row in deltas]
+            [(row["e2e_s"] - fixed_of_run[row["run"]]) / (row["wire_bytes"] / rate_bytes_s) for row in deltas]
         ),
         "delta_worker_share_max": None,  # plain engines are TP 1 here (see the module docstring)
     }

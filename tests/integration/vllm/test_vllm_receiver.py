@@ -16,7 +16,8 @@ from checkpoint_engine.errors import UpdateFailed
 from checkpoint_engine.ps import ParameterServer
 from checkpoint_engine.sharding.slices import SourceSlice
 from ckpt_common.dtypes import dtype_name
-from vllm_ext.receiver import FaultSpec, WeightReceiver
+from vllm_ext.receive.faults import FaultSpec
+from vllm_ext.receiver import WeightReceiver
 from vllm_ext.settings import ReceiverConfig
 from vllm_ext.weight_cache import WeightCache, checkpoint_checksum
 from vllm_ext.worker_handle import select_handle

@@ -16,7 +16,6 @@ from vllm_ext.receive.delta import DeltaIntake
 from vllm_ext.receive.faults import BucketFault, FaultSlot, FaultSpec
 from vllm_ext.receive.modes import BucketLoad, EndReload, StreamingReload, reload_for
 from vllm_ext.receive.reads import ReadTally
-from vllm_ext.receiver import FaultSpec as ReexportedFaultSpec
 from vllm_ext.weight_cache import WeightCache
 
 
@@ -49,10 +48,6 @@ class Loader:
 
 def t(v: float) -> torch.Tensor:
     return torch.full((4,), v)
-
-
-def test_fault_spec_is_still_importable_from_the_receiver():
-    assert ReexportedFaultSpec is FaultSpec
 
 
 def test_the_fault_slot_hands_its_fault_once_to_its_own_point():
