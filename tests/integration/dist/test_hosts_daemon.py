@@ -9,19 +9,27 @@ link sent each byte once. From the attacker host, without the token (and with a 
 - HTTP: every route but the health checks answers 401 and nothing changes (the daemon refuses to
   start off loopback without a token).
 - torchrun's store (inf0:29500, `testing/relay_attack.py`): a plain TCPStore client lists the keys,
-  copies the relay's genuine commands as rank 0 posts them (`.../ckpt-daemon//cmd/<n>`), then writes
-  at the number rank 1 waits on the relay's own commands (exit, engine_stop, update) unsigned, then
-  signed with a key derived from a wrong token, then the genuine signed engine_start copied from
-  its earlier number (a replay): rank 1 takes each away and logs "refused cmd/<n>: ... an unsigned
-  value" / "... a value whose signature is wrong"; both agents live, both engines still serve v1
-  with the trainer's tensors, and the trainer host's shutdown with the token, relayed under that
-  same number, ends both agents with exit code 0 (the forgeries did not wedge the relay).
+  copies the relay's genuine commands as rank 0 posts them (`.../ckpt-daemon//cmd/<n>`) and rank 1's
+  genuine engine records (`.../ckpt-engines//engines/1`), then writes, one at a time (the test waits
+  for the reading rank's log line before the next): at the number rank 1 waits on the relay's own
+  commands (exit, engine_stop, update) unsigned, then signed with a key derived from a wrong token,
+  then the genuine signed engine_start copied from its earlier number (a replay): rank 1 logs
+  "refused cmd/<n>: ... an unsigned value" / "... a value whose signature is wrong" once each and
+  leaves the key to rank 0; at rank 1's engine record a "failed" record (the attacker's url)
+  unsigned, then signed with a wrong token's key, then rank 1's oldest genuine record written back:
+  rank 0 logs "refused engines/1: ..." once each, GET /engines keeps answering the genuine records
+  (both serving v1, their own urls) and no heal follows; last a forged result of rank 1 for that
+  command number and a forged exit of rank 1 (`gone/1`). Both agents live, both engines still serve
+  v1 with the trainer's tensors, and the trainer host's shutdown with the token, relayed under that
+  same number over the forgery left there, ends both agents with exit code 0: rank 0 refused the
+  forged result and exit (logged) and took rank 1's own (the forgeries did not wedge the relay).
 - An engine's own port (`0.0.0.0` here) has no authentication: the attacker reads inf1's engine's
   checksums and drops its weights (`reset_weights`) while GET /engines still says serving; this is
   why docs/deploy.md keeps engine ports private, with gloo's, Mooncake's and the store's.
-Not tested here: the store's unsigned keys (engine records, agreements; deleting any key) and the
-collectives' and Mooncake's ports, which cannot be authenticated (docs/deploy.md). The relay's
-signatures are unit-tested in tests/unit/checkpoint_engine/test_ce_relay_auth.py.
+Not tested here: the agreement keys (sealed by `relay.SealedStore`, unit-tested), deleting or
+overwriting a genuine key (a denial of service the seals cannot stop) and the collectives' and
+Mooncake's ports, which cannot be authenticated (docs/deploy.md). The seals are unit-tested in
+tests/unit/checkpoint_engine/test_ce_relay_auth.py.
 """
 
 from __future__ import annotations
@@ -163,24 +171,54 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
             ]:
                 code, res = call(attacker, method, path, body, token=token)
                 assert code == 401, (method, path, token, code, res)
-        # the relay through the store: forged, wrongly signed and replayed commands at the number rank 1
-        # waits on; each is taken away by rank 1 (read and refused) and logged there
+        genuine = engines  # the records GET /engines answered before the attack
+        # the daemon through the store (module docstring): each forgery the attacker places is read and
+        # refused by the rank that reads it, logged there once, before the attacker places the next
         spy.stdin.write("go\n")
         spy.stdin.flush()
-        line = spy.stdout.readline()
-        assert spy.wait(30) == 0 and line, (line, (tmp_path / "attacker.log").read_text())
-        report = json.loads(line)
+        node = {0: tmp_path / "node0.log", 1: tmp_path / "node1.log"}
+        placed = []
+        while True:
+            line = spy.stdout.readline()
+            assert line, (tmp_path / "attacker.log").read_text()
+            out = json.loads(line)
+            if "placed" not in out:
+                report = out
+                break
+            placed.append(out)
+            if not out["wait"]:
+                continue
+            reader = 0 if out["key"].startswith("engines/") else 1  # rank 0 reads the records, rank 1 commands
+            want = sum(p["key"] == out["key"] for p in placed)  # each forgery is logged once
+            refused = f"rank {reader}: refused {out['key']}: "
+            deadline = time.monotonic() + 30
+            while node[reader].read_text().count(refused) < want:
+                assert time.monotonic() < deadline, (out, logs())
+                if reader == 0:  # GET /engines reads the board too (the healer does every 0.2 s)
+                    code, res = call(trainer, "GET", "/engines")
+                    assert code == 200 and res["engines"] == genuine, (out, res)
+                time.sleep(0.2)
+            spy.stdin.write("next\n")
+            spy.stdin.flush()
+        assert spy.wait(30) == 0, (tmp_path / "attacker.log").read_text()
         forged = report["forgeries"]
-        assert len(forged) == 7 and all(f["consumed_s"] is not None for f in forged), report
+        assert report["records_seen"] > 1, report  # an older genuine record was written back
+        assert len(forged) == 12, report
         assert {f["op"] for f in forged} >= {"exit", "engine_stop", "update", "engine_start"}, report
         key = f"cmd/{report['next']}"
-        node1 = (tmp_path / "node1.log").read_text()
+        node1 = node[1].read_text()
         unsigned = f"rank 1: refused {key}: {key}: an unsigned value (not written by a rank holding the token)"
         wrong = f"rank 1: refused {key}: {key}: a value whose signature is wrong (forged, or replayed from another key)"
         assert node1.count(unsigned) == 3 and node1.count(wrong) == 4, node1[-4000:]
+        node0 = node[0].read_text()
+        rec = "rank 0: refused engines/1: engines/1: "
+        assert node0.count(rec + "an unsigned value") == 1, node0[-4000:]
+        assert node0.count(rec + "a value whose signature is wrong") == 1, node0[-4000:]
+        assert node0.count(rec + "an older record (number ") == 1, node0[-4000:]
+        assert "healing the engines" not in node0, node0[-4000:]  # no heal of a forged "failed" record
         assert all(a.poll() is None for a in agents), logs()
         code, res = call(trainer, "GET", "/engines")
-        assert [(e["state"], e["checkpoint"]) for e in res["engines"]] == [("serving", "v1")] * 2, res
+        assert res["engines"] == genuine, res  # both serving v1, at their own urls
         for e in res["engines"]:  # each engine holds the trainer's tensors
             out = bed["inf0"].run(
                 [
@@ -212,7 +250,14 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
         assert engine_rpc(inf0, victim, "weights_digest")[1]["results"] == [{}]
         code, res = call(trainer, "GET", "/engines")
         assert [(e["state"], e["checkpoint"]) for e in res["engines"]] == [("serving", "v1")] * 2, res
+        # the genuine shutdown, relayed under the number of the forged commands: rank 0 refuses the
+        # forged result and exit of rank 1 it finds there and waits for rank 1's own result
         code, res = call(trainer, "POST", "/shutdown")
         assert code == 200, res
         for a in agents:
             assert a.wait(120) == 0, logs()
+        node0 = node[0].read_text()
+        n = report["next"]
+        assert f"rank 0: refused res/{n}/1: res/{n}/1: a value whose signature is wrong" in node0, node0[-4000:]
+        assert "rank 0: refused gone/1: gone/1: an unsigned value" in node0, node0[-4000:]
+        assert "must be restarted" not in node0 and "healing the engines" not in node0, node0[-4000:]
