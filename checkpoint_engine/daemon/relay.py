@@ -17,7 +17,8 @@ token (the daemon's `--token-file`), every value one rank writes and another act
 body, so a value copied to another key fails too. That covers the commands (`cmd/<n>`: the number in
 the name, so a recorded command cannot be replayed under another), the results (`res/<n>/<rank>`),
 the exits (`gone/<rank>`), the engine records (`engines/<rank>`) and, through `SealedStore`, the
-agreements. An engine record is overwritten in place at every state change, so its body also carries
+agreements (once `__main__` hands the engine host its store wrapped in it: until then those go
+plain). An engine record is overwritten in place at every state change, so its body also carries
 the writer's count of records (`n`): rank 0 refuses one older than the newest it took (a genuine old
 record written back). A refused value is logged once per key and value ("rank R: refused KEY: ...")
 and ignored, never acted on: a rank keeps waiting for the genuine command or result, which the
