@@ -10,7 +10,7 @@ rank reading a pull itself does. Modes:
 
     broadcast  every rank reads every tensor whole (`set_slices(None)`): what a rank gets today
     sharded    every rank reads only the slices its TP loaders consume (`set_slices(plan slices)`,
-               `sharding.plan.plan_hf` at TP 2): column-parallel and vocab tensors are one byte
+               `sharding.shard_plan.plan_hf` at TP 2): column-parallel and vocab tensors are one byte
                range each, row-parallel ones (o_proj, down_proj: split along dim 1) one range per row
     sharded-whole  (--row-parallel whole, or the third mode of --compare-row-parallel, on by default)
                sharded, but row-parallel tensors read whole (a rank's rows span the whole tensor: their
@@ -140,7 +140,7 @@ def rank_slices(plan, shapes: dict, rank: int, row_parallel: str) -> dict:
 
 def read_ranges(slices: dict | None, shapes: dict) -> int:
     """How many byte ranges a rank reads: one per tensor when whole, else `byte_ranges` of its slices."""
-    from checkpoint_engine.sharding.plan import byte_ranges
+    from checkpoint_engine.sharding.shard_plan import byte_ranges
 
     if slices is None:
         return len(shapes)
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     from _common import cpu_model
 
     from checkpoint_engine import protocol as P
-    from checkpoint_engine.sharding.plan import plan_hf, slice_nbytes
+    from checkpoint_engine.sharding.shard_plan import plan_hf, slice_nbytes
     from checkpoint_engine.sharding.slices import EngineLayout
     from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore
     from ckpt_common.layout.shapes import hf_param_shapes

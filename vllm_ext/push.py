@@ -196,7 +196,7 @@ def delta_shard(cfg: PushConfig, new: dict, *, rank: int, world_size: int, tp_si
     along the slices of a `tp_size` engine, as wire tensors (its own header), and what it holds."""
     from checkpoint_engine.sharding.delta_slices import delta_slices, encode_sliced
     from checkpoint_engine.sharding.delta_sync import HEADER, to_wire
-    from checkpoint_engine.sharding.plan import plan_hf
+    from checkpoint_engine.sharding.shard_plan import plan_hf
     from checkpoint_engine.sharding.slices import EngineLayout
     from ckpt_common.layout.shapes import ModelShape
     from vllm_ext.launch_config import model_safetensors_files

@@ -11,7 +11,7 @@ head, expert subsets under expert parallelism); replicated tensors are copied wh
 copies, without running them, gives each rank's slices with no per-architecture table: a new model
 whose loaders vLLM knows is planned as it loads. The plan is conservative: anything the recording
 cannot describe as rows of one dim asks for the whole tensor, which is always correct (the rank keeps
-what it needs), only larger. `checkpoint_engine.sharding.plan` plans the same from model shapes; the two
+what it needs), only larger. `checkpoint_engine.sharding.shard_plan` plans the same from model shapes; the two
 are compared slice by slice in the tests.
 
 Stand-ins are `torch.empty` (never written, never read: the pages of a large one are never touched),

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from checkpoint_engine.sharding.delta import DeltaMismatch, TensorDelta, VersionDelta, apply_all, encode
-from checkpoint_engine.sharding.plan import ShardPlan
+from checkpoint_engine.sharding.shard_plan import ShardPlan
 from checkpoint_engine.sharding.slices import SourceSlice
 
 SLICE_MARK = "@"  # "name@dim:start:stop": an entry for rows [start, stop) of `name` along dim

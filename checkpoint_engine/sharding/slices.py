@@ -1,6 +1,6 @@
 """The vocabulary of sharded transfer: which part of a source tensor one engine rank consumes.
 
-Shared by the layout planner (`sharding.plan`: from a model's shapes and the engine's TP x EP) and the
+Shared by the layout planner (`sharding.shard_plan`: from a model's shapes and the engine's TP x EP) and the
 learned planner (`vllm_ext.shard_probe`: from the engine's own weight loaders run on recording
 tensors), so a plan from either can be compared slice by slice. Pure: no tensors, no processes.
 

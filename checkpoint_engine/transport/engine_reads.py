@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from checkpoint_engine import protocol as P
-from checkpoint_engine.sharding.plan import byte_ranges
+from checkpoint_engine.sharding.shard_plan import byte_ranges
 from checkpoint_engine.sharding.slices import SourceSlice
 from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore, PendingReads
 from ckpt_common.dtypes import dtype_from_name

@@ -7,5 +7,5 @@
             ``conversion_pieces``, ``writer_pieces``)
 
 It sits below both users: ``trainer.megatron`` converts and hands out weights by it, and
-``checkpoint_engine.sharding.plan`` plans which slices each inference rank needs by it.
+``checkpoint_engine.sharding.shard_plan`` plans which slices each inference rank needs by it.
 """

@@ -24,7 +24,7 @@ from checkpoint_engine.sharding.delta_sync import (
     is_delta_name,
     to_wire,
 )
-from checkpoint_engine.sharding.plan import plan_hf
+from checkpoint_engine.sharding.shard_plan import plan_hf
 from checkpoint_engine.sharding.slices import EngineLayout, SourceSlice
 from ckpt_common.layout.shapes import ModelShape, hf_param_shapes
 

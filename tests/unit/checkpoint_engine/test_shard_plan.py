@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoint_engine.plan import TensorSpec
-from checkpoint_engine.sharding.plan import (
+from checkpoint_engine.sharding.shard_plan import (
     MegatronPlan,
     PlanCache,
     byte_ranges,

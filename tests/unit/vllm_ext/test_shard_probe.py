@@ -214,7 +214,7 @@ HF_PREFIX = {
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_learned_slices_equal_the_layout_planners(vllm_rank, tp_size):
     """The two planners agree slice by slice: vLLM's loaders (learned) and the shape rules (planned)."""
-    from checkpoint_engine.sharding.plan import plan_hf
+    from checkpoint_engine.sharding.shard_plan import plan_hf
     from checkpoint_engine.sharding.slices import EngineLayout
     from ckpt_common.layout.shapes import ModelShape
 

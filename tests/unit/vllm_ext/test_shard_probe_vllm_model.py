@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
 from checkpoint_engine import protocol as P
-from checkpoint_engine.sharding.plan import plan_hf
+from checkpoint_engine.sharding.shard_plan import plan_hf
 from checkpoint_engine.sharding.slices import EngineLayout
 from checkpoint_engine.transport.engine_reads import EngineReads
 from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore
