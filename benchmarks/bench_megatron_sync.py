@@ -178,9 +178,9 @@ def _handoff_rank(args, rank: int, port: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    from checkpoint_engine.buckets import layout_tensors
     from checkpoint_engine.config import ParameterServerConfig
     from checkpoint_engine.host_memory import SharedTensorBuffer
-    from checkpoint_engine.plan import layout_tensors
     from checkpoint_engine.transport import shm
     from ckpt_common.dtypes import dtype_name
     from ckpt_common.layout.shapes import Parallelism, hf_param_shapes

@@ -411,8 +411,8 @@ def mooncake_raw_read(
     without an engine), and all buckets in one batch read into one buffer."""
     import torch
 
+    from checkpoint_engine.buckets import DEFAULT_ALIGN_BYTES, align_up, plan_buckets
     from checkpoint_engine.jobs import GlobalMetas
-    from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, align_up, plan_buckets
     from checkpoint_engine.transport.mooncake import P2PConfig, P2PStore
 
     g = GlobalMetas.from_dict(metas)

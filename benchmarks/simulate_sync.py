@@ -10,7 +10,7 @@ a Kimi-K2-size model (1T params, FP8 engines, 256 GPUs, TP 16 / EP 16) and a 70B
   broadcast       today's design (ours and MoonshotAI's): every inference rank receives the whole
                   model, bucket by bucket: owner copies the bucket host -> device, ring-broadcast to
                   every rank, each engine loads its slice; the next bucket's copy overlaps the
-                  previous one's broadcast / load (checkpoint_engine/pipeline.py, plan.py).
+                  previous one's broadcast / load (checkpoint_engine/pipeline.py, buckets.py).
   sharded         each engine rank receives only its TP/EP slice, point to point (RDMA), from several
                   owners (the training ranks) in parallel; the owner casts to the engine dtype.
   sharded+delta   the same, but only the engine-dtype values that changed, in the encoding the
@@ -22,7 +22,7 @@ Model
 -----
 A bucket goes through stages s (copy-in, network, load, ...); stage s takes
     t_s = bytes_s / (bandwidth_s * efficiency_s) + latency_s            (one bucket, one link)
-Consecutive buckets come from different owners (plan.py interleaves owners), so an owner-side stage
+Consecutive buckets come from different owners (buckets.py interleaves owners), so an owner-side stage
 spread over k owners limits the pipeline's rate by t_s / k only. Stages on the same *resource* (e.g.
 one CPU core per rank on the project's 2-core machine) cannot overlap, so the pipeline's rate is set by
     t_bottleneck = max over resources r of sum_{s on r} t_s / k_s
@@ -282,7 +282,7 @@ def ring_broadcast_seconds(link: Link, nbytes: float, ranks: int, chunk_bytes: f
 
 
 def owner_buckets(total: float, owners: int, bucket: float) -> int:
-    """plan.py cuts each owner's bytes into buckets on its own: owners * ceil(share / bucket)."""
+    """buckets.py cuts each owner's bytes into buckets on its own: owners * ceil(share / bucket)."""
     return owners * max(1, math.ceil(total / owners / bucket))
 
 

@@ -1,7 +1,7 @@
 """Registering a checkpoint: copy its tensors into aligned host chunks owned by this rank.
 
 Sources are safetensors files (read straight into the chunks, header validated by us) and/or
-in-memory tensors. The layout comes from `plan.layout_tensors`; buckets later slice the chunks.
+in-memory tensors. The layout comes from `buckets.layout_tensors`; buckets later slice the chunks.
 
 Zero-copy registration (CPU transport): tensors that are views of a `SharedTensorBuffer` of this
 process (one memfd segment, filled in place, possibly by other processes on this host) are adopted:
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from checkpoint_engine.buckets import DEFAULT_ALIGN_BYTES, RankLayout, TensorMeta, TensorSpec, layout_tensors
 from checkpoint_engine.checksum import tensor_checksum
-from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, RankLayout, TensorMeta, TensorSpec, layout_tensors
 from checkpoint_engine.protocol import BufferHandle
 from checkpoint_engine.transport import shm
 from checkpoint_engine.transport.devices import HostChunk
@@ -237,7 +237,7 @@ class SharedTensorBuffer:
     """Named tensors at aligned offsets in ONE memfd segment created by this process: a checkpoint
     written in place, then registered by a ParameterServer of this process without a copy.
 
-        buf = SharedTensorBuffer([(name, dtype, shape), ...])    layout: plan.layout_tensors, one chunk
+        buf = SharedTensorBuffer([(name, dtype, shape), ...])    layout: buckets.layout_tensors, one chunk
         this process writes buf.tensors[name]; another process on this host writes
             SharedTensorBuffer.views(shm.map_writable(buf.ref), buf.layout)   (/proc/<pid>/fd/<fd>)
         ps.register_checkpoint(name, named_tensors=buf.tensors)   adopted: the segment is the chunk

@@ -21,12 +21,18 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from checkpoint_engine import plan
+from checkpoint_engine.buckets import (
+    TensorMeta,
+    check_global_metas,
+    choose_bucket_size,
+    pipeline_min_bytes,
+    plan_buckets,
+    plan_digest,
+)
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.host_memory import RegisteredCheckpoint
 from checkpoint_engine.pipeline import UpdateJob
-from checkpoint_engine.plan import TensorMeta
 from checkpoint_engine.protocol import BufferHandle
 from checkpoint_engine.sources import (
     BucketSource,
@@ -94,7 +100,7 @@ class GlobalMetas:
             raise ValueError(f"gather_metas called with different checkpoint names on different ranks: {names}")
         owners = [r for r, e in enumerate(everyone) if e["metas"]]
         rank_metas = {r: tuple(TensorMeta.from_wire(x) for x in e["metas"]) for r, e in enumerate(everyone)}
-        plan.check_global_metas(rank_metas)
+        check_global_metas(rank_metas)
         checksums = None
         if verify_checksums:
             checksums = {k: v for e in everyone for k, v in (e["checksums"] or {}).items()}
@@ -319,15 +325,15 @@ def make_job(
         backend=transport.backend,
         p2p_reader=cfg.p2p_reader,
     )
-    bucket_size = plan.choose_bucket_size(
+    bucket_size = choose_bucket_size(
         g.rank_metas,
         requested_bytes=cfg.bucket_size_bytes,
         default_bytes=cfg.default_bucket_size_bytes,
         budget_bytes=min(b[0] for b in budgets),
-        pipeline_min_bytes=plan.pipeline_min_bytes(mode),
+        pipeline_min_bytes=pipeline_min_bytes(mode),
     )
-    buckets = plan.plan_buckets(g.rank_metas, bucket_size)
-    digests = all_gather_obj(plan.plan_digest(buckets).hex(), n, group)
+    buckets = plan_buckets(g.rank_metas, bucket_size)
+    digests = all_gather_obj(plan_digest(buckets).hex(), n, group)
     if len(set(digests)) != 1:
         groups: dict[str, list[int]] = {}
         for r, d in zip(members, digests):

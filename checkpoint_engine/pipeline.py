@@ -29,11 +29,11 @@ import torch.distributed as dist
 import zmq
 
 from checkpoint_engine import protocol as P
+from checkpoint_engine.buckets import DEFAULT_ALIGN_BYTES, Bucket, align_up, double_buffer_schedule
 from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.errors import UpdateFailed
 from checkpoint_engine.link import EngineFailure, EngineLink
 from checkpoint_engine.metrics import UpdateMetrics
-from checkpoint_engine.plan import DEFAULT_ALIGN_BYTES, Bucket, align_up, double_buffer_schedule
 from checkpoint_engine.sources import BucketSource, EngineBuffers
 from checkpoint_engine.transport.devices import Transport
 from checkpoint_engine.types import Mode, ReqFunc

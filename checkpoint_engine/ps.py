@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from checkpoint_engine import plan
+from checkpoint_engine.buckets import check_global_metas
 from checkpoint_engine.collectives import all_gather_obj
 from checkpoint_engine.config import ParameterServerConfig
 from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound, UpdateFailed
@@ -338,7 +338,7 @@ class ParameterServer:
                 f"malformed metas: device_ids, pids and hosts differ in length ({len(g.device_ids)}, "
                 f"{len(g.pids)}, {len(g.hosts)})"
             )
-        plan.check_global_metas(g.rank_metas)
+        check_global_metas(g.rank_metas)
         if not g.rank_metas:
             raise ValueError(
                 f"metas of {g.checkpoint!r} name no owner rank (were they gathered where it is registered?)"

@@ -39,6 +39,7 @@ import time
 import torch.distributed as dist
 
 from checkpoint_engine.api import group_req_func, http_req_func
+from checkpoint_engine.buckets import check_global_metas
 from checkpoint_engine.daemon.relay import Relay
 from checkpoint_engine.engines import host as engines
 from checkpoint_engine.engines.adapters import engine_req_func
@@ -46,7 +47,6 @@ from checkpoint_engine.engines.states import SLEEP_LEVELS
 from checkpoint_engine.errors import CheckpointExists, CheckpointNotFound, DaemonBusy, DaemonUnavailable
 from checkpoint_engine.host_memory import read_safetensors_index
 from checkpoint_engine.jobs import GlobalMetas
-from checkpoint_engine.plan import check_global_metas
 from checkpoint_engine.ps import ParameterServer
 from checkpoint_engine.types import PAUSE_MODES, REQUESTED_ROUTES
 

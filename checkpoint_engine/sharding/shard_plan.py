@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from checkpoint_engine.plan import TensorSpec
+from checkpoint_engine.buckets import TensorSpec
 from checkpoint_engine.sharding.slices import EngineLayout, SourceSlice
 from ckpt_common.dtypes import itemsize
 from ckpt_common.layout.pieces import hf_sources, sources_of_slice

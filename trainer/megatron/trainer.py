@@ -202,7 +202,7 @@ class MegatronTrainer(OptimizerSteps):
             return views
         key = tuple(int(v) for v in box)
         if key not in self._mapped:  # buffers live as long as the trainer: one mapping each
-            from checkpoint_engine.plan import layout_tensors
+            from checkpoint_engine.buckets import layout_tensors
             from checkpoint_engine.transport import shm
 
             layout = layout_tensors(self._hf_specs())

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from checkpoint_engine.buckets import Bucket, TensorMeta
 from checkpoint_engine.jobs import GlobalMetas, choose_mode, engine_can_map_owners, make_source
-from checkpoint_engine.plan import Bucket, TensorMeta
 from checkpoint_engine.protocol import BufferHandle
 from checkpoint_engine.sources import (
     CollectiveSource,

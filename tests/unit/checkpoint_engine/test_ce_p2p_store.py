@@ -122,7 +122,7 @@ def test_p2p_source_connects_to_the_owners_it_reads_while_the_engine_connects():
     import threading
     from types import SimpleNamespace
 
-    from checkpoint_engine.plan import Bucket
+    from checkpoint_engine.buckets import Bucket
     from checkpoint_engine.protocol import BufferHandle
     from checkpoint_engine.sources import P2PSource
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoint_engine.plan import TensorSpec
+from checkpoint_engine.buckets import TensorSpec
 from checkpoint_engine.sharding.shard_plan import (
     MegatronPlan,
     PlanCache,
