@@ -67,7 +67,8 @@ class PushConfig:
         metadata=meta(
             "model directory of the version the engine holds: send only the values that changed from it, "
             "cut along the engine's tensor-parallel slices (each worker reads its own); when the engine "
-            "refuses the delta (it holds another version, or no copy to apply it to) the full version follows",
+            "refuses the delta (it holds another version, or no copy to apply it to), or the delta is more than "
+            "half the full version, the full version follows",
             metavar="DIR",
         ),
     )
@@ -129,6 +130,7 @@ def load_shard(files: list[str], rank: int, world_size: int) -> dict:
 def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_per_engine: int) -> dict:
     """Register this rank's shard, gather metas, update; return metrics. Raises on failure."""
     from checkpoint_engine.ps import ParameterServer
+    from checkpoint_engine.sharding.delta import choose_update
     from vllm_ext.launch_config import model_safetensors_files
     from vllm_ext.req import vllm_http_req_func
 
@@ -179,6 +181,14 @@ def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_
             metrics, register_s = send(new)
             return {**metrics, "register_s": round(register_s, 4)}
         wire, info = delta
+        # one choice for every rank (each holds a share): the sums of the shares' delta and full bytes
+        totals = _summed(ps, world_size, info["nbytes"], sum(t.numel() * t.element_size() for t in new.values()))
+        choice = choose_update(info["base"], info["base"], totals[0], totals[1])
+        info.update(total_nbytes=totals[0], total_full_bytes=totals[1])
+        if choice.kind == "full":
+            info.update(kind="full", reason=choice.reason)
+            metrics, register_s = send(new)
+            return {**metrics, "register_s": round(register_s, 4), "delta": info}
         try:
             metrics, register_s = send(wire)
             info["kind"] = "delta"
@@ -189,6 +199,19 @@ def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_
         return {**metrics, "register_s": round(register_s, 4), "delta": info}
     finally:
         ps.close()
+
+
+def _summed(ps, world_size: int, *values: int) -> list[int]:
+    """`values` summed over every PS rank (gloo; the ranks' own process group)."""
+    if world_size == 1:
+        return list(values)
+    import torch
+    import torch.distributed as dist
+
+    ps.init_process_group()
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t)
+    return [int(x) for x in t]
 
 
 def delta_shard(cfg: PushConfig, new: dict, *, rank: int, world_size: int, tp_size: int) -> tuple[dict, dict]:

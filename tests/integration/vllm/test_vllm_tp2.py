@@ -7,7 +7,9 @@ own, per worker and parameter, after its CPU weight processing) and greedy token
 Then two parameter-server ranks (`python -m vllm_ext.push --world-size 2 --p2p-reader engine`: each
 worker reads the ranks' chunks over Mooncake itself, only the byte ranges of its own slices):
 
-  push A  -> every checksum differs from the reference (but those of tensors equal in A and B: the
+  push A  -> asked as a delta from B: every value differs, so the ranks' summed delta is more than half
+             the full version and both send the full A (the reason in their metrics);
+             every checksum differs from the reference (but those of tensors equal in A and B: the
              tiny model's norms and biases): the pull reached every parameter of both workers
   push B  -> sent as a delta from C (B with 3 % of each matrix's values changed) while the engine
              holds A: both workers refuse it, nothing written, and `--delta-base`'s fallback sends the
@@ -221,7 +223,13 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         disk_logprobs = completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS)
         DISK_REFERENCE.update(checksums=disk, tokens=disk_tokens, logprobs=disk_logprobs)
 
-        _push(model_a, url, tmp_path, "push-a")
+        # A as a delta from B (every value differs): not smaller than half of A, so both ranks agree
+        # on the full version before anything is sent
+        metrics = _push(model_a, url, tmp_path, "push-a", ("--delta-base", str(model_b)))
+        for m in metrics:
+            d = m["delta"]
+            assert d["kind"] == "full" and "of the full" in d["reason"], m
+            assert d["total_nbytes"] > 0.5 * d["total_full_bytes"], m
         after_a = _checksums(url)["checksums"]
         DISK_REFERENCE.update(after_a=after_a)
         assert after_a.keys() == disk.keys()
