@@ -106,7 +106,7 @@ def step_to_serving(model_dir: str | None, steps: int, trainer_tp: int = 1) -> d
     from testing.vllm_servers import cpu_llm
     from trainer.base import TrainerConfig
     from trainer.factory import make_trainer
-    from vllm_ext.req import llm_req_func
+    from vllm_ext.extension_req import llm_req_func
 
     tmp = None
     if model_dir is None:

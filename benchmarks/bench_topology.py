@@ -680,7 +680,7 @@ def heal(client, work: pathlib.Path, timeout_s: float) -> dict:
 
 def engine_reload_report(url: str) -> dict | None:
     """The healed engine's own account of its last update (vLLM worker: transfer_s, reload_tail_s)."""
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     try:
         report = collective_rpc(url, "weights_state", timeout_s=30.0)[0]

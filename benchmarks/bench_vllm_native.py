@@ -13,10 +13,10 @@ A one-rank CPU parameter server holds both. After untimed warm-ups (the first up
 receiver's cache; vLLM's reload of B gives B's reference answer), `--repeats` pairs, each running
 the three paths in an order that rotates from pair to pair:
 
-  native     ParameterServer.update -> vllm_ext.weight_transfer.req.native_http_req_func:
+  native     ParameterServer.update -> vllm_ext.weight_transfer.native_req.native_http_req_func:
              /pause?mode=M, /start_weight_update, /update_weights, /finish_weight_update (version),
              [keep: /reset_prefix_cache?reset_running_requests=true], /resume          -> native_s
-  extension  ParameterServer.update -> vllm_ext.req.vllm_http_req_func: /collective_rpc
+  extension  ParameterServer.update -> vllm_ext.extension_req.vllm_http_req_func: /collective_rpc
              update_weights_from_ipc, /reset_prefix_cache                              -> extension_s
   disk       /collective_rpc reload_weights(weights_path=DIR), /reset_prefix_cache (vLLM's own
              in-place reload; the safetensors in the page cache: the best case for it) -> disk_reload_s
@@ -135,8 +135,8 @@ class Bench:
     def run(self, path: str, pause_mode: str | None = None) -> tuple[float, float | None]:
         """One update of the whole model to the other checkpoint through `path`; (seconds, the receiver's
         own seconds or None for the disk reload). The answer is checked afterwards (untimed)."""
-        from vllm_ext.req import collective_rpc, vllm_http_req_func
-        from vllm_ext.weight_transfer.req import native_http_req_func
+        from vllm_ext.extension_req import collective_rpc, vllm_http_req_func
+        from vllm_ext.weight_transfer.native_req import native_http_req_func
 
         name = self.target()
         self.steps += 1

@@ -153,7 +153,7 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
     from checkpoint_engine.ps import ParameterServer
     from ckpt_common.hf_dir import safetensors_files
     from testing.vllm_servers import completion_token_ids
-    from vllm_ext.req import collective_rpc, vllm_http_req_func
+    from vllm_ext.extension_req import collective_rpc, vllm_http_req_func
 
     ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
     t0 = time.perf_counter()
@@ -202,7 +202,7 @@ def measure_updates(url: str, model_dir: Path, repeats: int, reference: list) ->
 def reload_from_disk(url: str, model_dir: Path, timeout_s: float = 600.0) -> None:
     """vLLM's own in-place reload of the server's weights from the safetensors in `model_dir`, then the
     prefix-cache reset: the same service as an update (new weights, no stale prefix KV)."""
-    from vllm_ext.req import collective_rpc, reset_prefix_cache_http
+    from vllm_ext.extension_req import collective_rpc, reset_prefix_cache_http
 
     collective_rpc(url, "reload_weights", kwargs={"weights_path": str(model_dir)}, timeout_s=timeout_s)
     reset_prefix_cache_http(url)

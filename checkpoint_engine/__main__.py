@@ -196,12 +196,12 @@ def main(argv=None) -> int:
 
 
 def register_engine_adapter() -> None:
-    """The served engines' adapter for this process: vLLM's (`vllm_ext.weight_transfer.req`: the native
+    """The served engines' adapter for this process: vLLM's (`vllm_ext.weight_transfer.native_req`: the native
     and auto update routes; the plain engine takes the extension route, which needs none). This entry
     point is the one module of the checkpoint engine that imports vllm_ext: the daemon's commands and
     engine host ask `checkpoint_engine.engines.adapters` and name no engine. No vLLM import here."""
     from checkpoint_engine.engines.adapters import register_engine_req_func
-    from vllm_ext.weight_transfer.req import engine_req_func
+    from vllm_ext.weight_transfer.native_req import engine_req_func
 
     register_engine_req_func(engine_req_func)
 

@@ -31,7 +31,7 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 RequestedMode = Literal["auto", SelectableMode, "relay"]  # `UpdateConfig.mode`, daemon `--mode`
 REQUESTED_MODES: tuple[RequestedMode, ...] = get_args(RequestedMode)
 
-# How an update reaches a vLLM server (vllm_ext.weight_transfer.req): vLLM's weight-transfer routes
+# How an update reaches a vLLM server (vllm_ext.weight_transfer.native_req): vLLM's weight-transfer routes
 # (the checkpoint_engine backend) or the worker extension's /collective_rpc; "auto": the one the
 # server says it offers. The daemon's --engine-update-route and POST /update's "route" take these.
 UpdateRoute = Literal["native", "extension"]

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt_common.ports import free_port
     from demo.tiny_model import make_tiny_model
     from testing.vllm_servers import child_env, completion_token_ids
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tp2-check-"))
     env = child_env(VLLM_CPU_OMP_THREADS_BIND="0|1")

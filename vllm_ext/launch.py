@@ -173,7 +173,7 @@ class Launcher:
             self._ps_error = e
 
     def push(self, registering: threading.Thread) -> dict:
-        from vllm_ext.weight_transfer.req import engine_req_func
+        from vllm_ext.weight_transfer.native_req import engine_req_func
 
         registering.join(self.cfg.push_timeout_s)
         if registering.is_alive():
@@ -231,8 +231,8 @@ class Launcher:
     def refresh_gate(self) -> bool:
         """Record the workers' weight reports at the gate (which opens on loaded weights); True when they
         show loaded weights (also when the gate was open already)."""
+        from vllm_ext.extension_req import collective_rpc
         from vllm_ext.gate import weights_loaded
-        from vllm_ext.req import collective_rpc
 
         reports = collective_rpc(self.engine_url, "weights_state", timeout_s=30.0)
         self.gate.observe(reports)
@@ -240,7 +240,7 @@ class Launcher:
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> int:
-        from vllm_ext.req import wait_until_healthy
+        from vllm_ext.extension_req import wait_until_healthy
 
         self.start_engine()  # first: vLLM's start is the long pole
         registering = threading.Thread(target=self.register_checkpoint, daemon=True, name="register")
@@ -289,7 +289,7 @@ class Launcher:
     def _run_external_load(self) -> int:
         """vLLM waits in its load step for an external PS; the gate opens once vLLM is healthy and its
         workers report the loaded weights."""
-        from vllm_ext.req import wait_until_healthy
+        from vllm_ext.extension_req import wait_until_healthy
 
         self.gate.set_phase(
             "waiting_for_weights", f"vLLM's load step waits for a parameter server at {self.cfg.load_rendezvous}"

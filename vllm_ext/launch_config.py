@@ -210,7 +210,7 @@ class LaunchConfig:
 
     @property
     def update_route(self) -> str:
-        """How updates reach this launcher's vLLM by default (`vllm_ext.weight_transfer.req.UpdateRoute`)."""
+        """How updates reach this launcher's vLLM by default (`vllm_ext.weight_transfer.native_req.UpdateRoute`)."""
         return "native" if self.weight_transfer else "extension"
 
     @property

@@ -131,8 +131,8 @@ def push(cfg: PushConfig, engine_url: str, *, rank: int, world_size: int, ranks_
     """Register this rank's shard, gather metas, update; return metrics. Raises on failure."""
     from checkpoint_engine.ps import ParameterServer
     from checkpoint_engine.sharding.delta import choose_update
+    from vllm_ext.extension_req import vllm_http_req_func
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.req import vllm_http_req_func
 
     name = cfg.checkpoint_name or os.path.basename(os.path.normpath(cfg.model))
     timeout_s = cfg.timeout_s

@@ -66,7 +66,7 @@ class VllmColocateWorkerExtension:
             # behind: its collective_rpc raises on the first failed worker and leaves the other workers'
             # answers queued, where the next call (the full version after a refused delta, a state
             # query) reads them as its own. Every worker answers instead; the PS learns of the failure
-            # over its link, the caller from `update_error` (`vllm_ext.req.check_reports`).
+            # over its link, the caller from `update_error` (`vllm_ext.extension_req.check_reports`).
             logger.warning("checkpoint-engine: update failed on this worker: %s: %s", type(e).__name__, e)
             return {**receiver.report(), "update_error": f"{type(e).__name__}: {e}"}
         if undefined_before and receiver.reload_error is None:

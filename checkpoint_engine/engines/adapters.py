@@ -6,7 +6,7 @@ update, a heal) need a req_func for that engine's HTTP server, and which routes 
 weight-transfer API, or the ``/collective_rpc`` extension route) is the engine's business. Its package
 registers a factory of such req_funcs here (``register_engine_req_func``); the daemon's entry point
 (``checkpoint_engine/__main__.py``, the one place that wires the daemon to vLLM) registers vLLM's,
-``vllm_ext.weight_transfer.req.engine_req_func``, before any rank serves. Without a registered adapter
+``vllm_ext.weight_transfer.native_req.engine_req_func``, before any rank serves. Without a registered adapter
 only the extension route works (the daemon's own ``/collective_rpc`` request, which the plain engine
 serves too); a req_func of "native" or "auto" raises when it is run, naming what to register (an
 update's check phase builds its req_func without running it, so an in-process daemon without an
@@ -85,7 +85,7 @@ def engine_req_func(
         raise CheckpointEngineError(
             f"update route {route!r} into {endpoint} needs an engine adapter and none is registered in this "
             "process: the daemon's entry point (python -m checkpoint_engine) registers vLLM's; elsewhere call "
-            "checkpoint_engine.engines.adapters.register_engine_req_func(vllm_ext.weight_transfer.req."
+            "checkpoint_engine.engines.adapters.register_engine_req_func(vllm_ext.weight_transfer.native_req."
             "engine_req_func), or ask for route 'extension'"
         )
 

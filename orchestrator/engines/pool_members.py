@@ -113,7 +113,7 @@ class PoolMembers:
         weight-transfer routes unless the pool started it with --no-weight-transfer), ``weight_version``
         what vLLM reports afterwards."""
         if member.server is not None:
-            from vllm_ext.weight_transfer.req import engine_req_func
+            from vllm_ext.weight_transfer.native_req import engine_req_func
 
             return engine_req_func(
                 member.server.endpoint, route="auto", rank=0, timeout_s=timeout_s, weight_version=weight_version

@@ -223,7 +223,7 @@ class AsyncVllmEngine(RolloutEngine):
         if self.native:
             from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-            from vllm_ext.weight_transfer.req import (
+            from vllm_ext.weight_transfer.native_req import (
                 NativeSteps,
                 checked_finish,
                 run_native_update,
@@ -256,7 +256,7 @@ class AsyncVllmEngine(RolloutEngine):
 
             return native_req_func
 
-        from vllm_ext.req import rpc_req_func
+        from vllm_ext.extension_req import rpc_req_func
 
         def collective_rpc(method: str, *, timeout: float, args: tuple) -> list:
             return self._call(

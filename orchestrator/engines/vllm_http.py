@@ -9,7 +9,7 @@
         on_result(result) as each batch ends; as_completed also ends on requests close() cancelled
     weight_req_func ──▶ the server's weight-transfer routes (engine.update_route native; auto: where a
                         launcher says it serves them) or its /collective_rpc (extension)
-                        (vllm_ext.weight_transfer.req.engine_req_func)
+                        (vllm_ext.weight_transfer.native_req.engine_req_func)
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class HttpVllmEngine(RolloutEngine):
         (SSE), so a batch cut off by the engine's death raises ``PartialGeneration`` with the tokens
         generated so far (a pool requeues them as continuations); vLLM sends them every
         ``stream_interval_tokens`` tokens (fewer events: at most that many minus one lost per request)."""
-        from vllm_ext.req import get_json
+        from vllm_ext.extension_req import get_json
 
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be >= 1")
@@ -226,7 +226,7 @@ class HttpVllmEngine(RolloutEngine):
     def weight_req_func(self, timeout_s: float, weight_version: WeightVersion = None) -> ReqFunc:
         """The server's route: ``engine.update_route`` (auto: what the server says it offers at each
         update, ``served_route``)."""
-        from vllm_ext.weight_transfer.req import engine_req_func
+        from vllm_ext.weight_transfer.native_req import engine_req_func
 
         return engine_req_func(
             self.endpoint, route=self.config.update_route, rank=0, timeout_s=timeout_s, weight_version=weight_version

@@ -1,7 +1,7 @@
 """The checkpoint engine as a worker-side backend of vLLM's weight-transfer API (`--weight-transfer-config
 '{"backend": "checkpoint_engine"}'`; registered by `vllm_ext.weight_transfer.plugin.register`).
 
-    PS update(name, req.py req_func) ──▶ vLLM /start_weight_update ──▶ start_weight_update()  (nothing to do)
+    PS update(name, native_req func) ──▶ vLLM /start_weight_update ──▶ start_weight_update()  (nothing to do)
                                      ──▶ /update_weights [{"zmq_handles": {...}}, ...]  (one per worker)
                                            └▶ update_weights(info) ──▶ receive_weights: this worker's handle
                                               (`select_handle`) ──▶ the worker extension's receive and

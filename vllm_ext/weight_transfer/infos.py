@@ -2,7 +2,7 @@
 
 vLLM's RL routes carry backend-specific JSON objects (`/init_weight_transfer_engine {"init_info": ...}`,
 `/update_weights {"update_info": ...}`); the worker-side engine (`vllm_ext.weight_transfer.engine`) parses them
-into these dataclasses and the ParameterServer side (`vllm_ext.weight_transfer.req`) builds them, so the two
+into these dataclasses and the ParameterServer side (`vllm_ext.weight_transfer.native_req`) builds them, so the two
 sides share one definition:
 
     init_info    {}                                    nothing to set up: each update names its sockets
@@ -72,7 +72,7 @@ class NativeUpdateInfo:
         if "zmq_handles" not in d:
             raise ValueError(
                 "update_info.zmq_handles is required: the {device_id: zmq_address} of the engine's "
-                "ParameterServer ranks (vllm_ext.weight_transfer.req builds it)"
+                "ParameterServer ranks (vllm_ext.weight_transfer.native_req builds it)"
             )
         return cls(**d)
 

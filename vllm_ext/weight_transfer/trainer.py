@@ -60,7 +60,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from vllm_ext.weight_transfer.infos import BACKEND_NAME, NativeInitInfo
-from vllm_ext.weight_transfer.req import client_req_func
+from vllm_ext.weight_transfer.native_req import client_req_func
 
 logger = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ def test_rl_job_on_the_daemons_engines(tmp_path, colocated):
         assert [r["state"] for r in records] == ["serving", "serving"], records
         assert {r["checkpoint"] for r in records} == {f"policy-v{num_iterations}"}, records
 
-        from vllm_ext.req import collective_rpc
+        from vllm_ext.extension_req import collective_rpc
 
         checksums = [[c["checksum"] for c in collective_rpc(r["url"], "weights_checksum")] for r in records]
         assert checksums[0] == checksums[1] and checksums[0][0], checksums

@@ -155,7 +155,7 @@ def test_two_engines_take_rollouts_and_every_version(healed_run):
         assert "engine0" in r["weight_sync_engine_s"] and r["weight_sync_s"] > 0
     assert pool.wait_serving(300), pool.metrics()
     newest = f"policy-v{NUM_ITERATIONS}"
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     checksums = {}
     for name, endpoint in pool.endpoints().items():

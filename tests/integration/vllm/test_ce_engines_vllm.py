@@ -36,8 +36,8 @@ def test_daemon_heals_a_killed_vllm_engine(tmp_path):
         completion_token_ids,
         http_json,
     )
+    from vllm_ext.extension_req import collective_rpc
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.req import collective_rpc
 
     # tied embeddings (no lm_head.weight in the checkpoint), as most small open models have
     model = make_tiny_model(tmp_path / "A", TinyModelConfig.tiny(init_std=0.1, tie_word_embeddings=True), seed=11)

@@ -112,7 +112,7 @@ def _child(model_dir: str, out_json: str) -> None:
     from testing.vllm_servers import LLMSyncClient, cpu_llm
     from trainer.base import TrainerConfig
     from trainer.factory import make_trainer
-    from vllm_ext.req import llm_req_func
+    from vllm_ext.extension_req import llm_req_func
     from vllm_ext.weight_transfer.trainer import CheckpointEngineTrainerInitInfo, NamedTensorsSource
 
     start = time.monotonic()

@@ -56,8 +56,8 @@ def _run_vllm(model_dir: str, out_json: str, extension: str, update_from: str) -
     if update_from:
         from checkpoint_engine.config import ParameterServerConfig
         from checkpoint_engine.ps import ParameterServer
+        from vllm_ext.extension_req import llm_req_func
         from vllm_ext.launch_config import model_safetensors_files
-        from vllm_ext.req import llm_req_func
 
         ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
         try:

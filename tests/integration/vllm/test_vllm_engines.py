@@ -59,9 +59,9 @@ def _reference(model_dir: str, out_json: str, update_to: str | None, native_to: 
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
     from testing.vllm_servers import cpu_llm
+    from vllm_ext.extension_req import llm_req_func
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.req import llm_req_func
-    from vllm_ext.weight_transfer.req import native_llm_req_func
+    from vllm_ext.weight_transfer.native_req import native_llm_req_func
 
     native = {"weight_transfer_config": {"backend": "checkpoint_engine"}} if native_to else {}
     llm = cpu_llm(model_dir, load_format="auto", **native)  # started normally (+ extension)
@@ -223,13 +223,13 @@ def _push(models, engines, name: str, tag: str, **kw) -> list[tuple[int, str]]:
 
 
 def _states(engines) -> list[dict]:
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     return [collective_rpc(engines[k].url, "weights_state", timeout_s=90.0)[0] for k in ("fast", "gated")]
 
 
 def _checksums(engines) -> list[str | None]:
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     return [
         collective_rpc(engines[k].url, "weights_checksum", timeout_s=90.0)[0]["checksum"] for k in ("fast", "gated")
@@ -398,7 +398,7 @@ def test_native_routes_update_a_launched_server(engines, models):
     from checkpoint_engine.ps import ParameterServer
     from testing.vllm_servers import completion_token_ids, http_json
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.weight_transfer.req import engine_req_func, native_http_req_func
+    from vllm_ext.weight_transfer.native_req import engine_req_func, native_http_req_func
 
     gated = engines["gated"]
     for server in (engines["fast"], gated):  # the launcher says which route it serves
@@ -460,7 +460,7 @@ def test_native_keep_update_holds_a_request_in_flight_and_drops_the_old_kv(engin
     from checkpoint_engine.ps import ParameterServer
     from testing.vllm_servers import StreamedCompletion, completion_token_ids, http_json, post_completions
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.weight_transfer.req import native_http_req_func
+    from vllm_ext.weight_transfer.native_req import native_http_req_func
 
     gated, refs = engines["gated"], engines["refs"]
     old = _states(engines)[1]["checkpoint"]
@@ -537,9 +537,9 @@ def test_native_update_failing_mid_bucket_at_start_or_at_finish_is_refused_until
     from checkpoint_engine.errors import UpdateFailed
     from checkpoint_engine.ps import ParameterServer
     from testing.vllm_servers import completion_token_ids, http_json, post_completions
+    from vllm_ext.extension_req import collective_rpc
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.req import collective_rpc
-    from vllm_ext.weight_transfer.req import native_http_req_func
+    from vllm_ext.weight_transfer.native_req import native_http_req_func
 
     gated = engines["gated"]
     if _states(engines)[1]["status"] != "ready":
@@ -607,7 +607,7 @@ def test_native_weight_transfer_api_updates_in_process_llm(engines):
 
 
 def test_engine_failure_aborts_update_then_next_update_restores(engines, models, tmp_path):
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     _ensure(models, engines, "A")
     versions = [s["version"] for s in _states(engines)]
@@ -624,7 +624,7 @@ def test_engine_failure_aborts_update_then_next_update_restores(engines, models,
 
 def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp_path):
     from testing.vllm_servers import start_push_ranks, wait_all
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     _ensure(models, engines, "A")
     marker = tmp_path / "rank1-mid-update"
@@ -660,9 +660,9 @@ def test_a_delta_update_reaches_vllm_and_an_engine_without_a_weight_cache_takes_
     from checkpoint_engine.sharding.delta_sync import DeltaSync
     from demo.tiny_model import load_state_dict_from_dir
     from testing.vllm_servers import assert_kernels_checked, assert_same_logprobs, completion_logprobs
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
     from vllm_ext.weight_cache import checkpoint_checksum
-    from vllm_ext.weight_transfer.req import engine_req_func
+    from vllm_ext.weight_transfer.native_req import engine_req_func
 
     d1 = load_state_dict_from_dir(models["B"])
     d2 = dict(d1)

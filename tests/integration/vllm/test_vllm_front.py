@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from ckpt_common.httpjson import JsonRequestHandler
+from vllm_ext.extension_req import EngineRpcError, check_reports, collective_rpc, vllm_http_req_func
 from vllm_ext.gate import Gate, make_app, weights_loaded
 from vllm_ext.launch import build_parser
 from vllm_ext.launch_config import LaunchConfig, model_safetensors_files, vllm_command
-from vllm_ext.req import EngineRpcError, check_reports, collective_rpc, vllm_http_req_func
 
 REPO = Path(__file__).resolve().parents[3]
 

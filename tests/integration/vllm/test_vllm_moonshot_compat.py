@@ -103,7 +103,7 @@ def _wait_exit(job, timeout_s: float) -> int:
 
 
 def _checksum(url: str) -> dict:
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     return collective_rpc(url, "weights_checksum", timeout_s=90.0)[0]
 

@@ -196,7 +196,7 @@ def test_sharded_pulls_give_the_weights_tp2_loaded_from_disk(tmp_path):
         http_json,
         vllm_serve_command,
     )
-    from vllm_ext.req import collective_rpc
+    from vllm_ext.extension_req import collective_rpc
 
     TIED = _tied()
 
@@ -338,8 +338,8 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
         vllm_serve_command,
     )
     from tests.integration.dist.test_ce_engines import engines
+    from vllm_ext.extension_req import collective_rpc
     from vllm_ext.launch_config import model_safetensors_files
-    from vllm_ext.req import collective_rpc
 
     # the first test's B, value for value, in three files: the daemon's ranks each register some (a
     # worker then maps its own rank's memory and reads the other's over Mooncake)

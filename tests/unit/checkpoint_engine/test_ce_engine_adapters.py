@@ -75,7 +75,7 @@ def test_the_daemons_entry_point_registers_vllms_adapter_without_importing_vllm(
     import sys
 
     from checkpoint_engine.__main__ import register_engine_adapter
-    from vllm_ext.weight_transfer.req import engine_req_func
+    from vllm_ext.weight_transfer.native_req import engine_req_func
 
     had_vllm = "vllm" in sys.modules
     register_engine_adapter()

@@ -15,7 +15,7 @@
                             llm.reset_prefix_cache()
         client_req_func: the same over a `VLLMWeightSyncClient` (vLLM's trainer API; `trainer.py`)
         engine_req_func: the way into a vLLM server by name: "native" (the above over HTTP) or
-                         "extension" (the worker extension's /collective_rpc, `vllm_ext.req`)
+                         "extension" (the worker extension's /collective_rpc, `vllm_ext.extension_req`)
         served_route:    which of the two a server offers: a launcher (`vllm_ext.launch`) says so
                          in GET /launcher/status ("update_route"); any other server: "extension".
                          A launcher also says its tensor-parallel size: an engine whose workers are
@@ -62,9 +62,9 @@ from checkpoint_engine.types import (
     WeightVersion,
 )
 from ckpt_common.httpjson import HTTPError, post_json, status_json
+from vllm_ext.extension_req import EngineRpcError, vllm_http_req_func
 from vllm_ext.gate import finish_failure
 from vllm_ext.launch_config import EXTENSION
-from vllm_ext.req import EngineRpcError, vllm_http_req_func
 from vllm_ext.weight_transfer.infos import NativeUpdateInfo
 
 logger = logging.getLogger(__name__)
@@ -372,7 +372,7 @@ def engine_req_func(
 ) -> ReqFunc:
     """req_func for PS rank `rank` into the vLLM server at `endpoint` by `route`: "native"
     (`native_http_req_func`: pause, start, update, finish with `weight_version`, resume), "extension"
-    (`vllm_ext.req.vllm_http_req_func`: /collective_rpc, then a prefix-cache reset; `weight_version`
+    (`vllm_ext.extension_req.vllm_http_req_func`: /collective_rpc, then a prefix-cache reset; `weight_version`
     and `pause_mode` do not apply there: the caller keeps the engine idle), or "auto": the one the
     server offers (`served_route`), asked at each update (a restarted server may offer another).
     `extension`: the req_func of the extension route instead of `vllm_http_req_func` (the daemon's

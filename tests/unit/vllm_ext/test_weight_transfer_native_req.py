@@ -1,5 +1,5 @@
-"""vllm_ext.weight_transfer.req: the route sequence a ParameterServer update drives through vLLM's weight-transfer
-API, against a fake vLLM server on a free loopback port (and fake in-process engines)."""
+"""vllm_ext.weight_transfer.native_req: the route sequence a ParameterServer update drives through vLLM's
+weight-transfer API, against a fake vLLM server on a free loopback port (and fake in-process engines)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from testing.http_stub import serve_stub
+from vllm_ext.extension_req import EngineRpcError
 from vllm_ext.launch_config import EXTENSION
-from vllm_ext.req import EngineRpcError
-from vllm_ext.weight_transfer.req import (
+from vllm_ext.weight_transfer.native_req import (
     RESET_KV_ROUTE,
     NativeRouteError,
     client_req_func,
