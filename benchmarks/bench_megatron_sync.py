@@ -30,7 +30,7 @@ HF checkpoint is --dtype. Best of --repeats, each a full sync's handoff:
     python benchmarks/bench_megatron_sync.py --vllm [--model-dir DIR] [--steps 3]
 
 adds the trainer-step-end to vLLM-serving split, measured the way the RL loop syncs
-(orchestrator.engines.weight_sync: an in-process ParameterServer, CPU transport) from a MegatronTrainer (TP=1,
+(orchestrator.engine_pool.weight_sync: an in-process ParameterServer, CPU transport) from a MegatronTrainer (TP=1,
 this process) into a real vLLM LLM (CPU, started on dummy weights) after each of --steps training steps:
   step_convert_s   trainer.named_tensors(): every TP rank (--trainer-tp) writes its HF slices into
                    the trainer's shared HF buffer (write_rank_slices), barrier

@@ -59,10 +59,10 @@ def main(argv=None) -> int:
 
     from demo.tiny_model import TinyModelConfig, load_state_dict_from_dir, make_tiny_model
     from orchestrator.config import EngineConfig, SyncConfig
-    from orchestrator.engines.base import GenRequest, SamplingSettings
-    from orchestrator.engines.pool import EnginePool
-    from orchestrator.engines.pool_sync import PoolWeightSync
-    from orchestrator.engines.vllm_http import STREAM_INTERVAL_TOKENS, HttpVllmEngine
+    from orchestrator.engine_pool.base import GenRequest, SamplingSettings
+    from orchestrator.engine_pool.pool import EnginePool
+    from orchestrator.engine_pool.pool_sync import PoolWeightSync
+    from orchestrator.engine_pool.vllm_http import STREAM_INTERVAL_TOKENS, HttpVllmEngine
     from trainer.cpu import cpu_info
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-stream-"))

@@ -332,7 +332,7 @@ def stop_daemon(daemon: subprocess.Popen, base: str, graceful: bool) -> None:
 
 # -- measurements --------------------------------------------------------------------------------------
 def make_requests(tokenizer, num: int, max_tokens: int, tag: str):
-    from orchestrator.engines.base import GenRequest
+    from orchestrator.engine_pool.base import GenRequest
 
     return [
         GenRequest(f"{tag}-{i}", tuple(tokenizer(f"{i * 37 % 90 + 10}+{i * 53 % 90 + 10}=")["input_ids"]), max_tokens)
@@ -342,7 +342,7 @@ def make_requests(tokenizer, num: int, max_tokens: int, tag: str):
 
 def rollout(pool, tokenizer, args, tag: str) -> tuple[float, int, list[list[int]]]:
     """One pool.generate over the prompts: (seconds, output tokens, prompt + response token ids)."""
-    from orchestrator.engines.base import SamplingSettings
+    from orchestrator.engine_pool.base import SamplingSettings
 
     requests = make_requests(tokenizer, args.prompts, args.max_tokens, tag)
     start = time.monotonic()
@@ -716,11 +716,11 @@ def main(argv=None) -> dict:
 
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from orchestrator.config import EngineConfig, SyncConfig
-    from orchestrator.engines.daemon import DaemonWeightSync, _http_engine, start_daemon_pool
-    from orchestrator.engines.daemon_client import write_version
-    from orchestrator.engines.pool import EnginePool
-    from orchestrator.engines.pool_members import SERVING, Member
-    from orchestrator.engines.pool_servers import BATCH_SIZE, cpu_binds
+    from orchestrator.engine_pool.daemon import DaemonWeightSync, _http_engine, start_daemon_pool
+    from orchestrator.engine_pool.daemon_client import write_version
+    from orchestrator.engine_pool.pool import EnginePool
+    from orchestrator.engine_pool.pool_members import SERVING, Member
+    from orchestrator.engine_pool.pool_servers import BATCH_SIZE, cpu_binds
     from trainer.base import TrainerConfig
     from trainer.hf import HFTrainer
 

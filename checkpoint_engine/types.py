@@ -42,6 +42,6 @@ REQUESTED_ROUTES: tuple[RequestedRoute, ...] = get_args(RequestedRoute)
 PauseMode = Literal["abort", "wait", "keep", "none"]
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 # What an engine reports (vLLM's /weight_info) after an update: a name, or a callable asked at each
-# update (a job whose req_func outlives one version: `orchestrator.engines.weight_sync`), or None
+# update (a job whose req_func outlives one version: `orchestrator.engine_pool.weight_sync`), or None
 # (the version stays)
 WeightVersion = str | Callable[[], str | None] | None

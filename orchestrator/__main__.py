@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(to_dict(config), indent=2))
         return 0
     if args.write_engine_model is not None:
-        from orchestrator.engines.daemon import write_engine_model
+        from orchestrator.engine_pool.daemon import write_engine_model
 
         try:
             out = write_engine_model(config, args.write_engine_model)

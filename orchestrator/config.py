@@ -330,11 +330,11 @@ class EngineConfig:
 
     ``num_engines`` >= 2 (with the default ``type``): the job starts that many vLLM servers on this
     machine (``python -m vllm_ext.launch --no-initial-push``, each bound to its share of the CPUs) and
-    spreads rollouts over them (``orchestrator.engines.pool``); every weight version reaches each one.
+    spreads rollouts over them (``orchestrator.engine_pool.pool``); every weight version reaches each one.
     ``self_heal``: a pool engine that dies is restarted, brought to the current version and put back.
     ``type="daemon"``: the engines are the checkpoint-engine daemon's (``torchrun -m checkpoint_engine
     --engine-cmd ...`` at ``endpoint``), which starts, updates and heals them
-    (``orchestrator.engines.daemon``; weights handed over as files in ``sync.handoff_dir``).
+    (``orchestrator.engine_pool.daemon``; weights handed over as files in ``sync.handoff_dir``).
     ``colocated`` (daemon only; k1.5's hybrid deployment): the engines run only during rollouts; each
     iteration the job stops them before training (POST /engines/stop: the trainer gets the memory back)
     and starts them with the new version after it (POST /engines/start: the version goes into vLLM's load
@@ -426,13 +426,13 @@ class SyncConfig:
     # low-precision weights (a bf16 model's files) and small learning rates; costs one more copy of the
     # model in host memory (the base). One engine, a pool (an engine that refuses a delta takes the
     # full version) or the daemon's engines when not colocated (each version is still registered in full
-    # there: heals pull it; orchestrator.engines.daemon).
+    # there: heals pull it; orchestrator.engine_pool.daemon).
     delta: bool = False
     delta_max_ratio: float = 0.5
     # engine.type=daemon: how versions reach the daemon. "files": safetensors in handoff_dir (a volume
     # every daemon node mounts); "memory": registered in this process's memory (a parameter server of
     # one, Mooncake at p2p_host, an address the daemon's hosts reach), the daemon reads them there
-    # (POST /metas; its --mode relay across hosts). orchestrator.engines.memory_source
+    # (POST /metas; its --mode relay across hosts). orchestrator.engine_pool.memory_source
     source: Literal["files", "memory"] = "files"
     p2p_host: str = "127.0.0.1"
     p2p_protocol: Literal["tcp", "rdma"] = "tcp"  # the daemon's --p2p-protocol: both ends speak the same

@@ -39,7 +39,7 @@ is checked by its tests, not guessed: ``num_hack_tries`` 0 in their records) and
 uncheckable-answer filter. OUT.jsonl's lines are then the problems' records (``Problem.to_record``:
 every problem has its id) with the same result fields, and ``--problems-out`` keeps messages and tests.
 
-It codes against the rollout engine interface (``orchestrator.engines.base.RolloutEngine``), so tests
+It codes against the rollout engine interface (``orchestrator.engine_pool.base.RolloutEngine``), so tests
 run it on scripted engines; the CLI builds the same vLLM engine the RL loop uses and syncs the
 model's weights into it through the checkpoint engine (the engine starts with dummy weights).
 """
@@ -182,7 +182,7 @@ def _counts(
     response_prefix: str = "",
 ) -> list[int]:
     """Correct responses out of ``copies`` per prompt (a None prompt: not asked, 0)."""
-    from orchestrator.engines.base import GenRequest, SamplingSettings
+    from orchestrator.engine_pool.base import GenRequest, SamplingSettings
 
     asked = [i for i, ids in enumerate(id_lists) if ids is not None]
     if copies == 0 or not asked:
@@ -416,14 +416,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _engine(args: argparse.Namespace, engine_config):
     from orchestrator.config import SyncConfig
-    from orchestrator.engines.factory import make_engine
+    from orchestrator.engine_pool.factory import make_engine
 
     if args.endpoint:
         return make_engine(
             dataclasses.replace(engine_config, type="vllm_http", endpoint=args.endpoint), args.model
         ), None
     from ckpt_common.hf_dir import read_tensors
-    from orchestrator.engines.weight_sync import WeightSync
+    from orchestrator.engine_pool.weight_sync import WeightSync
 
     engine = make_engine(engine_config, args.model)
     sync = None

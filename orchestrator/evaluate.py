@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from orchestrator.engines.base import GenRequest, RolloutEngine, SamplingSettings
+from orchestrator.engine_pool.base import GenRequest, RolloutEngine, SamplingSettings
 
 logger = logging.getLogger(__name__)
 

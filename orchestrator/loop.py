@@ -107,7 +107,7 @@ class RLJob:
     def _setup(self) -> None:
         from transformers import AutoTokenizer
 
-        from orchestrator.engines.base import SamplingSettings
+        from orchestrator.engine_pool.base import SamplingSettings
         from orchestrator.rollout import Rollout
         from trainer import sft
 
@@ -282,7 +282,7 @@ class RLJob:
 
     def _engine_pool(self):
         """The engine when it is a pool of servers (``engine.num_engines`` >= 2), else None."""
-        from orchestrator.engines.pool import EnginePool
+        from orchestrator.engine_pool.pool import EnginePool
 
         return self.engine if isinstance(self.engine, EnginePool) else None
 

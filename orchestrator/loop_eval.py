@@ -43,7 +43,7 @@ def heldout_eval(
 ) -> tuple[dict[str, Any], Any]:
     """The held-out fields of a metrics record (sampled pass@k too when ``sampled``), and the greedy result;
     ``level_of``: the task's bucket of a problem in ``heldout_accuracy_by_level``."""
-    from orchestrator.engines.base import SamplingSettings
+    from orchestrator.engine_pool.base import SamplingSettings
     from orchestrator.evaluate import Evaluator
 
     start = time.monotonic()

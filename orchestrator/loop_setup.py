@@ -133,25 +133,25 @@ def make_rollout_engine(
     if engine_factory is not None:
         return engine_factory(c.engine, str(sft_model_dir))
     if c.engine.type == "daemon":  # the checkpoint-engine daemon's engines; versions as files or from memory
-        from orchestrator.engines.daemon import start_daemon_pool
-        from orchestrator.engines.memory_source import memory_source
+        from orchestrator.engine_pool.daemon import start_daemon_pool
+        from orchestrator.engine_pool.memory_source import memory_source
 
         return start_daemon_pool(
             c.engine, str(sft_model_dir), c.sync.handoff_dir, c.sync.timeout_s, source=memory_source(c.sync)
         )
-    from orchestrator.engines.factory import make_engine
+    from orchestrator.engine_pool.factory import make_engine
 
     # engine.num_engines >= 2: a pool of vLLM servers, their logs beside the run's
     return make_engine(c.engine, str(sft_model_dir), log_dir=str(out / "engines"))
 
 
 def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, str], Any] | None) -> Any:
-    from orchestrator.engines.pool import EnginePool
+    from orchestrator.engine_pool.pool import EnginePool
 
     if c.engine.type == "daemon" and engine_factory is None:
         import torch
 
-        from orchestrator.engines.daemon import DaemonWeightSync
+        from orchestrator.engine_pool.daemon import DaemonWeightSync
 
         if c.engine.sleep_level and not torch.cuda.is_available():
             # colocated engines share this machine's devices; vLLM-CPU answers /sleep but ignores it
@@ -168,10 +168,10 @@ def make_weight_sync(c: JobConfig, engine: Any, engine_factory: Callable[[Any, s
             sleep_level=c.engine.sleep_level,
         )
     if isinstance(engine, EnginePool):  # one registration, one update per engine; heals engines
-        from orchestrator.engines.pool_sync import PoolWeightSync
+        from orchestrator.engine_pool.pool_sync import PoolWeightSync
 
         return PoolWeightSync(c.sync, engine)
-    from orchestrator.engines.weight_sync import WeightSync
+    from orchestrator.engine_pool.weight_sync import WeightSync
 
     return WeightSync.for_engine(c.sync, engine)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from orchestrator import phases
-from orchestrator.engines.base import GenRequest, GenResult, RolloutEngine, SamplingSettings
+from orchestrator.engine_pool.base import GenRequest, GenResult, RolloutEngine, SamplingSettings
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import ReplayBuffer, Trajectory
 from orchestrator.rewards import RewardFn

@@ -29,7 +29,7 @@ Every command works on HF model directories and writes one (``merge``, ``sft-on`
 This module is the command line; the work is in ``long2short_merge`` (merge, the INFO_FILE each
 command writes), ``long2short_sample`` (sampling, shortest rejection), ``long2short_train`` (SFT on
 the records, DPO) and ``long2short_eval`` (token efficiency).
-Sampling goes through the rollout engine interface (``orchestrator.engines.base.RolloutEngine``), as in
+Sampling goes through the rollout engine interface (``orchestrator.engine_pool.base.RolloutEngine``), as in
 ``orchestrator.curation``: the CLI starts the in-process vLLM engine on dummy weights and pushes the
 model's weights through the checkpoint engine (``evaluate`` pushes each model in turn into one
 engine, so the models must share an architecture); tests drive the same functions with scripted
@@ -186,8 +186,8 @@ class _Engine:
     def __init__(self, model_dir: str, endpoint: str | None, config: Any) -> None:
         """``config``: the ``orchestrator.config.EngineConfig`` of the in-process engine."""
         from orchestrator.config import SyncConfig
-        from orchestrator.engines.factory import make_engine
-        from orchestrator.engines.weight_sync import WeightSync
+        from orchestrator.engine_pool.factory import make_engine
+        from orchestrator.engine_pool.weight_sync import WeightSync
 
         self.sync = None
         self.version = 0

@@ -70,7 +70,7 @@ def sample_groups(
     """``config.num_samples`` responses per problem: one group of ``dpo.Sample(Response, correct, num_tokens)``
     per problem, in order (num_tokens: the generated token count, eos included). A problem's prompt ids:
     ``encode_problem(problem)``, else ``encode(problem.prompt)`` (the demo's)."""
-    from orchestrator.engines.base import GenRequest, SamplingSettings
+    from orchestrator.engine_pool.base import GenRequest, SamplingSettings
 
     if encode_problem is None:
         encode_problem = lambda p: encode(p.prompt)

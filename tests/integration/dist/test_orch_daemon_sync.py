@@ -23,9 +23,9 @@ import pytest
 from checkpoint_engine.checksum import tensor_checksum
 from demo.tiny_model import TinyModelConfig, make_tiny_model, random_state_dict
 from orchestrator.config import EngineConfig, SyncConfig
-from orchestrator.engines.daemon import DaemonWeightSync, start_daemon_pool
-from orchestrator.engines.daemon_client import SwitchError, shard_size_bytes
-from orchestrator.engines.memory_source import memory_source
+from orchestrator.engine_pool.daemon import DaemonWeightSync, start_daemon_pool
+from orchestrator.engine_pool.daemon_client import SwitchError, shard_size_bytes
+from orchestrator.engine_pool.memory_source import memory_source
 from tests.integration.dist.harness import rpc
 from tests.integration.dist.test_ce_engines import alive, call, engines, shutdown, start_daemon, wait_for
 

@@ -80,7 +80,7 @@ def healed_run(tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from orchestrator.config import load_config
-    from orchestrator.engines.pool import EnginePool
+    from orchestrator.engine_pool.pool import EnginePool
     from orchestrator.loop import RLJob
 
     class KeepOpen(RLJob):
@@ -192,7 +192,7 @@ def test_each_engine_core_runs_on_its_workers_cpus(healed_run):
 @pytest.mark.e2e
 @pytest.mark.vllm
 def test_a_killed_engine_is_healed_while_the_other_generates(healed_run):
-    from orchestrator.engines.base import GenRequest, SamplingSettings
+    from orchestrator.engine_pool.base import GenRequest, SamplingSettings
 
     job, pool, summary, killed, _ = healed_run
     assert killed["in_flight"] > 0 and killed["tokens_unfinished"] > 0, killed

@@ -7,7 +7,7 @@ A child process (vLLM's LLM must be created under ``__main__``) runs, in order:
      exactly: tokens, text and logprobs within 1e-3);
   2. MegatronTrainer (TP=1, in process) from the same HF dir, one training step (weights now differ
      from the directory's and from what vLLM serves);
-  3. orchestrator.engines.weight_sync.WeightSync (in-process ParameterServer, as the RL loop does) pushes
+  3. orchestrator.engine_pool.weight_sync.WeightSync (in-process ParameterServer, as the RL loop does) pushes
      ``trainer.named_tensors()`` (megatron_to_hf) into vLLM;
   4. greedy tokens from vLLM and from Megatron itself (full forward per token);
   5. a second training step, then vLLM's own trainer API with the checkpoint_engine backend
@@ -108,7 +108,7 @@ def _child(model_dir: str, out_json: str) -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from orchestrator.config import SyncConfig
-    from orchestrator.engines.weight_sync import WeightSync
+    from orchestrator.engine_pool.weight_sync import WeightSync
     from testing.vllm_servers import LLMSyncClient, cpu_llm
     from trainer.base import TrainerConfig
     from trainer.factory import make_trainer

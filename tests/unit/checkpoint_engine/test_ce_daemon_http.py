@@ -642,7 +642,7 @@ def test_httpjson_sends_the_token(echo_server):
 
 
 def test_daemon_client_takes_the_token_or_the_environment(echo_server, monkeypatch):
-    from orchestrator.engines.daemon_client import DaemonClient
+    from orchestrator.engine_pool.daemon_client import DaemonClient
 
     monkeypatch.delenv("CKPT_ENGINE_TOKEN", raising=False)
     assert DaemonClient(echo_server, 5).engines() == {"auth": None}

@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator import curation
 from orchestrator.curation import CurationConfig, curate, summarize
-from orchestrator.engines.base import GenResult
+from orchestrator.engine_pool.base import GenResult
 from orchestrator.tasks.problems import stable_id
 
 REPO = pathlib.Path(__file__).resolve().parents[3]

@@ -10,7 +10,7 @@ from http.server import ThreadingHTTPServer
 import pytest
 
 from ckpt_common.httpjson import HTTPError, JsonRequestHandler
-from orchestrator.engines.daemon_client import DaemonClient
+from orchestrator.engine_pool.daemon_client import DaemonClient
 
 BUSY = (409, {"ok": False, "kind": "busy", "error": "the daemon is busy with another command (update)"})
 TAKEN = (409, {"ok": False, "kind": "conflict", "error": "checkpoint 'v1' is already registered"})

@@ -11,9 +11,9 @@ import torch
 from ckpt_common.dictconfig import to_dict
 from ckpt_common.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig, SyncConfig, load_config
-from orchestrator.engines.daemon import PARKED, DaemonEnginePool, DaemonWeightSync
-from orchestrator.engines.daemon_client import DaemonClient, SwitchError
-from orchestrator.engines.pool_members import SERVING, Member
+from orchestrator.engine_pool.daemon import PARKED, DaemonEnginePool, DaemonWeightSync
+from orchestrator.engine_pool.daemon_client import DaemonClient, SwitchError
+from orchestrator.engine_pool.pool_members import SERVING, Member
 from orchestrator.loop_setup import check_resumable
 from testing.http_stub import serve_stub
 
@@ -287,7 +287,7 @@ def test_a_wake_that_leaves_an_engine_on_the_old_version_is_a_switch_error(make_
 def test_a_push_names_tensor_parallel_engines_by_their_first_rank(make_sync):
     """The daemon's records of TP 2 engines (`--ranks-per-engine 2`): the second engine, of ranks 2-3,
     is selected by rank 2, not by its place in the list (1 would select the first engine's group)."""
-    from orchestrator.engines.daemon_client import num_ranks
+    from orchestrator.engine_pool.daemon_client import num_ranks
 
     FakeDaemon.engines = [
         {"rank": 0, "ranks": [0, 1], "state": "failed", "checkpoint": None, "url": "http://127.0.0.1:9000"},

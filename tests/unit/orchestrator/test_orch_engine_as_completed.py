@@ -1,4 +1,4 @@
-"""`orchestrator.engines.vllm_http.as_completed`: a request cancelled by the client's close() ends the wait at once.
+"""`orchestrator.engine_pool.vllm_http.as_completed`: a request cancelled by the client's close() ends the wait at once.
 
 The stdlib's as_completed/wait never hear of a future cancelled in the executor's queue, and sleep
 until their timeout: a rollout on an engine whose client the pool closed (the engine died) stalled
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from orchestrator.engines.vllm_http import as_completed
+from orchestrator.engine_pool.vllm_http import as_completed
 
 
 def test_a_future_cancelled_by_shutdown_ends_the_wait():

@@ -9,10 +9,10 @@ import pytest
 
 from ckpt_common.httpjson import HTTPError
 from orchestrator.config import EngineConfig
-from orchestrator.engines.base import GenRequest, GenResult, PartialGeneration, SamplingSettings, continuation
-from orchestrator.engines.pool import EnginePool
-from orchestrator.engines.pool_members import Member
-from orchestrator.engines.pool_servers import cpu_binds, launch_command
+from orchestrator.engine_pool.base import GenRequest, GenResult, PartialGeneration, SamplingSettings, continuation
+from orchestrator.engine_pool.pool import EnginePool
+from orchestrator.engine_pool.pool_members import Member
+from orchestrator.engine_pool.pool_servers import cpu_binds, launch_command
 
 SAMPLING = SamplingSettings()
 

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from orchestrator.engines.pool_servers import EngineServer
+from orchestrator.engine_pool.pool_servers import EngineServer
 from tests.leaky_shm import LEAKY_ENGINE, remove_segment, wait_for_segment
 
 # the "launcher": serves /launcher/status on the given port; its child (tests.leaky_shm) plays vLLM,

@@ -15,7 +15,7 @@ import torch
 
 from demo import task
 from demo import tiny_model as tm
-from orchestrator.engines.base import GenResult
+from orchestrator.engine_pool.base import GenResult
 from orchestrator.long2short import cli as long2short
 from orchestrator.long2short import eval as long2short_eval
 from orchestrator.long2short import merge as long2short_merge

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from demo import tiny_model as tm
-from orchestrator.engines.base import GenResult
+from orchestrator.engine_pool.base import GenResult
 from orchestrator.long2short import cli as long2short
 
 SMALL = tm.TinyModelConfig(

@@ -8,8 +8,8 @@ import pytest
 
 from ckpt_common.httpjson import JsonRequestHandler
 from orchestrator.config import EngineConfig
-from orchestrator.engines.base import GenRequest, PartialGeneration, SamplingSettings
-from orchestrator.engines.vllm_http import HttpVllmEngine
+from orchestrator.engine_pool.base import GenRequest, PartialGeneration, SamplingSettings
+from orchestrator.engine_pool.vllm_http import HttpVllmEngine
 from orchestrator.repeat import RepeatConfig
 from testing.http_stub import serve_stub
 

@@ -15,7 +15,7 @@ from checkpoint_engine.worker import update_weights_from_ipc
 from demo import task
 from demo import tiny_model as tm
 from orchestrator.config import load_config
-from orchestrator.engines.base import GenResult
+from orchestrator.engine_pool.base import GenResult
 from orchestrator.loop import run_job
 from orchestrator.metrics import REQUIRED_KEYS, read_jsonl
 

@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from demo import task
-from orchestrator.engines.base import GenResult, SamplingSettings
-from orchestrator.engines.vllm_async import _StreamStopper
+from orchestrator.engine_pool.base import GenResult, SamplingSettings
+from orchestrator.engine_pool.vllm_async import _StreamStopper
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, ReplayBuffer
 from orchestrator.rewards import MathVerifyReward

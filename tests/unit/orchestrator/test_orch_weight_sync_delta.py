@@ -16,7 +16,7 @@ import torch
 from checkpoint_engine.checksum import tensor_checksum
 from checkpoint_engine.engines.plain import PlainEngine
 from orchestrator.config import EngineConfig, JobConfig, SyncConfig
-from orchestrator.engines.weight_sync import WeightSync
+from orchestrator.engine_pool.weight_sync import WeightSync
 from testing.weight_versions import adamw_bf16_versions
 
 
@@ -67,7 +67,7 @@ def test_a_refused_delta_is_sent_whole_and_says_why(engine, caplog):
     try:
         sync.push(vs[0], version=0)
         engine.weights["layers.1.w"].view(-1)[0] += 1  # the engine's copy no longer is the base
-        with caplog.at_level(logging.WARNING, logger="orchestrator.engines.weight_sync"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.engine_pool.weight_sync"):
             got = sync.push(vs[1], version=1)
         assert got.kind == "full" and "refused the delta" in got.reason and "layers.1.w" in got.reason
         assert "refused the delta" in caplog.text
@@ -108,7 +108,7 @@ def test_delta_is_refused_for_colocated_daemon_engines_and_allowed_for_a_pool_an
     assert JobConfig(engine=EngineConfig(num_engines=2), sync=SyncConfig(delta=True)).sync.delta
 
 
-# -- a pool of plain engines (orchestrator.engines.pool_sync) ----------------------------------------
+# -- a pool of plain engines (orchestrator.engine_pool.pool_sync) ----------------------------------------
 class PlainMember:
     """A pool member's engine: its weight updates go to a plain engine on a thread of this process."""
 
@@ -125,9 +125,9 @@ class PlainMember:
 
 @pytest.fixture
 def pool_sync():
-    from orchestrator.engines.pool import EnginePool
-    from orchestrator.engines.pool_members import Member
-    from orchestrator.engines.pool_sync import PoolWeightSync
+    from orchestrator.engine_pool.pool import EnginePool
+    from orchestrator.engine_pool.pool_members import Member
+    from orchestrator.engine_pool.pool_sync import PoolWeightSync
 
     made = []
 

@@ -1,4 +1,4 @@
-"""`sync.source`: files (the handoff dir) or the job's memory (orchestrator.engines.memory_source)."""
+"""`sync.source`: files (the handoff dir) or the job's memory (orchestrator.engine_pool.memory_source)."""
 
 import pytest
 
@@ -58,7 +58,7 @@ def test_the_engines_model_folder_holds_no_weights_and_the_jobs_shape(tmp_path):
 def test_the_engines_model_folder_of_your_own_model_is_its_files_but_the_weights(tmp_path):
     from demo.tiny_model import TinyModelConfig, make_tiny_model
     from orchestrator.config import load_config
-    from orchestrator.engines.daemon import write_engine_model
+    from orchestrator.engine_pool.daemon import write_engine_model
 
     mine = make_tiny_model(tmp_path / "mine", TinyModelConfig.tiny(num_layers=1), max_shard_size_bytes=2**16)
     assert len(list(mine.glob("*.safetensors"))) > 1  # sharded, with an index

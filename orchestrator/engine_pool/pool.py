@@ -40,7 +40,7 @@ from typing import Any
 from checkpoint_engine.types import ReqFunc
 from ckpt_common.httpjson import HTTPError
 from orchestrator.config import EngineConfig
-from orchestrator.engines.base import (
+from orchestrator.engine_pool.base import (
     GenCall,
     GenRequest,
     GenResult,
@@ -50,7 +50,7 @@ from orchestrator.engines.base import (
     SamplingSettings,
     continuation,
 )
-from orchestrator.engines.pool_members import (
+from orchestrator.engine_pool.pool_members import (
     CLOSED,
     DOWN,
     HEALING,
@@ -61,7 +61,7 @@ from orchestrator.engines.pool_members import (
     Member,
     PoolMembers,
 )
-from orchestrator.engines.pool_servers import BATCH_SIZE, start_servers
+from orchestrator.engine_pool.pool_servers import BATCH_SIZE, start_servers
 from orchestrator.repeat import RepeatConfig
 
 logger = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ class EnginePool(PoolMembers, RolloutEngine):
 
     def weight_req_func(self, timeout_s: float, weight_version=None) -> ReqFunc:
         raise TypeError(
-            "an engine pool takes one update per engine: sync it with orchestrator.engines.pool_sync.PoolWeightSync"
+            "an engine pool takes one update per engine: sync it with orchestrator.engine_pool.pool_sync.PoolWeightSync"
         )
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkpoint_engine.types import ReqFunc
-from orchestrator.engines.base import RolloutEngine
+from orchestrator.engine_pool.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
 

@@ -75,14 +75,16 @@ import torch
 from checkpoint_engine.sharding.delta_sync import DeltaSender, Prepared
 from ckpt_common import hf_dir
 from orchestrator.config import EngineConfig, SyncConfig
-from orchestrator.engines.base import RolloutEngine
-from orchestrator.engines.daemon_client import DaemonClient, SwitchError, describe_engines, num_ranks, write_version
-from orchestrator.engines.daemon_client import shard_size_bytes as shard_size_bytes  # its importers use it from here
-from orchestrator.engines.memory_source import MemorySource, memory_source
-from orchestrator.engines.pool import EnginePool
-from orchestrator.engines.pool_members import SERVING, Member
-from orchestrator.engines.pool_servers import BATCH_SIZE
-from orchestrator.engines.weight_sync import SyncResult
+from orchestrator.engine_pool.base import RolloutEngine
+from orchestrator.engine_pool.daemon_client import DaemonClient, SwitchError, describe_engines, num_ranks, write_version
+from orchestrator.engine_pool.daemon_client import (
+    shard_size_bytes as shard_size_bytes,  # its importers use it from here
+)
+from orchestrator.engine_pool.memory_source import MemorySource, memory_source
+from orchestrator.engine_pool.pool import EnginePool
+from orchestrator.engine_pool.pool_members import SERVING, Member
+from orchestrator.engine_pool.pool_servers import BATCH_SIZE
+from orchestrator.engine_pool.weight_sync import SyncResult
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ PARKED = "stopped"  # a pool member whose engine the daemon stopped or put to sl
 
 def _http_engine(config: EngineConfig, url: str):
     """One daemon engine's client (kept under this name for benchmarks/bench_topology.py)."""
-    from orchestrator.engines.vllm_http import http_client
+    from orchestrator.engine_pool.vllm_http import http_client
 
     return http_client(config, url, BATCH_SIZE)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from checkpoint_engine.types import ReqFunc
 from ckpt_common.procs import block_sigint, stop_signal
 from orchestrator.config import EngineConfig
-from orchestrator.engines.base import (
+from orchestrator.engine_pool.base import (
     VLLM_FINISH,
     GenCall,
     GenRequest,

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 import torch
 
 from orchestrator.config import SyncConfig
-from orchestrator.engines.pool import EnginePool
-from orchestrator.engines.pool_members import Member
-from orchestrator.engines.weight_sync import SyncResult, WeightSync
+from orchestrator.engine_pool.pool import EnginePool
+from orchestrator.engine_pool.pool_members import Member
+from orchestrator.engine_pool.weight_sync import SyncResult, WeightSync
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from ckpt_common.procs import (
     wait_noting_segments,
 )
 from orchestrator.config import EngineConfig
-from orchestrator.engines.pool_members import STARTING, WAITING, Member
+from orchestrator.engine_pool.pool_members import STARTING, WAITING, Member
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class LocalServers:
         member.server.wait_ready(self.config.start_timeout_s, stop)
 
     def connect(self, member: Member) -> Any:
-        from orchestrator.engines.vllm_http import http_client
+        from orchestrator.engine_pool.vllm_http import http_client
 
         return http_client(self.config, member.server.endpoint, BATCH_SIZE)
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from checkpoint_engine.types import ReqFunc
 from ckpt_common.httpjson import HTTPError
 from orchestrator.config import EngineConfig
-from orchestrator.engines.base import (
+from orchestrator.engine_pool.base import (
     VLLM_FINISH,
     GenCall,
     GenRequest,
