@@ -33,10 +33,10 @@ from checkpoint_engine.buckets import DEFAULT_ALIGN_BYTES, Bucket, align_up, dou
 from checkpoint_engine.config import UpdateConfig
 from checkpoint_engine.errors import UpdateFailed
 from checkpoint_engine.link import EngineFailure, EngineLink
-from checkpoint_engine.metrics import UpdateMetrics
 from checkpoint_engine.sources import BucketSource, EngineBuffers
 from checkpoint_engine.transport.devices import Transport
 from checkpoint_engine.types import Mode, ReqFunc
+from checkpoint_engine.update_metrics import UpdateMetrics
 
 logger = logging.getLogger(__name__)
 

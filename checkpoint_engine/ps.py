@@ -34,11 +34,11 @@ from checkpoint_engine.host_memory import (
 )
 from checkpoint_engine.jobs import GlobalMetas, make_job, memory_budget_bytes
 from checkpoint_engine.metadata import CheckpointRegistry, MetadataStore, make_store
-from checkpoint_engine.metrics import UpdateMetrics, append_jsonl
 from checkpoint_engine.pipeline import run_update
 from checkpoint_engine.transport.devices import make_transport
 from checkpoint_engine.transport.load_rendezvous import PullHint
 from checkpoint_engine.transport.mooncake import P2PStore
+from checkpoint_engine.update_metrics import UpdateMetrics, append_jsonl
 
 logger = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # annotations only: this module imports no torch
 
     from checkpoint_engine.buckets import Bucket
     from checkpoint_engine.host_memory import RegisteredCheckpoint
-    from checkpoint_engine.metrics import UpdateMetrics
     from checkpoint_engine.transport.devices import Transport
     from checkpoint_engine.transport.mooncake import P2PStore
+    from checkpoint_engine.update_metrics import UpdateMetrics
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ from orchestrator.loop_setup import (
 )
 from orchestrator.loop_stages import iteration_rewards, rollout_record, train_on_groups
 from orchestrator.metric_sinks.sinks import MetricsSinks, make_sinks
-from orchestrator.metrics import MetricsLog, plot_metrics, summary_line
+from orchestrator.metrics_log import MetricsLog, plot_metrics, summary_line
 from orchestrator.replay import ReplayBuffer
 from orchestrator.scoring import score_response
 from orchestrator.tasks.factory import make_task

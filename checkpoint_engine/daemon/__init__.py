@@ -9,7 +9,7 @@ and heals failed engines.
     relay          commands and their outcomes through the process group's store
     http           what every route shares (aiohttp app, errors, the credential)
     routes         our routes; compat_routes: MoonshotAI checkpoint-engine's `/v1` routes
-    metrics        `GET /metrics` (Prometheus text)
+    prometheus     `GET /metrics` (Prometheus text)
     heal           restart a failed engine and bring it to the newest weights
     store_wait     deadline waits on the store
 """

@@ -22,7 +22,7 @@ import json
 import logging
 import re
 
-from checkpoint_engine.daemon.metrics import DaemonMetrics
+from checkpoint_engine.daemon.prometheus import DaemonMetrics
 
 logger = logging.getLogger(__name__)
 

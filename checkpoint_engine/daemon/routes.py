@@ -24,7 +24,7 @@ from checkpoint_engine.daemon.commands import FAULT_FIELD, CommandError, is_int_
 from checkpoint_engine.daemon.compat_routes import compat_routes
 from checkpoint_engine.daemon.driver import Driver
 from checkpoint_engine.daemon.http import middlewares, read_body
-from checkpoint_engine.daemon.metrics import CONTENT_TYPE, DaemonMetrics, ObservedDriver
+from checkpoint_engine.daemon.prometheus import CONTENT_TYPE, DaemonMetrics, ObservedDriver
 from checkpoint_engine.engines.states import SLEEP_LEVELS, SLEEPABLE, STARTABLE, UPDATABLE
 
 logger = logging.getLogger(__name__)

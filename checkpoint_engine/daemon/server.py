@@ -30,7 +30,7 @@ The rooms of the package (checkpoint_engine/daemon/):
     http           middlewares (the token, 503 while stopping, 500 on a fault), parse_json, read_body
     routes         make_app (our routes and their status codes, the /v1 ones mounted beside them)
     compat_routes  compat_routes (MoonshotAI's /v1 routes)
-    metrics        DaemonMetrics (GET /metrics, Prometheus text), ObservedDriver (commands counted)
+    prometheus     DaemonMetrics (GET /metrics, Prometheus text), ObservedDriver (commands counted)
     server         serve_http (rank 0's server, its healer, the shutdown); names are imported from the
                    module that defines them
 """
@@ -42,7 +42,7 @@ import logging
 
 from checkpoint_engine.daemon.driver import Driver
 from checkpoint_engine.daemon.heal import Healer
-from checkpoint_engine.daemon.metrics import DaemonMetrics, ObservedDriver
+from checkpoint_engine.daemon.prometheus import DaemonMetrics, ObservedDriver
 from checkpoint_engine.daemon.routes import make_app
 
 logger = logging.getLogger(__name__)

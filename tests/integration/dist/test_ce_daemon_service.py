@@ -11,7 +11,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from checkpoint_engine.daemon.metrics import STAGES
+from checkpoint_engine.daemon.prometheus import STAGES
 from ckpt_common.httpjson import status_json
 from tests.integration.dist.harness import REPO, Engine, _env, free_port, start_daemon
 from tests.integration.dist.test_ce_engines import write_checkpoint

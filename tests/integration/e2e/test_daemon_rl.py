@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from orchestrator.metrics import read_jsonl
+from orchestrator.metrics_log import read_jsonl
 from tests.integration.dist.harness import REPO, _env, run_python, start_daemon
 from tests.integration.dist.test_ce_engines import alive, engines, shutdown
 

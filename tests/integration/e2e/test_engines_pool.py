@@ -27,7 +27,7 @@ import time
 import psutil
 import pytest
 
-from orchestrator.metrics import read_jsonl
+from orchestrator.metrics_log import read_jsonl
 
 # Two vLLM servers start at once (~45 s on an idle 2-core machine, 11 min seen under a load of 20+).
 pytestmark = pytest.mark.timeout(1800)

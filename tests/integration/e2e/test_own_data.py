@@ -33,7 +33,7 @@ import sys
 
 import pytest
 
-from orchestrator.metrics import read_jsonl
+from orchestrator.metrics_log import read_jsonl
 from testing.sandbox_service import request, start_service
 
 REPO = pathlib.Path(__file__).resolve().parents[3]

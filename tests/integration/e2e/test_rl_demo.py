@@ -33,7 +33,7 @@ import pytest
 
 from ckpt_common.procs import FORCED_EXIT_MARKER
 from orchestrator import phases
-from orchestrator.metrics import REQUIRED_KEYS, read_jsonl
+from orchestrator.metrics_log import REQUIRED_KEYS, read_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 DEMO = REPO / "configs" / "demo.json"

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from checkpoint_engine.daemon import http as daemon_http
 from checkpoint_engine.daemon.http import BodyError, parse_json
-from checkpoint_engine.daemon.metrics import STAGES, DaemonMetrics, ObservedDriver
+from checkpoint_engine.daemon.prometheus import STAGES, DaemonMetrics, ObservedDriver
 from checkpoint_engine.daemon.routes import METAS_FIELDS, make_app
 
 WORLD = 2

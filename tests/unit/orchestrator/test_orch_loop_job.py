@@ -17,7 +17,7 @@ from demo import tiny_model as tm
 from orchestrator.config import load_config
 from orchestrator.engine_pool.base import GenResult
 from orchestrator.loop import run_job
-from orchestrator.metrics import REQUIRED_KEYS, read_jsonl
+from orchestrator.metrics_log import REQUIRED_KEYS, read_jsonl
 
 SMALL = tm.TinyModelConfig(
     num_layers=2, hidden_size=64, num_attention_heads=1, num_key_value_heads=1, intermediate_size=128, init_std=0.1

@@ -11,7 +11,7 @@ from orchestrator import checkpointing, data
 from orchestrator.config import DataConfig, RewardConfig
 from orchestrator.evaluate import compare_with_reference
 from orchestrator.length_penalty import LengthPenaltyConfig
-from orchestrator.metrics import MetricsLog, plot_metrics, read_jsonl, summary_line
+from orchestrator.metrics_log import MetricsLog, plot_metrics, read_jsonl, summary_line
 from orchestrator.repeat import RepeatConfig
 from orchestrator.replay import PartialRolloutConfig, ReplayBuffer
 from orchestrator.scoring import Score, group_rewards, make_reward_fn, score_response
