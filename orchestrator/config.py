@@ -429,6 +429,10 @@ class SyncConfig:
     # there: heals pull it; orchestrator.engine_pool.daemon).
     delta: bool = False
     delta_max_ratio: float = 0.5
+    # a full version every `delta_anchor_every` versions (after that many - 1 deltas in a row), so that
+    # rounding in a long chain of deltas is bounded; None: a full version only when a delta does not pay
+    delta_anchor_every: int | None = None
+    delta_compress: bool = True  # zstd each delta payload part where that is smaller
     # engine.type=daemon: how versions reach the daemon. "files": safetensors in handoff_dir (a volume
     # every daemon node mounts); "memory": registered in this process's memory (a parameter server of
     # one, Mooncake at p2p_host, an address the daemon's hosts reach), the daemon reads them there
@@ -454,6 +458,10 @@ class SyncConfig:
             raise ValueError(f"sync.delta_max_ratio={self.delta_max_ratio!r} must be a number in (0, 1]")
         if not 0 < self.delta_max_ratio <= 1:
             raise ValueError(f"sync.delta_max_ratio={self.delta_max_ratio!r} must be in (0, 1]")
+        if self.delta_anchor_every is not None:
+            check_int("sync.delta_anchor_every", self.delta_anchor_every)
+        if not isinstance(self.delta_compress, bool):
+            raise ValueError(f"sync.delta_compress={self.delta_compress!r} must be true or false")
         if self.bucket_size_bytes is not None:
             check_int("sync.bucket_size_bytes", self.bucket_size_bytes)
         check_number("sync.timeout_s", self.timeout_s)

@@ -72,7 +72,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from checkpoint_engine.sharding.delta_sync import DeltaSender, Prepared
+from checkpoint_engine.sharding.delta_sync import Prepared
 from ckpt_common import hf_dir
 from orchestrator.config import EngineConfig, SyncConfig
 from orchestrator.engine_pool.base import RolloutEngine
@@ -84,7 +84,7 @@ from orchestrator.engine_pool.memory_source import MemorySource, memory_source
 from orchestrator.engine_pool.pool import EnginePool
 from orchestrator.engine_pool.pool_members import SERVING, Member
 from orchestrator.engine_pool.pool_servers import BATCH_SIZE
-from orchestrator.engine_pool.weight_sync import SyncResult
+from orchestrator.engine_pool.weight_sync import SyncResult, delta_sender
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class DaemonWeightSync:
                 "sync.delta=true needs engines that keep the version they serve between updates; colocated "
                 "engines start (or wake) for each version: set sync.delta=false or engine.colocated=false"
             )
-        self.delta = DeltaSender(config.delta_max_ratio) if config.delta else None
+        self.delta = delta_sender(config)
         # sync.source="memory": versions served from this process (memory_source); the pool's when
         # it started the engines from memory
         self.source = pool.source if pool.source is not None else memory_source(config)

@@ -33,6 +33,13 @@ from orchestrator.config import SyncConfig
 logger = logging.getLogger(__name__)
 
 
+def delta_sender(config: SyncConfig) -> DeltaSender | None:
+    """The delta sender `sync.delta*` asks for (one per sync: it keeps the base), or None."""
+    if not config.delta:
+        return None
+    return DeltaSender(config.delta_max_ratio, anchor_every=config.delta_anchor_every, compress=config.delta_compress)
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncResult:
     version: int
@@ -61,7 +68,7 @@ class WeightSync:
         )
         self.req_func = req_func
         self._current: str | None = None  # the version the engine holds, as far as this sync knows
-        self.delta = DeltaSender(config.delta_max_ratio) if config.delta else None
+        self.delta = delta_sender(config)
         self.updating: str | None = None  # the version being pushed now ("policy-vN"), for `for_engine`
 
     @classmethod

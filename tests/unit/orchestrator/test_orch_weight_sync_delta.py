@@ -77,6 +77,19 @@ def test_a_refused_delta_is_sent_whole_and_says_why(engine, caplog):
         sync.close()
 
 
+def test_an_anchor_every_two_versions_and_uncompressed_deltas(engine):
+    sync = make_sync(engine, delta=True, delta_anchor_every=2, delta_compress=False)
+    vs = versions(4)
+    try:
+        got = [sync.push(v, version=i) for i, v in enumerate(vs)]
+        assert [g.kind for g in got] == ["full", "delta", "full", "delta"], [g.reason for g in got]
+        assert "anchor" in got[2].reason
+        assert digest(engine.weights) == digest(vs[3])
+        assert sync.delta.compress is False and sync.delta.anchor_every == 2
+    finally:
+        sync.close()
+
+
 def test_without_delta_every_version_goes_whole(engine):
     sync = make_sync(engine)
     vs = versions(2)
@@ -93,6 +106,9 @@ def test_without_delta_every_version_goes_whole(engine):
         ({"delta": 1}, "sync.delta=1 must be true or false"),
         ({"delta_max_ratio": 0}, r"sync.delta_max_ratio=0 must be in \(0, 1\]"),
         ({"delta_max_ratio": "half"}, "sync.delta_max_ratio='half' must be a number"),
+        ({"delta_anchor_every": 0}, "sync.delta_anchor_every=0 must be an int >= 1"),
+        ({"delta_anchor_every": 2.5}, "sync.delta_anchor_every=2.5 must be an int >= 1"),
+        ({"delta_compress": "yes"}, "sync.delta_compress='yes' must be true or false"),
     ],
 )
 def test_sync_config_names_the_bad_field(kw, match):
