@@ -7,7 +7,9 @@ back, the job keeps a parameter server of its own (a world of one, in this proce
 process's memory. With the daemon's ``--mode relay`` across hosts its first rank reads each byte
 once and broadcasts it to the others; on one host the engines map the registered memory in place.
 
-    MemorySource.publish(name, tensors) ─▶ register (one copy into host chunks) ─▶ gather_metas ─▶ metas
+    MemorySource.publish(name, tensors) ─▶ register ─▶ gather_metas ─▶ metas
+        register: the Megatron trainer's tensors are views of its SharedTensorBuffer, which becomes the
+        chunk itself (no copy); other trainers' tensors are copied once into host chunks
     DaemonWeightSync: client.load_metas(metas) ─▶ client.update(name) ─▶ MemorySource.release(previous)
 
 The version stays registered here until the next one has reached every engine: heals and late

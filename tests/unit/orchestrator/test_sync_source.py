@@ -68,3 +68,40 @@ def test_the_engines_model_folder_of_your_own_model_is_its_files_but_the_weights
         p.name for p in mine.iterdir() if p.suffix != ".safetensors" and not p.name.endswith(".index.json")
     )
     assert (out / "config.json").read_bytes() == (mine / "config.json").read_bytes()
+
+
+def test_the_megatron_trainers_shared_buffer_is_published_without_a_copy():
+    """`sync.source=memory` with the Megatron trainer: `named_tensors()` are views of a SharedTensorBuffer
+    (its TP ranks wrote their slices there), and MemorySource registers them as that buffer itself: the
+    chunk the daemon's ranks read over Mooncake is the buffer's memory (the metas' chunk pointer is the
+    buffer's address), not a copy. Two buffers alternate as the trainer does: v2 goes into the second
+    while v1 is registered; releasing v1 frees the first for v3."""
+    pytest.importorskip("mooncake.engine")
+    import json
+
+    from checkpoint_engine.host_memory import SharedTensorBuffer
+    from orchestrator.engine_pool.memory_source import MemorySource
+
+    specs = [("model.embed_tokens.weight", "float32", (64, 16)), ("model.norm.weight", "float32", (16,))]
+    source = MemorySource("127.0.0.1", timeout_s=10)
+    buffers = [SharedTensorBuffer(specs), SharedTensorBuffer(specs)]
+    try:
+        for version, buf in zip((1, 2, 3), (buffers[0], buffers[1], buffers[0])):
+            assert buf.adopted_by is None  # free: the version it held was released
+            for t in buf.tensors.values():
+                t.fill_(float(version))
+            name = f"policy-v{version}"
+            metas = json.loads(json.dumps(source.publish(name, buf.tensors)))  # what POST /metas carries
+            assert buf.adopted_by == name  # registered as the buffer itself
+            ckpt = source.ps._checkpoints[name]
+            (chunk,) = ckpt.chunks
+            assert ckpt.adopted and (chunk.handle.pid, chunk.handle.fd) == (buf.ref.pid, buf.ref.fd)
+            first = ckpt.layout.metas[0]
+            assert chunk.tensor.data_ptr() + first.offset_bytes == buf.tensors[first.name].data_ptr()
+            assert metas["chunk_ptrs"] == {"0": [chunk.tensor.data_ptr()]} and metas["p2p_addrs"]["0"]
+            source.release(keep=name)
+            assert source.registered == [name]
+    finally:
+        source.close()
+        for buf in buffers:
+            buf.close()
