@@ -345,6 +345,7 @@ def run_update(job: UpdateJob) -> UpdateMetrics:
     finally:
         t_close = time.perf_counter()
         link.close()
+        job.source.close()  # before the buffers go: a transfer engine must not keep freed memory registered
         if not job.cfg.keep_buffers:
             job.transport.release_shared()
         m.close_s = time.perf_counter() - t_close

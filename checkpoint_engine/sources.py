@@ -136,6 +136,33 @@ class BucketSource(Protocol):
         Every rank taking part calls it for every bucket, in order (collectives run in lockstep)."""
         ...
 
+    def close(self) -> None:
+        """Give back what `open` took beyond the double buffer (the pipeline calls it after every
+        update, failed ones included, before the double buffer is released)."""
+        ...
+
+
+# Memory a transfer engine may still be writing into (a read in flight when its update failed):
+# kept alive, and registered, so that the read never lands in memory reused for something else.
+_PARKED: list[torch.Tensor] = []
+
+
+def _unregister_staging(store: P2PStore, staging: torch.Tensor | None, busy: bool) -> None:
+    """Unregister a source's staging memory from its transfer engine, or park it while `busy`.
+
+    Each update allocates its staging anew; a region left registered after its memory was freed makes
+    a later registration that overlaps it fail ("Transfer Engine does not support overlapped memory
+    region": seen on the relay's root at its third update, benchmarks/bench_hosts_rl.py)."""
+    if staging is None:
+        return
+    if busy:
+        _PARKED.append(staging)
+        logging.getLogger(__name__).warning(
+            "a P2P read into this update's staging (%d bytes) is still in flight: kept registered", staging.numel()
+        )
+        return
+    store.unregister(staging.data_ptr())
+
 
 def _double_buffer(job: SourceJob, ckpt: RegisteredCheckpoint | None) -> tuple[torch.Tensor, EngineBuffers]:
     """The double buffer, plus this rank's own chunks when its engine can map them (CPU)."""
@@ -178,6 +205,9 @@ class CollectiveSource:
         job.transport.synchronize()
         m.broadcast_s += time.perf_counter() - t0
 
+    def close(self) -> None:
+        pass  # nothing beyond the double buffer
+
 
 @dataclass
 class LocalSource:
@@ -197,6 +227,9 @@ class LocalSource:
     def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         pass  # the engine reads the owner's chunk in place
 
+    def close(self) -> None:
+        pass
+
 
 @dataclass
 class P2PSource:
@@ -211,6 +244,7 @@ class P2PSource:
     _staging: torch.Tensor | None = field(default=None, init=False, repr=False)
     _buffers: EngineBuffers | None = field(default=None, init=False, repr=False)
     _connecting: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
+    _read_failed: bool = field(default=False, init=False, repr=False)
 
     def open(self, job: SourceJob) -> EngineBuffers:
         self._shared, self._buffers = _double_buffer(job, self.ckpt)
@@ -245,13 +279,21 @@ class P2PSource:
             self._connecting.pop().join(self.store.cfg.read_timeout_s)
         remote = self.chunk_ptrs[bucket.owner_rank][bucket.chunk] + bucket.start_bytes
         local = self._staging[half : half + bucket.size_bytes]
-        self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
+        try:
+            self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
+        except BaseException:
+            self._read_failed = True  # past its deadline the transfer engine may still write there
+            raise
         m.broadcast_s += time.perf_counter() - t0
         if self._staging is not self._shared:  # CUDA: host staging -> device half
             t0 = time.perf_counter()
             job.transport.copy_in(self._shared[half : half + bucket.size_bytes], local)
             job.transport.synchronize()
             m.copy_in_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        _unregister_staging(self.store, self._staging, busy=self._read_failed)
+        self._staging = None
 
 
 @dataclass
@@ -290,6 +332,9 @@ class EngineP2PSource:
     def fill(self, run: SourceRun, bucket: Bucket, half: int) -> None:
         pass  # the engine reads the bucket itself
 
+    def close(self) -> None:
+        pass  # the engine's transfer engine holds its own registrations
+
 
 @dataclass
 class RelaySource:
@@ -314,6 +359,7 @@ class RelaySource:
     _buckets: list = field(default_factory=list, init=False, repr=False)
     _ahead: dict[int, tuple[threading.Thread, list]] = field(default_factory=dict, init=False, repr=False)
     _half_stride: int = field(default=0, init=False)
+    _read_failed: bool = field(default=False, init=False, repr=False)
     read_bytes: int = field(default=0, init=False)
 
     def open(self, job: SourceJob) -> EngineBuffers:
@@ -338,6 +384,7 @@ class RelaySource:
             local = self._staging[(k % 2) * self._half_stride :][: bucket.size_bytes]
             self.store.read(self.owner_addrs[bucket.owner_rank], local.data_ptr(), remote, bucket.size_bytes)
         except Exception as e:  # noqa: BLE001 - reported on the link, spread at the next agreement
+            self._read_failed = True  # past its deadline the transfer engine may still write there
             host = self.owner_hosts.get(bucket.owner_rank, "?")
             out.append(
                 f"relay read of bucket {k} from owner rank {bucket.owner_rank} (host {host}, "
@@ -396,3 +443,11 @@ class RelaySource:
             self._broadcast(job, dst, k)
         job.transport.synchronize()
         m.broadcast_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """The root's staging unregistered, unless a read-ahead thread or a failed read may still
+        write into it (an update that failed mid-read): then it stays parked."""
+        busy = self._read_failed or any(t.is_alive() for t, _ in self._ahead.values())
+        self._ahead.clear()
+        _unregister_staging(self.store, self._staging, busy=busy)
+        self._staging = None
