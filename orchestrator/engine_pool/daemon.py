@@ -418,6 +418,14 @@ class DaemonWeightSync:
                 self._registered = name
             if self._parked:
                 return self._push_by_start(name, version, named_tensors, start)
+            held_here = self.source is None or name in self.source.registered  # heals can read it
+            if (
+                name == self._current
+                and held_here
+                and records
+                and all(r.get("state") == "serving" and r.get("checkpoint") == name for r in records)
+            ):
+                return self._already_served(name, version, named_tensors, start)
             # An engine being healed cannot take the update; it is brought to this version by its heal.
             ready = [i for i, r in enumerate(records) if r.get("state") in ("serving", "incomplete")]
             if not ready:
@@ -464,6 +472,27 @@ class DaemonWeightSync:
             num_buckets=0,
             kind=kind,
             reason=reason,
+        )
+
+    def _already_served(self, name: str, version: int, named_tensors, start: float) -> SyncResult:
+        """Every engine serves ``name``, this sync's current version, already: the job's initial push
+        of the version the engines started with (``policy-v0``, or a resumed run's). ``name`` is
+        registered once, so an update would send the same bytes again (a full version over every
+        link); none is sent. With deltas these tensors become the base."""
+        if self.delta is not None:
+            prepared = self.delta.prepare(name, named_tensors, name)
+            if prepared.choice.kind == "full":
+                self.delta.commit(prepared)
+        logger.info("weights v%d: every engine serves %s already; no update sent", version, name)
+        self._version = version
+        return SyncResult(
+            version=version,
+            total_s=time.monotonic() - start,
+            update_s=0.0,
+            total_bytes=0,
+            num_buckets=0,
+            kind="full",
+            reason=f"every engine serves {name} already",
         )
 
     def _update_by_delta(

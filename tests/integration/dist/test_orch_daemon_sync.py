@@ -188,6 +188,13 @@ def test_versions_from_the_jobs_memory_reach_every_engine_without_a_file(tmp_pat
             assert sync.source is pool.source and sync.source.registered == ["policy-v0"]
             assert [p.name for p in handoff.iterdir()] == ["model"]  # the engines' config and tokenizer only
             assert not list((handoff / "model").glob("*.safetensors"))
+            # the job's initial push of v0, which every engine started with: nothing is sent again
+            from ckpt_common.hf_dir import read_tensors
+
+            pids = [r["pid"] for r in engines(base)]
+            first = sync.push(read_tensors(model), version=0)
+            assert first.update_s == 0 and first.total_bytes == 0 and "serves policy-v0 already" in first.reason
+            assert [(r["pid"], r["checkpoint"]) for r in engines(base)] == [(p, "policy-v0") for p in pids]
             for version in (1, 2):
                 new = random_state_dict(config, seed=10 + version)
                 result = sync.push(new, version=version)
