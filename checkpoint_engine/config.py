@@ -34,6 +34,11 @@ class UpdateConfig:
     p2p_reader: P2PReader = "rank"
     agree_every_buckets: int = 8  # cross-rank status exchange period (failures abort within this many)
     keep_buffers: bool = True  # keep the double buffer between updates
+    # mode "relay" with every rank taking part: each rank keeps its share of the version it relayed (every
+    # members-th bucket, a copy in host memory: about M / world bytes per rank) and the ranks register it
+    # under the same name, so that a heal pulls the version from the ranks, also once its owners (the
+    # trainer's memory) are busy or gone; unregistering the name frees it
+    keep_relayed: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in REQUESTED_MODES:
@@ -41,6 +46,8 @@ class UpdateConfig:
             raise ValueError(f"mode must be {', '.join(map(repr, first))} or {last!r}, got {self.mode!r}")
         if self.p2p_reader not in ("rank", "engine"):
             raise ValueError(f"p2p_reader must be 'rank' or 'engine', got {self.p2p_reader!r}")
+        if not isinstance(self.keep_relayed, bool):
+            raise ValueError(f"keep_relayed must be true or false, got {self.keep_relayed!r}")
         if not isinstance(self.agree_every_buckets, int) or self.agree_every_buckets < 1:
             raise ValueError(f"agree_every_buckets must be an int >= 1, got {self.agree_every_buckets!r}")
         for name in ("bucket_size_bytes", "memory_budget_bytes"):

@@ -203,12 +203,9 @@ def choose_mode(
     turns a Mooncake pull into "p2p_engine" (the engines read it themselves).
     """
     local_ok = not cannot_map
-    if requested == "relay" and not local_ok:
-        if not pull or g.owners_in_job:
-            raise ValueError(
-                f"mode='relay' pulls from owners in another job (load_metas of their metas); {g.checkpoint!r} "
-                "is owned by this job's ranks: use 'auto' or 'collective'"
-            )
+    # "relay" is how versions from another job arrive; a version this job's ranks own (registered here,
+    # or kept after its relay: UpdateConfig.keep_relayed, for heals) moves as under "auto"
+    if requested == "relay" and not local_ok and not g.owners_in_job:
         if not have_p2p:
             raise ValueError("mode='relay' reads the owners over Mooncake: start the parameter servers with p2p")
         missing = [r for r in g.rank_metas if r not in g.p2p_addrs]

@@ -442,12 +442,44 @@ class ParameterServer:
                 self.registry.end_update(
                     job.update_id, checkpoint_name, metrics.to_dict() if metrics else {"ok": False}
                 )
+        if job.mode == "relay" and cfg.keep_relayed and len(members) == self._world_size:
+            self._keep_relayed(checkpoint_name, job.source)
         self.last_metrics = metrics
         if self._rank == members[0]:
             logger.info(metrics.summary())
         if cfg.metrics_path:
             append_jsonl(cfg.metrics_path, metrics.to_dict())
         return metrics
+
+    def _keep_relayed(self, name: str, source) -> None:
+        """Collective, after a relay update every rank took part in (`UpdateConfig.keep_relayed`): each
+        rank registers the share of `name` it kept and the ranks gather its metas, so that this job
+        owns the version from now on (a heal pulls it from the ranks, not from the trainer). If any rank
+        cannot register its share, none keeps it and the owners' metas stay."""
+        state = self.metas_state(name)
+        kept, error = source.kept_tensors(), None
+        try:
+            if kept:
+                self.register_checkpoint(name, named_tensors=kept)
+        except Exception as e:  # noqa: BLE001 - agreed below: every rank keeps the owners' metas then
+            error = f"rank {self._rank}: {type(e).__name__}: {e}"
+        finally:
+            source.kept.clear()
+        errors = [x for x in all_gather_obj(error, self._world_size) if x]
+        if errors:
+            if name in self._checkpoints:
+                self.unregister_checkpoint(name, force=True)
+            self.restore_metas_state(name, state)
+            logger.warning("rank %d: %r not kept by the ranks (heals read its owners): %s", self._rank, name, errors)
+            return
+        self.gather_metas(name)
+        logger.info(
+            "rank %d: kept its share of %r (%d tensors, %.3f GiB); heals pull it from the ranks",
+            self._rank,
+            name,
+            len(kept),
+            sum(t.nbytes for t in kept.values()) / 2**30,
+        )
 
     def _note_if_broken(self, e: BaseException) -> None:
         """A broadcast given up on (a peer's host cut off) leaves operations pending in the process

@@ -361,6 +361,9 @@ class RelaySource:
     _half_stride: int = field(default=0, init=False)
     _read_failed: bool = field(default=False, init=False, repr=False)
     read_bytes: int = field(default=0, init=False)
+    # UpdateConfig.keep_relayed: bucket index -> a host copy of it, for the buckets this rank keeps
+    kept: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _keep_slot: tuple[int, int] | None = field(default=None, init=False, repr=False)  # (my index, members)
 
     def open(self, job: SourceJob) -> EngineBuffers:
         self._shared, self._buffers = _double_buffer(job, None)
@@ -368,6 +371,11 @@ class RelaySource:
         self._buckets = list(getattr(job, "buckets", []))
         self._index = {id(b): i for i, b in enumerate(self._buckets)}
         self._half_stride = job.half_stride
+        self.kept.clear()
+        members = list(getattr(job, "members", None) or [job.rank])
+        cfg = getattr(job, "cfg", None)
+        keep = cfg is not None and cfg.keep_relayed and len(members) == getattr(job, "world_size", len(members))
+        self._keep_slot = (members.index(job.rank), len(members)) if keep else None
         if job.rank == self._root:
             import torch
 
@@ -443,6 +451,22 @@ class RelaySource:
             self._broadcast(job, dst, k)
         job.transport.synchronize()
         m.broadcast_s += time.perf_counter() - t0
+        if self._keep_slot is not None and k % self._keep_slot[1] == self._keep_slot[0]:
+            t0 = time.perf_counter()
+            self.kept[k] = dst.to("cpu", copy=True)  # this rank's share of the version, for heals
+            m.copy_in_s += time.perf_counter() - t0
+
+    def kept_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of the buckets this rank kept, as views of its copies (name -> tensor)."""
+        from ckpt_common.dtypes import dtype_from_name
+
+        out = {}
+        for k, buf in self.kept.items():
+            bucket = self._buckets[k]
+            for t in bucket.tensors:
+                start = t.offset_bytes - bucket.start_bytes
+                out[t.name] = buf[start : start + t.nbytes].view(dtype_from_name(t.dtype)).view(tuple(t.shape))
+        return out
 
     def close(self) -> None:
         """The root's staging unregistered, unless a read-ahead thread or a failed read may still

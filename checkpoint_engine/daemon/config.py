@@ -127,6 +127,13 @@ class DaemonConfig:
             "threads that serve the owners' reads off the cores of the engines generating meanwhile"
         ),
     )
+    keep_relayed: bool = field(
+        default=UpdateConfig.keep_relayed,
+        metadata=meta(
+            "--mode relay: each rank keeps its share of every version it relayed (about M / world bytes of "
+            "host memory), so that heals pull the version from the ranks, also once the trainer is gone"
+        ),
+    )
     p2p_reader: P2PReader = field(
         default=UpdateConfig.p2p_reader,
         metadata=meta(
@@ -248,6 +255,7 @@ class DaemonConfig:
                 bucket_size_bytes=None if self.bucket_size_mib is None else self.bucket_size_mib * MiB,
                 mode=self.mode,
                 p2p_reader=self.p2p_reader,
+                keep_relayed=self.keep_relayed,
                 metrics_path=self.metrics_jsonl,
                 progress=self.progress,
             ),

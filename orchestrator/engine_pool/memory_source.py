@@ -13,7 +13,8 @@ once and broadcasts it to the others; on one host the engines map the registered
     DaemonWeightSync: client.load_metas(metas) ─▶ client.update(name) ─▶ MemorySource.release(previous)
 
 The version stays registered here until the next one has reached every engine: heals and late
-engines read it from this process, so a heal needs the job running (the files handoff does not).
+engines read it from this process. With the daemon's --mode relay its ranks also keep the version they
+relayed (--keep-relayed, the default), so heals do not need this process once a version has arrived.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ tests/unit/checkpoint_engine/test_ce_relay_auth.py.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -250,6 +252,24 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
         assert engine_rpc(inf0, victim, "weights_digest")[1]["results"] == [{}]
         code, res = call(trainer, "GET", "/engines")
         assert [(e["state"], e["checkpoint"]) for e in res["engines"]] == [("serving", "v1")] * 2, res
+        # the trainer goes (its memory with it), then inf1's engine dies: the healer restarts it and it
+        # pulls v1 from the ranks, which kept their shares of the version they relayed (keep_relayed)
+        tproc.kill()
+        assert tproc.wait(30) != 0
+        assert "kept its share of 'v1'" in node[0].read_text() and "kept its share of 'v1'" in node[1].read_text()
+        old_pid = res["engines"][1]["pid"]
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while True:
+            code, res = call(trainer, "GET", "/engines")
+            e1 = res["engines"][1]
+            if (e1["state"], e1["checkpoint"]) == ("serving", "v1") and e1["pid"] != old_pid:
+                break
+            assert time.monotonic() < deadline, (res, logs())
+            time.sleep(0.5)
+        code, got = engine_rpc(inf0, e1["url"], "weights_digest")
+        assert code == 200 and {k: int(v) for k, v in got["results"][0].items()} == digest, got
+        assert "healed the engines of ranks [1]" in node[0].read_text(), logs()
         # the genuine shutdown, relayed under the number of the forged commands: rank 0 refuses the
         # forged result and exit of rank 1 it finds there and waits for rank 1's own result
         code, res = call(trainer, "POST", "/shutdown")
@@ -260,4 +280,5 @@ def test_a_daemon_on_two_hosts_takes_the_trainers_memory_and_refuses_a_host_with
         n = report["next"]
         assert f"rank 0: refused res/{n}/1: res/{n}/1: a value whose signature is wrong" in node0, node0[-4000:]
         assert "rank 0: refused gone/1: gone/1: an unsigned value" in node0, node0[-4000:]
-        assert "must be restarted" not in node0 and "healing the engines" not in node0, node0[-4000:]
+        assert "must be restarted" not in node0, node0[-4000:]
+        assert node0.count("healing the engines") == 1, node0[-4000:]  # the one of the killed engine

@@ -39,6 +39,7 @@ FLAGS = {
     "--p2p-device": ("", None),
     "--p2p-cpus": (None, None),
     "--p2p-reader": ("rank", ["rank", "engine"]),
+    "--keep-relayed": (True, None),
     "--engine-cmd": (None, None),
     "--auto-heal": (True, None),
     "--engine-url-host": (None, None),
@@ -60,6 +61,7 @@ SHARED = {
     "--metrics-jsonl": UpdateConfig().metrics_path,
     "--progress": UpdateConfig().progress,
     "--p2p-reader": UpdateConfig().p2p_reader,
+    "--keep-relayed": UpdateConfig().keep_relayed,
     "--p2p-protocol": P2PConfig().protocol,
     "--p2p-device": P2PConfig().device_name,
     "--auto-heal": EngineConfig(cmd=("e", "{port}")).auto_heal,
@@ -81,7 +83,7 @@ def _actions() -> dict[str, argparse.Action]:
 
 def test_the_parser_offers_every_flag_with_its_default_and_choices():
     actions = _actions()
-    assert set(actions) == set(FLAGS) | {"--no-auto-heal", "--no-progress"}
+    assert set(actions) == set(FLAGS) | {"--no-auto-heal", "--no-progress", "--no-keep-relayed"}
     for flag, (default, choices) in FLAGS.items():
         assert actions[flag].default == default, flag
         assert (list(actions[flag].choices) if actions[flag].choices else None) == choices, flag
@@ -114,7 +116,7 @@ def test_every_flag_reaches_the_configs_it_sets(monkeypatch, tmp_path):
     argv = ["--host", "0.0.0.0", "--port", "9000", "--token-file", str(token), "--transport", "cpu"]
     argv += ["--bucket-size-mib", "4", "--mode", "local", "--collective-timeout-s", "30", "--metrics-jsonl", "m.jsonl"]
     argv += ["--progress", "--metadata-url", "etcd://h:1/p", "--p2p-host", "10.0.0.2", "--p2p-protocol", "rdma"]
-    argv += ["--p2p-device", "mlx5_0", "--p2p-cpus", "0-1", "--p2p-reader", "engine"]
+    argv += ["--p2p-device", "mlx5_0", "--p2p-cpus", "0-1", "--p2p-reader", "engine", "--no-keep-relayed"]
     argv += ["--engine-cmd", '["e", "--port", "{port}"]', "--no-auto-heal", "--engine-url-host", "10.0.0.3"]
     argv += ["--engine-health-path", "/up", "--engine-start-timeout-s", "9", "--engine-log-dir", "logs"]
     argv += ["--stop-timeout-s", "5", "--log-level", "debug", "--ranks-per-engine", "2"]
@@ -128,7 +130,12 @@ def test_every_flag_reaches_the_configs_it_sets(monkeypatch, tmp_path):
         metadata_url="etcd://h:1/p",
         p2p=P2PConfig("10.0.0.2", "rdma", "mlx5_0", cpus=(0, 1)),
         update=UpdateConfig(
-            bucket_size_bytes=4 * 2**20, mode="local", p2p_reader="engine", metrics_path="m.jsonl", progress=True
+            bucket_size_bytes=4 * 2**20,
+            mode="local",
+            p2p_reader="engine",
+            keep_relayed=False,
+            metrics_path="m.jsonl",
+            progress=True,
         ),
     )
     assert args.engine_config == EngineConfig(

@@ -196,8 +196,9 @@ def test_engine_buffers_wire(base, double_buffer, half, expected_bufs, expected_
     [
         (False, True, [0, 1], True, True, "relay"),  # the trainer's memory on another host: read once, relayed
         (False, True, [], True, True, "local"),  # every engine maps the owners' chunks: nothing to relay
-        (True, True, [1], True, True, "owned by this job's ranks"),
-        (True, False, [1], True, True, "owned by this job's ranks"),
+        # a version the ranks own (kept after its relay, for heals): as under "auto"
+        (True, True, [1], True, True, "p2p"),  # a heal's pull from the other ranks
+        (True, False, [1], True, True, "collective"),  # every engine: broadcast from the owner ranks
         (False, True, [0, 1], False, True, "reads the owners over Mooncake"),
         (False, True, [0, 1], True, False, "have no P2P address"),
     ],
