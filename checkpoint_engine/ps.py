@@ -442,7 +442,7 @@ class ParameterServer:
                 self.registry.end_update(
                     job.update_id, checkpoint_name, metrics.to_dict() if metrics else {"ok": False}
                 )
-        if job.mode == "relay" and cfg.keep_relayed and len(members) == self._world_size:
+        if getattr(job.source, "keeps", False):  # a relay every rank took part in, with keep_relayed
             self._keep_relayed(checkpoint_name, job.source)
         self.last_metrics = metrics
         if self._rank == members[0]:

@@ -456,6 +456,11 @@ class RelaySource:
             self.kept[k] = dst.to("cpu", copy=True)  # this rank's share of the version, for heals
             m.copy_in_s += time.perf_counter() - t0
 
+    @property
+    def keeps(self) -> bool:
+        """Whether this update keeps a share of the version on every rank (decided in `open`)."""
+        return self._keep_slot is not None
+
     def kept_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors of the buckets this rank kept, as views of its copies (name -> tensor)."""
         from ckpt_common.dtypes import dtype_from_name
