@@ -444,8 +444,6 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.source not in ("files", "memory"):
             raise ValueError(f"sync.source={self.source!r} must be 'files' or 'memory'")
-        if self.source == "memory" and self.delta:
-            raise ValueError("sync.source='memory' sends full versions: set sync.delta=false (deltas go as files)")
         if not isinstance(self.p2p_host, str) or not self.p2p_host:
             raise ValueError(f"sync.p2p_host={self.p2p_host!r} must be an address")
         if self.p2p_protocol not in ("tcp", "rdma"):

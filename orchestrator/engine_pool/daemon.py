@@ -50,14 +50,16 @@ engines take only the values that changed (``checkpoint_engine.sharding.delta_sy
 
     push(v): <handoff>/policy-v<v> registered (full: what heals pull)
         every engine the update reaches serves policy-v<v-1>, the delta is small enough?
-        yes ─▶ <handoff>/policy-v<v>.delta registered ─▶ POST /update {name: policy-v<v>.delta,
+        yes ─▶ <handoff>/policy-v<v>.delta registered (or its metas) ─▶ POST /update {name: policy-v<v>.delta,
                full_checkpoint: policy-v<v>} (the engines apply it and then serve policy-v<v>; the
                daemon's current checkpoint is policy-v<v>) ─▶ DELETE /checkpoints/policy-v<v>.delta
                an engine refused it (its weights are not the base) ─▶ POST /update {name: policy-v<v>}
         no  ─▶ POST /update {name: policy-v<v>}
 
-The delta saves what the daemon sends its engines (across nodes, the costly part); the job still
-writes each version's files in full and the daemon holds it in full.
+With ``sync.source="memory"`` the delta is registered from this process's memory as the full version
+is (POST /metas ``policy-v<v>.delta``, unregistered after): no file. The delta saves what the daemon
+sends its engines (across nodes, the costly part); the job still registers each version in full and
+the daemon's ranks can read it in full (heals).
 """
 
 from __future__ import annotations
@@ -502,8 +504,11 @@ class DaemonWeightSync:
         the full version where an engine refused it. (kind the engines took, why)."""
         delta_name = f"{name}.delta"
         try:
-            files = write_version(self.handoff, delta_name, prepared.tensors, num_ranks)
-            self.client.register(delta_name, files)
+            if self.source is not None:  # from this process's memory, as the full versions: no file
+                self.client.load_metas(self.source.publish(delta_name, prepared.tensors))
+            else:
+                files = write_version(self.handoff, delta_name, prepared.tensors, num_ranks)
+                self.client.register(delta_name, files)
             try:
                 self.client.update(delta_name, ranks, full_checkpoint=name)
                 return "delta", prepared.choice.reason
@@ -516,7 +521,12 @@ class DaemonWeightSync:
                 try:
                     self.client.unregister(delta_name)
                 except Exception as e:  # noqa: BLE001 - only host memory stays taken: the update's outcome stands
+                    # the daemon may still hold its metas: this process keeps the memory they name
+                    # until the next push releases every version but the current one
                     logger.warning("could not unregister %s: %s", delta_name, e)
+                else:
+                    if self.source is not None:
+                        self.source.drop(delta_name)
         finally:
             shutil.rmtree(self.handoff / delta_name, ignore_errors=True)
 

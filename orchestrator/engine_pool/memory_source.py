@@ -49,6 +49,12 @@ class MemorySource:
             self.ps.gather_metas(name)
         return self.ps.get_metas(name)
 
+    def drop(self, name: str) -> None:
+        """Unregister `name` (a delta once its update is over: the daemon forgot its metas first)."""
+        if name in self.registered:
+            self.ps.unregister_checkpoint(name, force=True)
+            self.registered.remove(name)
+
     def release(self, keep: str) -> None:
         """Unregister every version but `keep` (it reached the engines; heals read it)."""
         for name in [n for n in self.registered if n != keep]:

@@ -167,13 +167,15 @@ def test_versions_reach_every_daemon_engine_and_old_ones_are_dropped(tmp_path):
 def test_versions_from_the_jobs_memory_reach_every_engine_without_a_file(tmp_path):
     """`sync.source: memory`: each version is registered in the job's own parameter server and the daemon
     takes its metas (POST /metas): no version is written to the handoff dir; on one host the engines read
-    the job's memory in place. A SIGKILLed engine is healed from it."""
+    the job's memory in place. With `sync.delta` a small step goes as its changed values, registered from
+    memory too (and dropped after). A SIGKILLed engine is healed from the full version in memory, and the
+    next delta builds on it."""
     config, model, handoff = _tiny_model_and_handoff(tmp_path)
     daemon = start_daemon(tmp_path)
     base = daemon.url
     try:
         engine_config = EngineConfig(type="daemon", endpoint=base, start_timeout_s=60)
-        sync_config = SyncConfig(timeout_s=60, source="memory")
+        sync_config = SyncConfig(timeout_s=60, source="memory", delta=True)
         pool = start_daemon_pool(
             engine_config,
             str(model),
@@ -207,12 +209,29 @@ def test_versions_from_the_jobs_memory_reach_every_engine_without_a_file(tmp_pat
                 status, answer = call("POST", f"{base}/update", {"name": f"policy-v{version - 1}"})
                 assert status == 404 and f"policy-v{version - 1}" in json.dumps(answer), (status, answer)
             assert [p.name for p in handoff.iterdir()] == ["model"]
+            # a few values changed: the delta's wire tensors registered from memory, dropped after the update
+            full_bytes = sum(v.numel() * v.element_size() for v in new.values())
+            versions = {2: new}
+            for v in (3, 4):
+                versions[v] = _nudged(versions[v - 1], v)
+            result = sync.push(versions[3], version=3)
+            assert result.kind == "delta" and result.total_bytes < full_bytes / 10, result
+            _assert_serving(base, "policy-v3", versions[3])
+            assert sync.source.registered == ["policy-v3"]  # the delta dropped, the full version kept
+            assert sorted(sync.source.ps.checkpoints()) == ["policy-v3"]
+            status, answer = call("POST", f"{base}/update", {"name": "policy-v3.delta"})  # its metas forgotten
+            assert status == 404 and "policy-v3.delta" in json.dumps(answer), (status, answer)
+            assert [p.name for p in handoff.iterdir()] == ["model"]  # no file for the delta either
             victim = engines(base)[1]
             os.kill(victim["pid"], signal.SIGKILL)
             pool.report_failure(pool.members[1], pool.members[1].epoch, "killed by the test")
             wait_for(lambda: pool.members[1].state == "serving", "pool member 1 back", timeout_s=60)
             assert engines(base)[1]["pid"] != victim["pid"]
-            _assert_serving(base, "policy-v2", new)
+            _assert_serving(base, "policy-v3", versions[3])
+            result = sync.push(versions[4], version=4)  # the healed engine holds the base
+            assert result.kind == "delta", result
+            _assert_serving(base, "policy-v4", versions[4])
+            assert [p.name for p in handoff.iterdir()] == ["model"]
         finally:
             sync.close()
             pool.close()

@@ -11,7 +11,7 @@ from orchestrator.config import SyncConfig
         ({}, None),
         ({"source": "memory", "p2p_host": "10.0.0.5"}, None),
         ({"source": "disk"}, "must be 'files' or 'memory'"),
-        ({"source": "memory", "delta": True}, "sync.delta=false"),
+        ({"source": "memory", "delta": True}, None),  # deltas go from memory too
         ({"source": "memory", "p2p_host": ""}, "must be an address"),
         ({"source": "memory", "p2p_protocol": "rdma"}, None),
         ({"source": "memory", "p2p_protocol": "udp"}, "must be 'tcp' or 'rdma'"),
