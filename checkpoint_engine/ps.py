@@ -438,6 +438,8 @@ class ParameterServer:
         finally:
             if group is not None:
                 dist.destroy_process_group(group)
+            if metrics is None and job is not None and hasattr(job.source, "discard_kept"):
+                job.source.discard_kept()  # a failed relay keeps nothing
             if publish:
                 self.registry.end_update(
                     job.update_id, checkpoint_name, metrics.to_dict() if metrics else {"ok": False}
@@ -464,7 +466,7 @@ class ParameterServer:
         except Exception as e:  # noqa: BLE001 - agreed below: every rank keeps the owners' metas then
             error = f"rank {self._rank}: {type(e).__name__}: {e}"
         finally:
-            source.kept.clear()
+            source.discard_kept()  # adopted: freed with the checkpoint; else now
         errors = [x for x in all_gather_obj(error, self._world_size) if x]
         if errors:
             if name in self._checkpoints:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # annotations only: this module imports no torch
     import torch.distributed as dist
 
     from checkpoint_engine.buckets import Bucket
-    from checkpoint_engine.host_memory import RegisteredCheckpoint
+    from checkpoint_engine.host_memory import RegisteredCheckpoint, SharedTensorBuffer
     from checkpoint_engine.transport.devices import Transport
     from checkpoint_engine.transport.mooncake import P2PStore
     from checkpoint_engine.update_metrics import UpdateMetrics
@@ -141,6 +141,10 @@ class BucketSource(Protocol):
         update, failed ones included, before the double buffer is released)."""
         ...
 
+
+# The alignment of each tensor in a relay's kept share (UpdateConfig.keep_relayed): a page, a multiple
+# of every ParameterServerConfig.align_bytes up to it, so that register_checkpoint adopts the buffer
+KEEP_ALIGN_BYTES = 4096
 
 # Memory a transfer engine may still be writing into (a read in flight when its update failed):
 # kept alive, and registered, so that the read never lands in memory reused for something else.
@@ -361,8 +365,10 @@ class RelaySource:
     _half_stride: int = field(default=0, init=False)
     _read_failed: bool = field(default=False, init=False, repr=False)
     read_bytes: int = field(default=0, init=False)
-    # UpdateConfig.keep_relayed: bucket index -> a host copy of it, for the buckets this rank keeps
-    kept: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # UpdateConfig.keep_relayed: the tensors of the buckets this rank keeps, written into one shared
+    # buffer as they pass (its segment becomes the registered chunk: one copy), and which buckets are in
+    _kept_buffer: SharedTensorBuffer | None = field(default=None, init=False, repr=False)
+    _kept_buckets: set[int] = field(default_factory=set, init=False, repr=False)
     _keep_slot: tuple[int, int] | None = field(default=None, init=False, repr=False)  # (my index, members)
 
     def open(self, job: SourceJob) -> EngineBuffers:
@@ -371,11 +377,23 @@ class RelaySource:
         self._buckets = list(getattr(job, "buckets", []))
         self._index = {id(b): i for i, b in enumerate(self._buckets)}
         self._half_stride = job.half_stride
-        self.kept.clear()
+        self.discard_kept()
         members = list(getattr(job, "members", None) or [job.rank])
         cfg = getattr(job, "cfg", None)
         keep = cfg is not None and cfg.keep_relayed and len(members) == getattr(job, "world_size", len(members))
         self._keep_slot = (members.index(job.rank), len(members)) if keep else None
+        if keep:
+            from checkpoint_engine.host_memory import SharedTensorBuffer
+
+            mine, n = self._keep_slot
+            specs = [
+                (t.name, t.dtype, tuple(t.shape))
+                for k, b in enumerate(self._buckets)
+                if k % n == mine
+                for t in b.tensors
+            ]
+            if specs:  # a rank with no bucket to keep (fewer buckets than ranks) registers nothing
+                self._kept_buffer = SharedTensorBuffer(specs, align_bytes=KEEP_ALIGN_BYTES, tag="kept")
         if job.rank == self._root:
             import torch
 
@@ -451,9 +469,14 @@ class RelaySource:
             self._broadcast(job, dst, k)
         job.transport.synchronize()
         m.broadcast_s += time.perf_counter() - t0
-        if self._keep_slot is not None and k % self._keep_slot[1] == self._keep_slot[0]:
-            t0 = time.perf_counter()
-            self.kept[k] = dst.to("cpu", copy=True)  # this rank's share of the version, for heals
+        if self._kept_buffer is not None and k % self._keep_slot[1] == self._keep_slot[0]:
+            import torch
+
+            t0 = time.perf_counter()  # this rank's share of the version, for heals: into the chunk-to-be
+            for t in bucket.tensors:
+                start = t.offset_bytes - bucket.start_bytes
+                self._kept_buffer.tensors[t.name].view(-1).view(torch.uint8).copy_(dst[start : start + t.nbytes])
+            self._kept_buckets.add(k)
             m.copy_in_s += time.perf_counter() - t0
 
     @property
@@ -462,16 +485,23 @@ class RelaySource:
         return self._keep_slot is not None
 
     def kept_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors of the buckets this rank kept, as views of its copies (name -> tensor)."""
-        from ckpt_common.dtypes import dtype_from_name
+        """The tensors of the buckets this rank kept (name -> its view of the shared buffer, which
+        `register_checkpoint` adopts on the CPU transport and copies on others)."""
+        if self._kept_buffer is None:
+            return {}
+        return {
+            t.name: self._kept_buffer.tensors[t.name]
+            for k in sorted(self._kept_buckets)
+            for t in self._buckets[k].tensors
+        }
 
-        out = {}
-        for k, buf in self.kept.items():
-            bucket = self._buckets[k]
-            for t in bucket.tensors:
-                start = t.offset_bytes - bucket.start_bytes
-                out[t.name] = buf[start : start + t.nbytes].view(dtype_from_name(t.dtype)).view(tuple(t.shape))
-        return out
+    def discard_kept(self) -> None:
+        """Done with the kept share: a buffer a checkpoint adopted is freed when that is unregistered,
+        any other now."""
+        if self._kept_buffer is not None:
+            self._kept_buffer.close()
+        self._kept_buffer = None
+        self._kept_buckets.clear()
 
     def close(self) -> None:
         """The root's staging unregistered, unless a read-ahead thread or a failed read may still

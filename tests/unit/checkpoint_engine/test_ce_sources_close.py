@@ -116,3 +116,63 @@ def test_a_p2p_pull_unregisters_its_staging_unless_a_read_failed():
         src.fill(run, bucket(0), 0)
     src.close()
     assert len(store.registered) == 1 and len(sources._PARKED) == 1
+
+
+def test_a_relays_kept_share_is_copied_once_into_the_chunk_it_registers():
+    """keep_relayed: each kept bucket's tensors are written, as the bucket passes, into one shared
+    buffer that `register_checkpoint` then adopts as the checkpoint's chunk (no second copy); the
+    buffer is freed when that checkpoint is unregistered, and at once when nothing adopted it."""
+    import ctypes
+
+    import torch
+
+    from checkpoint_engine.buckets import align_up, layout_tensors, plan_buckets
+    from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
+    from checkpoint_engine.host_memory import find_shared_buffer
+    from checkpoint_engine.ps import ParameterServer
+
+    gen = torch.Generator().manual_seed(0)
+    owned = {f"w{i}": torch.randn(33 + i, 7, generator=gen) for i in range(6)}
+    owned["step"] = torch.tensor(3, dtype=torch.int64)
+    layout = layout_tensors(
+        [(n, "float32" if t.is_floating_point() else "int64", tuple(t.shape)) for n, t in owned.items()]
+    )
+    owner = torch.zeros(layout.chunk_sizes_bytes[0], dtype=torch.uint8)  # the trainer's memory
+    for m in layout.metas:
+        owner[m.offset_bytes : m.offset_bytes + m.nbytes].copy_(owned[m.name].reshape(-1).view(torch.uint8))
+    buckets = plan_buckets({1: layout.metas}, 2048)
+    assert len(buckets) >= 3
+    store = FakeStore(read=lambda addr, local, remote, n: ctypes.memmove(local, remote, n))
+    cfg = UpdateConfig(engine_timeout_s=5.0)
+    stride = align_up(max(b.size_bytes for b in buckets), 256)
+    j = SimpleNamespace(
+        half_stride=stride, transport=CpuTransport(), rank=0, world_size=1, members=[0], buckets=buckets, cfg=cfg
+    )
+    run = SimpleNamespace(job=j, metrics=SimpleNamespace(broadcast_s=0.0, copy_in_s=0.0), link=None)
+    src = RelaySource(store=store, owner_addrs={1: "trainer"}, chunk_ptrs={1: [owner.data_ptr()]})
+    src.open(j)
+    assert src.keeps  # one rank, every rank in the relay: it keeps every bucket
+    for k, b in enumerate(buckets):
+        src.fill(run, b, (k % 2) * stride)
+    src.close()
+    kept = src.kept_tensors()
+    assert kept.keys() == owned.keys()
+    assert all(torch.equal(kept[n], owned[n]) for n in owned)
+    buffer = find_shared_buffer(kept, 256)
+    assert buffer is not None and buffer is src._kept_buffer
+
+    ps = ParameterServer(rank=0, world_size=1, config=ParameterServerConfig(transport="cpu"))
+    try:
+        ps.register_checkpoint("v1", named_tensors=kept)
+        assert ps._checkpoints["v1"].adopted and buffer.adopted_by == "v1"  # its chunk is the buffer: no copy
+        src.discard_kept()
+        assert buffer._segment is not None  # the checkpoint still holds it
+        ps.unregister_checkpoint("v1")
+        assert buffer._segment is None  # freed with the checkpoint
+    finally:
+        ps.close()
+
+    src.open(j)  # an update that fails before it is kept: the buffer goes at once
+    kept_buffer = src._kept_buffer
+    src.discard_kept()
+    assert kept_buffer._segment is None and src.kept_tensors() == {}
