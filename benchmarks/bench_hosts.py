@@ -11,9 +11,11 @@ the links). Each run is one update of every engine from the trainer's memory, in
 
     relay   (the product's path across hosts) the first inference rank reads each bucket once from
             the trainer over Mooncake and broadcasts it to the other; the next bucket's read overlaps
-            this one's broadcast
+            this one's broadcast; each rank keeps every H-th bucket for heals (keep_relayed, the
+            default: a copy of M / H per rank, and the metas gathered after the update)
     auto    (what a pull did before: mode p2p) every inference rank reads every bucket from the
             trainer itself
+    relay-unkept  (not in the default) the relay with keep_relayed off: what keeping costs, paired
 
 Per run: e2e_s (every rank ready -> every engine holds the version, measured on rank 0 after a
 barrier of all ranks), the bytes each host's interface sent and received (its counters), and each
@@ -56,6 +58,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+UNKEPT = "relay-unkept"  # --modes: the relay with keep_relayed off (the ranks keep no share for heals)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -65,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mib", type=int, default=512, help="M: the version's bytes (float32 tensors)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--bucket-mib", type=int, default=16)
-    p.add_argument("--modes", default="relay,auto")
+    p.add_argument(
+        "--modes", default="relay,auto", help=f"of relay, auto and {UNKEPT} (the relay with --no-keep-relayed)"
+    )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument(
@@ -108,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for run in range(args.runs):
                 for mode in modes:  # paired: the modes alternate within each run
-                    r = sync.update(mode, bucket_mib=args.bucket_mib)
+                    keep = mode != UNKEPT  # the relay without keep_relayed: what keeping a share costs
+                    r = sync.update(mode if keep else "relay", bucket_mib=args.bucket_mib, keep_relayed=keep)
                     if not r.ok or not all(r.digests_match.values()):
                         print(json.dumps({"error": f"{mode} run {run} failed", "results": r.results}))
                         return 1

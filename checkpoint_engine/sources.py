@@ -151,6 +151,16 @@ KEEP_ALIGN_BYTES = 4096
 _PARKED: list[torch.Tensor] = []
 
 
+def _prefault_quietly(tensors: list[torch.Tensor]) -> None:
+    """Populate `tensors`' pages (best effort: an error only costs the faults it would have saved)."""
+    from checkpoint_engine.transport.prefault import prefault
+
+    try:
+        prefault(tensors)
+    except Exception as e:  # noqa: BLE001 - the copies fault the pages in instead
+        logging.getLogger(__name__).debug("prefault of a kept share failed: %s", e)
+
+
 def _unregister_staging(store: P2PStore, staging: torch.Tensor | None, busy: bool) -> None:
     """Unregister a source's staging memory from its transfer engine, or park it while `busy`.
 
@@ -394,6 +404,11 @@ class RelaySource:
             ]
             if specs:  # a rank with no bucket to keep (fewer buckets than ranks) registers nothing
                 self._kept_buffer = SharedTensorBuffer(specs, align_bytes=KEEP_ALIGN_BYTES, tag="kept")
+                # its pages populated beside the transfer, which waits on the link: first-touch faults
+                # in the copies cost ~1 s per 0.25 GiB in the testbed (benchmarks/RESULTS.md, session 50)
+                threading.Thread(
+                    target=_prefault_quietly, args=(list(self._kept_buffer.tensors.values()),), daemon=True
+                ).start()
         if job.rank == self._root:
             import torch
 

@@ -132,6 +132,7 @@ def _inference(args) -> int:
 
     update = UpdateConfig(
         mode=args.mode,
+        keep_relayed=args.keep_relayed,
         bucket_size_bytes=args.bucket_mib * 2**20 or None,  # 0: the planner's choice
         engine_timeout_s=args.timeout_s,
         engine_connect_timeout_s=args.timeout_s,
@@ -218,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--engine-url", required=True)
     i.add_argument("--metas", required=True)
     i.add_argument("--mode", default="relay", choices=["relay", "auto", "collective"])
+    i.add_argument(
+        "--no-keep-relayed",
+        dest="keep_relayed",
+        action="store_false",
+        help="relay: the ranks keep no share of the version (UpdateConfig.keep_relayed off)",
+    )
     i.add_argument("--bucket-mib", type=int, default=32, help="0: the parameter server's choice")
     i.add_argument("--timeout-s", type=float, default=120.0)
     args = p.parse_args(argv)

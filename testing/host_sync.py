@@ -89,10 +89,12 @@ class HostSync:
     def counters(self) -> dict[str, LinkCounters]:
         return {name: h.counters() for name, h in self.bed.hosts.items()}
 
-    def update(self, mode: str = "relay", *, bucket_mib: int = 32, during=None, delta: int = 0) -> SyncRun:
+    def update(
+        self, mode: str = "relay", *, bucket_mib: int = 32, during=None, delta: int = 0, keep_relayed: bool = True
+    ) -> SyncRun:
         """One update into every inference host's engine; `during(procs)` runs while it is under way
         (a fault test partitions a host there). `delta` k > 0: the k-th delta version (the engines must
-        hold the one before), its digest the one checked."""
+        hold the one before), its digest the one checked. `keep_relayed`: UpdateConfig's (relay mode)."""
         metas, digest = self.metas, self.digest
         if delta:
             d = self.deltas[delta - 1]
@@ -107,6 +109,7 @@ class HostSync:
             cmd += ["--world-size", str(len(self.inference)), "--master-addr", master.ip, "--master-port", str(port)]
             cmd += ["--host-ip", h.ip, "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--metas", str(metas)]
             cmd += ["--mode", mode, "--bucket-mib", str(bucket_mib), "--timeout-s", str(self.timeout_s)]
+            cmd += [] if keep_relayed else ["--no-keep-relayed"]
             log = open(self.work_dir / f"rank{rank}-{self._seq}.log", "w")
             procs.append(h.popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=_env()))
         if during is not None:

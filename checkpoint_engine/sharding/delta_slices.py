@@ -22,7 +22,7 @@ encodings, compression and checks are `checkpoint_engine.sharding.delta`'s. Pure
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -70,6 +70,22 @@ def delta_slices(plan: ShardPlan) -> dict[str, tuple[SourceSlice, ...]]:
     return {
         name: (SourceSlice(name),) if any(s.whole for s in got) else tuple(sorted(got)) for name, got in found.items()
     }
+
+
+def tp_delta_slices(
+    hf_config: Mapping, tp_size: int, names: Iterable[str]
+) -> dict[str, tuple[SourceSlice, ...]] | None:
+    """The slices the ranks of a `tp_size` tensor-parallel engine consume of the HF tensors `names` of
+    the model whose config.json is `hf_config`, to cut a delta along (each worker that pulled only its
+    slices then takes only their changed values); None at TP 1 (whole tensors). ValueError as
+    `plan_hf` raises it (a field that does not divide, a name without a sharding rule)."""
+    if tp_size <= 1:
+        return None
+    from checkpoint_engine.sharding.shard_plan import plan_hf
+    from checkpoint_engine.sharding.slices import EngineLayout
+    from ckpt_common.layout.shapes import ModelShape
+
+    return delta_slices(plan_hf(ModelShape.from_hf_config(dict(hf_config)), EngineLayout(tp_size=tp_size), names=names))
 
 
 def encode_sliced(
