@@ -217,11 +217,8 @@ def _summed(ps, world_size: int, *values: int) -> list[int]:
 def delta_shard(cfg: PushConfig, new: dict, *, rank: int, world_size: int, tp_size: int) -> tuple[dict, dict]:
     """This rank's share of the delta from `cfg.delta_base` to `new` (its share of the version), cut
     along the slices of a `tp_size` engine, as wire tensors (its own header), and what it holds."""
-    from checkpoint_engine.sharding.delta_slices import delta_slices, encode_sliced
+    from checkpoint_engine.sharding.delta_slices import encode_sliced, tp_delta_slices
     from checkpoint_engine.sharding.delta_sync import HEADER, to_wire
-    from checkpoint_engine.sharding.shard_plan import plan_hf
-    from checkpoint_engine.sharding.slices import EngineLayout
-    from ckpt_common.layout.shapes import ModelShape
     from vllm_ext.launch_config import model_safetensors_files
 
     base = load_shard(model_safetensors_files(cfg.delta_base), rank, world_size)
@@ -230,8 +227,7 @@ def delta_shard(cfg: PushConfig, new: dict, *, rank: int, world_size: int, tp_si
     slices = None
     if tp_size > 1:
         with open(os.path.join(cfg.model, "config.json")) as f:
-            shape = ModelShape.from_hf_config(json.load(f))
-        slices = delta_slices(plan_hf(shape, EngineLayout(tp_size=tp_size), names=new))
+            slices = tp_delta_slices(json.load(f), tp_size, new)
     t0 = time.perf_counter()
     delta = encode_sliced(base, new, slices, compress=True)
     base_name = cfg.delta_base_name or os.path.basename(os.path.normpath(cfg.delta_base))

@@ -56,7 +56,9 @@ engines take only the values that changed (``checkpoint_engine.sharding.delta_sy
                an engine refused it (its weights are not the base) ─▶ POST /update {name: policy-v<v>}
         no  ─▶ POST /update {name: policy-v<v>}
 
-With ``sync.source="memory"`` the delta is registered from this process's memory as the full version
+A daemon engine of N ranks (vLLM at tensor parallel N, each worker pulling only its slices) takes
+deltas cut along its slices (``_cut_deltas_for``). With ``sync.source="memory"`` the delta is
+registered from this process's memory as the full version
 is (POST /metas ``policy-v<v>.delta``, unregistered after): no file. The delta saves what the daemon
 sends its engines (across nodes, the costly part); the job still registers each version in full and
 the daemon's ranks can read it in full (heals).
@@ -283,6 +285,7 @@ class DaemonWeightSync:
                 "engines start (or wake) for each version: set sync.delta=false or engine.colocated=false"
             )
         self.delta = delta_sender(config)
+        self._delta_tp_size = 1  # the engines' tensor-parallel size the delta sender cuts deltas for
         # sync.source="memory": versions served from this process (memory_source); the pool's when
         # it started the engines from memory
         self.source = pool.source if pool.source is not None else memory_source(config)
@@ -439,6 +442,7 @@ class DaemonWeightSync:
             if self.delta is not None:
                 # a delta only if every engine it reaches serves the base (an incomplete one holds no version)
                 held = {records[i].get("checkpoint") if records[i].get("state") == "serving" else None for i in ready}
+                self._cut_deltas_for(records, named_tensors)
                 prepared = self.delta.prepare(name, named_tensors, held.pop() if len(held) == 1 else None)
                 kind, reason = prepared.choice.kind, prepared.choice.reason
                 if kind == "delta":
@@ -475,6 +479,29 @@ class DaemonWeightSync:
             kind=kind,
             reason=reason,
         )
+
+    def _cut_deltas_for(self, records: list[dict], names) -> None:
+        """Deltas cut along the engines' tensor-parallel slices: a daemon engine of N ranks
+        (``--ranks-per-engine N``, vLLM at tensor parallel N) has each worker pull only its slices,
+        and its cache then holds only those, so it takes a delta only as entries of them (a delta of
+        whole tensors it refuses, and the full version follows). The slices come from the engines'
+        config.json (``<handoff>/model``) for the job's tensor names."""
+        tp_size = max((len(r.get("ranks") or ()) for r in records), default=1) or 1
+        if tp_size == self._delta_tp_size:
+            return
+        import json
+
+        from checkpoint_engine.sharding.delta_slices import tp_delta_slices
+
+        try:
+            hf_config = json.loads((self.handoff / MODEL_DIR / "config.json").read_text())
+            self.delta.slices = tp_delta_slices(hf_config, tp_size, names)
+        except (OSError, ValueError) as e:  # whole-tensor deltas: a sliced engine refuses them, the full goes
+            logger.warning("deltas not cut for tensor parallel %d (%s): sent whole", tp_size, e)
+            self.delta.slices = None
+        else:
+            logger.info("deltas cut along the slices of tensor parallel %d engines", tp_size)
+        self._delta_tp_size = tp_size
 
     def _already_served(self, name: str, version: int, named_tensors, start: float) -> SyncResult:
         """Every engine serves ``name``, this sync's current version, already: the job's initial push

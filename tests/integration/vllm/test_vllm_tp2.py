@@ -325,8 +325,11 @@ def _check_shares(states: list[dict], checkpoint_bytes: int) -> list[float]:
 
 
 def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path):
+    from checkpoint_engine.sharding.delta_slices import encode_sliced, tp_delta_slices
+    from checkpoint_engine.sharding.delta_sync import to_wire
     from ckpt_common.procs import group_shm_segments
-    from demo.tiny_model import make_tiny_model
+    from demo.tiny_model import load_state_dict_from_dir, make_tiny_model
+    from orchestrator.engine_pool.daemon_client import write_version
     from testing.daemon import start_daemon
     from testing.vllm_servers import (
         ServerProcess,
@@ -431,6 +434,40 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
             f"heal of the TP 2 engine: failure to serving {healed['recovery_s']} s; each worker took "
             f"{[round(x, 3) for x in shares]} of the checkpoint"
         )
+
+        # the RL job's delta through the daemon into the healed engine (what DaemonWeightSync sends with
+        # sync.delta): C in full, then B as the delta from C cut along TP 2's slices (`tp_delta_slices`
+        # of the engines' config.json), registered beside the full B and pushed with full_checkpoint B:
+        # each worker takes only its slices' changed values and then serves exactly B
+        model_c = _near(model_b, tmp_path / "C")
+        code, res = call("POST", "/checkpoints", {"name": "C", "files": model_safetensors_files(str(model_c))})
+        assert code == 200 and res["ok"], res
+        code, res = call("POST", "/update", {"name": "C"})
+        assert code == 200 and res["ok"], res
+        assert _checksums(url, "compare", baseline=disk)["match"] is False  # C is not B
+        base_c, new_b = load_state_dict_from_dir(model_c), load_state_dict_from_dir(model_b)
+        slices = tp_delta_slices(json.loads((model_b / "config.json").read_text()), 2, new_b)
+        wire = to_wire(encode_sliced(base_c, new_b, slices, compress=True), "C", "B")
+        files = write_version(tmp_path / "handoff", "B.delta", wire, 2)
+        code, res = call("POST", "/checkpoints", {"name": "B.delta", "files": files})
+        assert code == 200 and res["ok"], res
+        code, res = call("POST", "/update", {"name": "B.delta", "full_checkpoint": "B"})
+        assert code == 200 and res["ok"], res
+        assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
+        assert_same_logprobs(completion_logprobs(url, str(model_b), PROMPTS, MAX_TOKENS), disk_logprobs)
+        delta_bytes = sum(t.numel() * t.element_size() for t in wire.values())
+        states_d = collective_rpc(url, "weights_state", timeout_s=60.0)
+        assert_kernels_checked(states_d)
+        for rank, state in enumerate(states_d):
+            assert state["checkpoint"] == "B" and state["last_update"]["delta"]["base"] == "C", state
+            reads = state["last_update"]["engine_reads"]
+            took = reads["placed_bytes"] + reads["scratch_bytes"] + reads["mapped_slice_bytes"]
+            print(f"daemon delta, worker {rank}: took {took} of the delta's {delta_bytes} bytes")
+            assert 0 < took <= MAX_SHARE_PER_WORKER * delta_bytes, (took, delta_bytes, reads)
+        assert engines(daemon.url)[0]["checkpoint"] == "B"
+        for name in ("B.delta", "C"):
+            code, res = call("DELETE", f"/checkpoints/{name}")
+            assert code == 200 and res["ok"], res
 
         # the next version (A) through the daemon: every update of a TP engine is a pull of its slices
         if "after_a" in DISK_REFERENCE:  # run alone, only the start and the heal are checked

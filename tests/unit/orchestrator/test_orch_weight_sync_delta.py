@@ -206,3 +206,35 @@ def test_every_engine_refusing_the_delta_is_a_full_update(pool_sync):
     got = sync.push(vs[1], version=1)
     assert got.kind == "full" and got.reason == "2 of 2 engines refused the delta"
     assert all(digest(e.weights) == digest(vs[1]) for e in engines)
+
+
+def test_daemon_deltas_are_cut_along_the_slices_of_its_tensor_parallel_engines(tmp_path):
+    """A daemon engine of two ranks (vLLM TP 2, each worker pulls only its slices) takes a delta only
+    as entries of its slices: DaemonWeightSync cuts deltas along them, from the engines' config.json;
+    one-rank engines get whole tensors; a config it cannot plan for leaves them whole, logged."""
+    import json
+
+    from checkpoint_engine.sharding.delta_slices import tp_delta_slices
+    from demo.tiny_model import TinyModelConfig, make_tiny_model, random_state_dict
+    from orchestrator.engine_pool.daemon import MODEL_DIR, DaemonWeightSync
+    from orchestrator.engine_pool.weight_sync import delta_sender
+
+    cfg = TinyModelConfig.tiny()
+    model = make_tiny_model(tmp_path / MODEL_DIR, cfg, seed=0)
+    names = random_state_dict(cfg, 0).keys()
+    sync = object.__new__(DaemonWeightSync)  # only what the cut reads: the handoff dir, the sender
+    sync.handoff, sync.delta, sync._delta_tp_size = tmp_path, delta_sender(SyncConfig(delta=True)), 1
+    sync._cut_deltas_for([{"ranks": [0]}, {"ranks": [1]}], names)
+    assert sync.delta.slices is None
+    sync._cut_deltas_for([{"ranks": [0, 1]}], names)
+    expected = tp_delta_slices(json.loads((model / "config.json").read_text()), 2, names)
+    assert sync.delta.slices == expected
+    split = [n for n, s in expected.items() if len(s) == 2]  # a column- or row-parallel weight: two halves
+    assert any("q_proj" in n for n in split) and any("down_proj" in n for n in split), sorted(split)
+    assert all(len(s) == 1 for n, s in expected.items() if "norm" in n)  # replicated: whole
+    (model / "config.json").write_text(
+        json.dumps({**json.loads((model / "config.json").read_text()), "num_attention_heads": 3})
+    )
+    sync._delta_tp_size = 1
+    sync._cut_deltas_for([{"ranks": [0, 1]}], names)  # 3 heads do not split over 2 ranks
+    assert sync.delta.slices is None and sync._delta_tp_size == 2
