@@ -37,7 +37,11 @@ The daemon's tensor-parallel engine (second test): `torchrun --nproc-per-node 2 
 updated to B by a broadcast (its checksums and tokens those of the first test's engine, loaded from
 disk); then SIGKILLed: the daemon's healer restarts it and the heal pulls B from the ranks' memory over
 Mooncake, each worker reading only its slices: the same checksums and tokens again, each worker taking
-at most 0.55 of the checkpoint.
+at most 0.55 of the checkpoint. Then the RL job's delta path through the daemon into the healed engine:
+C in full, B as the delta from C cut along TP 2's slices (`tp_delta_slices`, what DaemonWeightSync
+sends) with `full_checkpoint` B: exactly B from disk, each worker at most 0.55 of the delta; the same
+delta again (its base behind the engine's version, a skipped one) refused by both workers by name,
+and the full B after it serving exactly B.
 
 The model has tied embeddings (`tie_word_embeddings`, as Qwen2.5 up to 3B, Llama 3.2 1B/3B): the
 checkpoint holds no `lm_head.weight`, and the head computes with the embedding. Every comparison with
@@ -465,6 +469,16 @@ def test_the_daemon_heals_its_tensor_parallel_engine_by_a_sharded_pull(tmp_path)
             print(f"daemon delta, worker {rank}: took {took} of the delta's {delta_bytes} bytes")
             assert 0 < took <= MAX_SHARE_PER_WORKER * delta_bytes, (took, delta_bytes, reads)
         assert engines(daemon.url)[0]["checkpoint"] == "B"
+        # the same delta again (a sender that skipped a version: its base C is behind what the engine
+        # holds): both workers refuse it before writing anything, the update fails naming why, and the
+        # full version (what DaemonWeightSync sends next) brings the engine back to serving exactly B
+        code, res = call("POST", "/update", {"name": "B.delta", "full_checkpoint": "B"})
+        assert code != 200 or not res["ok"], res
+        assert "is from 'C', but this engine holds 'B'" in json.dumps(res), res
+        code, res = call("POST", "/update", {"name": "B"})
+        assert code == 200 and res["ok"], res
+        assert [(e["state"], e["checkpoint"]) for e in engines(daemon.url)] == [("serving", "B")]
+        assert _checksums(url, "compare", baseline=disk) == {"match": True, "mismatches": []}
         for name in ("B.delta", "C"):
             code, res = call("DELETE", f"/checkpoints/{name}")
             assert code == 200 and res["ok"], res
