@@ -147,8 +147,37 @@ class BucketSource(Protocol):
 KEEP_ALIGN_BYTES = 4096
 
 # Memory a transfer engine may still be writing into (a read in flight when its update failed):
-# kept alive, and registered, so that the read never lands in memory reused for something else.
-_PARKED: list[torch.Tensor] = []
+# kept alive, and registered, so that the read never lands in memory reused for something else, until
+# its readers are done and a grace period past the read deadline is over (swept at later updates).
+PARK_GRACE_READ_TIMEOUTS = 2.0  # parked for this many of the store's read timeouts, at least
+
+
+@dataclass
+class _Parked:
+    staging: torch.Tensor
+    store: P2PStore
+    threads: tuple[threading.Thread, ...]  # read-ahead threads that may still write into it
+    until_s: float  # time.monotonic() before which it stays
+
+
+_PARKED: list[_Parked] = []
+
+
+def _sweep_parked(now_s: float | None = None) -> int:
+    """Unregister and free the parked stagings whose readers are done and whose grace is over; how
+    many were freed."""
+    now_s = time.monotonic() if now_s is None else now_s
+    freed = 0
+    for p in list(_PARKED):
+        if now_s < p.until_s or any(t.is_alive() for t in p.threads):
+            continue
+        _PARKED.remove(p)
+        try:
+            p.store.unregister(p.staging.data_ptr())
+        except Exception as e:  # noqa: BLE001 - its transfer engine may be closed already
+            logging.getLogger(__name__).debug("unregistering a parked staging: %s", e)
+        freed += 1
+    return freed
 
 
 def _prefault_quietly(tensors: list[torch.Tensor]) -> None:
@@ -161,18 +190,26 @@ def _prefault_quietly(tensors: list[torch.Tensor]) -> None:
         logging.getLogger(__name__).debug("prefault of a kept share failed: %s", e)
 
 
-def _unregister_staging(store: P2PStore, staging: torch.Tensor | None, busy: bool) -> None:
-    """Unregister a source's staging memory from its transfer engine, or park it while `busy`.
+def _unregister_staging(
+    store: P2PStore, staging: torch.Tensor | None, busy: bool, threads: tuple[threading.Thread, ...] = ()
+) -> None:
+    """Unregister a source's staging memory from its transfer engine, or park it while `busy`
+    (`threads`: readers that may still write into it); parked ones whose time is over go first.
 
     Each update allocates its staging anew; a region left registered after its memory was freed makes
     a later registration that overlaps it fail ("Transfer Engine does not support overlapped memory
     region": seen on the relay's root at its third update, benchmarks/bench_hosts_rl.py)."""
+    _sweep_parked()
     if staging is None:
         return
     if busy:
-        _PARKED.append(staging)
+        grace_s = PARK_GRACE_READ_TIMEOUTS * float(store.cfg.read_timeout_s)
+        _PARKED.append(_Parked(staging, store, tuple(t for t in threads if t.is_alive()), time.monotonic() + grace_s))
         logging.getLogger(__name__).warning(
-            "a P2P read into this update's staging (%d bytes) is still in flight: kept registered", staging.numel()
+            "a P2P read into this update's staging (%d bytes) may still be in flight: kept registered for "
+            "%.0f s at least, and until its readers are done",
+            staging.numel(),
+            grace_s,
         )
         return
     store.unregister(staging.data_ptr())
@@ -521,7 +558,8 @@ class RelaySource:
     def close(self) -> None:
         """The root's staging unregistered, unless a read-ahead thread or a failed read may still
         write into it (an update that failed mid-read): then it stays parked."""
-        busy = self._read_failed or any(t.is_alive() for t, _ in self._ahead.values())
+        threads = tuple(t for t, _ in self._ahead.values())
+        busy = self._read_failed or any(t.is_alive() for t in threads)
         self._ahead.clear()
-        _unregister_staging(self.store, self._staging, busy=busy)
+        _unregister_staging(self.store, self._staging, busy=busy, threads=threads)
         self._staging = None

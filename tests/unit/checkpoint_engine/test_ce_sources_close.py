@@ -11,6 +11,7 @@ read-ahead thread still running).
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -79,8 +80,13 @@ def test_a_relay_read_still_in_flight_keeps_its_staging_registered_and_alive():
     staging = src._staging
     src.close()  # the update failed with bucket 0's read still running
     assert list(store.registered) == [staging.data_ptr()]
-    assert len(sources._PARKED) == 1 and sources._PARKED[0] is staging
+    assert len(sources._PARKED) == 1 and sources._PARKED[0].staging is staging
     release.set()
+    # once its reader is done and its grace is over, the next update's close frees it
+    sources._PARKED[0].threads[0].join(5)
+    assert sources._sweep_parked(now_s=sources._PARKED[0].until_s - 1) == 0  # within its grace: kept
+    assert sources._sweep_parked(now_s=sources._PARKED[0].until_s) == 1
+    assert store.registered == {} and not sources._PARKED
 
 
 def test_a_failed_relay_read_parks_its_staging():
@@ -94,6 +100,17 @@ def test_a_failed_relay_read_parks_its_staging():
     assert src._ahead[0][1] and "read past its deadline" in src._ahead[0][1][0]
     src.close()
     assert len(store.registered) == 1 and len(sources._PARKED) == 1
+    parked = sources._PARKED[0]
+    assert parked.until_s >= time.monotonic() + 9  # two read timeouts of 5 s, less what passed
+
+    # a later update's close sweeps it once its grace is over (the clock moved on here)
+    parked.until_s = time.monotonic() - 1
+    src = RelaySource(store=store, owner_addrs={1: "peer"}, chunk_ptrs={1: [1 << 20]})
+    store.read_fn = lambda *a: None
+    src.open(job([bucket(0)]))
+    src._ahead[0][0].join(5)
+    src.close()
+    assert store.registered == {} and not sources._PARKED
 
 
 def test_a_p2p_pull_unregisters_its_staging_unless_a_read_failed():
