@@ -71,12 +71,16 @@ class WeightReceiver:
         initial_weights: str = "checkpoint",
         cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None,
         load_per_bucket: bool = False,
+        partial_reload_fn: Callable[[], bool] | None = None,
     ):
         """`initial_weights`: what the engine started with, "checkpoint" or "dummy" (random).
         `cache_slots_fn`: engine memory the weight cache may keep named tensors in (asked after each
         complete update; see `WeightCache.adopt`). `load_per_bucket`: call `reload_fn` once per
         bucket, before its Ack, on views of the PS's buffers (see the module docstring); only for
-        a reload that may be called once per bucket and keeps no tensor after it returns."""
+        a reload that may be called once per bucket and keeps no tensor after it returns.
+        `partial_reload_fn`: whether `reload_fn` keeps the layers it is not given as they are (vLLM's
+        direct reload does, its layerwise reload does not): a delta then reloads only the tensors
+        whose values it changed, so the engine's work falls with the changed share."""
         if initial_weights not in ("checkpoint", "dummy"):
             raise ValueError(f"initial_weights must be 'checkpoint' or 'dummy', got {initial_weights!r}")
         self.initial_weights = initial_weights
@@ -92,6 +96,7 @@ class WeightReceiver:
         self._reload_fn = reload_fn
         self._recover_fn = recover_fn
         self._cache_slots_fn = cache_slots_fn
+        self._partial_reload_fn = partial_reload_fn
         self.num_cache_adopted = 0
         self._zmq_ctx = zmq.Context()
         self._faults = FaultSlot()  # test-only (`arm_fault`)
@@ -121,6 +126,7 @@ class WeightReceiver:
         recover_fn: Callable[[], None] | None = None,
         cache_slots_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None,
         config: ReceiverConfig | None = None,
+        partial_reload_fn: Callable[[], bool] | None = None,
     ) -> None:
         """Route later updates to another reload, under `config` if given (the receiver that did an
         engine's initial load, inside vLLM's load step, carries on as the worker's receiver)."""
@@ -128,6 +134,7 @@ class WeightReceiver:
             self._reload_fn = reload_fn
             self._recover_fn = recover_fn
             self._cache_slots_fn = cache_slots_fn
+            self._partial_reload_fn = partial_reload_fn
             if config is not None:
                 self.config = config
 
@@ -330,6 +337,10 @@ class _UpdateSession:
                 self.order.append(name)
             self.nbytes += t.numel() * t.element_size()
 
+    def _delta_report(self) -> dict:
+        d = self.delta
+        return {"base": d.held_checkpoint, "nbytes": d.nbytes, "reloaded_tensors": d.reloaded}
+
     def finish(self) -> None:
         """post_hook: every bucket arrived; complete the reload."""
         r = self.r
@@ -344,7 +355,11 @@ class _UpdateSession:
         if delta:  # the delta onto the cache, then the whole model through the reload
             refusal = r.delta_refusal(self.caching.fallback_ok)
             pairs = self.delta.apply(self.caching, refusal, self.received, r.state, sliced=r.cache_sliced)
-            self._note(pairs)
+            self._note(pairs)  # the cache holds every tensor of the version still
+            if not r.cache_sliced and r._partial_reload_fn is not None and r._partial_reload_fn():
+                changed = self.delta.changed  # the other layers keep what they hold: the base's values
+                pairs = [(name, t) for name, t in pairs if name in changed]
+            self.delta.reloaded = len(pairs)
             self.reload.start(pairs)
         else:
             self.reload.on_done(lambda: self.caching.kept(self.order))
@@ -377,7 +392,7 @@ class _UpdateSession:
             "reload_tail_s": span(self.t_done, self.t_end),
             "total_s": span(self.t_first, self.t_end),
             "engine_reads": self.reads.report(),
-            "delta": {"base": self.delta.held_checkpoint, "nbytes": self.delta.nbytes} if self.delta.nbytes else None,
+            "delta": self._delta_report() if self.delta.nbytes else None,
             **(
                 {
                     "loaders_s": round(self.reload.loaders_s, 4),

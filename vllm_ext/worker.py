@@ -122,6 +122,7 @@ class VllmColocateWorkerExtension:
                     self._ckpt_engine_reload,
                     recover_fn=self._ckpt_engine_recover,
                     cache_slots_fn=self._ckpt_engine_cache_slots,
+                    partial_reload_fn=self._ckpt_engine_partial_reload,
                 )
                 self._ckpt_engine_receiver_obj = receiver
                 logger.info("checkpoint-engine receiver taken over from the load step (%s)", receiver.config)
@@ -137,6 +138,7 @@ class VllmColocateWorkerExtension:
                 config=ReceiverConfig.from_dict(settings),
                 initial_weights="dummy" if dummy else "checkpoint",
                 cache_slots_fn=self._ckpt_engine_cache_slots,
+                partial_reload_fn=self._ckpt_engine_partial_reload,
             )
             self._ckpt_engine_receiver_obj = receiver
             logger.info("checkpoint-engine receiver ready (%s)", receiver.config)
@@ -261,6 +263,11 @@ class VllmColocateWorkerExtension:
                 todo.extend(item)
         logger.warning("cleared %.2f GiB of KV cache after undefined weights were served", cleared / 2**30)
         return cleared
+
+    def _ckpt_engine_partial_reload(self) -> bool:
+        """The direct reload keeps every layer it is not given as it is (packed); vLLM's layerwise
+        reload wants each layer's every tensor."""
+        return self._ckpt_engine_direct() is not None
 
     def _ckpt_engine_cache_slots(self) -> dict:
         direct = getattr(self, "_ckpt_engine_direct_obj", None)

@@ -191,6 +191,7 @@ class DeltaReceiver:
         self._parts: dict[str, torch.Tensor] = {}
         self._rank_slices = rank_slices
         self._seen = False
+        self.changed: set[str] = set()  # after `finish`: the tensors whose values it changed
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
         """True when `name` belongs to a delta (kept, copied, when it is this rank's: the bucket's
@@ -229,6 +230,7 @@ class DeltaReceiver:
         if sliced and rank is None:
             raise DeltaMismatch("this rank holds only its slices of the weights, and no slice plan to apply a delta by")
         apply_sliced(weights, delta, rank.own if rank is not None else None)
+        self.changed = {parse_slice_key(key).name for key, d in delta.tensors.items() if d.num_changed}
         self._parts, self._seen = {}, False
         if state is not None:
             state.name_pending(version)

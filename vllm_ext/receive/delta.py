@@ -20,11 +20,17 @@ class DeltaIntake:
         self.receiver = DeltaReceiver(rank_slices)
         self.held_checkpoint = held_checkpoint
         self.nbytes = 0
+        self.reloaded: int | None = None  # tensors the delta's reload took (the whole model, or the changed)
         self._whole_only = whole_only
 
     @property
     def is_delta(self) -> bool:
         return self.receiver.is_delta
+
+    @property
+    def changed(self) -> set[str]:
+        """After `apply`: the tensors whose values the delta changed (this rank's entries)."""
+        return self.receiver.changed
 
     def take(self, views: NamedTensors) -> NamedTensors:
         """Keep a delta's tensors aside (copied: the buffer is reused after the Ack); the rest."""
@@ -43,7 +49,8 @@ class DeltaIntake:
     ) -> NamedTensors:
         """The delta onto the cache's copy of the version held (every base checksum checked before
         anything is written); returns the whole model, for the reload: the network carries only the
-        changes, but vLLM's layer-wise reload wants every tensor of a layer it reloads.
+        changes, but vLLM's layer-wise reload wants every tensor of a layer it reloads (a reload
+        that keeps the layers it is not given takes only `changed`).
         `refusal`: why the engine cannot apply a delta (`WeightReceiver.delta_refusal`), or None;
         `received`: the whole tensors this update brought too (a delta cannot be mixed with them);
         `state`: the engine's, which then names the delta's version; `sliced`: the cache holds

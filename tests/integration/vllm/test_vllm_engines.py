@@ -653,8 +653,9 @@ def test_rank_death_aborts_update_then_next_update_restores(engines, models, tmp
 def test_a_delta_update_reaches_vllm_and_an_engine_without_a_weight_cache_takes_the_full_version(engines, models):
     """`checkpoint_engine.sharding.delta_sync.DeltaSync` from a PS in this process: B as version `d1`
     (full), then `d2` (B with the final norm changed: a delta of 64 values). `fast` (weight cache on)
-    applies the delta onto its cache and reloads; `gated` (`--no-weight-cache`) refuses it, naming why,
-    and takes the full version. Both then answer alike, and not as B."""
+    applies the delta onto its cache and reloads only the changed tensor (its direct reload keeps every
+    layer it is not given); `gated` (`--no-weight-cache`) refuses it, naming why, and takes the full
+    version. Both then answer alike, and not as B."""
     from checkpoint_engine.config import ParameterServerConfig, UpdateConfig
     from checkpoint_engine.ps import ParameterServer
     from checkpoint_engine.sharding.delta_sync import DeltaSync
@@ -686,6 +687,12 @@ def test_a_delta_update_reaches_vllm_and_an_engine_without_a_weight_cache_takes_
     assert "weight_cache off" in pushed["gated"].reason, pushed["gated"].reason
     fast_state, gated_state = _states(engines)
     assert fast_state["last_update"]["delta"]["base"] == "d1", fast_state["last_update"]
+    # fast's direct reload keeps the layers it is not given: only the changed norm was reloaded, no
+    # linear layer packed again (the head shares the embedding and is reprocessed after every reload)
+    assert fast_state["reload_impl"] == "direct"
+    assert fast_state["last_update"]["delta"]["reloaded_tensors"] == 1, fast_state["last_update"]
+    direct = fast_state["direct_reload_last"]
+    assert (direct["num_tensors"], direct["num_modules_processed"]) == (1, 0), direct
     assert (fast_state["checkpoint"], gated_state["checkpoint"]) == ("d2", "d2")
     assert collective_rpc(engines["fast"].url, "weights_checksum", timeout_s=90.0)[0]["checksum"] == (
         checkpoint_checksum(d2)
