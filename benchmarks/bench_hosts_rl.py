@@ -1,6 +1,7 @@
 """The RL job's own weight sync across hosts: a short k1.5 run whose engines are real vLLM on two other hosts.
 
     sudo python benchmarks/bench_hosts_rl.py [--rate-mbit 100] [--iterations 3] [--work-dir DIR]
+        [--set KEY=VALUE ...]
 
 The multi-host testbed (testing/hosts.py), every link shaped to R both ways:
 
@@ -34,6 +35,12 @@ The demo model is small (a few MB), so at 100 Mbit/s M/R is a fraction of a seco
 fixed costs (vLLM's reload of both engines, the job's register and HTTP round trips) dominate: the
 ratio says how far the job's sync is from the link's limit, not the relay's per-byte efficiency
 (benchmarks/bench_hosts.py measures that). `--rate-mbit` lower makes the bytes matter more.
+
+With `--set sync.delta=true` (and a bf16 model as `--set init_model_dir=DIR`, where RL steps leave
+most values' bits unchanged) a version that changed little goes as its changed values, from the
+job's memory too; M is then the full version's bytes, and the line adds `weight_sync_kinds` (full or
+delta per iteration), `delta_share_of_full` (each delta's bytes / M) and
+`delta_ratio_weight_sync_vs_bytes_limit` (each delta's sync seconds / (its bytes / R)).
 Needs root for the testbed, vLLM and Mooncake; the SFT model is trained first if `--sft-cache-dir`
 does not hold it (a few minutes).
 """
@@ -83,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="logs, the job's output and the handoff folder")
     p.add_argument("--sft-cache-dir", default=str(REPO / ".cache" / "sft"), help="where the demo's SFT model is")
     p.add_argument("--timeout-s", type=float, default=1500.0, help="the whole job's deadline")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more setting of the job, after the bench's own (e.g. sync.delta=true); repeatable",
+    )
     args = p.parse_args(argv)
     if args.iterations < 1:
         p.error(f"--iterations={args.iterations} must be >= 1")
@@ -154,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 "rollout.max_new_groups_per_iteration": 16,
             }.items():
                 job += ["--set", f"{key}={value}"]
+            for override in args.overrides:
+                job += ["--set", override]
             job_log = work / "job.log"
             started = time.monotonic()
             proc = trainer.popen(
@@ -190,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(syncs) != args.iterations:
         print(json.dumps({"error": f"{len(syncs)} weight syncs in metrics.jsonl, expected {args.iterations}"}))
         return 1
-    nbytes = statistics.median(r["weight_sync_bytes"] for r in syncs)
+    # M: one full version (with sync.delta the job records it: a delta's syncs carry less)
+    nbytes = max(r.get("weight_sync_version_bytes", r["weight_sync_bytes"]) for r in syncs)
+    deltas = [r for r in syncs if r.get("weight_sync_kind") == "delta"]
+    rate_bytes_s = args.rate_mbit * 1e6 / 8
     updates = logs[0].read_text().count("checkpoint_engine.ps INFO: update '")
     limit_s = nbytes * 8 / (args.rate_mbit * 1e6)
     result = {
@@ -202,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         "weight_sync_s": spread([r["weight_sync_s"] for r in syncs]),
         "weight_sync_update_s": spread([r["weight_sync_update_s"] for r in syncs]),
         "ratio_weight_sync_vs_link_limit": spread([r["weight_sync_s"] / limit_s for r in syncs]),
+        "weight_sync_kinds": [r.get("weight_sync_kind", "full") for r in syncs],
+        "delta_share_of_full": [round(r["weight_sync_bytes"] / nbytes, 3) for r in deltas],
+        "delta_ratio_weight_sync_vs_bytes_limit": (
+            spread([r["weight_sync_s"] / (r["weight_sync_bytes"] / rate_bytes_s) for r in deltas]) if deltas else None
+        ),
         "trainer_tx_bytes": sent,
         "daemon_updates": updates,
         "ratio_trainer_tx_vs_updates": round(sent / (nbytes * updates), 3) if updates else None,
@@ -213,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         result["error"] = "the engines did not both serve the last version, or the daemon did not stop cleanly"
     for r in syncs:
-        print(json.dumps({k: r[k] for k in ("iteration", "weight_sync_s", "weight_sync_update_s") if k in r}))
+        keys = ("iteration", "weight_sync_s", "weight_sync_update_s", "weight_sync_bytes", "weight_sync_kind")
+        print(json.dumps({k: r[k] for k in keys if k in r}))
     print(json.dumps(result))
     return 0 if ok else 1
 

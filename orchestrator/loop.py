@@ -266,7 +266,7 @@ class RLJob:
             "weight_sync_convert_s": t_push - t_sync,
             "weight_sync_update_s": synced.update_s,
             "weight_sync_bytes": synced.total_bytes,
-            **({"weight_sync_kind": synced.kind} if c.sync.delta else {}),
+            **({"weight_sync_kind": synced.kind, "weight_sync_version_bytes": _nbytes(named)} if c.sync.delta else {}),
             **train_stats,
             **switched,
             **getattr(synced, "switch", {}),  # colocated: switch_to_inference_s (inside weight_sync_s)
@@ -400,6 +400,11 @@ class RLJob:
                     logger.warning("closing %s: %s", name, e)
                 logger.info("closed %s in %.2f s", name, time.monotonic() - start)
                 setattr(self, name, None)
+
+
+def _nbytes(named) -> int:
+    """The bytes of one full version (`named`: the tensors handed to the sync)."""
+    return sum(t.numel() * t.element_size() for t in named.values())
 
 
 def _fmt(value, digits: int = 3) -> str:
