@@ -58,8 +58,7 @@ class MemorySource:
     def release(self, keep: str) -> None:
         """Unregister every version but `keep` (it reached the engines; heals read it)."""
         for name in [n for n in self.registered if n != keep]:
-            self.ps.unregister_checkpoint(name, force=True)
-            self.registered.remove(name)
+            self.drop(name)
 
     def close(self) -> None:
         self.ps.close()
